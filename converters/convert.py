@@ -1,0 +1,149 @@
+"""`convert(src, dst, ...)`: a Hugging Face model folder -> an edgeinfer model folder, atomically.
+
+The output is built in a hidden temporary folder next to `dst` and renamed into place at the
+end. Any failure (bad input, full disk, Ctrl-C) removes the temporary folder and leaves an
+existing `dst` untouched; `force=True` replaces `dst` only after the new folder is complete.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import onnx
+
+from edgeinfer import __version__
+from edgeinfer.converters.decoder import build_decoder
+from edgeinfer.converters.families import spec_from_config
+from edgeinfer.converters.hf_config import read_config
+from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter, sha256_file
+from edgeinfer.converters.quantize import QuantScheme
+from edgeinfer.converters.safetensors_io import Checkpoint
+from edgeinfer.errors import ConvertError
+from edgeinfer.manifest import MODEL_FILE, Manifest, graph_interface
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
+TARGETS = ("cpu", "cuda")
+MAX_DEFAULT_CAPACITY = 4096
+
+
+def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | None = None,
+                   embedding: str | None = None, symmetric: bool = True) -> QuantScheme:
+    """The measured defaults (see docs/architecture.md, "Quantization choices").
+
+    int4: MatMulNBits 4-bit blocks; the (tied) embedding and lm_head at int8, which costs
+    little size and keeps perplexity close to fp32 on small models. int8: everything 8-bit.
+    accuracy_level 0 (fp32 activations) keeps perplexity; 4 is faster on CPUs with int8 dot products.
+    """
+    if embedding is None:
+        embedding = {"fp32": "fp32", "fp16": "fp16", "int8": "int8", "int4": "int8"}[quant]
+    return QuantScheme(weights=quant, block_size=block_size, symmetric=symmetric,
+                       accuracy_level=0 if accuracy_level is None else accuracy_level,
+                       embedding=embedding, lm_head=embedding)
+
+
+def _tokenizer_info(src: Path, spec) -> dict:
+    cfg_path = src / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    gen_path = src / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    template = cfg.get("chat_template")
+    if (src / "chat_template.jinja").exists():
+        template = (src / "chat_template.jinja").read_text()
+    kind = "sentencepiece" if (src / "tokenizer.model").exists() else "hf_tokenizers"
+    eos = gen.get("eos_token_id", list(spec.eos_token_ids))
+    eos = eos if isinstance(eos, list) else [eos]
+    bos = gen.get("bos_token_id", spec.bos_token_id)
+    return {
+        "kind": kind,
+        "add_bos": bool(cfg.get("add_bos_token", kind == "sentencepiece")),
+        "bos_token_id": bos,
+        "eos_token_ids": [int(e) for e in eos if e is not None],
+        "chat_template": template,
+    }
+
+
+def _check_source(src: Path) -> None:
+    if not src.exists():
+        raise ConvertError(f"source folder not found: {src}")
+    if not src.is_dir():
+        raise ConvertError(f"source must be a Hugging Face model folder, got a file: {src}")
+    if not any((src / f).exists() for f in ("tokenizer.model", "tokenizer.json")):
+        raise ConvertError(f"no tokenizer in {src} (need tokenizer.model or tokenizer.json)")
+
+
+def convert(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size: int = 32, target: str = "cpu",
+            force: bool = False, scheme: QuantScheme | None = None, log=lambda msg: None) -> Manifest:
+    """Convert `src` (Hugging Face folder) into `dst` (edgeinfer folder). Returns the manifest written."""
+    src, dst = Path(src), Path(dst)
+    if target not in TARGETS:
+        raise ConvertError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
+    _check_source(src)
+    if dst.exists() and not force:
+        raise ConvertError(f"destination exists: {dst} (use --force to replace it)")
+    if dst.resolve() == src.resolve():
+        raise ConvertError("destination must differ from the source folder")
+    scheme = scheme or default_scheme(quant, block_size)
+    spec = spec_from_config(read_config(src))
+    ckpt = Checkpoint(src)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    writer = None
+    try:
+        t0 = time.perf_counter()
+        writer = WeightWriter(tmp)
+        model = build_decoder(spec, ckpt, scheme, writer)
+        writer.close()
+        onnx.save_model(model, tmp / MODEL_FILE)
+        del model
+        log(f"graph built and weights written in {time.perf_counter() - t0:.1f} s")
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copyfile(src / name, tmp / name)
+        outputs = [MODEL_FILE, DATA_FILE] + [n for n in TOKENIZER_FILES if (tmp / n).exists()]
+        files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in outputs}
+        sources = ["config.json", *[f.name for f in ckpt.files], *[n for n in TOKENIZER_FILES if (src / n).exists()]]
+        if (src / "model.safetensors.index.json").exists():
+            sources.append("model.safetensors.index.json")
+        manifest = Manifest(
+            arch=spec, quantization=scheme.to_json(), target=target, flavour="fused",
+            interface=graph_interface(spec), tokenizer=_tokenizer_info(src, spec),
+            default_capacity_tokens=min(spec.max_position_embeddings, MAX_DEFAULT_CAPACITY),
+            files=files, source={n: sha256_file(src / n) for n in sources}, converter_version=__version__,
+        )
+        manifest.write(tmp)
+        _replace_atomically(tmp, dst)
+        return manifest
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ConvertError(f"disk full while writing {dst.name}: nothing was written") from None
+        raise
+    finally:
+        if writer is not None:
+            writer.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace_atomically(tmp: Path, dst: Path) -> None:
+    if not dst.exists():
+        os.replace(tmp, dst)
+        return
+    old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+    os.replace(dst, old)
+    try:
+        os.replace(tmp, dst)
+    except BaseException:
+        os.replace(old, dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+__all__ = ["convert", "default_scheme", "QuantScheme"]

@@ -1,0 +1,203 @@
+"""Builds the decoder graph (fused flavour) for every registered family from an `ArchSpec`.
+
+Families differ only in flags on the spec (biases, q/k norm, rope scaling); this module walks the
+layers once, reading one layer's tensors from the checkpoint at a time and streaming the
+(quantized) weights to the external-data file, so peak memory is about one layer.
+
+Graph interface (version 1; see docs/architecture.md):
+  inputs   input_ids     int64 [B, S]
+           position_ids  int64 [B, S]          absolute positions (RoPE applied in graph)
+           logits_index  int64 [N]             which of the S positions get logits
+           past_key_values.{i}.key / .value  float32 [B, T, Hkv, Dh]   valid cached slots only
+  outputs  logits        float32 [B, N, V]
+           present.{i}.key / .value          float32 [B, S, Hkv, Dh]   this call's new rows (roped)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from edgeinfer.arch import ArchSpec
+from edgeinfer.converters import graph as G
+from edgeinfer.converters.quantize import QuantScheme, bits_of, quantize_blockwise
+from edgeinfer.converters.safetensors_io import Checkpoint
+from edgeinfer.errors import ConvertError
+from edgeinfer.manifest import io_names
+
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class TensorSource:
+    """Reads named tensors with shape checks and remembers which were used."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.used: set[str] = set()
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        self.used.add(name)
+        return self.ckpt.read(name, shape)
+
+    def maybe(self, name: str, shape: tuple[int, ...], present: bool) -> np.ndarray | None:
+        if not present:
+            return None
+        return self.get(name, shape)
+
+    def check_all_used(self) -> None:
+        extra = sorted(n for n in self.ckpt.tensors if n not in self.used and not n.endswith(IGNORED_TENSOR_SUFFIXES))
+        if extra:
+            more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+            raise ConvertError(f"checkpoint has tensors this architecture does not use: {', '.join(extra[:3])}{more}")
+
+
+def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: QuantScheme,
+                       input_ids: str) -> tuple[str, callable]:
+    """Returns the embedded ids [B, S, D] and a function that maps normed hidden [B, N, D] to logits.
+
+    A tied, quantized embedding is stored once: MatMulNBits reads the packed blocks as the
+    lm_head and GatherBlockQuantized reads the same initializer (reshaped) as the embedding.
+    """
+    V, D = spec.vocab_size, spec.hidden_size
+    emb = src.get("model.embed_tokens.weight", (V, D))
+    tied = spec.tie_word_embeddings or "lm_head.weight" not in src.ckpt
+    if not tied:
+        head_w = src.get("lm_head.weight", (V, D))
+    p_emb, p_head = "/model/embed_tokens", "/lm_head"
+    head_kind = scheme.embedding if tied else scheme.lm_head
+    share_quant = tied and scheme.embedding in ("int4", "int8") and D % scheme.block_size == 0
+
+    def head(x: str) -> str:
+        if head_kind in ("int4", "int8") and share_quant:
+            ins = [x, "lm_head.qweight", "lm_head.scales"] + (["lm_head.zero_points"] if not scheme.symmetric else [])
+            (y,) = g.node("MatMulNBits", ins, f"{p_head}/MatMulNBits", domain=G.MS, K=D, N=V,
+                          bits=bits_of(head_kind), block_size=scheme.block_size, accuracy_level=scheme.accuracy_level)
+            return y
+        if head_kind in ("int4", "int8"):
+            return G.linear(g, p_head, x, emb if tied else head_w, None, head_kind, scheme)
+        # float head: Gemm with transB reads the [V, D] matrix as stored (shared with the embedding when tied)
+        w_name = "model.embed_tokens.weight" if tied else g.weight(
+            "lm_head.weight", head_w.astype(np.float16 if head_kind == "fp16" else np.float32))
+        if head_kind == "fp16":
+            (w_name,) = g.node("Cast", [w_name], f"{p_head}/Cast", to=TensorProto.FLOAT)
+        (flat,) = g.node("Reshape", [x, g.const("shape_rows_D", np.array([-1, D], np.int64))], f"{p_head}/Reshape")
+        (y,) = g.node("Gemm", [flat, w_name], f"{p_head}/Gemm", transB=1)
+        (shape,) = g.node("Shape", [x], f"{p_head}/Shape", end=2)
+        (out_shape,) = g.node("Concat", [shape, g.const("shape_V", np.array([V], np.int64))], f"{p_head}/Concat", axis=0)
+        (y,) = g.node("Reshape", [y, out_shape], f"{p_head}/OutReshape")
+        return y
+
+    kind = scheme.embedding
+    if kind in ("int4", "int8"):
+        bits = bits_of(kind)
+        if share_quant:
+            packed, scales, zp = quantize_blockwise(emb, bits, scheme.block_size, scheme.symmetric)
+            qw, sc = g.weight("lm_head.qweight", packed), g.weight("lm_head.scales", scales)
+            zps = [g.weight("lm_head.zero_points", zp)] if zp is not None else []
+            (data,) = g.node("Reshape", [qw, g.const("shape_emb_packed", np.array([V, D * bits // 8], np.int64))],
+                             f"{p_emb}/Reshape")
+        else:
+            if D % scheme.block_size:
+                raise ConvertError(f"hidden size {D} is not a multiple of block {scheme.block_size}: "
+                                   "use --embedding fp32 or fp16")
+            packed, scales, zp = quantize_blockwise(emb, bits, scheme.block_size, scheme.symmetric)
+            data = g.weight("model.embed_tokens.qweight", packed.reshape(V, -1))
+            sc = g.weight("model.embed_tokens.scales", scales)
+            zps = [g.weight("model.embed_tokens.zero_points", zp)] if zp is not None else []
+        (h,) = g.node("GatherBlockQuantized", [data, input_ids, sc, *zps], f"{p_emb}/GatherBlockQuantized",
+                      domain=G.MS, gather_axis=0, quantize_axis=1, block_size=scheme.block_size, bits=bits)
+    else:
+        table = g.weight("model.embed_tokens.weight", emb.astype(np.float16 if kind == "fp16" else np.float32))
+        (h,) = g.node("Gather", [table, input_ids], f"{p_emb}/Gather", axis=0)
+        if kind == "fp16":
+            (h,) = g.node("Cast", [h], f"{p_emb}/Cast", to=TensorProto.FLOAT)
+    return h, head
+
+
+def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer) -> "onnx.ModelProto":  # noqa: F821
+    g = G.Graph(writer)
+    src = TensorSource(ckpt)
+    names = io_names(spec.num_layers)
+    D, H, Hkv, Dh, I = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
+    eps = spec.rms_norm_eps
+
+    h, head = embedding_and_head(g, spec, src, scheme, "input_ids")
+    cos, sin, local_ids = G.rope_tables(g, "position_ids", spec.rope.inv_freq(Dh))
+    mask = G.causal_mask(g, "input_ids", names.past_key(0))
+
+    residual, normed, mlp_out = h, None, None
+    for i in range(spec.num_layers):
+        hf, p = f"model.layers.{i}", f"/model/layers.{i}"
+        ln_in = src.get(f"{hf}.input_layernorm.weight", (D,))
+        if i == 0:
+            normed = G.rms_norm(g, f"{p}/input_layernorm", residual, ln_in, eps)
+        else:
+            normed, residual = G.skip_rms_norm(g, f"{p}/input_layernorm", mlp_out, residual, ln_in, eps)
+
+        a = f"{hf}.self_attn"
+        w_qkv = np.concatenate([src.get(f"{a}.q_proj.weight", (H * Dh, D)), src.get(f"{a}.k_proj.weight", (Hkv * Dh, D)),
+                                src.get(f"{a}.v_proj.weight", (Hkv * Dh, D))])
+        b_qkv = None
+        if spec.qkv_bias:
+            b_qkv = np.concatenate([src.get(f"{a}.q_proj.bias", (H * Dh,)), src.get(f"{a}.k_proj.bias", (Hkv * Dh,)),
+                                    src.get(f"{a}.v_proj.bias", (Hkv * Dh,))])
+        qkv = G.linear(g, f"{p}/attn/qkv_proj", normed, w_qkv, b_qkv, scheme.weights, scheme)
+        del w_qkv
+        q, k, v = G.split_last(g, f"{p}/attn/qkv_proj", qkv, [H * Dh, Hkv * Dh, Hkv * Dh])
+        if spec.qk_norm:
+            q = _head_norm(g, f"{p}/attn/q_norm", q, src.get(f"{a}.q_norm.weight", (Dh,)), H, Dh, eps)
+            k = _head_norm(g, f"{p}/attn/k_norm", k, src.get(f"{a}.k_norm.weight", (Dh,)), Hkv, Dh, eps)
+        q = G.rotary(g, f"{p}/attn/q_rotary", q, local_ids, cos, sin, H)
+        k = G.rotary(g, f"{p}/attn/k_rotary", k, local_ids, cos, sin, Hkv)
+        ctx = G.attention(g, f"{p}/attn", q, k, v, names.past_key(i), names.past_value(i), mask, H, Hkv, Dh,
+                          names.present_key(i), names.present_value(i))
+        o_b = src.maybe(f"{a}.o_proj.bias", (D,), spec.o_bias)
+        attn_out = G.linear(g, f"{p}/attn/o_proj", ctx, src.get(f"{a}.o_proj.weight", (D, H * Dh)), o_b,
+                            scheme.weights, scheme)
+
+        normed, residual = G.skip_rms_norm(g, f"{p}/post_attention_layernorm", attn_out, residual,
+                                           src.get(f"{hf}.post_attention_layernorm.weight", (D,)), eps)
+        m = f"{hf}.mlp"
+        w_gu = np.concatenate([src.get(f"{m}.gate_proj.weight", (I, D)), src.get(f"{m}.up_proj.weight", (I, D))])
+        gu = G.linear(g, f"{p}/mlp/gate_up_proj", normed, w_gu, None, scheme.weights, scheme)
+        del w_gu
+        gate, up = G.split_last(g, f"{p}/mlp/gate_up_proj", gu, [I, I])
+        act = G.silu_mul(g, f"{p}/mlp", gate, up)
+        mlp_out = G.linear(g, f"{p}/mlp/down_proj", act, src.get(f"{m}.down_proj.weight", (D, I)), None,
+                           scheme.weights, scheme)
+
+    (final,) = g.node("Add", [mlp_out, residual], "/model/final/Add")
+    (picked,) = g.node("Gather", [final, "logits_index"], "/model/final/Gather", axis=1)  # [B, N, D]
+    normed = G.rms_norm(g, "/model/norm", picked, src.get("model.norm.weight", (D,)), eps)
+    logits = head(normed)
+    g.node("Identity", [logits], "/model/logits/Identity", outputs=["logits"])
+    src.check_all_used()
+    return _model(g, spec, names)
+
+
+def _head_norm(g: G.Graph, prefix: str, x: str, weight: np.ndarray, heads: int, dh: int, eps: float) -> str:
+    """Per-head RMSNorm (Qwen3): [B, S, heads*Dh] -> [B, S, heads, Dh] -> norm -> back."""
+    (x4,) = g.node("Reshape", [x, g.const(f"shape_heads_{heads}_{dh}", np.array([0, 0, heads, dh], np.int64))],
+                   f"{prefix}/Reshape")
+    y = G.rms_norm(g, prefix, x4, weight, eps)
+    (y,) = g.node("Reshape", [y, g.const(f"shape_flat_{heads * dh}", np.array([0, 0, heads * dh], np.int64))],
+                  f"{prefix}/ReshapeBack")
+    return y
+
+
+def _model(g: G.Graph, spec: ArchSpec, names) -> "onnx.ModelProto":  # noqa: F821
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    kv = ["batch", "past_sequence", spec.num_kv_heads, spec.head_dim]
+    new_kv = ["batch", "sequence", spec.num_kv_heads, spec.head_dim]
+    inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "sequence"]),
+              helper.make_tensor_value_info("position_ids", i64, ["batch", "sequence"]),
+              helper.make_tensor_value_info("logits_index", i64, ["num_logits"])]
+    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "num_logits", spec.vocab_size])]
+    for i in range(spec.num_layers):
+        inputs += [helper.make_tensor_value_info(names.past_key(i), f32, kv),
+                   helper.make_tensor_value_info(names.past_value(i), f32, kv)]
+        outputs += [helper.make_tensor_value_info(names.present_key(i), f32, new_kv),
+                    helper.make_tensor_value_info(names.present_value(i), f32, new_kv)]
+    graph = helper.make_graph(g.nodes, "edgeinfer_decoder", inputs, outputs, g.initializers)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(G.MS, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10, producer_name="edgeinfer")

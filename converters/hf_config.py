@@ -1,0 +1,110 @@
+"""Reading a Hugging Face `config.json` into an `ArchSpec`, field by field, refusing what we cannot run.
+
+Family modules (`converters/families/*.py`) call `common_spec` with their own flags; every field
+they do not understand becomes a `ConvertError` that names it, never a silently wrong graph.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from edgeinfer.arch import SUPPORTED_ROPE_TYPES, ArchSpec, RopeSpec
+from edgeinfer.errors import ConvertError
+
+
+def read_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise ConvertError(f"missing config.json in {folder}")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConvertError(f"config.json is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConvertError("config.json is not a JSON object")
+    return cfg
+
+
+def _int(cfg: dict, key: str, default: int | None = None) -> int:
+    v = cfg.get(key, default)
+    if v is None:
+        raise ConvertError(f"config.json: missing required field {key!r}")
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ConvertError(f"config.json: field {key!r} must be a positive integer, got {v!r}")
+    return v
+
+
+def parse_rope(cfg: dict) -> RopeSpec:
+    """transformers 5 writes `rope_parameters`; 4.x writes `rope_theta` and `rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rtype = merged.get("rope_type", merged.get("type", "default"))
+    if rtype not in SUPPORTED_ROPE_TYPES:
+        raise ConvertError(
+            f"config.json: rope type {rtype!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConvertError("config.json: partial_rotary_factor other than 1.0 is not supported")
+    if rtype == "default":
+        return RopeSpec(theta=theta)
+    if rtype == "linear":
+        return RopeSpec(theta=theta, type="linear", factor=float(merged["factor"]))
+    try:
+        return RopeSpec(
+            theta=theta,
+            type="llama3",
+            factor=float(merged["factor"]),
+            low_freq_factor=float(merged["low_freq_factor"]),
+            high_freq_factor=float(merged["high_freq_factor"]),
+            original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ConvertError(f"config.json: llama3 rope scaling lacks {e.args[0]!r}") from None
+
+
+def _eos_ids(cfg: dict) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def common_spec(cfg: dict, family: str, *, qkv_bias: bool, o_bias: bool = False, qk_norm: bool = False,
+                sliding_window: int | None = None) -> ArchSpec:
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ConvertError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+    if cfg.get("mlp_bias"):
+        raise ConvertError("config.json: mlp_bias=true is not supported")
+    hidden = _int(cfg, "hidden_size")
+    heads = _int(cfg, "num_attention_heads")
+    kv_heads = _int(cfg, "num_key_value_heads", heads)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    head_dim = _int({"head_dim": head_dim}, "head_dim")
+    if heads % kv_heads:
+        raise ConvertError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    if head_dim % 2:
+        raise ConvertError(f"config.json: head_dim {head_dim} must be even for RoPE")
+    return ArchSpec(
+        family=family,
+        hidden_size=hidden,
+        intermediate_size=_int(cfg, "intermediate_size"),
+        num_layers=_int(cfg, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=_int(cfg, "vocab_size"),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=parse_rope(cfg),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        qk_norm=qk_norm,
+        sliding_window=sliding_window,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(cfg),
+    )

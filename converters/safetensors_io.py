@@ -1,0 +1,136 @@
+"""Streaming, validating reader for (sharded) safetensors checkpoints.
+
+Why not `safetensors.numpy`: it cannot return bfloat16 as numpy, and it memory-maps whole
+files (mapped pages count in the convert process's RSS). This reader parses the documented
+format (u64 little-endian header length, JSON header, raw little-endian data), validates
+every offset against the file size up front, and reads one tensor at a time with a plain
+`read` into a fresh array, so the converter holds one source tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from edgeinfer.errors import ConvertError
+
+# safetensors dtype tag -> numpy dtype (little-endian).
+DTYPES: dict[str, np.dtype] = {
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F64": np.dtype("<f8"),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: Path
+    dtype: str  # safetensors tag, e.g. "BF16"
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in `file`
+    nbytes: int
+
+
+def _read_header(path: Path) -> dict[str, TensorInfo]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ConvertError(f"{path.name}: truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise ConvertError(f"{path.name}: corrupted safetensors header (header length {n}, file {size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConvertError(f"{path.name}: corrupted safetensors header ({e.__class__.__name__})") from None
+    if not isinstance(header, dict):
+        raise ConvertError(f"{path.name}: corrupted safetensors header (not an object)")
+    base = 8 + n
+    out: dict[str, TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            tag, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ConvertError(f"{path.name}: corrupted safetensors entry for {name!r}") from None
+        if tag not in DTYPES:
+            raise ConvertError(f"{path.name}: tensor {name!r} has unsupported dtype {tag}")
+        expected = int(np.prod(shape, dtype=np.int64)) * DTYPES[tag].itemsize
+        if end - begin != expected or begin < 0:
+            raise ConvertError(f"{path.name}: tensor {name!r} offsets do not match its shape {list(shape)}")
+        if base + end > size:
+            raise ConvertError(
+                f"{path.name}: truncated safetensors file: tensor {name!r} ends at byte {base + end}, file has {size}"
+            )
+        out[name] = TensorInfo(name, path, tag, shape, base + begin, expected)
+    return out
+
+
+class Checkpoint:
+    """All tensors of a model folder's safetensors files, indexed by name; read one at a time."""
+
+    def __init__(self, folder: Path):
+        folder = Path(folder)
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConvertError(f"{index.name}: not a valid safetensors index (no weight_map)") from None
+            files = sorted({folder / f for f in weight_map.values()})
+            missing = [f.name for f in files if not f.exists()]
+            if missing:
+                raise ConvertError(f"missing shard(s) listed in {index.name}: {', '.join(missing)}")
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise ConvertError(f"no *.safetensors file in {folder}")
+        self.files = files
+        self.tensors: dict[str, TensorInfo] = {}
+        for f in files:
+            self.tensors.update(_read_header(f))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ConvertError(f"tensor {name!r} is missing from the checkpoint") from None
+
+    def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """Read one tensor as float32 (floating tags) in a new array; check `shape` if given."""
+        t = self.info(name)
+        if shape is not None and tuple(shape) != t.shape:
+            raise ConvertError(f"tensor {name!r} has shape {list(t.shape)}, config implies {list(shape)}")
+        if t.dtype not in ("F32", "F16", "BF16", "F64"):
+            raise ConvertError(f"tensor {name!r} has dtype {t.dtype}; weights must be F32, F16 or BF16")
+        buf = bytearray(t.nbytes)
+        with open(t.file, "rb") as f:
+            f.seek(t.offset)
+            got = f.readinto(buf)
+        if got != t.nbytes:
+            raise ConvertError(f"{t.file.name}: truncated while reading {name!r}")
+        arr = np.frombuffer(buf, dtype=DTYPES[t.dtype]).reshape(t.shape)
+        return arr if t.dtype == "F32" else arr.astype(np.float32)
+
+    def total_bytes(self) -> int:
+        return sum(os.path.getsize(f) for f in self.files)

@@ -1,0 +1,81 @@
+"""The architecture spec shared by the converter (which writes it) and the runtime (which reads it).
+
+`ArchSpec` is the part of the `edgeinfer.json` manifest that describes the network: everything
+needed to size the KV cache and to interpret the graph, and nothing about how it was quantized.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float = 10000.0
+    type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0  # linear and llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """Inverse frequencies, float32 [head_dim // 2], computed in float32 as transformers does."""
+        f32 = np.float32
+        inv = f32(1.0) / (f32(self.theta) ** (np.arange(0, head_dim, 2).astype(f32) / f32(head_dim)))
+        if self.type == "linear":
+            return (inv / f32(self.factor)).astype(f32)
+        if self.type == "llama3":
+            old = self.original_max_position_embeddings
+            low_wavelen = old / self.low_freq_factor
+            high_wavelen = old / self.high_freq_factor
+            wavelen = f32(2 * math.pi) / inv
+            scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (old / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+            return np.where(medium, smoothed, scaled).astype(f32)
+        return inv
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    family: str  # registry key: "llama", "mistral", "qwen2", "qwen3"
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False  # q/k/v projections have biases (Qwen2, Llama attention_bias)
+    o_bias: bool = False  # o_proj has a bias (Llama attention_bias)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # recorded; the runtime's ring capacity enforces it
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """float32 K and V bytes one token occupies across all layers."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ArchSpec":
+        d = dict(d)
+        d["rope"] = RopeSpec(**d["rope"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
