@@ -33,7 +33,8 @@ MAX_DEFAULT_CAPACITY = 4096
 
 
 def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | None = None,
-                   embedding: str | None = None, symmetric: bool = True) -> QuantScheme:
+                   embedding: str | None = None, symmetric: bool = True,
+                   int8_tensors: tuple[str, ...] = ()) -> QuantScheme:
     """The measured defaults (see docs/architecture.md, "Quantization choices").
 
     int4: MatMulNBits 4-bit blocks; the (tied) embedding and lm_head at int8, which costs
@@ -44,7 +45,7 @@ def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | No
         embedding = {"fp32": "fp32", "fp16": "fp16", "int8": "int8", "int4": "int8"}[quant]
     return QuantScheme(weights=quant, block_size=block_size, symmetric=symmetric,
                        accuracy_level=0 if accuracy_level is None else accuracy_level,
-                       embedding=embedding, lm_head=embedding)
+                       embedding=embedding, lm_head=embedding, int8_tensors=tuple(int8_tensors))
 
 
 def _tokenizer_info(src: Path, spec) -> dict:

@@ -141,7 +141,7 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer)
         if spec.qkv_bias:
             b_qkv = np.concatenate([src.get(f"{a}.q_proj.bias", (H * Dh,)), src.get(f"{a}.k_proj.bias", (Hkv * Dh,)),
                                     src.get(f"{a}.v_proj.bias", (Hkv * Dh,))])
-        qkv = G.linear(g, f"{p}/attn/qkv_proj", normed, w_qkv, b_qkv, scheme.weights, scheme)
+        qkv = G.linear(g, f"{p}/attn/qkv_proj", normed, w_qkv, b_qkv, scheme.kind_for("qkv_proj"), scheme)
         del w_qkv
         q, k, v = G.split_last(g, f"{p}/attn/qkv_proj", qkv, [H * Dh, Hkv * Dh, Hkv * Dh])
         if spec.qk_norm:
@@ -153,18 +153,18 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer)
                           names.present_key(i), names.present_value(i))
         o_b = src.maybe(f"{a}.o_proj.bias", (D,), spec.o_bias)
         attn_out = G.linear(g, f"{p}/attn/o_proj", ctx, src.get(f"{a}.o_proj.weight", (D, H * Dh)), o_b,
-                            scheme.weights, scheme)
+                            scheme.kind_for("o_proj"), scheme)
 
         normed, residual = G.skip_rms_norm(g, f"{p}/post_attention_layernorm", attn_out, residual,
                                            src.get(f"{hf}.post_attention_layernorm.weight", (D,)), eps)
         m = f"{hf}.mlp"
         w_gu = np.concatenate([src.get(f"{m}.gate_proj.weight", (I, D)), src.get(f"{m}.up_proj.weight", (I, D))])
-        gu = G.linear(g, f"{p}/mlp/gate_up_proj", normed, w_gu, None, scheme.weights, scheme)
+        gu = G.linear(g, f"{p}/mlp/gate_up_proj", normed, w_gu, None, scheme.kind_for("gate_up_proj"), scheme)
         del w_gu
         gate, up = G.split_last(g, f"{p}/mlp/gate_up_proj", gu, [I, I])
         act = G.silu_mul(g, f"{p}/mlp", gate, up)
         mlp_out = G.linear(g, f"{p}/mlp/down_proj", act, src.get(f"{m}.down_proj.weight", (D, I)), None,
-                           scheme.weights, scheme)
+                           scheme.kind_for("down_proj"), scheme)
 
     (final,) = g.node("Add", [mlp_out, residual], "/model/final/Add")
     (picked,) = g.node("Gather", [final, "logits_index"], "/model/final/Gather", axis=1)  # [B, N, D]

@@ -22,6 +22,7 @@ from edgeinfer.errors import ConvertError
 
 QUANTS = ("fp32", "fp16", "int8", "int4")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,13 @@ class QuantScheme:
     accuracy_level: int = 0  # MatMulNBits: 0 = fp32 math, 4 = int8 activations (faster on CPU)
     embedding: str = "fp32"  # fp32 | fp16 | int8 | int4: the token embedding (and tied lm_head)
     lm_head: str = "fp32"  # same choices; equals `embedding` when tied (one shared matrix)
+    int8_tensors: tuple[str, ...] = ()  # with weights=int4: projections kept at int8 (mixed precision)
+
+    def kind_for(self, projection: str) -> str:
+        """Storage of one projection ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")."""
+        if self.weights == "int4" and projection in self.int8_tensors:
+            return "int8"
+        return self.weights
 
     def __post_init__(self) -> None:
         for field_name in ("weights", "embedding", "lm_head"):
@@ -41,11 +49,16 @@ class QuantScheme:
                 raise ConvertError(f"unknown quantization {getattr(self, field_name)!r} (choose from {', '.join(QUANTS)})")
         if self.block_size not in BLOCK_SIZES:
             raise ConvertError(f"block size {self.block_size} not supported (choose from {BLOCK_SIZES})")
+        unknown = set(self.int8_tensors) - set(PROJECTIONS)
+        if unknown:
+            raise ConvertError(f"unknown projection(s) {', '.join(sorted(unknown))} (choose from {', '.join(PROJECTIONS)})")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ConvertError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["int8_tensors"] = list(self.int8_tensors)
+        return d
 
 
 def bits_of(kind: str) -> int:

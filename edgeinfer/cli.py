@@ -1,0 +1,103 @@
+"""The `edgeinfer` command line: convert, eval, inspect.
+
+User errors (`EdgeInferError`) print one line `edgeinfer: error: ...` and exit 1; Ctrl-C prints
+`edgeinfer: interrupted` and exits 130. Neither prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from edgeinfer.errors import EdgeInferError
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from edgeinfer.converters import convert, default_scheme
+    from edgeinfer.inspect import describe
+
+    scheme = default_scheme(args.quant, args.block_size, accuracy_level=args.accuracy_level,
+                            embedding=args.embedding, symmetric=not args.asymmetric,
+                            int8_tensors=tuple(args.int8_tensors or ()))
+    log = (lambda msg: print(msg, file=sys.stderr)) if not args.quiet else (lambda msg: None)
+    convert(args.src, args.output, quant=args.quant, block_size=args.block_size, target=args.target,
+            force=args.force, scheme=scheme, log=log)
+    if not args.quiet:
+        print(describe(args.output))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from edgeinfer.evaluate import perplexity
+
+    r = perplexity(args.model, args.text, window=args.window, threads=args.threads)
+    if args.json:
+        print(json.dumps(r.to_json()))
+    else:
+        print(f"perplexity {r.perplexity:.4f} over {r.scored_tokens} tokens "
+              f"({r.n_stories} stories, {r.n_windows} windows, {r.eval_s:.1f} s)")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from edgeinfer.inspect import describe
+
+    print(describe(args.model, as_json=args.json))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from edgeinfer import __version__
+
+    ap = argparse.ArgumentParser(prog="edgeinfer", description="Run small quantized language models on device.")
+    ap.add_argument("--version", action="version", version=f"edgeinfer {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("convert", help="convert a Hugging Face model folder to an edgeinfer model folder")
+    c.add_argument("src", type=Path, help="Hugging Face folder (config.json, *.safetensors, tokenizer files)")
+    c.add_argument("-o", "--output", type=Path, required=True, help="destination folder (must not exist)")
+    c.add_argument("--quant", choices=("fp32", "fp16", "int8", "int4"), default="int4")
+    c.add_argument("--block-size", type=int, choices=(16, 32, 64, 128), default=32)
+    c.add_argument("--target", choices=("cpu", "cuda"), default="cpu")
+    c.add_argument("--embedding", choices=("fp32", "fp16", "int8", "int4"), default=None,
+                   help="precision of the token embedding and lm_head (default: measured per --quant)")
+    c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
+                   help="MatMulNBits accuracy_level (0: fp32 math; 4: int8 activations)")
+    c.add_argument("--asymmetric", action="store_true", help="int4/int8 with zero points")
+    c.add_argument("--int8-tensors", nargs="*", metavar="NAME",
+                   help="with --quant int4, keep these projections at int8 (e.g. qkv_proj down_proj)")
+    c.add_argument("--force", action="store_true", help="replace an existing destination")
+    c.add_argument("-q", "--quiet", action="store_true")
+    c.set_defaults(func=_cmd_convert)
+
+    e = sub.add_parser("eval", help="perplexity of a model on a text file (one story per line)")
+    e.add_argument("-m", "--model", type=Path, required=True)
+    e.add_argument("--text", type=Path, required=True)
+    e.add_argument("--window", type=int, default=512)
+    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_cmd_eval)
+
+    i = sub.add_parser("inspect", help="describe an edgeinfer model folder")
+    i.add_argument("model", type=Path)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_cmd_inspect)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EdgeInferError as e:
+        print(f"edgeinfer: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("edgeinfer: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""`edgeinfer inspect`: a model folder's manifest in words (or as JSON)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from edgeinfer.arch import ArchSpec
+from edgeinfer.manifest import read_manifest
+
+
+def parameter_count(a: ArchSpec) -> int:
+    D, I, V, Dh = a.hidden_size, a.intermediate_size, a.vocab_size, a.head_dim
+    attn = D * a.num_heads * Dh * 2 + D * a.num_kv_heads * Dh * 2
+    attn += (a.num_heads + 2 * a.num_kv_heads) * Dh if a.qkv_bias else 0
+    attn += D if a.o_bias else 0
+    attn += 2 * Dh if a.qk_norm else 0
+    layer = attn + 3 * D * I + 2 * D
+    return V * D * (1 if a.tie_word_embeddings else 2) + a.num_layers * layer + D
+
+
+def summary(folder: Path | str) -> dict:
+    folder = Path(folder)
+    m = read_manifest(folder)
+    a = m.arch
+    disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    return {
+        "family": a.family, "parameters": parameter_count(a), "layers": a.num_layers, "hidden_size": a.hidden_size,
+        "heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
+        "tied_embeddings": a.tie_word_embeddings, "quantization": m.quantization, "target": m.target,
+        "flavour": m.flavour, "size_on_disk_bytes": disk, "kv_bytes_per_token": a.kv_bytes_per_token,
+        "default_capacity_tokens": m.default_capacity_tokens,
+        "kv_bytes_at_default_capacity": a.kv_bytes_per_token * m.default_capacity_tokens,
+        "tokenizer": m.tokenizer["kind"], "format_version": m.format_version, "converter_version": m.converter_version,
+    }
+
+
+def describe(folder: Path | str, as_json: bool = False) -> str:
+    s = summary(folder)
+    if as_json:
+        return json.dumps(s, indent=1)
+    q = s["quantization"]
+    mixed = f", int8 for {', '.join(q['int8_tensors'])}" if q.get("int8_tensors") else ""
+    blocks = f" (block {q['block_size']}, {'symmetric' if q['symmetric'] else 'asymmetric'}, " \
+             f"accuracy_level {q['accuracy_level']}{mixed})" if q["weights"] in ("int4", "int8") else ""
+    return "\n".join([
+        f"{folder}",
+        f"  architecture  {s['family']}: {s['parameters'] / 1e6:.2f} M parameters, {s['layers']} layers, "
+        f"hidden {s['hidden_size']}, {s['heads']} heads / {s['kv_heads']} KV heads x {s['head_dim']}, "
+        f"vocab {s['vocab_size']}{', tied embeddings' if s['tied_embeddings'] else ''}",
+        f"  quantization  weights {q['weights']}{blocks}; embedding {q['embedding']}, lm_head {q['lm_head']}",
+        f"  graph         {s['flavour']} flavour for {s['target']}, format v{s['format_version']}",
+        f"  size on disk  {s['size_on_disk_bytes'] / 1e6:.2f} MB",
+        f"  KV cache      {s['kv_bytes_per_token']} bytes per token; "
+        f"{s['kv_bytes_at_default_capacity'] / 1e6:.2f} MB at the default capacity of {s['default_capacity_tokens']}",
+        f"  tokenizer     {s['tokenizer']}",
+    ])

@@ -1,0 +1,63 @@
+"""A thin ONNX Runtime session over a model folder's decoder graph (interface version 1).
+
+`DecoderSession.forward` runs one call of the graph: new tokens in, logits for the requested
+positions and the new K/V rows out. It owns no cache; the caller (the ring-buffer KV cache of
+the runtime, or `evaluate` with an empty past) decides what `past` holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from edgeinfer.errors import ModelFormatError
+from edgeinfer.manifest import MODEL_FILE, Manifest, io_names, read_manifest
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+def session_options(threads: int | None) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        so.intra_op_num_threads = int(threads)
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return so
+
+
+class DecoderSession:
+    def __init__(self, folder: Path | str, *, threads: int | None = None, provider: str = "cpu",
+                 manifest: Manifest | None = None):
+        self.folder = Path(folder)
+        self.manifest = manifest or read_manifest(self.folder)
+        spec = self.manifest.arch
+        self.names = io_names(spec.num_layers)
+        if provider not in PROVIDERS:
+            raise ValueError(f"unknown provider {provider!r} (choose from {', '.join(PROVIDERS)})")
+        try:
+            self.session = ort.InferenceSession(str(self.folder / MODEL_FILE), session_options(threads),
+                                                providers=[PROVIDERS[provider]])
+        except Exception as e:  # onnxruntime raises its own exception types for bad files
+            raise ModelFormatError(f"cannot load {self.folder / MODEL_FILE}: {str(e).splitlines()[0][:300]}") from None
+        self.kv_shape = (spec.num_kv_heads, spec.head_dim)
+        self._output_names = [o.name for o in self.session.get_outputs()]
+
+    def empty_past(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        z = np.zeros((1, 0, *self.kv_shape), np.float32)
+        return [(z, z)] * self.manifest.arch.num_layers
+
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, past: list[tuple[np.ndarray, np.ndarray]],
+                logits_index: np.ndarray) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        """input_ids, position_ids [1, S] int64; past[i] = (K, V) [1, T, Hkv, Dh]; logits_index [N] int64.
+
+        Returns logits [1, N, V] and, per layer, the new (K, V) rows [1, S, Hkv, Dh]. Mutates nothing.
+        """
+        feeds = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index}
+        for i, (k, v) in enumerate(past):
+            feeds[self.names.past_key(i)] = k
+            feeds[self.names.past_value(i)] = v
+        outs = self.session.run(self._output_names, feeds)
+        return outs[0], [(outs[1 + 2 * i], outs[2 + 2 * i]) for i in range(len(past))]

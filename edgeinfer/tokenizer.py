@@ -1,0 +1,53 @@
+"""Tokenizers: SentencePiece (`tokenizer.model`) or Hugging Face `tokenizers` (`tokenizer.json`).
+
+`encode` never adds special tokens on its own: BOS is prepended when the manifest's tokenizer
+section says `add_bos` (the model's tokenizer_config), so both back ends behave the same.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgeinfer.errors import ModelFormatError
+
+
+class Tokenizer:
+    def __init__(self, folder: Path, info: dict):
+        folder = Path(folder)
+        self.kind = info.get("kind", "sentencepiece")
+        self.add_bos = bool(info.get("add_bos", False))
+        self.bos_id = info.get("bos_token_id")
+        self.eos_ids = tuple(info.get("eos_token_ids", ()))
+        if self.kind == "sentencepiece":
+            import sentencepiece as spm
+
+            path = folder / "tokenizer.model"
+            if not path.exists():
+                raise ModelFormatError(f"{folder} lacks tokenizer.model")
+            try:
+                self._sp = spm.SentencePieceProcessor(model_file=str(path))
+            except (RuntimeError, OSError) as e:
+                raise ModelFormatError(f"tokenizer.model is corrupted ({e})") from None
+            self._encode = lambda text: self._sp.encode(text)
+            self._decode = lambda ids: self._sp.decode(ids)
+        else:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            path = folder / "tokenizer.json"
+            if not path.exists():
+                raise ModelFormatError(f"{folder} lacks tokenizer.json")
+            try:
+                self._hf = HFTokenizer.from_file(str(path))
+            except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
+                raise ModelFormatError(f"tokenizer.json is corrupted ({e})") from None
+            self._encode = lambda text: self._hf.encode(text, add_special_tokens=False).ids
+            self._decode = lambda ids: self._hf.decode(ids, skip_special_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = list(self._encode(text))
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids.insert(0, int(self.bos_id))
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._decode([int(i) for i in ids])
