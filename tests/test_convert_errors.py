@@ -1,0 +1,260 @@
+"""Bad input to `edgeinfer convert`: a one-line error naming the problem, exit 1, no traceback,
+no partial destination left behind, and an existing destination untouched."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY
+from edgeinfer.cli import main
+
+SRC = TINY / "llama2_gqa_tied"
+
+
+@pytest.fixture
+def src(tmp_path) -> Path:
+    d = tmp_path / "src"
+    shutil.copytree(SRC, d)
+    (d / "reference.npz").unlink()
+    return d
+
+
+def run_convert(capsys, src: Path, dst: Path, *extra: str) -> tuple[int, str]:
+    rc = main(["convert", str(src), "-o", str(dst), "-q", *extra])
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def assert_user_error(rc: int, err: str, *needles: str) -> None:
+    assert rc == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgeinfer: error: "), err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def assert_no_partial(parent: Path) -> None:
+    assert not [p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+
+
+def edit_config(src: Path, **changes) -> None:
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(changes)
+    (src / "config.json").write_text(json.dumps(cfg))
+
+
+def rewrite_tensor(src: Path, name: str, shape=None, dtype=None, drop=False, add=None) -> None:
+    """Rewrite model.safetensors with one entry changed (shape, dtype tag), dropped, or one extra."""
+    raw = (src / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    blobs = {k: data[v["data_offsets"][0]:v["data_offsets"][1]] for k, v in header.items() if k != "__metadata__"}
+    metas = {k: dict(v) for k, v in header.items() if k != "__metadata__"}
+    if drop:
+        del blobs[name], metas[name]
+    if shape is not None:
+        metas[name]["shape"] = shape
+        blobs[name] = bytes(4 * int(__import__("numpy").prod(shape)))
+    if dtype is not None:
+        metas[name]["dtype"] = dtype
+    if add:
+        metas[add] = {"dtype": "F32", "shape": [4]}
+        blobs[add] = bytes(16)
+    off, out = 0, b""
+    for k in metas:
+        metas[k]["data_offsets"] = [off, off + len(blobs[k])]
+        off += len(blobs[k])
+        out += blobs[k]
+    h = json.dumps(metas).encode()
+    (src / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + out)
+
+
+def test_missing_source(capsys, tmp_path):
+    rc, err = run_convert(capsys, tmp_path / "nope", tmp_path / "out")
+    assert_user_error(rc, err, "source folder not found")
+    assert not (tmp_path / "out").exists()
+
+
+def test_source_is_a_file(capsys, tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"x")
+    rc, err = run_convert(capsys, f, tmp_path / "out")
+    assert_user_error(rc, err, "got a file")
+
+
+def test_missing_config(capsys, src, tmp_path):
+    (src / "config.json").unlink()
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "missing config.json")
+    assert_no_partial(tmp_path)
+
+
+def test_config_not_json(capsys, src, tmp_path):
+    (src / "config.json").write_text("{not json")
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "config.json is not valid JSON")
+
+
+def test_missing_tokenizer(capsys, src, tmp_path):
+    (src / "tokenizer.model").unlink()
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "no tokenizer")
+
+
+def test_unsupported_architecture_lists_supported(capsys, src, tmp_path):
+    edit_config(src, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "unsupported architecture 'GPT2LMHeadModel'", "LlamaForCausalLM", "Qwen3ForCausalLM")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_size": -64}, "'hidden_size' must be a positive integer"),
+])
+def test_unsupported_config_field(capsys, src, tmp_path, changes, needle):
+    edit_config(src, **changes)
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, needle)
+    assert_no_partial(tmp_path)
+
+
+def test_no_safetensors(capsys, src, tmp_path):
+    (src / "model.safetensors").unlink()
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "no *.safetensors")
+
+
+def test_truncated_safetensors(capsys, src, tmp_path):
+    p = src / "model.safetensors"
+    p.write_bytes(p.read_bytes()[:-1000])
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "truncated safetensors file")
+    assert not (tmp_path / "out").exists()
+    assert_no_partial(tmp_path)
+
+
+def test_corrupted_safetensors_header(capsys, src, tmp_path):
+    p = src / "model.safetensors"
+    raw = bytearray(p.read_bytes())
+    raw[8:20] = b"\xff" * 12
+    p.write_bytes(bytes(raw))
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "corrupted safetensors header")
+
+
+def test_wrong_tensor_shape(capsys, src, tmp_path):
+    rewrite_tensor(src, "model.layers.1.mlp.down_proj.weight", shape=[64, 95])
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "model.layers.1.mlp.down_proj.weight", "[64, 95]")
+    assert_no_partial(tmp_path)
+
+
+def test_wrong_tensor_dtype(capsys, src, tmp_path):
+    rewrite_tensor(src, "model.layers.0.self_attn.q_proj.weight", dtype="I32")
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "q_proj.weight", "I32")
+
+
+def test_missing_tensor(capsys, src, tmp_path):
+    rewrite_tensor(src, "model.layers.1.post_attention_layernorm.weight", drop=True)
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "'model.layers.1.post_attention_layernorm.weight' is missing")
+
+
+def test_unexpected_tensor(capsys, src, tmp_path):
+    rewrite_tensor(src, "", add="model.layers.0.mlp.gate_proj.bias")
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "does not use", "gate_proj.bias")
+
+
+def test_sharded_index_with_missing_shard(capsys, src, tmp_path):
+    (src / "model.safetensors").rename(src / "model-00001-of-00002.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "missing shard", "model-00002-of-00002.safetensors")
+
+
+def _existing_dst(tmp_path: Path) -> Path:
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    return dst
+
+
+def test_existing_destination_refused_without_force(capsys, src, tmp_path):
+    dst = _existing_dst(tmp_path)
+    rc, err = run_convert(capsys, src, dst)
+    assert_user_error(rc, err, "destination exists", "--force")
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+
+
+def test_force_replaces_destination_only_when_complete(capsys, src, tmp_path):
+    dst = _existing_dst(tmp_path)
+    rc, _ = run_convert(capsys, src, dst, "--force")
+    assert rc == 0
+    assert (dst / "model.onnx").exists() and (dst / "edgeinfer.json").exists() and not (dst / "keep.txt").exists()
+    assert_no_partial(tmp_path)
+
+
+def test_failure_with_force_keeps_existing_destination(capsys, src, tmp_path):
+    dst = _existing_dst(tmp_path)
+    rewrite_tensor(src, "model.norm.weight", shape=[63])
+    rc, err = run_convert(capsys, src, dst, "--force")
+    assert_user_error(rc, err, "model.norm.weight")
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    assert_no_partial(tmp_path)
+
+
+def _fail_after(monkeypatch, n_tensors: int, exc: BaseException) -> None:
+    """Make the weight writer raise `exc` after writing `n_tensors` tensors (half-way through)."""
+    from edgeinfer.converters import onnx_writer
+
+    real_add = onnx_writer.WeightWriter.add
+    count = {"n": 0}
+
+    def add(self, name, array):
+        count["n"] += 1
+        if count["n"] > n_tensors:
+            raise exc
+        return real_add(self, name, array)
+
+    monkeypatch.setattr(onnx_writer.WeightWriter, "add", add)
+
+
+def test_disk_full(capsys, monkeypatch, src, tmp_path):
+    dst = _existing_dst(tmp_path)
+    _fail_after(monkeypatch, 5, OSError(errno.ENOSPC, "No space left on device"))
+    rc, err = run_convert(capsys, src, dst, "--force")
+    assert_user_error(rc, err, "disk full")
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    assert_no_partial(tmp_path)
+
+
+def test_ctrl_c_half_way(capsys, monkeypatch, src, tmp_path):
+    _fail_after(monkeypatch, 5, KeyboardInterrupt())
+    rc = main(["convert", str(src), "-o", str(tmp_path / "out"), "-q"])
+    err = capsys.readouterr().err
+    assert rc == 130 and err.strip() == "edgeinfer: interrupted"
+    assert not (tmp_path / "out").exists()
+    assert_no_partial(tmp_path)
+
+
+def test_bad_option_values(capsys, src, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["convert", str(src), "-o", str(tmp_path / "out"), "--quant", "int3"])
+    assert e.value.code == 2
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
+    rc, err = run_convert(capsys, src, tmp_path / "out", "--quant", "int4", "--int8-tensors", "attn")
+    assert_user_error(rc, err, "unknown projection(s) attn")

@@ -1,0 +1,90 @@
+"""Bad model folders and bad eval input: clear one-line errors from `edgeinfer eval` / `inspect`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import STORIES_FIX, STORIES_SRC
+from edgeinfer.cli import main
+
+EVAL_TXT = STORIES_FIX / "eval.txt"
+
+
+@pytest.fixture
+def folder(tmp_path, converted):
+    d = tmp_path / "model"
+    shutil.copytree(converted(STORIES_SRC, "fp32"), d)
+    return d
+
+
+def one_line_error(capsys, argv, *needles):
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and len(err.splitlines()) == 1 and err.startswith("edgeinfer: error: "), err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def test_missing_folder(capsys, tmp_path):
+    one_line_error(capsys, ["eval", "-m", str(tmp_path / "nope"), "--text", str(EVAL_TXT)], "model folder not found")
+
+
+def test_not_an_edgeinfer_folder(capsys):
+    one_line_error(capsys, ["inspect", str(STORIES_SRC)], "not an edgeinfer model folder", "edgeinfer convert")
+
+
+def test_newer_format_version(capsys, folder):
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    m["format_version"] = 99
+    (folder / "edgeinfer.json").write_text(json.dumps(m))
+    one_line_error(capsys, ["inspect", str(folder)], "format version 99", "upgrade edgeinfer")
+
+
+def test_corrupted_manifest(capsys, folder):
+    (folder / "edgeinfer.json").write_text("{oops")
+    one_line_error(capsys, ["inspect", str(folder)], "corrupted")
+
+
+def test_manifest_missing_field(capsys, folder):
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    del m["architecture"]["num_layers"]
+    (folder / "edgeinfer.json").write_text(json.dumps(m))
+    one_line_error(capsys, ["inspect", str(folder)], "corrupted")
+
+
+def test_missing_model_onnx(capsys, folder):
+    (folder / "model.onnx").unlink()
+    one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "lacks model.onnx")
+
+
+def test_corrupted_model_onnx(capsys, folder):
+    (folder / "model.onnx").write_bytes(b"\x00garbage" * 10)
+    one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "cannot load")
+
+
+def test_truncated_external_data(capsys, folder):
+    data = folder / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[:1000])
+    one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "cannot load")
+
+
+def test_corrupted_tokenizer(capsys, folder):
+    (folder / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "tokenizer.model is corrupted")
+
+
+def test_missing_text(capsys, folder, tmp_path):
+    one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(tmp_path / "none.txt")], "text file not found")
+
+
+def test_empty_text(capsys, folder, tmp_path):
+    t = tmp_path / "empty.txt"
+    t.write_text("\n\n")
+    one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(t)], "no non-empty line")
+
+
+def test_window_too_small(capsys, folder):
+    one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT), "--window", "1"], "--window")

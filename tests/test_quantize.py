@@ -1,0 +1,89 @@
+"""Block quantization: the packed format MatMulNBits reads, decoded by hand in numpy.
+
+4 bits: two values per byte, low nibble first; value = (q - 8) * scale when symmetric,
+(q - zero_point) * scale otherwise. A row whose width is not a multiple of the block is padded,
+never truncated (stories260K's down_proj has K = 172).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgeinfer.converters.quantize import QuantScheme, quantize_blockwise
+from edgeinfer.errors import ConvertError
+
+
+def decode(packed: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, bits: int, k: int) -> np.ndarray:
+    n, n_blocks, _ = packed.shape
+    if bits == 4:
+        q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, n_blocks, -1).astype(np.float32)
+    else:
+        q = packed.astype(np.float32)
+    if zp is None:
+        z = np.full((n, n_blocks, 1), 2 ** (bits - 1), np.float32)
+    elif bits == 4:
+        z = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(n, -1)[:, :n_blocks, None].astype(np.float32)
+    else:
+        z = zp[:, :n_blocks, None].astype(np.float32)
+    return ((q - z) * scales[:, :, None]).reshape(n, -1)[:, :k]
+
+
+def matmulnbits(x: np.ndarray, packed, scales, zp, bits: int, k: int, n: int, block: int) -> np.ndarray:
+    inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "S")]
+    ins = ["x", "B", "S"]
+    if zp is not None:
+        inits.append(numpy_helper.from_array(zp, "Z"))
+        ins.append("Z")
+    node = helper.make_node("MatMulNBits", ins, ["y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+                          ir_version=10)
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def test_hand_computed_4bit_block():
+    # one row, one block of 32: values -8..7 times 0.5, so the scale is 0.5 and q = value / 0.5 + 8
+    w = (np.tile(np.arange(-8, 8), 2) * 0.5).astype(np.float32)[None]
+    packed, scales, zp = quantize_blockwise(w, 4, 32, symmetric=True)
+    assert zp is None and packed.shape == (1, 1, 16) and scales.shape == (1, 1)
+    assert scales[0, 0] == pytest.approx(0.5)
+    assert packed[0, 0, 0] == (0 | (1 << 4))  # q = 0 (value -4.0) in the low nibble, q = 1 (-3.5) high
+    np.testing.assert_array_equal(decode(packed, scales, zp, 4, 32), w)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("k", [172, 40, 64])
+def test_padded_rows_keep_every_weight(bits, symmetric, k):
+    rng = np.random.default_rng(k)
+    n, block = 24, 32
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    packed, scales, zp = quantize_blockwise(w, bits, block, symmetric)
+    assert packed.shape[1] == -(-k // block)  # ceil: the partial last block is kept
+    deq = decode(packed, scales, zp, bits, k)
+    # round-to-nearest: every weight (the tail columns included) within half a step; symmetric maps the
+    # largest magnitude to -2^(bits-1) with a signed scale (as llama.cpp's Q4_0), so an opposite extreme
+    # of equal size clips at +2^(bits-1)-1: within one step
+    step = np.abs(np.repeat(scales, block, axis=1)[:, :k])
+    bound = 1.0 if symmetric else 0.5
+    assert np.all(np.abs(deq - w) <= step * bound + 1e-6)
+    assert np.abs(deq[:, -(k % block or block):] - w[:, -(k % block or block):]).max() < np.abs(w).max() / 4
+    # ONNX Runtime's kernel reads exactly this format
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    y = matmulnbits(x, packed, scales, zp, bits, k, n, block)
+    np.testing.assert_allclose(y, x @ deq.T, rtol=1e-4, atol=1e-4)
+
+
+def test_scheme_validation():
+    with pytest.raises(ConvertError, match="unknown quantization 'int3'"):
+        QuantScheme(weights="int3")
+    with pytest.raises(ConvertError, match="block size 48"):
+        QuantScheme(weights="int4", block_size=48)
+    with pytest.raises(ConvertError, match="accuracy_level"):
+        QuantScheme(weights="int4", accuracy_level=7)
+    assert QuantScheme(weights="int4", int8_tensors=("down_proj",)).kind_for("down_proj") == "int8"
+    assert QuantScheme(weights="int4", int8_tensors=("down_proj",)).kind_for("qkv_proj") == "int4"

@@ -1,0 +1,92 @@
+"""The real model: stories260K (Karpathy's TinyStories 260K Llama) against its golden files.
+
+golden.json: 64 greedy ids per prompt from transformers FP32; eval_ppl.json: perplexity 5.6836 on
+eval.txt by the method `edgeinfer eval` implements. Quantized folders must stay within the
+issue's bounds (int8 +1 %, int4 block 32 +5 %).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import STORIES_FIX, STORIES_SRC
+from edgeinfer.cli import main
+from edgeinfer.evaluate import perplexity
+from edgeinfer.session import DecoderSession
+
+GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
+REF_PPL = json.loads((STORIES_FIX / "eval_ppl.json").read_text())["perplexity"]
+EVAL_TXT = STORIES_FIX / "eval.txt"
+
+
+def greedy_with_cache(sess: DecoderSession, prompt: list[int], n: int) -> list[int]:
+    past = sess.empty_past()
+    ids, pos, out = prompt, 0, []
+    while len(out) < n:
+        x = np.asarray([ids], np.int64)
+        logits, new = sess.forward(x, np.arange(pos, pos + len(ids))[None], past, np.array([len(ids) - 1]))
+        past = [(np.concatenate([k, nk], 1), np.concatenate([v, nv], 1)) for (k, v), (nk, nv) in zip(past, new)]
+        pos += len(ids)
+        out.append(int(logits[0, -1].argmax()))
+        ids = [out[-1]]
+    return out
+
+
+@pytest.mark.parametrize("case", GOLDEN["cases"], ids=lambda c: c["prompt"][:16] or "<bos>")
+def test_fp32_greedy_reproduces_golden(case, converted):
+    sess = DecoderSession(converted(STORIES_SRC, "fp32"))
+    assert greedy_with_cache(sess, case["prompt_ids"], 64) == case["greedy_ids"]
+
+
+def test_fp32_top5_logits_at_prompt_end(converted):
+    sess = DecoderSession(converted(STORIES_SRC, "fp32"))
+    for case in GOLDEN["cases"]:
+        ids = case["prompt_ids"]
+        logits, _ = sess.forward(np.asarray([ids]), np.arange(len(ids))[None], sess.empty_past(),
+                                 np.array([len(ids) - 1]))
+        ref_ids, ref_logits = case["top5_last_prompt_pos"]["ids"], case["top5_last_prompt_pos"]["logits"]
+        assert np.argsort(-logits[0, -1])[:5].tolist() == ref_ids
+        assert np.abs(logits[0, -1][ref_ids] - np.asarray(ref_logits)).max() < 1e-4
+
+
+@pytest.mark.parametrize("quant,bound", [("fp32", 0.001), ("int8", 0.01)])
+def test_perplexity_within_bound(quant, bound, converted):
+    r = perplexity(converted(STORIES_SRC, quant), EVAL_TXT)
+    assert r.scored_tokens == 7898 and r.n_windows == 21
+    if quant == "fp32":
+        assert abs(r.perplexity / REF_PPL - 1) < bound
+    else:
+        assert r.perplexity / REF_PPL - 1 < bound
+
+
+def test_eval_cli_json(capsys, converted):
+    folder = converted(STORIES_SRC, "fp32")
+    assert main(["eval", "-m", str(folder), "--text", str(EVAL_TXT), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["scored_tokens"] == 7898
+    assert abs(out["perplexity"] - REF_PPL) < 1e-3
+
+
+def test_eval_cli_window_changes_count(capsys, converted):
+    folder = converted(STORIES_SRC, "fp32")
+    assert main(["eval", "-m", str(folder), "--text", str(EVAL_TXT), "--window", "128", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # 16 stories, 7919 ids with BOS: every 128-token window loses its first token to scoring
+    assert out["scored_tokens"] == 7919 - out["n_windows"]
+
+
+def test_inspect_describes_the_folder(capsys, converted):
+    folder = converted(STORIES_SRC, "int8")
+    assert main(["inspect", str(folder)]) == 0
+    text = capsys.readouterr().out
+    assert "llama: 0.26 M parameters, 5 layers" in text and "weights int8" in text
+    assert "1280 bytes per token" in text  # 5 layers * 2 * 4 kv heads * 8 dims * 4 bytes
+    assert main(["inspect", str(folder), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    from edgeinfer.converters.safetensors_io import Checkpoint
+
+    n_source = sum(int(np.prod(t.shape)) for t in Checkpoint(STORIES_SRC).tensors.values())
+    assert s["kv_bytes_per_token"] == 1280 and s["parameters"] == n_source
