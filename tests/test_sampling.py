@@ -1,0 +1,257 @@
+"""The sampler: hand-computed cases per filter (as llama.cpp's test-sampling does), the C extension
+held equal to its numpy twin on thousands of random cases, reproducible seeds, and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from edgeinfer.sampling import BACKEND, Sampler, SamplingParams, filter_probs, logprobs, reference
+from edgeinfer.sampling.rng import Rng
+
+OFF = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0)
+
+
+def P(**kw) -> SamplingParams:
+    return SamplingParams(**{**OFF, **kw})
+
+
+def logits_of(probs) -> np.ndarray:
+    return np.log(np.asarray(probs, np.float64)).astype(np.float32)
+
+
+BOTH = [pytest.param(filter_probs, id="default-backend"), pytest.param(reference.filter_probs, id="numpy")]
+
+
+@pytest.mark.parametrize("fp", BOTH)
+@pytest.mark.parametrize("kw,expected", [
+    (dict(top_k=1), [0, 0, 0, 1]),
+    (dict(top_k=3), [0, 2 / 9, 3 / 9, 4 / 9]),
+    (dict(top_k=4), [0.1, 0.2, 0.3, 0.4]),
+    (dict(top_k=0), [0.1, 0.2, 0.3, 0.4]),
+    (dict(top_p=0.65), [0, 0, 3 / 7, 4 / 7]),
+    (dict(top_p=0.75), [0, 2 / 9, 3 / 9, 4 / 9]),
+    (dict(top_p=0.3), [0, 0, 0, 1]),
+    (dict(min_p=0.6), [0, 0, 3 / 7, 4 / 7]),
+    (dict(min_p=0.76), [0, 0, 0, 1]),
+    (dict(min_p=0.2), [0.1, 0.2, 0.3, 0.4]),
+])
+def test_hand_computed_filters(fp, kw, expected):
+    np.testing.assert_allclose(fp(logits_of([0.1, 0.2, 0.3, 0.4]), P(**kw)), expected, atol=1e-7)
+
+
+@pytest.mark.parametrize("fp", BOTH)
+def test_typical_hand_computed(fp):
+    # H = -(0.4 ln 0.4 + 3 * 0.2 ln 0.2) = 1.3322; |-ln p - H|: 0.416 for p = 0.4, 0.277 for p = 0.2,
+    # so the three 0.2 tokens come first and reach 0.5 at the third
+    np.testing.assert_allclose(fp(logits_of([0.4, 0.2, 0.2, 0.2]), P(typical_p=0.5)), [0, 1 / 3, 1 / 3, 1 / 3],
+                               atol=1e-7)
+    np.testing.assert_allclose(fp(logits_of([0.97, 0.01, 0.01, 0.01]), P(typical_p=0.5)), [1, 0, 0, 0], atol=1e-7)
+
+
+@pytest.mark.parametrize("fp", BOTH)
+def test_temperature_hand_computed(fp):
+    # softmax([0, ln 4] / 2) = [1/3, 2/3]; at 0.5: softmax([0, 2 ln 4]) = [1/17, 16/17]
+    lg = np.array([0.0, math.log(4.0)], np.float32)
+    np.testing.assert_allclose(fp(lg, P(temperature=2.0)), [1 / 3, 2 / 3], atol=1e-7)
+    np.testing.assert_allclose(fp(lg, P(temperature=0.5)), [1 / 17, 16 / 17], atol=1e-7)
+
+
+@pytest.mark.parametrize("fp", BOTH)
+def test_filters_see_probabilities_at_temperature_one(fp):
+    # top-p 0.65 keeps {0.3, 0.4} whatever the temperature; the temperature reshapes only the kept pair
+    got = fp(logits_of([0.1, 0.2, 0.3, 0.4]), P(top_p=0.65, temperature=0.5))
+    np.testing.assert_allclose(got, [0, 0, 9 / 25, 16 / 25], atol=1e-7)
+
+
+def test_penalties_hand_computed():
+    lg = np.array([1.0, 2.0, -1.0, 0.5], np.float32)
+    out = reference.adjusted_logits(lg, P(repetition_penalty=2.0), [0, 2, 0])
+    np.testing.assert_allclose(out, [0.5, 2.0, -2.0, 0.5])
+    out = reference.adjusted_logits(lg, P(frequency_penalty=0.5, presence_penalty=1.0), [1, 1, 3])
+    np.testing.assert_allclose(out, [1.0, 2.0 - 1.0 - 1.0, -1.0, 0.5 - 0.5 - 1.0])
+    # only the last penalty_last_n ids count
+    out = reference.adjusted_logits(lg, P(presence_penalty=1.0, penalty_last_n=1), [0, 1])
+    np.testing.assert_allclose(out, [1.0, 1.0, -1.0, 0.5])
+    out = reference.adjusted_logits(lg, P(presence_penalty=1.0, penalty_last_n=0), [0, 1])
+    np.testing.assert_allclose(out, lg)
+
+
+@pytest.mark.parametrize("fp", BOTH)
+def test_penalties_then_greedy(fp):
+    lg = np.array([1.0, 2.0, -1.0, 0.5], np.float32)
+    assert np.argmax(fp(lg, P(temperature=0))) == 1
+    # token 1 penalised below token 0: 2 / 2.5 = 0.8 < 1
+    assert np.argmax(fp(lg, P(temperature=0, repetition_penalty=2.5), [1])) == 0
+
+
+def test_greedy_ties_pick_lowest_id_and_use_no_rng():
+    lg = np.array([0.5, 3.0, 3.0, 1.0], np.float32)
+    s = Sampler(P(temperature=0), seed=1)
+    assert [s.sample(lg) for _ in range(3)] == [1, 1, 1]
+    assert reference.sample(lg, P(temperature=0), None, None) == 1
+
+
+@pytest.mark.parametrize("fp", BOTH)
+def test_logit_bias(fp):
+    lg = np.array([0.0, 5.0, 1.0], np.float32)
+    assert np.argmax(fp(lg, P(temperature=0, logit_bias={0: 10.0}))) == 0
+    probs = fp(lg, P(logit_bias={1: -math.inf}))
+    assert probs[1] == 0 and probs.sum() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("fp", BOTH)
+def test_top_k_ties_keep_lower_ids(fp):
+    lg = np.array([1.0, 2.0, 2.0, 2.0, 0.0], np.float32)
+    np.testing.assert_allclose(fp(lg, P(top_k=2)), [0, 0.5, 0.5, 0, 0], atol=1e-7)
+
+
+@pytest.mark.parametrize("fp", BOTH)
+def test_each_filter_keeps_at_least_one(fp):
+    lg = logits_of([0.1, 0.2, 0.3, 0.4])
+    for kw in (dict(top_p=1e-9), dict(min_p=1.0), dict(typical_p=1e-9), dict(top_k=1, top_p=1e-9, min_p=1.0)):
+        assert (fp(lg, P(**kw)) > 0).sum() >= 1
+
+
+def test_draws_follow_the_distribution():
+    s = Sampler(P(), seed=123)
+    lg = logits_of([0.1, 0.2, 0.3, 0.4])
+    counts = np.bincount([s.sample(lg) for _ in range(20000)], minlength=4) / 20000
+    np.testing.assert_allclose(counts, [0.1, 0.2, 0.3, 0.4], atol=0.015)
+
+
+def test_seed_reproducible_and_matches_numpy_twin():
+    rng = np.random.default_rng(0)
+    lg = rng.standard_normal(1000).astype(np.float32)
+    params = SamplingParams()
+    a, b = Sampler(params, seed=42), Sampler(params, seed=42)
+    hist: list[int] = []
+    seq_a = []
+    for _ in range(50):
+        t = a.sample(lg, hist)
+        seq_a.append(t)
+        hist.append(t)
+    assert [b.sample(lg, hist[:i]) for i in range(50)] == seq_a
+    r = Rng(42)
+    assert [reference.sample(lg, params, hist[:i], r) for i in range(50)] == seq_a
+    c = Sampler(params, seed=43)
+    assert [c.sample(lg, hist[:i]) for i in range(50)] != seq_a
+
+
+def _random_case(rng: np.random.Generator, big: bool = False):
+    v = int(rng.integers(300, 60000)) if big else (int(rng.integers(1, 3000)) if rng.random() < 0.7 else
+                                                     int(rng.integers(1, 12)))
+    lg = (rng.standard_normal(v) * rng.uniform(0.1, 8)).astype(np.float32)
+    if rng.random() < 0.3:
+        lg[rng.random(v) < 0.2] = -np.inf
+    if rng.random() < 0.2:
+        lg = np.round(lg)  # many exact ties
+    params = SamplingParams(
+        temperature=float(rng.choice([0, 0.5, 1.0, 1.5])), top_k=int(rng.choice([0, 0, 1, 5, 40, v + 3])),
+        top_p=float(rng.choice([1.0, 0.9, 0.5, 0.1, 0.999])), min_p=float(rng.choice([0, 0.05, 0.3])),
+        typical_p=float(rng.choice([1.0, 0.9, 0.5])), repetition_penalty=float(rng.choice([1, 1.1, 0.8])),
+        frequency_penalty=float(rng.choice([0, 0.5])), presence_penalty=float(rng.choice([0, 0.3, -0.2])),
+        penalty_last_n=int(rng.choice([0, 8, 64])),
+        logit_bias={int(rng.integers(v)): float(rng.choice([rng.normal(), -np.inf]))} if rng.random() < 0.3 else None)
+    return lg, params, rng.integers(0, v, int(rng.integers(0, 100)))
+
+
+@pytest.mark.skipif(BACKEND != "c", reason="C extension not built")
+@pytest.mark.parametrize("seed,n,big", [(1, 2500, False), (2, 2500, False), (3, 60, True)])
+def test_c_equals_numpy_twin_on_random_cases(seed, n, big):
+    rng = np.random.default_rng(seed)
+    checked = 0
+    for _ in range(n):
+        lg, params, hist = _random_case(rng, big)
+        try:
+            ref = reference.filter_probs(lg, params, hist)
+        except ValueError as e:
+            with pytest.raises(ValueError, match=str(e).split(" [")[0].split(":")[0]):
+                filter_probs(lg, params, hist)
+            continue
+        got = filter_probs(lg, params, hist)
+        assert np.array_equal(got > 0, ref > 0)
+        assert np.abs(got - ref).max() < 1e-6
+        s_seed = int(rng.integers(1 << 62))
+        s, r = Sampler(params, s_seed), Rng(s_seed)
+        assert [s.sample(lg, hist) for _ in range(4)] == [reference.sample(lg, params, hist, r) for _ in range(4)]
+        checked += 1
+    assert checked > n * 0.8
+
+
+@pytest.mark.parametrize("fp", BOTH)
+@pytest.mark.parametrize("logits,needle", [
+    (np.array([0.0, np.nan], np.float32), "NaN"),
+    (np.array([0.0, np.inf], np.float32), r"\+inf"),
+    (np.array([-np.inf, -np.inf], np.float32), "all logits are -inf"),
+    (np.array([], np.float32), "empty"),
+    (np.zeros((2, 3), np.float32), "1-D"),
+    (np.array([1, 2, 3]), "floating point"),
+])
+def test_bad_logits(fp, logits, needle):
+    with pytest.raises(ValueError, match=needle):
+        fp(logits, P())
+
+
+def test_bad_logits_through_sampler():
+    s = Sampler(P(), seed=0)
+    for bad in (np.array([np.nan], np.float32), np.array([], np.float32), np.array([-np.inf], np.float32)):
+        with pytest.raises(ValueError):
+            s.sample(bad)
+    assert s.sample(np.array([0.0, 1.0], np.float32)) in (0, 1)  # still usable
+
+
+@pytest.mark.parametrize("fp", BOTH)
+def test_other_dtypes_and_strides_are_converted(fp):
+    base = np.random.default_rng(0).standard_normal(64)
+    want = fp(base.astype(np.float32), P())
+    np.testing.assert_allclose(fp(base, P()), want)  # float64 in
+    strided = np.repeat(base.astype(np.float32), 2)[::2]  # non-contiguous view
+    assert not strided.flags.c_contiguous
+    np.testing.assert_allclose(fp(strided, P()), want)
+
+
+@pytest.mark.parametrize("fp", BOTH)
+def test_history_and_bias_outside_vocabulary(fp):
+    lg = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="history"):
+        fp(lg, P(repetition_penalty=1.1), [0, 4])
+    with pytest.raises(ValueError, match="history"):
+        fp(lg, P(), [-1])
+    with pytest.raises(ValueError, match="logit_bias"):
+        fp(lg, P(logit_bias={9: 1.0}))
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"), (dict(top_k=2.5), "top_k"), (dict(min_p=-0.1), "min_p"),
+    (dict(typical_p=0.0), "typical_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(penalty_last_n=-1), "penalty_last_n"), (dict(temperature=float("nan")), "temperature"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={1: float("nan")}), "logit_bias"),
+    (dict(logit_bias=[1, 2]), "logit_bias"), (dict(frequency_penalty=float("inf")), "frequency_penalty"),
+])
+def test_invalid_params(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kw)
+
+
+def test_invalid_seed():
+    with pytest.raises(ValueError, match="seed"):
+        Sampler(P(), seed="abc")
+
+
+def test_logprobs():
+    lg = logits_of([0.1, 0.2, 0.3, 0.4])
+    r = Sampler(P(temperature=0), seed=0).sample_with_logprobs(lg, top_n=2)
+    assert r.token == 3 and r.logprob == pytest.approx(math.log(0.4), abs=1e-6)
+    assert [t for t, _ in r.top] == [3, 2] and r.top[1][1] == pytest.approx(math.log(0.3), abs=1e-6)
+    assert logprobs(lg, P(), None, 0).logprob == pytest.approx(math.log(0.1), abs=1e-6)
+
+
+def test_input_not_mutated():
+    lg = np.array([1.0, 2.0, 3.0], np.float32)
+    before = lg.copy()
+    Sampler(SamplingParams(repetition_penalty=1.5, logit_bias={0: 2.0}), seed=0).sample(lg, [2, 2])
+    assert np.array_equal(lg, before)
