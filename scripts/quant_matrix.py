@@ -25,6 +25,7 @@ RECIPES = [
     ("int4", {"accuracy_level": 0}),
     ("int4", {"embedding": "int8"}),
     ("int4", {"embedding": "int8", "symmetric": False}),
+    ("int4", {"embedding": "int8", "int8_tensors": ("down_proj",)}),  # what llama.cpp's Q4_0 does here
     ("int4", {"embedding": "int8", "int8_tensors": ("qkv_proj",)}),
     ("int4", {"embedding": "int8", "int8_tensors": ("qkv_proj", "down_proj")}),
     ("int4", {"block_size": 16, "embedding": "int8"}),

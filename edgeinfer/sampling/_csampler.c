@@ -60,7 +60,7 @@ typedef struct {
     int32_t *cand;  /* [cap] candidate ids */
     int32_t *tmp;   /* [cap] scratch ids */
     Pair *pairs;    /* [cap] (key, id) for the few sorts */
-    uint16_t *bidx; /* [cap] bucket of each candidate */
+    int32_t *bidx;  /* [cap] bucket of each candidate */
     int64_t *win;   /* [last_n] sorted penalty window */
     Buckets buckets;
 } SamplerObject;
@@ -188,14 +188,15 @@ static int64_t argmax_first(const double *x, Py_ssize_t n) {
     return 0;
 }
 
-/* softmax pieces over cand: e[id] = exp(x[id] - max); returns their sum (and the max if asked).
+/* softmax pieces over cand: e[id] = exp(x[id] / t - max); returns their sum (and the max if asked).
  * `identity`: the caller knows cand[i] == i for all i < n. `xs` is scratch [n]. */
 static double exp_over(const double *x, double *e, const int32_t *cand, Py_ssize_t n, int identity, double *xs,
-                       double *max_out) {
+                       double *max_out, double t) {
     if (identity) { /* cand is exactly 0..n-1: contiguous, no gathers */
-        double m = x[argmax_first(x, n)];
+        double m = x[argmax_first(x, n)] / t;
         if (max_out) *max_out = m;
-        for (Py_ssize_t i = 0; i < n; i++) e[i] = x[i] - m;
+        if (t == 1.0) for (Py_ssize_t i = 0; i < n; i++) e[i] = x[i] - m;
+        else for (Py_ssize_t i = 0; i < n; i++) e[i] = x[i] / t - m;
         vexp_inplace(e, n);
         double s[4] = {0.0, 0.0, 0.0, 0.0};
         Py_ssize_t i = 0;
@@ -205,8 +206,9 @@ static double exp_over(const double *x, double *e, const int32_t *cand, Py_ssize
     }
     double m = -INFINITY;
     for (Py_ssize_t i = 0; i < n; i++) if (x[cand[i]] > m) m = x[cand[i]];
+    m /= t;
     if (max_out) *max_out = m;
-    for (Py_ssize_t i = 0; i < n; i++) xs[i] = x[cand[i]] - m;
+    for (Py_ssize_t i = 0; i < n; i++) xs[i] = x[cand[i]] / t - m;
     vexp_inplace(xs, n);
     double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
     Py_ssize_t i = 0;
@@ -231,7 +233,7 @@ static int bucket_of(double k, double kmin, double kmax, double scale) {
  * are sorted; large ones are bucketed by key so only the bucket holding the threshold is sorted.
  */
 static Py_ssize_t prefix_mass(const double *key, const double *e, double sum, int32_t *cand, int32_t *tmp,
-                              Pair *pairs, Buckets *bk, uint16_t *bidx, Py_ssize_t n, double mass) {
+                              Pair *pairs, Buckets *bk, int32_t *bidx, Py_ssize_t n, double mass) {
     if (n <= SMALL_SORT) {
         sort_by_key(key, cand, pairs, n);
         double cum = 0.0;
@@ -253,7 +255,7 @@ static Py_ssize_t prefix_mass(const double *key, const double *e, double sum, in
     double inv = 1.0 / sum;
     for (Py_ssize_t i = 0; i < n; i++) {
         int b = bucket_of(key[cand[i]], kmin, kmax, scale);
-        bidx[i] = (uint16_t)b;
+        bidx[i] = b;
         bk->mass[i & 3][b] += e[cand[i]] * inv;
     }
     double cum = 0.0;
@@ -313,8 +315,8 @@ static void sort_ids(int32_t *cand, int32_t *tmp, Py_ssize_t n) {
  * prefix_mass with key = -logit, but bucketed straight from the logits: bucket = (max - logit) scaled
  * over TOP_P_SPAN nats, everything lower in the last bucket (sorted only if the threshold falls there).
  */
-static Py_ssize_t top_p_select(const double *lg, const double *e, double sum, double m, int32_t *cand, int32_t *tmp,
-                               Pair *pairs, Buckets *bk, uint16_t *bidx, Py_ssize_t n, double mass) {
+static Py_ssize_t top_p_select(const double *lg, const double *e, double sum, double m, int32_t *cand, int identity,
+                               Pair *pairs, Buckets *bk, int32_t *bidx, Py_ssize_t n, double mass) {
     if (n <= SMALL_SORT) {
         for (Py_ssize_t i = 0; i < n; i++) { pairs[i].key = -lg[cand[i]]; pairs[i].id = cand[i]; }
         qsort(pairs, (size_t)n, sizeof(Pair), cmp_pair);
@@ -326,14 +328,22 @@ static Py_ssize_t top_p_select(const double *lg, const double *e, double sum, do
         }
         return n;
     }
-    const double scale = (N_BUCKETS - 1) / TOP_P_SPAN, inv = 1.0 / sum;
+    const double scale = (N_BUCKETS - 1) / TOP_P_SPAN, inv = 1.0 / sum, last = (double)(N_BUCKETS - 1);
     memset(bk->mass, 0, sizeof bk->mass);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        double d = (m - lg[cand[i]]) * scale;
-        int b = d < (double)(N_BUCKETS - 1) ? (int)d : N_BUCKETS - 1;
-        bidx[i] = (uint16_t)b;
-        bk->mass[i & 3][b] += e[cand[i]] * inv;
+    if (identity) { /* cand[i] == i: bucket indices in a vectorizable pass, then the histogram */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            double d = (m - lg[i]) * scale;
+            bidx[i] = (int32_t)(d < last ? d : last);
+        }
+        for (Py_ssize_t i = 0; i < n; i++) bk->mass[i & 3][bidx[i]] += e[i];
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            double d = (m - lg[cand[i]]) * scale;
+            bidx[i] = (int32_t)(d < last ? d : last);
+            bk->mass[i & 3][bidx[i]] += e[cand[i]];
+        }
     }
+    for (int j = 0; j < 4; j++) for (int b = 0; b < N_BUCKETS; b++) bk->mass[j][b] *= inv;
     double cum = 0.0;
     int B = N_BUCKETS - 1;
     for (int b = 0; b < N_BUCKETS; b++) {
@@ -342,10 +352,11 @@ static Py_ssize_t top_p_select(const double *lg, const double *e, double sum, do
         cum += w;
     }
     Py_ssize_t lo = 0, nb = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) { /* branch-free compaction in place (lo <= i) */
         int32_t id = cand[i];
-        if (bidx[i] < B) cand[lo++] = id;
-        else if (bidx[i] == B) { pairs[nb].key = -lg[id]; pairs[nb].id = id; nb++; }
+        cand[lo] = id;
+        lo += bidx[i] < B;
+        if (bidx[i] == B) { pairs[nb].key = -lg[id]; pairs[nb].id = id; nb++; }
     }
     qsort(pairs, (size_t)nb, sizeof(Pair), cmp_pair);
     for (Py_ssize_t i = 0; i < nb; i++) {
@@ -353,7 +364,6 @@ static Py_ssize_t top_p_select(const double *lg, const double *e, double sum, do
         cum += e[pairs[i].id] / sum;
         if (cum >= mass) return lo;
     }
-    (void)tmp;
     return lo > 0 ? lo : 1;
 }
 
@@ -387,7 +397,7 @@ static int grow(SamplerObject *self, Py_ssize_t V) {
     if (tmp) self->tmp = tmp;
     Pair *pairs = realloc(self->pairs, (size_t)V * sizeof(Pair));
     if (pairs) self->pairs = pairs;
-    uint16_t *bidx = realloc(self->bidx, (size_t)V * sizeof(uint16_t));
+    int32_t *bidx = realloc(self->bidx, (size_t)V * sizeof(int32_t));
     if (bidx) self->bidx = bidx;
     if (!lg || !key || !e || !xs || !cand || !tmp || !pairs || !bidx) return -1;
     self->cap = V;
@@ -455,7 +465,7 @@ static void run_chain(SamplerObject *self, Call *c) {
         for (Py_ssize_t i = 0; i < V; i++) if (lg[i] != -INFINITY) cand[n++] = (int32_t)i;
     }
     if (p->typical_p < 1.0) {
-        double s = exp_over(lg, e, cand, n, identity, self->xs, NULL), ent = 0.0;
+        double s = exp_over(lg, e, cand, n, identity, self->xs, NULL, 1.0), ent = 0.0;
         for (Py_ssize_t i = 0; i < n; i++) {
             double q = e[cand[i]] / s;
             key[cand[i]] = log(q); /* -inf when q underflows to 0: such a token sorts last */
@@ -466,12 +476,12 @@ static void run_chain(SamplerObject *self, Call *c) {
         identity = 0;
     }
     if (p->top_p < 1.0) {
-        double m, s = exp_over(lg, e, cand, n, identity, self->xs, &m);
-        n = top_p_select(lg, e, s, m, cand, self->tmp, self->pairs, &self->buckets, self->bidx, n, p->top_p);
+        double m, s = exp_over(lg, e, cand, n, identity, self->xs, &m, 1.0);
+        n = top_p_select(lg, e, s, m, cand, identity, self->pairs, &self->buckets, self->bidx, n, p->top_p);
         identity = 0;
     }
     if (p->min_p > 0.0) {
-        double s = exp_over(lg, e, cand, n, identity, self->xs, NULL), pmax = 0.0;
+        double s = exp_over(lg, e, cand, n, identity, self->xs, NULL, 1.0), pmax = 0.0;
         for (Py_ssize_t i = 0; i < n; i++) if (e[cand[i]] / s > pmax) pmax = e[cand[i]] / s;
         double thr = p->min_p * pmax;
         Py_ssize_t m = 0;
@@ -481,8 +491,7 @@ static void run_chain(SamplerObject *self, Call *c) {
     }
     /* temperature, softmax over the kept set, in ascending id for the draw */
     sort_ids(cand, self->tmp, n);
-    for (Py_ssize_t i = 0; i < n; i++) key[cand[i]] = lg[cand[i]] / p->temperature;
-    double total = exp_over(key, e, cand, n, identity, self->xs, NULL);
+    double total = exp_over(lg, e, cand, n, identity, self->xs, NULL, p->temperature);
     if (c->probs_out) {
         memset(c->probs_out, 0, (size_t)V * sizeof(double));
         for (Py_ssize_t i = 0; i < n; i++) c->probs_out[cand[i]] = e[cand[i]] / total;
