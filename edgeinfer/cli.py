@@ -1,4 +1,4 @@
-"""The `edgeinfer` command line: convert, eval, inspect.
+"""The `edgeinfer` command line: convert, eval, inspect, generate, chat.
 
 User errors (`EdgeInferError`) print one line `edgeinfer: error: ...` and exit 1; Ctrl-C prints
 `edgeinfer: interrupted` and exits 130. Neither prints a traceback.
@@ -30,9 +30,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from edgeinfer.evaluate import perplexity
+    from edgeinfer.evaluate import perplexity, stream_perplexity
 
-    r = perplexity(args.model, args.text, window=args.window, threads=args.threads)
+    if args.stream:
+        if args.capacity is None:
+            raise EdgeInferError("--stream needs --capacity N (the ring size)")
+        r = stream_perplexity(args.model, args.text, capacity=args.capacity, sinks=args.sinks, threads=args.threads)
+    else:
+        r = perplexity(args.model, args.text, window=args.window, threads=args.threads)
     if args.json:
         print(json.dumps(r.to_json()))
     else:
@@ -46,6 +51,96 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     print(describe(args.model, as_json=args.json))
     return 0
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", type=Path, default=None, help="edgeinfer model folder (default: bundled)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--capacity", type=int, default=None, help="KV ring capacity in tokens")
+    p.add_argument("--overflow", choices=("shift", "truncate", "error"), default="shift")
+    p.add_argument("-v", "--verbose", action="store_true", help="print load details (KV memory) to stderr")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _options(args: argparse.Namespace) -> dict:
+    return dict(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+
+
+def _load(args: argparse.Namespace):
+    import edgeinfer
+
+    try:
+        return edgeinfer.load(args.model, threads=args.threads, capacity_tokens=args.capacity,
+                              overflow=args.overflow, verbose=args.verbose)
+    except ValueError as e:
+        raise EdgeInferError(str(e)) from None
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    model = _load(args)
+    opts = _options(args)
+    try:
+        if args.stream:
+            for chunk in model.stream(args.prompt, **opts):
+                print(chunk.text, end="", flush=True)
+            print()
+            return 0
+        c = model.generate(args.prompt, **opts)
+    except ValueError as e:
+        raise EdgeInferError(str(e)) from None
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps({**asdict(c), "token_ids": list(c.token_ids)}))
+    else:
+        print(c.text)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    model = _load(args)
+    conv = model.conversation()
+    opts = _options(args)
+    print("edgeinfer chat: /reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        if line.strip() in ("/quit", "/exit"):
+            return 0
+        if line.strip() == "/reset":
+            conv.reset()
+            print("(context cleared)", file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        try:
+            for chunk in conv.stream_say(line, **opts):
+                print(chunk.text, end="", flush=True)
+        except KeyboardInterrupt:
+            conv.reset()  # a reply cut half-way leaves the context unknown: start clean
+            print("\n(reply stopped; context cleared)", file=sys.stderr)
+            continue
+        except ValueError as e:
+            print(f"edgeinfer: error: {e}", file=sys.stderr)
+            continue
+        print()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,8 +172,24 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--text", type=Path, required=True)
     e.add_argument("--window", type=int, default=512)
     e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--stream", action="store_true", help="each story as one stream through the KV ring")
+    e.add_argument("--capacity", type=int, default=None, help="ring capacity in tokens (with --stream)")
+    e.add_argument("--sinks", type=int, default=4, help="attention sinks kept by the ring (with --stream)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_eval)
+
+    g = sub.add_parser("generate", help="complete a prompt (no -m: the bundled stories260K model)")
+    g.add_argument("prompt")
+    _model_args(g)
+    _sampling_args(g)
+    g.add_argument("--stream", action="store_true", help="print tokens as they come")
+    g.add_argument("--json", action="store_true", help="print the completion as JSON")
+    g.set_defaults(func=_cmd_generate)
+
+    ch = sub.add_parser("chat", help="interactive chat (/reset clears the context, Ctrl-C stops a reply)")
+    _model_args(ch)
+    _sampling_args(ch)
+    ch.set_defaults(func=_cmd_chat)
 
     i = sub.add_parser("inspect", help="describe an edgeinfer model folder")
     i.add_argument("model", type=Path)

@@ -36,6 +36,18 @@ class PerplexityResult:
                 "eval_s": round(self.eval_s, 3)}
 
 
+def _read_stories(text_path: Path) -> list[str]:
+    if not text_path.is_file():
+        raise EdgeInferError(f"text file not found: {text_path}")
+    try:
+        stories = [line for line in text_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError:
+        raise EdgeInferError(f"{text_path} is not UTF-8 text") from None
+    if not stories:
+        raise EdgeInferError(f"{text_path} has no non-empty line to score")
+    return stories
+
+
 def window_nll(session: DecoderSession, ids: list[int]) -> tuple[float, int]:
     """Sum of NLL over ids[1:] given the prefix, one forward pass from position 0."""
     n = len(ids)
@@ -55,15 +67,7 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int = 51
                session: DecoderSession | None = None) -> PerplexityResult:
     if window < 2:
         raise EdgeInferError(f"--window must be at least 2, got {window}")
-    text_path = Path(text_path)
-    if not text_path.is_file():
-        raise EdgeInferError(f"text file not found: {text_path}")
-    try:
-        stories = [line for line in text_path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except UnicodeDecodeError:
-        raise EdgeInferError(f"{text_path} is not UTF-8 text") from None
-    if not stories:
-        raise EdgeInferError(f"{text_path} has no non-empty line to score")
+    stories = _read_stories(Path(text_path))
     session = session or DecoderSession(model_dir, threads=threads)
     tok = Tokenizer(session.folder, session.manifest.tokenizer)
     t0 = time.perf_counter()
@@ -77,3 +81,42 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int = 51
         raise EdgeInferError(f"{text_path}: no token to score")
     mean = total / count
     return PerplexityResult(math.exp(mean), mean, count, len(stories), windows, time.perf_counter() - t0)
+
+
+def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity: int, sinks: int = 4,
+                      threads: int | None = None, chunk: int = 64) -> PerplexityResult:
+    """Perplexity with each story as one stream through the ring-buffer KV cache (teacher forcing).
+
+    Every token but the story's first is scored. While the ring has room, tokens go in chunks (each
+    sees the whole story so far); once it is full they go one at a time, so each token sees exactly
+    the sinks and the latest tokens the ring holds, at their true positions.
+    """
+    from edgeinfer.engine import Engine
+
+    if capacity < 2 or not 0 <= sinks < capacity:
+        raise EdgeInferError(f"--capacity must be >= 2 and --sinks in [0, capacity), got {capacity} and {sinks}")
+    stories = _read_stories(Path(text_path))
+    session = DecoderSession(model_dir, threads=threads)
+    tok = Tokenizer(session.folder, session.manifest.tokenizer)
+    engine = Engine(session, max_chunk=min(chunk, capacity))
+    cache = engine.new_cache(capacity, sinks)
+    t0 = time.perf_counter()
+    total, count = 0.0, 0
+    for story in stories:
+        ids = tok.encode(story, add_bos=True)
+        cache.reset()
+        pos = 0
+        while pos < len(ids) - 1:
+            room = cache.capacity - cache.n_valid
+            s = min(engine.max_chunk, room if room > 0 else 1, len(ids) - 1 - pos)
+            lg = engine.forward(cache, ids[pos:pos + s], all_logits=True)  # [s, V]: predicts ids[pos+1 : pos+s+1]
+            m = lg.max(axis=-1, keepdims=True)
+            lse = (m + np.log(np.exp(lg - m).sum(axis=-1, keepdims=True)))[:, 0]
+            target = np.asarray(ids[pos + 1:pos + s + 1])
+            total += float(np.sum((lse - lg[np.arange(s), target]).astype(np.float64)))
+            count += s
+            pos += s
+    if count == 0:
+        raise EdgeInferError(f"{text_path}: no token to score")
+    mean = total / count
+    return PerplexityResult(math.exp(mean), mean, count, len(stories), len(stories), time.perf_counter() - t0)

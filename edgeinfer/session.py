@@ -18,6 +18,17 @@ from edgeinfer.manifest import MODEL_FILE, Manifest, io_names, read_manifest
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
+def resolve_provider(provider: str) -> str:
+    """"auto" -> "cuda" when this onnxruntime build has the CUDA provider, else "cpu"."""
+    if provider == "auto":
+        return "cuda" if PROVIDERS["cuda"] in ort.get_available_providers() else "cpu"
+    if provider not in PROVIDERS:
+        raise ValueError(f"unknown provider {provider!r} (choose from auto, {', '.join(PROVIDERS)})")
+    if PROVIDERS[provider] not in ort.get_available_providers():
+        raise ValueError(f"provider {provider!r} is not available in this onnxruntime build")
+    return provider
+
+
 def session_options(threads: int | None) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -29,17 +40,16 @@ def session_options(threads: int | None) -> ort.SessionOptions:
 
 
 class DecoderSession:
-    def __init__(self, folder: Path | str, *, threads: int | None = None, provider: str = "cpu",
+    def __init__(self, folder: Path | str, *, threads: int | None = None, provider: str = "auto",
                  manifest: Manifest | None = None):
         self.folder = Path(folder)
         self.manifest = manifest or read_manifest(self.folder)
         spec = self.manifest.arch
         self.names = io_names(spec.num_layers)
-        if provider not in PROVIDERS:
-            raise ValueError(f"unknown provider {provider!r} (choose from {', '.join(PROVIDERS)})")
+        self.provider = resolve_provider(provider)
         try:
             self.session = ort.InferenceSession(str(self.folder / MODEL_FILE), session_options(threads),
-                                                providers=[PROVIDERS[provider]])
+                                                providers=[PROVIDERS[self.provider]])
         except Exception as e:  # onnxruntime raises its own exception types for bad files
             raise ModelFormatError(f"cannot load {self.folder / MODEL_FILE}: {str(e).splitlines()[0][:300]}") from None
         self.kv_shape = (spec.num_kv_heads, spec.head_dim)

@@ -1,0 +1,88 @@
+"""`prefill` and `decode_one` as twins: one graph call over a ring-buffer KV cache, zero-copy.
+
+The ONNX Runtime IO binding points the graph straight at the cache's arrays: `past` is the
+contiguous block of valid slots, the new K/V rows are written by the graph into the slots the cache
+chooses (`RingKVCache.write_offset`), and logits land in a buffer allocated once. Per call, only
+pointers and shapes change; no array of the model's or the cache's size is allocated.
+
+One Engine serves any number of caches (conversations), one call at a time (not thread-safe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from edgeinfer.kv_cache import RingKVCache
+from edgeinfer.session import DecoderSession
+
+
+class Engine:
+    def __init__(self, session: DecoderSession, max_chunk: int = 256):
+        self.session = session
+        spec = session.manifest.arch
+        self.spec = spec
+        self.max_chunk = int(max_chunk)
+        self.names = session.names
+        self.row_bytes = spec.num_kv_heads * spec.head_dim * 4
+        self._io = session.session.io_binding()
+        # the cache lives in host memory; with CUDA, ORT copies the bound blocks (a device-resident
+        # cache is the Jetson profile's work)
+        self._device = "cpu"
+        # run state, allocated once
+        self._ids = np.zeros((1, self.max_chunk), np.int64)
+        self._pos = np.zeros((1, self.max_chunk), np.int64)
+        self._index = np.zeros(self.max_chunk, np.int64)
+        self._logits = np.zeros((1, self.max_chunk, spec.vocab_size), np.float32)
+        self.calls = 0
+
+    def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
+        return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk)
+
+    def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Run up to `max_chunk` new tokens at the cache's next positions; return logits [N, V].
+
+        N = len(ids) with `all_logits`, else 1 (the last position). The returned array is a view of
+        a buffer reused by the next call. Mutates `cache` (its new rows and bookkeeping).
+        """
+        s = len(ids)
+        if not 0 < s <= self.max_chunk:
+            raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {s}")
+        t = cache.n_valid
+        off = cache.write_offset(s)
+        self._ids[0, :s] = ids
+        self._pos[0, :s] = np.arange(cache.next_position, cache.next_position + s)
+        n = s if all_logits else 1
+        self._index[:n] = np.arange(s) if all_logits else s - 1
+        io, dev = self._io, self._device
+        io.bind_input("input_ids", "cpu", 0, np.int64, [1, s], self._ids.ctypes.data)
+        io.bind_input("position_ids", "cpu", 0, np.int64, [1, s], self._pos.ctypes.data)
+        io.bind_input("logits_index", "cpu", 0, np.int64, [n], self._index.ctypes.data)
+        kv_past = [1, t, self.spec.num_kv_heads, self.spec.head_dim]
+        kv_new = [1, s, self.spec.num_kv_heads, self.spec.head_dim]
+        for i, (k, v) in enumerate(zip(cache.k, cache.v)):
+            io.bind_input(self.names.past_key(i), dev, 0, np.float32, kv_past, k.ctypes.data)
+            io.bind_input(self.names.past_value(i), dev, 0, np.float32, kv_past, v.ctypes.data)
+            io.bind_output(self.names.present_key(i), dev, 0, np.float32, kv_new, k.ctypes.data + off * self.row_bytes)
+            io.bind_output(self.names.present_value(i), dev, 0, np.float32, kv_new,
+                           v.ctypes.data + off * self.row_bytes)
+        io.bind_output("logits", "cpu", 0, np.float32, [1, n, self.spec.vocab_size], self._logits.ctypes.data)
+        self.session.session.run_with_iobinding(io)
+        cache.commit(s)
+        self.calls += 1
+        return self._logits[0, :n]
+
+    def prefill(self, cache: RingKVCache, ids: Sequence[int], chunk: int | None = None) -> np.ndarray:
+        """Feed `ids` in chunks of at most `chunk` tokens; return the logits [V] after the last one."""
+        chunk = min(chunk or self.max_chunk, self.max_chunk)
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        logits = None
+        for start in range(0, len(ids), chunk):
+            logits = self.forward(cache, ids[start:start + chunk])
+        return logits[0]
+
+    def decode_one(self, cache: RingKVCache, token: int) -> np.ndarray:
+        """Feed one token; return the logits [V] for the next one."""
+        return self.forward(cache, (token,))[0]

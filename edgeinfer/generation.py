@@ -1,0 +1,222 @@
+"""The generation loop shared by `generate`, `stream` and conversations, and its result types.
+
+Steps of one request (`run`):
+1. Validate the options; build the `Sampler` (seeded) for this request.
+2. Fit the prompt to the ring by the overflow policy (shift: everything goes in, the ring forgets
+   the oldest; truncate: drop the oldest prompt tokens after the sinks, reported; error: refuse).
+3. Prefill the prompt in chunks; sample the first token (time to first token ends here).
+4. Decode one token at a time: sample, detokenize incrementally, hold back text that may be the
+   start of a stop string, stop on EOS / stop string / max_new_tokens / a full ring that may not shift.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgeinfer.engine import Engine
+from edgeinfer.kv_cache import ContextOverflowError, RingKVCache
+from edgeinfer.sampling import Sampler, SamplingParams
+from edgeinfer.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    dropped_tokens: int  # prompt tokens truncated plus tokens the ring forgot during this request
+
+
+@dataclass(frozen=True)
+class Timings:
+    load_ms: float
+    ttft_ms: float
+    tpot_ms: float
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str  # generated text, without the stop string that ended it
+    token_ids: tuple[int, ...]  # generated ids (no EOS; a stop string's tokens are included)
+    finish_reason: str  # "eos", "stop" or "length"
+    usage: Usage
+    timings: Timings
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str  # may be "" while a UTF-8 character or a possible stop string is incomplete
+    token_id: int | None  # None only for a final chunk that flushes held-back text
+
+
+@dataclass(frozen=True)
+class Request:
+    params: SamplingParams
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    seed: int | None
+    ignore_eos: bool
+
+
+def make_request(max_new_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
+                 min_p: float = 0.05, typical_p: float = 1.0, repetition_penalty: float = 1.0,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, penalty_last_n: int = 64,
+                 logit_bias: dict[int, float] | None = None, stop: str | Sequence[str] | None = None,
+                 seed: int | None = None, ignore_eos: bool = False) -> Request:
+    """Validate generation options (an unknown keyword is a TypeError naming it)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ValueError("stop must be a non-empty string or a list of them")
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty, penalty_last_n=penalty_last_n, logit_bias=logit_bias)
+    return Request(params, max_new_tokens, stops, seed, bool(ignore_eos))
+
+
+class Detokenizer:
+    """Incremental decode: text of new tokens, decoded with a little left context (so leading spaces
+    and multi-token UTF-8 come out right), held back while it ends in an incomplete character."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the context window
+        self.read = 0  # tokens already turned into text
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        after = self.tok.decode(self.ids[self.prefix:])
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+
+class StopFilter:
+    """Emits text as it comes, except a tail that could still become one of the stop strings."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.text = ""  # everything generated (cut at a stop string once found)
+        self.emitted = 0
+        self.stopped = False
+
+    def feed(self, new: str) -> str:
+        if self.stopped:
+            return ""
+        self.text += new
+        if not self.stops:
+            out, self.emitted = self.text[self.emitted:], len(self.text)
+            return out
+        longest = max(map(len, self.stops))
+        start = max(0, self.emitted - longest)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.text, self.stopped = self.text[:min(hits)], True
+            out, self.emitted = self.text[self.emitted:], len(self.text)
+            return out
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        end = max(self.emitted, len(self.text) - hold)
+        out, self.emitted = self.text[self.emitted:end], end
+        return out
+
+    def flush(self) -> str:
+        out, self.emitted = self.text[self.emitted:], len(self.text)
+        return out
+
+
+def fit_prompt(cache: RingKVCache, ids: list[int], overflow: str, max_new_tokens: int) -> tuple[list[int], int]:
+    """Apply the overflow policy to a prompt about to enter `cache`; returns (ids to feed, dropped count)."""
+    room = cache.capacity - cache.n_valid
+    if overflow == "shift" or len(ids) <= room and overflow == "error":
+        return ids, 0
+    if overflow == "error":
+        raise ContextOverflowError(
+            f"prompt of {len(ids)} tokens does not fit: the context holds {cache.n_valid} of "
+            f"{cache.capacity} tokens, {room} free (overflow='error'; use 'shift' or 'truncate', or a larger "
+            f"capacity_tokens)")
+    want = max(1, room - max_new_tokens)  # truncate: leave room to generate
+    if len(ids) <= want:
+        return ids, 0
+    keep_head = min(cache.n_sink, want - 1) if cache.n_valid == 0 else 0
+    kept = ids[:keep_head] + ids[len(ids) - (want - keep_head):]
+    return kept, len(ids) - len(kept)
+
+
+def run(engine: Engine, tok: Tokenizer, cache: RingKVCache, prompt_ids: list[int], req: Request, overflow: str,
+        load_ms: float, result: dict) -> Iterator[Chunk]:
+    """Yield one Chunk per generated token; fill `result` with the Completion fields at the end.
+
+    Mutates `cache` (the conversation's context grows by the prompt and the generated tokens; the
+    last sampled token is not fed back, it is returned in result["unfed"] for the next turn).
+    """
+    sampler = Sampler(req.params, req.seed)
+    vocab = engine.spec.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    eos = set() if req.ignore_eos else set(tok.eos_ids)
+    feed, dropped = fit_prompt(cache, prompt_ids, overflow, req.max_new_tokens)
+    dropped_before = cache.dropped
+    use_history = req.params.penalty_last_n > 0 and req.params.has_penalties
+    history = np.zeros(len(feed) + req.max_new_tokens + 1, np.int64)  # one allocation per request
+    history[:len(feed)] = feed
+    n_hist = len(feed)
+    last_n = req.params.penalty_last_n
+    detok, stops = Detokenizer(tok), StopFilter(req.stop)
+    generated: list[int] = []
+    finish = "length"
+
+    t0 = time.perf_counter()
+    logits = engine.prefill(cache, feed)
+    t_prefill = time.perf_counter()
+    t_first = t_prefill
+    while True:
+        h = history[max(0, n_hist - last_n):n_hist] if use_history else None
+        token = sampler.sample(logits, h)
+        if not generated:
+            t_first = time.perf_counter()
+        if token in eos:
+            finish = "eos"
+            break
+        generated.append(token)
+        history[n_hist] = token
+        n_hist += 1
+        text = stops.feed(detok.add(token))
+        if stops.stopped:
+            finish = "stop"
+            yield Chunk(text, token)
+            break
+        if len(generated) >= req.max_new_tokens or (cache.full and overflow != "shift"):
+            yield Chunk(text + stops.flush(), token)
+            break
+        yield Chunk(text, token)
+        logits = engine.decode_one(cache, token)
+    rest = stops.flush() if finish != "stop" else ""
+    if rest:
+        yield Chunk(rest, None)
+    t_end = time.perf_counter()
+    n = len(generated)
+    decode_s = t_end - t_first
+    result.update(
+        unfed=generated[-1:] if finish in ("length", "stop") else [],  # sampled but not yet in the cache
+        text=stops.text, token_ids=tuple(generated), finish_reason=finish,
+        usage=Usage(len(prompt_ids), n, dropped + cache.dropped - dropped_before),
+        timings=Timings(load_ms=load_ms, ttft_ms=(t_first - t0) * 1e3,
+                        tpot_ms=decode_s * 1e3 / (n - 1) if n > 1 else 0.0,
+                        prefill_tok_s=len(feed) / max(t_prefill - t0, 1e-9),
+                        decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0),
+    )

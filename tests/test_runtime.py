@@ -1,0 +1,251 @@
+"""The runtime: load / generate / stream / chat over the ring-buffer KV cache, against references
+(golden greedy ids of stories260K, explicit sliding-window forwards, the perplexity figures)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from conftest import STORIES_FIX, STORIES_SRC
+from edgeinfer.evaluate import stream_perplexity
+from edgeinfer.kv_cache import ContextOverflowError
+from edgeinfer.session import DecoderSession
+
+GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
+EVAL_TXT = STORIES_FIX / "eval.txt"
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def fp32(converted):
+    return edgeinfer.load(converted(STORIES_SRC, "fp32"))
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return edgeinfer.load()
+
+
+@pytest.mark.parametrize("case", GOLDEN["cases"], ids=lambda c: c["prompt"][:16] or "<bos>")
+def test_generate_reproduces_golden_greedy(fp32, case):
+    c = fp32.generate(case["prompt_ids"], max_new_tokens=64, **GREEDY)
+    assert list(c.token_ids) == case["greedy_ids"]
+    assert c.finish_reason == "length" and c.usage.completion_tokens == 64
+    assert c.text == case["completion_text"]
+    assert "".join(ch.text for ch in fp32.stream(case["prompt_ids"], max_new_tokens=64, **GREEDY)) == c.text
+
+
+def test_text_prompt_gets_bos(fp32):
+    c = fp32.generate("Once upon a time", max_new_tokens=64, **GREEDY)
+    assert list(c.token_ids) == GOLDEN["cases"][1]["greedy_ids"]
+    assert c.usage.prompt_tokens == len(GOLDEN["cases"][1]["prompt_ids"])
+
+
+def test_bundled_model_generates_and_streams(bundled):
+    c = bundled.generate("Once upon a time", max_new_tokens=40, seed=7)
+    assert c.usage.completion_tokens == len(c.token_ids) > 0 and c.text
+    chunks = list(bundled.stream("Once upon a time", max_new_tokens=40, seed=7))
+    assert "".join(ch.text for ch in chunks) == c.text
+    assert [ch.token_id for ch in chunks if ch.token_id is not None] == list(c.token_ids)
+    t = c.timings
+    assert t.ttft_ms > 0 and t.decode_tok_s > 0 and t.load_ms > 0 and t.prefill_tok_s > 0
+    assert bundled.manifest.quantization["weights"] == "int8"
+
+
+def test_seed_reproducible(bundled):
+    a = bundled.generate("The little dog", max_new_tokens=30, seed=11).token_ids
+    assert bundled.generate("The little dog", max_new_tokens=30, seed=11).token_ids == a
+    assert bundled.generate("The little dog", max_new_tokens=30, seed=12).token_ids != a
+
+
+def test_stop_string_spanning_tokens(fp32):
+    full = fp32.generate("Once upon a time", max_new_tokens=64, **GREEDY).text
+    stop = "little girl"  # more than one token
+    c = fp32.generate("Once upon a time", max_new_tokens=64, stop=[stop, "zzz"], **GREEDY)
+    assert c.finish_reason == "stop" and c.text == full[:full.index(stop)] and stop not in c.text
+    streamed = "".join(ch.text for ch in fp32.stream("Once upon a time", max_new_tokens=64, stop=stop, **GREEDY))
+    assert streamed == c.text
+
+
+def test_eos_ends_generation(fp32):
+    eos = fp32.tokenizer.eos_ids[0]
+    c = fp32.generate("Once", max_new_tokens=10, logit_bias={eos: 100.0}, seed=0)
+    assert c.finish_reason == "eos" and c.token_ids == () and c.text == ""
+    c = fp32.generate("Once", max_new_tokens=10, logit_bias={eos: 100.0}, seed=0, ignore_eos=True)
+    assert c.finish_reason == "length" and len(c.token_ids) == 10
+
+
+def _one_layer_stories(tmp_path):
+    """stories260K cut to its first layer: there a token's K/V depend only on the token and its
+    position, so a ring step must equal one forward over exactly the tokens the ring holds."""
+    import shutil
+
+    from edgeinfer.converters import convert
+    from edgeinfer.converters.safetensors_io import Checkpoint
+
+    src = tmp_path / "src1"
+    shutil.copytree(STORIES_SRC, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (src / "config.json").write_text(json.dumps(cfg))
+    ckpt = Checkpoint(STORIES_SRC)
+    keep = {n: ckpt.read(n) for n in ckpt.tensors if not n.startswith("model.layers.") or n.startswith("model.layers.0.")}
+    header, blobs, off = {}, [], 0
+    for n, a in keep.items():
+        header[n] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        blobs.append(a.tobytes())
+        off += a.nbytes
+    h = json.dumps(header).encode()
+    (src / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+    convert(src, tmp_path / "one", quant="fp32")
+    return tmp_path / "one"
+
+
+def test_ring_matches_explicit_sliding_window(tmp_path):
+    folder = _one_layer_stories(tmp_path)
+    m = edgeinfer.load(folder, capacity_tokens=32, n_sink=4, prefill_chunk=8)
+    sess = DecoderSession(folder)
+    ids = m.tokenizer.encode(EVAL_TXT.read_text().splitlines()[0])[:90]
+    cache = m.new_cache()
+    rows = {}
+    pos = 0
+    while pos < len(ids):
+        room = cache.capacity - cache.n_valid
+        s = min(8, room if room > 0 else 1, len(ids) - pos)
+        lg = m.engine.forward(cache, ids[pos:pos + s], all_logits=True)
+        rows.update({pos + j: lg[j].copy() for j in range(s)})
+        pos += s
+    assert cache.n_valid == 32 and cache.dropped == len(ids) - 32
+    for t in (20, 31, 32, 33, 50, 89):
+        sel = list(range(4)) + list(range(max(4, t - 28), t + 1))  # sinks + the 28 ring slots + itself
+        ref, _ = sess.forward(np.array([[ids[i] for i in sel]]), np.array([sel]), sess.empty_past(),
+                              np.array([len(sel) - 1]))
+        assert np.abs(ref[0, -1] - rows[t]).max() < 1e-4, t
+
+
+def test_generation_runs_past_capacity_in_constant_memory(converted):
+    m = edgeinfer.load(converted(STORIES_SRC, "fp32"), capacity_tokens=64, n_sink=4)
+    buffers = [k.ctypes.data for k in m.cache.k]
+    c = m.generate("Once upon a time", max_new_tokens=300, seed=1, ignore_eos=True)
+    assert len(c.token_ids) == 300 and c.finish_reason == "length"
+    assert c.usage.dropped_tokens == 5 + 299 - 64  # prompt + fed generated tokens - ring capacity
+    assert [k.ctypes.data for k in m.cache.k] == buffers and m.cache.n_valid == 64
+
+
+def test_overflow_error_states_counts_and_model_stays_usable(converted):
+    m = edgeinfer.load(converted(STORIES_SRC, "fp32"), capacity_tokens=16, overflow="error")
+    long_prompt = list(range(3, 40))
+    with pytest.raises(ContextOverflowError, match="prompt of 37 tokens does not fit.*16"):
+        m.generate(long_prompt, max_new_tokens=5)
+    c = m.generate([1, 403], max_new_tokens=50, **GREEDY)
+    assert c.finish_reason == "length" and len(c.token_ids) == 15  # stops when the ring is full, never shifts
+
+
+def test_overflow_truncate_reports_dropped(converted):
+    m = edgeinfer.load(converted(STORIES_SRC, "fp32"), capacity_tokens=32, n_sink=4, overflow="truncate")
+    prompt = m.tokenizer.encode(EVAL_TXT.read_text().splitlines()[0])[:60]
+    c = m.generate(prompt, max_new_tokens=8, **GREEDY)
+    assert c.usage.prompt_tokens == 60 and c.usage.dropped_tokens == 60 - (32 - 8)
+    assert len(c.token_ids) == 8
+
+
+@pytest.mark.parametrize("call,exc,needle", [
+    (lambda m: m.generate(""), ValueError, "prompt is empty"),
+    (lambda m: m.generate([]), ValueError, "prompt is empty"),
+    (lambda m: m.generate("Hi", max_new_tokens=0), ValueError, "max_new_tokens"),
+    (lambda m: m.generate("Hi", max_new_tokens=-3), ValueError, "max_new_tokens"),
+    (lambda m: m.generate("Hi", temprature=0.5), TypeError, "temprature"),
+    (lambda m: m.generate([1, 5000]), ValueError, "token id 5000 is outside the vocabulary"),
+    (lambda m: m.generate("Hi", top_p=0), ValueError, "top_p"),
+    (lambda m: m.generate("Hi", stop=[""]), ValueError, "stop"),
+    (lambda m: m.generate(3.5), TypeError, "prompt must be"),
+])
+def test_bad_requests_leave_model_usable(bundled, call, exc, needle):
+    with pytest.raises(exc, match=needle):
+        call(bundled)
+    assert bundled.generate("Once", max_new_tokens=3, seed=0).usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(overflow="wrap"), "overflow"), (dict(capacity_tokens=1), "capacity_tokens"),
+    (dict(n_sink=600), "n_sink"), (dict(provider="tpu"), "provider"),
+])
+def test_bad_load_options(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        edgeinfer.load(**kw)
+
+
+def test_load_missing_or_newer_folder(tmp_path, converted):
+    with pytest.raises(edgeinfer.ModelFormatError, match="not found"):
+        edgeinfer.load(tmp_path / "nope")
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(converted(STORIES_SRC, "fp32"), d)
+    man = json.loads((d / "edgeinfer.json").read_text())
+    man["format_version"] = 2
+    (d / "edgeinfer.json").write_text(json.dumps(man))
+    with pytest.raises(edgeinfer.ModelFormatError, match="format version 2"):
+        edgeinfer.load(d)
+
+
+def test_conversation_keeps_kv_across_turns(bundled):
+    conv = bundled.conversation()
+    r1 = conv.say("Lily had a ball.", max_new_tokens=12, **GREEDY)
+    after_first = conv.cache.next_position
+    r2 = conv.say("Then what?", max_new_tokens=12, **GREEDY)
+    new_tokens = conv.cache.next_position - after_first
+    # turn 2 fed only its new text (+ the last sampled token of reply 1), not the whole history again
+    new_text = "\nUser: Then what?\nAssistant:"
+    expected = 1 + len(bundled.tokenizer.encode(new_text, add_bos=False))
+    whole = len(bundled.tokenizer.encode(bundled.template.render(conv.messages[:-1])))
+    assert r2.usage.prompt_tokens == expected < whole
+    assert new_tokens == expected + 11
+    assert conv.messages[-1] == {"role": "assistant", "content": r2.text}
+    assert r1.usage.completion_tokens == 12
+    conv.reset()
+    assert conv.cache.n_valid == 0 and conv.messages == []
+
+
+def test_chat_uses_template_and_fallback(bundled):
+    assert bundled.template.source is None  # stories260K has no chat template: the documented fallback
+    text = bundled.template.render([{"role": "user", "content": "Hi"}])
+    assert text == "User: Hi\nAssistant:"
+    c = bundled.chat([{"role": "user", "content": "Tell me a story"}], max_new_tokens=8, seed=1)
+    assert c.usage.completion_tokens <= 8
+    with pytest.raises(ValueError, match="role"):
+        bundled.chat([{"role": "robot", "content": "x"}])
+
+
+def test_jinja_chat_template():
+    from edgeinfer.chat import ChatTemplate
+
+    tpl = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                       "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert tpl.render([{"role": "user", "content": "Hi"}]) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="does not parse"):
+        ChatTemplate("{% for %}")
+
+
+def test_eval_stream_ring_forgets(converted):
+    """C = 128 with 4 sinks: within 1 % of the exact sliding window's 5.7636; whole stories: 5.6524."""
+    folder = converted(STORIES_SRC, "fp32")
+    r = stream_perplexity(folder, EVAL_TXT, capacity=128, sinks=4)
+    assert abs(r.perplexity / 5.7636 - 1) < 0.01
+    whole = stream_perplexity(folder, EVAL_TXT, capacity=600, sinks=4)
+    assert abs(whole.perplexity / 5.6524 - 1) < 0.001
+
+
+def test_bundled_model_is_what_the_converter_makes(tmp_path):
+    """The shipped int8 folder is reproducible from models/stories260K with today's converter."""
+    from edgeinfer.converters import convert
+    from edgeinfer.model import default_model_path
+
+    shipped = json.loads((default_model_path() / "edgeinfer.json").read_text())
+    fresh = convert(STORIES_SRC, tmp_path / "fresh", quant="int8").to_json()
+    assert fresh["files"]["model.onnx.data"] == shipped["files"]["model.onnx.data"]
+    assert fresh["quantization"] == shipped["quantization"]
