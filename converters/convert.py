@@ -17,7 +17,7 @@ from pathlib import Path
 import onnx
 
 from edgeinfer import __version__
-from edgeinfer.converters.decoder import build_decoder
+from edgeinfer.converters.decoder import build_decoder, choose_kv_io
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter, sha256_file
@@ -81,7 +81,8 @@ def _check_source(src: Path) -> None:
 
 
 def convert(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size: int = 32, target: str = "cpu",
-            force: bool = False, scheme: QuantScheme | None = None, log=lambda msg: None) -> Manifest:
+            force: bool = False, scheme: QuantScheme | None = None, attention: str = "auto",
+            log=lambda msg: None) -> Manifest:
     """Convert `src` (Hugging Face folder) into `dst` (edgeinfer folder). Returns the manifest written."""
     src, dst = Path(src), Path(dst)
     if target not in TARGETS:
@@ -92,7 +93,10 @@ def convert(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size
     if dst.resolve() == src.resolve():
         raise ConvertError("destination must differ from the source folder")
     scheme = scheme or default_scheme(quant, block_size)
+    if attention not in ("auto", "gqa", "standard"):
+        raise ConvertError(f"unknown attention {attention!r} (choose from auto, gqa, standard)")
     spec = spec_from_config(read_config(src))
+    kv_io = choose_kv_io(spec, attention)
     ckpt = Checkpoint(src)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -103,7 +107,7 @@ def convert(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size
     try:
         t0 = time.perf_counter()
         writer = WeightWriter(tmp)
-        model = build_decoder(spec, ckpt, scheme, writer)
+        model = build_decoder(spec, ckpt, scheme, writer, kv_io)
         writer.close()
         onnx.save_model(model, tmp / MODEL_FILE)
         del model
@@ -118,7 +122,7 @@ def convert(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size
             sources.append("model.safetensors.index.json")
         manifest = Manifest(
             arch=spec, quantization=scheme.to_json(), target=target, flavour="fused",
-            interface=graph_interface(spec), tokenizer=_tokenizer_info(src, spec),
+            interface=graph_interface(spec, kv_io), tokenizer=_tokenizer_info(src, spec),
             default_capacity_tokens=min(spec.max_position_embeddings, MAX_DEFAULT_CAPACITY),
             files=files, source={n: sha256_file(src / n) for n in sources}, converter_version=__version__,
         )

@@ -4,13 +4,18 @@ Families differ only in flags on the spec (biases, q/k norm, rope scaling); this
 layers once, reading one layer's tensors from the checkpoint at a time and streaming the
 (quantized) weights to the external-data file, so peak memory is about one layer.
 
-Graph interface (version 1; see docs/architecture.md):
+Graph interface (version 1; see docs/architecture.md), two KV modes:
   inputs   input_ids     int64 [B, S]
            position_ids  int64 [B, S]          absolute positions (RoPE applied in graph)
            logits_index  int64 [N]             which of the S positions get logits
+  "runtime_append" (standard-op attention, any head size):
            past_key_values.{i}.key / .value  float32 [B, T, Hkv, Dh]   valid cached slots only
-  outputs  logits        float32 [B, N, V]
-           present.{i}.key / .value          float32 [B, S, Hkv, Dh]   this call's new rows (roped)
+  outputs  present.{i}.key / .value          float32 [B, S, Hkv, Dh]   this call's new rows (roped)
+  "shared_buffer" (GroupQueryAttention, head size a multiple of 16):
+           past_key_values.{i}.key / .value  float32 [B, Hkv, M, Dh]   the ring buffer itself
+           seqlens_k int32 [B] (= total - 1), total_sequence_length int32 []
+  outputs  present.{i}.key / .value          float32 [B, Hkv, M, Dh]   the same memory, rows appended
+  and      logits        float32 [B, N, V]
 """
 
 from __future__ import annotations
@@ -114,7 +119,21 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
     return h, head
 
 
-def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer) -> "onnx.ModelProto":  # noqa: F821
+KV_IO = ("runtime_append", "shared_buffer")
+
+
+def choose_kv_io(spec: ArchSpec, attention: str) -> str:
+    """"auto": GroupQueryAttention when ONNX Runtime's CPU kernel takes the head size, else standard ops."""
+    if attention == "standard":
+        return "runtime_append"
+    gqa_ok = spec.head_dim % 16 == 0
+    if attention == "gqa" and not gqa_ok:
+        raise ConvertError(f"--attention gqa needs a head size that is a multiple of 16, this model has {spec.head_dim}")
+    return "shared_buffer" if gqa_ok else "runtime_append"
+
+
+def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer,
+                  kv_io: str = "runtime_append") -> "onnx.ModelProto":  # noqa: F821
     g = G.Graph(writer)
     src = TensorSource(ckpt)
     names = io_names(spec.num_layers)
@@ -123,7 +142,8 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer)
 
     h, head = embedding_and_head(g, spec, src, scheme, "input_ids")
     cos, sin, local_ids = G.rope_tables(g, "position_ids", spec.rope.inv_freq(Dh))
-    mask = G.causal_mask(g, "input_ids", names.past_key(0))
+    gqa = kv_io == "shared_buffer"
+    mask = None if gqa else G.causal_mask(g, "input_ids", names.past_key(0))
 
     residual, normed, mlp_out = h, None, None
     for i in range(spec.num_layers):
@@ -149,8 +169,12 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer)
             k = _head_norm(g, f"{p}/attn/k_norm", k, src.get(f"{a}.k_norm.weight", (Dh,)), Hkv, Dh, eps)
         q = G.rotary(g, f"{p}/attn/q_rotary", q, local_ids, cos, sin, H)
         k = G.rotary(g, f"{p}/attn/k_rotary", k, local_ids, cos, sin, Hkv)
-        ctx = G.attention(g, f"{p}/attn", q, k, v, names.past_key(i), names.past_value(i), mask, H, Hkv, Dh,
-                          names.present_key(i), names.present_value(i))
+        if gqa:
+            ctx = G.gqa_attention(g, f"{p}/attn", q, k, v, names.past_key(i), names.past_value(i), "seqlens_k",
+                                  "total_sequence_length", H, Hkv, names.present_key(i), names.present_value(i))
+        else:
+            ctx = G.attention(g, f"{p}/attn", q, k, v, names.past_key(i), names.past_value(i), mask, H, Hkv, Dh,
+                              names.present_key(i), names.present_value(i))
         o_b = src.maybe(f"{a}.o_proj.bias", (D,), spec.o_bias)
         attn_out = G.linear(g, f"{p}/attn/o_proj", ctx, src.get(f"{a}.o_proj.weight", (D, H * Dh)), o_b,
                             scheme.kind_for("o_proj"), scheme)
@@ -172,7 +196,7 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer)
     logits = head(normed)
     g.node("Identity", [logits], "/model/logits/Identity", outputs=["logits"])
     src.check_all_used()
-    return _model(g, spec, names)
+    return _model(g, spec, names, gqa)
 
 
 def _head_norm(g: G.Graph, prefix: str, x: str, weight: np.ndarray, heads: int, dh: int, eps: float) -> str:
@@ -185,13 +209,19 @@ def _head_norm(g: G.Graph, prefix: str, x: str, weight: np.ndarray, heads: int, 
     return y
 
 
-def _model(g: G.Graph, spec: ArchSpec, names) -> "onnx.ModelProto":  # noqa: F821
+def _model(g: G.Graph, spec: ArchSpec, names, gqa: bool) -> "onnx.ModelProto":  # noqa: F821
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    kv = ["batch", "past_sequence", spec.num_kv_heads, spec.head_dim]
-    new_kv = ["batch", "sequence", spec.num_kv_heads, spec.head_dim]
+    if gqa:
+        kv = new_kv = ["batch", spec.num_kv_heads, "max_sequence", spec.head_dim]
+    else:
+        kv = ["batch", "past_sequence", spec.num_kv_heads, spec.head_dim]
+        new_kv = ["batch", "sequence", spec.num_kv_heads, spec.head_dim]
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "sequence"]),
               helper.make_tensor_value_info("position_ids", i64, ["batch", "sequence"]),
               helper.make_tensor_value_info("logits_index", i64, ["num_logits"])]
+    if gqa:
+        inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
+                   helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
     outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "num_logits", spec.vocab_size])]
     for i in range(spec.num_layers):
         inputs += [helper.make_tensor_value_info(names.past_key(i), f32, kv),

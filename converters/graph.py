@@ -172,6 +172,20 @@ def attention(g: Graph, prefix: str, q: str, k: str, v: str, past_k: str, past_v
     return ctx
 
 
+def gqa_attention(g: Graph, prefix: str, q: str, k: str, v: str, past_k: str, past_v: str, seqlens_k: str,
+                  total_len: str, num_heads: int, num_kv_heads: int, present_k: str, present_v: str) -> str:
+    """GroupQueryAttention over a shared KV buffer (the ring itself), q/k already rotated.
+
+    past_k/past_v [B, Hkv, C + S_max, Dh] are the same memory as present_k/present_v: the op writes
+    this call's rows at [total - S, total) and attends over [0, total), so the work is proportional
+    to the valid slots, not to the buffer. seqlens_k [B] int32 = total - 1; total_len [] int32.
+    """
+    outs = [f"{prefix}/GroupQueryAttention/output_0", present_k, present_v]
+    g.node("GroupQueryAttention", [q, k, v, past_k, past_v, seqlens_k, total_len], f"{prefix}/GroupQueryAttention",
+           domain=MS, outputs=outs, num_heads=num_heads, kv_num_heads=num_kv_heads, do_rotary=0)
+    return outs[0]
+
+
 def split_last(g: Graph, prefix: str, x: str, sizes: list[int]) -> list[str]:
     return g.node("Split", [x, g.const(f"split_{'_'.join(map(str, sizes))}", np.array(sizes, np.int64))],
                   f"{prefix}/Split", n_out=len(sizes), axis=-1)

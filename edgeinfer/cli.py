@@ -1,4 +1,4 @@
-"""The `edgeinfer` command line: convert, eval, inspect, generate, chat.
+"""The `edgeinfer` command line: convert, eval, inspect, generate, chat, bench.
 
 User errors (`EdgeInferError`) print one line `edgeinfer: error: ...` and exit 1; Ctrl-C prints
 `edgeinfer: interrupted` and exits 130. Neither prints a traceback.
@@ -23,7 +23,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                             int8_tensors=tuple(args.int8_tensors or ()))
     log = (lambda msg: print(msg, file=sys.stderr)) if not args.quiet else (lambda msg: None)
     convert(args.src, args.output, quant=args.quant, block_size=args.block_size, target=args.target,
-            force=args.force, scheme=scheme, log=log)
+            force=args.force, scheme=scheme, attention=args.attention, log=log)
     if not args.quiet:
         print(describe(args.output))
     return 0
@@ -143,6 +143,33 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         print()
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from edgeinfer.bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(args.model, args.prompt_tokens, args.gen_tokens, args.threads, args.runs, args.capacity)
+    tty = sys.stderr.isatty()
+
+    def progress(i: int, n: int) -> None:
+        if tty:
+            print(f"\redgeinfer bench: run {i + 1}/{n} ...", end="", file=sys.stderr, flush=True)
+
+    try:
+        r = run_bench(cfg, progress)
+    except ValueError as e:
+        raise EdgeInferError(str(e)) from None
+    if tty:
+        print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        print(f"{r['model']} ({r['quantization']}, {r['threads']} threads, {r['prompt_tokens']}-token prompt, "
+              f"{r['gen_tokens']} new tokens, median of {r['runs']})\n"
+              f"  load {r['load_s']:.2f} s, time to first token {r['ttft_ms']['median']:.1f} ms, "
+              f"prefill {r['prefill_tok_s']['median']:.0f} tok/s, decode {r['decode_tok_s']['median']:.1f} tok/s\n"
+              f"  peak RSS {r['peak_rss_mb']:.0f} MB, {r['cpu_s_per_token']['median'] * 1e3:.1f} CPU ms per token")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from edgeinfer import __version__
 
@@ -163,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--asymmetric", action="store_true", help="int4/int8 with zero points")
     c.add_argument("--int8-tensors", nargs="*", metavar="NAME",
                    help="with --quant int4, keep these projections at int8 (e.g. qkv_proj down_proj)")
+    c.add_argument("--attention", choices=("auto", "gqa", "standard"), default="auto",
+                   help="GroupQueryAttention over the shared ring (head size %% 16 == 0) or standard ops")
     c.add_argument("--force", action="store_true", help="replace an existing destination")
     c.add_argument("-q", "--quiet", action="store_true")
     c.set_defaults(func=_cmd_convert)
@@ -185,6 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print tokens as they come")
     g.add_argument("--json", action="store_true", help="print the completion as JSON")
     g.set_defaults(func=_cmd_generate)
+
+    b = sub.add_parser("bench", help="load time, time to first token, tok/s, memory (no -m: bundled model)")
+    b.add_argument("-m", "--model", type=Path, default=None)
+    b.add_argument("--prompt-tokens", type=int, default=512)
+    b.add_argument("--gen-tokens", type=int, default=128)
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--runs", type=int, default=3)
+    b.add_argument("--capacity", type=int, default=None, help="KV ring capacity (default: prompt + gen + 8)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=_cmd_bench)
 
     ch = sub.add_parser("chat", help="interactive chat (/reset clears the context, Ctrl-C stops a reply)")
     _model_args(ch)

@@ -25,6 +25,8 @@ class Engine:
         self.spec = spec
         self.max_chunk = int(max_chunk)
         self.names = session.names
+        self.shared = session.manifest.interface.get("kv_io") == "shared_buffer"
+        self.layout = "BNSH" if self.shared else "BSNH"
         self.row_bytes = spec.num_kv_heads * spec.head_dim * 4
         self._io = session.session.io_binding()
         # the cache lives in host memory; with CUDA, ORT copies the bound blocks (a device-resident
@@ -35,10 +37,13 @@ class Engine:
         self._pos = np.zeros((1, self.max_chunk), np.int64)
         self._index = np.zeros(self.max_chunk, np.int64)
         self._logits = np.zeros((1, self.max_chunk, spec.vocab_size), np.float32)
+        self._seqlens = np.zeros(1, np.int32)
+        self._total = np.zeros((), np.int32)
+        self._bound: tuple | None = None  # (cache, S, N) the shared-buffer binding was made for
         self.calls = 0
 
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
-        return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk)
+        return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, self.layout)
 
     def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Run up to `max_chunk` new tokens at the cache's next positions; return logits [N, V].
@@ -56,19 +61,39 @@ class Engine:
         n = s if all_logits else 1
         self._index[:n] = np.arange(s) if all_logits else s - 1
         io, dev = self._io, self._device
+        hkv, dh = self.spec.num_kv_heads, self.spec.head_dim
+        if self.shared:  # GroupQueryAttention appends in place to the ring buffer: past and present are one
+            self._seqlens[0] = t + s - 1
+            self._total[()] = t + s
+            key = (cache, s, n)  # holds the cache: its buffers cannot be freed while still bound
+            if key == self._bound:  # same buffers and shapes as the last call (every decode step): no rebinding
+                return self._run(cache, s, n)
+            self._bound = key
+            io.bind_input("seqlens_k", "cpu", 0, np.int32, [1], self._seqlens.ctypes.data)
+            io.bind_input("total_sequence_length", "cpu", 0, np.int32, [], self._total.ctypes.data)
+            shape = [1, hkv, cache.rows, dh]
+            for i, (k, v) in enumerate(zip(cache.k, cache.v)):
+                io.bind_input(self.names.past_key(i), dev, 0, np.float32, shape, k.ctypes.data)
+                io.bind_input(self.names.past_value(i), dev, 0, np.float32, shape, v.ctypes.data)
+                io.bind_output(self.names.present_key(i), dev, 0, np.float32, shape, k.ctypes.data)
+                io.bind_output(self.names.present_value(i), dev, 0, np.float32, shape, v.ctypes.data)
+        else:  # standard ops: past = the valid block, new rows written right after it
+            kv_past, kv_new = [1, t, hkv, dh], [1, s, hkv, dh]
+            for i, (k, v) in enumerate(zip(cache.k, cache.v)):
+                io.bind_input(self.names.past_key(i), dev, 0, np.float32, kv_past, k.ctypes.data)
+                io.bind_input(self.names.past_value(i), dev, 0, np.float32, kv_past, v.ctypes.data)
+                io.bind_output(self.names.present_key(i), dev, 0, np.float32, kv_new,
+                               k.ctypes.data + off * self.row_bytes)
+                io.bind_output(self.names.present_value(i), dev, 0, np.float32, kv_new,
+                               v.ctypes.data + off * self.row_bytes)
         io.bind_input("input_ids", "cpu", 0, np.int64, [1, s], self._ids.ctypes.data)
         io.bind_input("position_ids", "cpu", 0, np.int64, [1, s], self._pos.ctypes.data)
         io.bind_input("logits_index", "cpu", 0, np.int64, [n], self._index.ctypes.data)
-        kv_past = [1, t, self.spec.num_kv_heads, self.spec.head_dim]
-        kv_new = [1, s, self.spec.num_kv_heads, self.spec.head_dim]
-        for i, (k, v) in enumerate(zip(cache.k, cache.v)):
-            io.bind_input(self.names.past_key(i), dev, 0, np.float32, kv_past, k.ctypes.data)
-            io.bind_input(self.names.past_value(i), dev, 0, np.float32, kv_past, v.ctypes.data)
-            io.bind_output(self.names.present_key(i), dev, 0, np.float32, kv_new, k.ctypes.data + off * self.row_bytes)
-            io.bind_output(self.names.present_value(i), dev, 0, np.float32, kv_new,
-                           v.ctypes.data + off * self.row_bytes)
         io.bind_output("logits", "cpu", 0, np.float32, [1, n, self.spec.vocab_size], self._logits.ctypes.data)
-        self.session.session.run_with_iobinding(io)
+        return self._run(cache, s, n)
+
+    def _run(self, cache: RingKVCache, s: int, n: int) -> np.ndarray:
+        self.session.session.run_with_iobinding(self._io)
         cache.commit(s)
         self.calls += 1
         return self._logits[0, :n]

@@ -41,20 +41,31 @@ def io_names(num_layers: int) -> IONames:
     return IONames(num_layers)
 
 
-def graph_interface(spec: ArchSpec) -> dict:
-    """The manifest's description of the graph's inputs and outputs."""
+def graph_interface(spec: ArchSpec, kv_io: str = "runtime_append") -> dict:
+    """The manifest's description of the graph's inputs and outputs.
+
+    kv_io "runtime_append": past = the valid slots [B, T, Hkv, Dh] (BSNH), present = the S new rows;
+    "shared_buffer": past and present are the same ring buffer [B, Hkv, M, Dh] (BNSH) that
+    GroupQueryAttention appends to in place, with seqlens_k and total_sequence_length inputs.
+    """
     n = io_names(spec.num_layers)
-    kv = ["batch", "past_sequence", spec.num_kv_heads, spec.head_dim]
-    new = ["batch", "sequence", spec.num_kv_heads, spec.head_dim]
+    if kv_io == "shared_buffer":
+        kv = new = ["batch", spec.num_kv_heads, "max_sequence", spec.head_dim]
+    else:
+        kv = ["batch", "past_sequence", spec.num_kv_heads, spec.head_dim]
+        new = ["batch", "sequence", spec.num_kv_heads, spec.head_dim]
+    extra = {"seqlens_k": {"dtype": "int32", "shape": ["batch"]},
+             "total_sequence_length": {"dtype": "int32", "shape": []}} if kv_io == "shared_buffer" else {}
     return {
         "version": 1,
-        "kv_io": "runtime_append",  # past = valid slots in, present = new rows out; the runtime owns the ring
-        "kv_layout": "BSNH",
+        "kv_io": kv_io,
+        "kv_layout": "BNSH" if kv_io == "shared_buffer" else "BSNH",
         "kv_dtype": "float32",
         "inputs": {
             "input_ids": {"dtype": "int64", "shape": ["batch", "sequence"]},
             "position_ids": {"dtype": "int64", "shape": ["batch", "sequence"]},
             "logits_index": {"dtype": "int64", "shape": ["num_logits"]},
+            **extra,
             "past_key": {"name": n.past_key(0).replace(".0.", ".{i}."), "dtype": "float32", "shape": kv},
             "past_value": {"name": n.past_value(0).replace(".0.", ".{i}."), "dtype": "float32", "shape": kv},
         },

@@ -66,8 +66,19 @@ class DecoderSession:
         Returns logits [1, N, V] and, per layer, the new (K, V) rows [1, S, Hkv, Dh]. Mutates nothing.
         """
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index}
+        shared = self.manifest.interface.get("kv_io") == "shared_buffer"
+        s = input_ids.shape[1]
         for i, (k, v) in enumerate(past):
+            if shared:  # the BNSH past of exactly T rows; GQA returns past + new as present
+                k, v = np.ascontiguousarray(k.transpose(0, 2, 1, 3)), np.ascontiguousarray(v.transpose(0, 2, 1, 3))
             feeds[self.names.past_key(i)] = k
             feeds[self.names.past_value(i)] = v
+        if shared:
+            t = past[0][0].shape[1] if past else 0
+            feeds["seqlens_k"] = np.array([t + s - 1], np.int32)
+            feeds["total_sequence_length"] = np.array(t + s, np.int32)
         outs = self.session.run(self._output_names, feeds)
-        return outs[0], [(outs[1 + 2 * i], outs[2 + 2 * i]) for i in range(len(past))]
+        new = [(outs[1 + 2 * i], outs[2 + 2 * i]) for i in range(len(past))]
+        if shared:  # back to this method's contract: the S new rows, BSNH
+            new = [(k[:, :, -s:].transpose(0, 2, 1, 3), v[:, :, -s:].transpose(0, 2, 1, 3)) for k, v in new]
+        return outs[0], new

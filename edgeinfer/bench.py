@@ -1,0 +1,79 @@
+"""`edgeinfer bench`: load time, time to first token, prefill and decode speed, memory, CPU cost.
+
+Method: load the model once (timed), then `runs` times: a fresh cache, the same random prompt
+ids (seeded, BOS first), greedy generation of `gen_tokens` tokens with EOS ignored. Speeds are
+reported as median, min and max over the runs. peak_rss_mb is the process's peak resident set;
+cpu_s_per_token is user + system CPU seconds of the whole generation divided by tokens generated.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: Path | None = None
+    prompt_tokens: int = 512
+    gen_tokens: int = 128
+    threads: int = 2
+    runs: int = 3
+    capacity: int | None = None
+    seed: int = 0
+
+
+def prompt_ids(vocab_size: int, bos_id: int | None, n: int, seed: int) -> list[int]:
+    """The benchmark prompt: BOS then n-1 uniform random ids in [3, vocab): same for every engine."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, vocab_size, n).tolist()
+    if bos_id is not None:
+        ids[0] = int(bos_id)
+    return ids
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def peak_rss_mb() -> float:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(kb / 1024 if sys.platform != "darwin" else kb / 2**20, 1)
+
+
+def run_bench(cfg: BenchConfig, progress=None) -> dict:
+    import edgeinfer
+
+    if cfg.prompt_tokens < 1 or cfg.gen_tokens < 2 or cfg.runs < 1 or cfg.threads < 1:
+        raise ValueError("--prompt-tokens >= 1, --gen-tokens >= 2, --runs >= 1 and --threads >= 1 are required")
+    capacity = cfg.capacity or cfg.prompt_tokens + cfg.gen_tokens + 8
+    t0 = time.perf_counter()
+    model = edgeinfer.load(cfg.model, threads=cfg.threads, capacity_tokens=capacity)
+    load_s = time.perf_counter() - t0
+    spec = model.manifest.arch
+    ids = prompt_ids(spec.vocab_size, model.tokenizer.bos_id, cfg.prompt_tokens, cfg.seed)
+    ttft, prefill, decode, cpu = [], [], [], []
+    for i in range(cfg.runs):
+        if progress:
+            progress(i, cfg.runs)
+        c0 = os.times()
+        c = model.generate(ids, max_new_tokens=cfg.gen_tokens, temperature=0, ignore_eos=True)
+        c1 = os.times()
+        ttft.append(c.timings.ttft_ms)
+        prefill.append(c.timings.prefill_tok_s)
+        decode.append(c.timings.decode_tok_s)
+        cpu.append((c1.user - c0.user + c1.system - c0.system) / len(c.token_ids))
+    return {
+        "model": str(model.folder), "quantization": model.manifest.quantization["weights"],
+        "prompt_tokens": cfg.prompt_tokens, "gen_tokens": cfg.gen_tokens, "threads": cfg.threads, "runs": cfg.runs,
+        "capacity_tokens": capacity,
+        "load_s": round(load_s, 3), "ttft_ms": _stats(ttft), "prefill_tok_s": _stats(prefill),
+        "decode_tok_s": _stats(decode), "peak_rss_mb": peak_rss_mb(), "cpu_s_per_token": _stats(cpu),
+    }
