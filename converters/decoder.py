@@ -143,7 +143,10 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer,
     h, head = embedding_and_head(g, spec, src, scheme, "input_ids")
     cos, sin, local_ids = G.rope_tables(g, "position_ids", spec.rope.inv_freq(Dh))
     gqa = kv_io == "shared_buffer"
+    packed = gqa and not spec.qk_norm  # q/k norms sit between the projection and RoPE: those need them apart
     mask = None if gqa else G.causal_mask(g, "input_ids", names.past_key(0))
+    if packed:
+        cos_p, sin_p = G.pad_rope_tables(g, cos, sin, "total_sequence_length")
 
     residual, normed, mlp_out = h, None, None
     for i in range(spec.num_layers):
@@ -163,13 +166,20 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer,
                                     src.get(f"{a}.v_proj.bias", (Hkv * Dh,))])
         qkv = G.linear(g, f"{p}/attn/qkv_proj", normed, w_qkv, b_qkv, scheme.kind_for("qkv_proj"), scheme)
         del w_qkv
-        q, k, v = G.split_last(g, f"{p}/attn/qkv_proj", qkv, [H * Dh, Hkv * Dh, Hkv * Dh])
-        if spec.qk_norm:
-            q = _head_norm(g, f"{p}/attn/q_norm", q, src.get(f"{a}.q_norm.weight", (Dh,)), H, Dh, eps)
-            k = _head_norm(g, f"{p}/attn/k_norm", k, src.get(f"{a}.k_norm.weight", (Dh,)), Hkv, Dh, eps)
-        q = G.rotary(g, f"{p}/attn/q_rotary", q, local_ids, cos, sin, H)
-        k = G.rotary(g, f"{p}/attn/k_rotary", k, local_ids, cos, sin, Hkv)
-        if gqa:
+        if packed:
+            ctx = G.gqa_packed_attention(g, f"{p}/attn", qkv, names.past_key(i), names.past_value(i), "seqlens_k",
+                                         "total_sequence_length", cos_p, sin_p, local_ids, H, Hkv,
+                                         names.present_key(i), names.present_value(i))
+        else:
+            q, k, v = G.split_last(g, f"{p}/attn/qkv_proj", qkv, [H * Dh, Hkv * Dh, Hkv * Dh])
+            if spec.qk_norm:
+                q = _head_norm(g, f"{p}/attn/q_norm", q, src.get(f"{a}.q_norm.weight", (Dh,)), H, Dh, eps)
+                k = _head_norm(g, f"{p}/attn/k_norm", k, src.get(f"{a}.k_norm.weight", (Dh,)), Hkv, Dh, eps)
+            q = G.rotary(g, f"{p}/attn/q_rotary", q, local_ids, cos, sin, H)
+            k = G.rotary(g, f"{p}/attn/k_rotary", k, local_ids, cos, sin, Hkv)
+        if packed:
+            pass  # attention done above, on the packed projection
+        elif gqa:
             ctx = G.gqa_attention(g, f"{p}/attn", q, k, v, names.past_key(i), names.past_value(i), "seqlens_k",
                                   "total_sequence_length", H, Hkv, names.present_key(i), names.present_value(i))
         else:

@@ -172,6 +172,38 @@ def attention(g: Graph, prefix: str, q: str, k: str, v: str, past_k: str, past_v
     return ctx
 
 
+def pad_rope_tables(g: Graph, cos: str, sin: str, total_len: str) -> tuple[str, str]:
+    """GroupQueryAttention wants at least total_sequence_length rows in its cos/sin caches; only the
+    first S rows (this call's positions, indexed by the local ids) are read, so pad with zeros."""
+    p = "/model/rotary/pad"
+    (rows,) = g.node("Shape", [cos], f"{p}/Shape", end=1)
+    (total,) = g.node("Cast", [total_len], f"{p}/Cast", to=TensorProto.INT64)
+    (total,) = g.node("Reshape", [total, g.const("const_shape_1", np.array([1], np.int64))], f"{p}/Reshape")
+    (extra,) = g.node("Sub", [total, rows], f"{p}/Sub")
+    (extra,) = g.node("Max", [extra, g.const("const_i64_vec0", np.array([0], np.int64))], f"{p}/Max")
+    zeros = g.const("const_i64_zeros2", np.zeros(2, np.int64))
+    (pads,) = g.node("Concat", [zeros, extra, g.const("const_i64_vec0", np.array([0], np.int64))], f"{p}/Concat",
+                     axis=0)  # [0, 0, extra, 0]: rows appended at the end
+    (cos_p,) = g.node("Pad", [cos, pads], f"{p}/PadCos")
+    (sin_p,) = g.node("Pad", [sin, pads], f"{p}/PadSin")
+    return cos_p, sin_p
+
+
+def gqa_packed_attention(g: Graph, prefix: str, qkv: str, past_k: str, past_v: str, seqlens_k: str, total_len: str,
+                         cos: str, sin: str, local_ids: str, num_heads: int, num_kv_heads: int, present_k: str,
+                         present_v: str) -> str:
+    """GroupQueryAttention on the packed q|k|v projection, RoPE inside the op (one node per layer).
+
+    Same shared-buffer contract as `gqa_attention`; positions come from `local_ids` indexing this
+    call's cos/sin rows, so absolute positions stay unbounded.
+    """
+    outs = [f"{prefix}/GroupQueryAttention/output_0", present_k, present_v]
+    g.node("GroupQueryAttention", [qkv, "", "", past_k, past_v, seqlens_k, total_len, cos, sin, local_ids],
+           f"{prefix}/GroupQueryAttention", domain=MS, outputs=outs, num_heads=num_heads, kv_num_heads=num_kv_heads,
+           do_rotary=1, rotary_interleaved=0)
+    return outs[0]
+
+
 def gqa_attention(g: Graph, prefix: str, q: str, k: str, v: str, past_k: str, past_v: str, seqlens_k: str,
                   total_len: str, num_heads: int, num_kv_heads: int, present_k: str, present_v: str) -> str:
     """GroupQueryAttention over a shared KV buffer (the ring itself), q/k already rotated.
