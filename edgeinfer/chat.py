@@ -8,9 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 ROLES = ("system", "user", "assistant")
 
 
@@ -35,6 +32,9 @@ class ChatTemplate:
         self.bos_token, self.eos_token = bos_token, eos_token
         self._tpl = None
         if template:
+            import jinja2  # only models with a template pay for importing it (about 30 ms)
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             try:

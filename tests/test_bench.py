@@ -1,0 +1,26 @@
+"""`edgeinfer bench --json` on the bundled model: the keys the issue names, and sane values
+(no timing thresholds: speed lives in benchmarks, not tests)."""
+
+from __future__ import annotations
+
+import json
+
+from edgeinfer.cli import main
+
+
+def test_bench_json_keys_and_sane_values(capsys):
+    assert main(["bench", "--json", "--prompt-tokens", "64", "--gen-tokens", "16", "--runs", "2"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for key in ("load_s", "ttft_ms", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "cpu_s_per_token"):
+        assert key in r, key
+    assert r["load_s"] > 0 and 0 < r["peak_rss_mb"] < 24 * 1024
+    for key in ("ttft_ms", "prefill_tok_s", "decode_tok_s", "cpu_s_per_token"):
+        s = r[key]
+        assert 0 <= s["min"] <= s["median"] <= s["max"], (key, s)
+    assert r["decode_tok_s"]["min"] > 0 and r["ttft_ms"]["min"] > 0
+    assert r["prompt_tokens"] == 64 and r["gen_tokens"] == 16 and r["runs"] == 2 and r["quantization"] == "int8"
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    assert main(["bench", "--gen-tokens", "1"]) == 1
+    assert "gen-tokens" in capsys.readouterr().err
