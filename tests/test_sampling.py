@@ -255,3 +255,34 @@ def test_input_not_mutated():
     before = lg.copy()
     Sampler(SamplingParams(repetition_penalty=1.5, logit_bias={0: 2.0}), seed=0).sample(lg, [2, 2])
     assert np.array_equal(lg, before)
+
+
+@pytest.mark.skipif(BACKEND != "c", reason="C extension not built")
+def test_c_logprobs_equal_twin():
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        v = int(rng.integers(2, 5000))
+        lg = (rng.standard_normal(v) * 3).astype(np.float32)
+        lg[rng.random(v) < 0.1] = -np.inf
+        lg[0] = 0.0
+        params = SamplingParams(repetition_penalty=1.3, logit_bias={0: 1.0})
+        hist = rng.integers(0, v, 20)
+        got = Sampler(params, 1).sample_with_logprobs(lg, hist, top_n=5)
+        ref = logprobs(lg, params, hist, got.token, 5)
+        assert [t for t, _ in got.top] == [t for t, _ in ref.top]
+        assert abs(got.logprob - ref.logprob) < 1e-9
+        assert max(abs(a[1] - b[1]) for a, b in zip(got.top, ref.top)) < 1e-9
+
+
+@pytest.mark.skipif(BACKEND != "c", reason="C extension not built")
+def test_c_logprobs_need_a_run():
+    from edgeinfer.sampling import _csampler
+
+    s = _csampler.Sampler(1.0, 0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0, np.zeros(0, np.int64), np.zeros(0), 0)
+    with pytest.raises(RuntimeError, match="successful run"):
+        s.logprobs(0, 3)
+    s.run(np.zeros(4, np.float32), np.zeros(0, np.int64), None, True)
+    with pytest.raises(ValueError, match="outside"):
+        s.logprobs(9, 3)
+    lp, top = s.logprobs(1, 10)
+    assert lp == pytest.approx(np.log(0.25)) and len(top) == 4

@@ -111,5 +111,10 @@ class Sampler:
         return reference.sample(logits, self.params, history, self._rng)
 
     def sample_with_logprobs(self, logits, history=None, top_n: int = 0) -> SampleResult:
+        """The token and its log-probability (plus the top_n alternatives), computed in C from the
+        same penalised, biased logits the chain used; the numpy twin's `logprobs` is the reference."""
         token = self.sample(logits, history)
+        if self._c is not None:
+            lp, top = self._c.logprobs(token, int(top_n))
+            return SampleResult(token, lp, tuple(top))
         return logprobs(logits, self.params, history, token, top_n)

@@ -53,6 +53,7 @@ typedef struct {
     Rng rng;
     int busy;
     Py_ssize_t cap; /* vocabulary size the buffers hold */
+    Py_ssize_t last_v; /* vocabulary of the last successful run: lg holds its adjusted logits */
     double *lg;     /* [cap] adjusted logits */
     double *key;    /* [cap] selection keys / scratch */
     double *e;      /* [cap] unnormalised probabilities of candidates */
@@ -559,13 +560,62 @@ static PyObject *Sampler_run(SamplerObject *self, PyObject *args) {
         run_chain(self, &c);
         Py_END_ALLOW_THREADS
         self->busy = 0;
-        if (c.err) PyErr_SetString(PyExc_ValueError, c.err);
-        else result = PyLong_FromLongLong(c.token);
+        if (c.err) {
+            self->last_v = 0;
+            PyErr_SetString(PyExc_ValueError, c.err);
+        } else {
+            self->last_v = c.V;
+            result = PyLong_FromLongLong(c.token);
+        }
     }
     PyBuffer_Release(&lv);
     PyBuffer_Release(&hv);
     if (have_probs) PyBuffer_Release(&pv);
     return result;
+}
+
+/* logprobs(token, top_n) -> (logprob, [(id, logprob), ...]) of the last run's penalised, biased
+ * logits at temperature 1 over the whole vocabulary; the top_n best first (lower id on ties). */
+static PyObject *Sampler_logprobs(SamplerObject *self, PyObject *args) {
+    long long token;
+    Py_ssize_t top_n;
+    if (!PyArg_ParseTuple(args, "Ln", &token, &top_n)) return NULL;
+    Py_ssize_t V = self->last_v;
+    if (V == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "logprobs needs a successful run first");
+        return NULL;
+    }
+    if (token < 0 || token >= V || top_n < 0) {
+        PyErr_SetString(PyExc_ValueError, "token outside the vocabulary or negative top_n");
+        return NULL;
+    }
+    if (top_n > V) top_n = V;
+    const double *lg = self->lg;
+    double *xs = self->xs;
+    double lse;
+    int32_t *ids = self->tmp;
+    Py_ssize_t n = 0;
+    Py_BEGIN_ALLOW_THREADS
+    double m = lg[argmax_first(lg, V)];
+    for (Py_ssize_t i = 0; i < V; i++) xs[i] = lg[i] - m;
+    vexp_inplace(xs, V);
+    double sum = 0.0;
+    for (Py_ssize_t i = 0; i < V; i++) sum += xs[i];
+    lse = m + log(sum);
+    if (top_n > 0) {
+        n = top_k_scan(lg, V, top_n, ids);
+        for (Py_ssize_t i = 0; i < n; i++) { self->pairs[i].key = -lg[ids[i]]; self->pairs[i].id = ids[i]; }
+        qsort(self->pairs, (size_t)n, sizeof(Pair), cmp_pair);
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *top = PyList_New(n);
+    if (!top) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = Py_BuildValue("(id)", (int)self->pairs[i].id, lg[self->pairs[i].id] - lse);
+        if (!item) { Py_DECREF(top); return NULL; }
+        PyList_SET_ITEM(top, i, item);
+    }
+    return Py_BuildValue("(dN)", lg[token] - lse, top);
 }
 
 static PyObject *Sampler_uniform(SamplerObject *self, PyObject *noargs) {
@@ -635,6 +685,8 @@ static PyMethodDef Sampler_methods[] = {
     {"run", (PyCFunction)Sampler_run, METH_VARARGS,
      "run(logits, history, probs_out, draw) -> token id (argmax when temperature is 0)"},
     {"uniform", (PyCFunction)Sampler_uniform, METH_NOARGS, "next uniform double in [0, 1) (advances the RNG)"},
+    {"logprobs", (PyCFunction)Sampler_logprobs, METH_VARARGS,
+     "logprobs(token, top_n) -> (logprob, [(id, logprob)]) of the last run's adjusted logits (temperature 1)"},
     {NULL, NULL, 0, NULL},
 };
 
