@@ -1,0 +1,62 @@
+"""`edgeinfer generate` and `edgeinfer chat` on the bundled model: output, JSON, errors, Ctrl-C."""
+
+from __future__ import annotations
+
+import builtins
+import json
+
+import pytest
+
+from edgeinfer.cli import main
+
+
+def test_generate_text_and_json(capsys):
+    assert main(["generate", "Once upon a time", "--max-tokens", "12", "--temperature", "0"]) == 0
+    text = capsys.readouterr().out
+    assert main(["generate", "Once upon a time", "--max-tokens", "12", "--temperature", "0", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["text"] + "\n" == text and len(r["token_ids"]) == 12 and r["finish_reason"] == "length"
+    assert main(["generate", "Once upon a time", "--max-tokens", "12", "--temperature", "0", "--stream"]) == 0
+    assert capsys.readouterr().out == text
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", ""], "prompt is empty"),
+    (["generate", "Hi", "--max-tokens", "0"], "max_new_tokens"),
+    (["generate", "Hi", "--top-p", "2"], "top_p"),
+    (["generate", "Hi", "--capacity", "1"], "capacity_tokens"),
+    (["generate", "Hi", "-m", "/nonexistent/model"], "model folder not found"),
+])
+def test_generate_errors_are_one_line(capsys, argv, needle):
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("edgeinfer: error: ") and needle in err and len(err.splitlines()) == 1
+
+
+def test_chat_reset_and_ctrl_c(capsys, monkeypatch):
+    from edgeinfer.model import Conversation
+
+    lines = iter(["Hello there", "/reset", KeyboardInterrupt(), "Tell me more", "Again", "/quit"])
+
+    def fake_input(prompt=""):
+        item = next(lines)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    real = Conversation._stream
+    calls = {"n": 0}
+
+    def stream(self, messages, options, result=None):
+        calls["n"] += 1
+        if calls["n"] == 2:  # Ctrl-C in the middle of the second reply
+            yield from ()
+            raise KeyboardInterrupt
+        yield from real(self, messages, options, result)
+
+    monkeypatch.setattr(builtins, "input", fake_input)
+    monkeypatch.setattr(Conversation, "_stream", stream)
+    assert main(["chat", "--max-tokens", "5", "--seed", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "(context cleared)" in err and "(reply stopped; context cleared)" in err
+    assert calls["n"] == 3  # the program went on after the interrupted reply
