@@ -14,6 +14,42 @@ STORIES_FIX = FIXTURES / "stories260K"
 TINY_MODELS = sorted(p.name for p in TINY.iterdir() if (p / "config.json").exists())
 
 
+def write_safetensors(path: Path, tensors: dict) -> None:
+    """Write float32 numpy arrays as a safetensors file (the documented format: u64 header length,
+    JSON header, raw little-endian data)."""
+    import json
+
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        blobs.append(a.tobytes())
+        off += a.nbytes
+    h = json.dumps(header).encode()
+    path.write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+
+
+def one_layer_model(src: Path, tmp: Path) -> Path:
+    """`src` cut to its first layer and converted at fp32. With one layer a token's K/V depend only
+    on the token and its position, so a ring step must equal one forward over exactly the tokens
+    the ring holds: the reference the ring tests compare with."""
+    import json
+    import shutil
+
+    from edgeinfer.converters import convert
+    from edgeinfer.converters.safetensors_io import Checkpoint
+
+    cut = tmp / "one-layer-src"
+    shutil.copytree(src, cut, ignore=shutil.ignore_patterns("reference.npz", "*.safetensors"))
+    cfg = json.loads((cut / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (cut / "config.json").write_text(json.dumps(cfg))
+    ckpt = Checkpoint(src)
+    write_safetensors(cut / "model.safetensors", {
+        n: ckpt.read(n) for n in ckpt.tensors if not n.startswith("model.layers.") or n.startswith("model.layers.0.")})
+    convert(cut, tmp / "one-layer", quant="fp32")
+    return tmp / "one-layer"
+
+
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
     """converted(src, quant, **kw) -> folder; each (src, quant, kw) is converted once per test session."""

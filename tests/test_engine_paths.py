@@ -4,16 +4,12 @@ greedy continuations, with any prefill chunking, and forget exactly what the rin
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import numpy as np
 import pytest
 
 import edgeinfer
-from conftest import TINY, TINY_MODELS
+from conftest import TINY, TINY_MODELS, one_layer_model
 from edgeinfer.converters import convert
-from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.session import DecoderSession
 
 
@@ -42,28 +38,8 @@ def test_engine_greedy_matches_transformers(folders, name, attention, chunk):
     assert list(c.token_ids) == ref["greedy_ids"].tolist()
 
 
-def _one_layer(tmp_path, name: str):
-    src = tmp_path / "src"
-    shutil.copytree(TINY / name, src)
-    (src / "reference.npz").unlink()
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["num_hidden_layers"] = 1
-    (src / "config.json").write_text(json.dumps(cfg))
-    ckpt = Checkpoint(TINY / name)
-    keep = {n: ckpt.read(n) for n in ckpt.tensors if not n.startswith("model.layers.") or n.startswith("model.layers.0.")}
-    header, blobs, off = {}, [], 0
-    for n, a in keep.items():
-        header[n] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
-        blobs.append(a.tobytes())
-        off += a.nbytes
-    h = json.dumps(header).encode()
-    (src / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
-    convert(src, tmp_path / "one", quant="fp32")
-    return tmp_path / "one"
-
-
 def test_gqa_ring_matches_explicit_sliding_window(tmp_path):
-    folder = _one_layer(tmp_path, "llama2_gqa_tied")
+    folder = one_layer_model(TINY / "llama2_gqa_tied", tmp_path)
     m = edgeinfer.load(folder, capacity_tokens=24, n_sink=2, prefill_chunk=5)
     assert m.engine.shared
     sess = DecoderSession(folder)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from conftest import STORIES_FIX, STORIES_SRC
+from conftest import STORIES_FIX, STORIES_SRC, one_layer_model
 from edgeinfer.evaluate import stream_perplexity
 from edgeinfer.kv_cache import ContextOverflowError
 from edgeinfer.session import DecoderSession
@@ -78,34 +78,8 @@ def test_eos_ends_generation(fp32):
     assert c.finish_reason == "length" and len(c.token_ids) == 10
 
 
-def _one_layer_stories(tmp_path):
-    """stories260K cut to its first layer: there a token's K/V depend only on the token and its
-    position, so a ring step must equal one forward over exactly the tokens the ring holds."""
-    import shutil
-
-    from edgeinfer.converters import convert
-    from edgeinfer.converters.safetensors_io import Checkpoint
-
-    src = tmp_path / "src1"
-    shutil.copytree(STORIES_SRC, src)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["num_hidden_layers"] = 1
-    (src / "config.json").write_text(json.dumps(cfg))
-    ckpt = Checkpoint(STORIES_SRC)
-    keep = {n: ckpt.read(n) for n in ckpt.tensors if not n.startswith("model.layers.") or n.startswith("model.layers.0.")}
-    header, blobs, off = {}, [], 0
-    for n, a in keep.items():
-        header[n] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
-        blobs.append(a.tobytes())
-        off += a.nbytes
-    h = json.dumps(header).encode()
-    (src / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
-    convert(src, tmp_path / "one", quant="fp32")
-    return tmp_path / "one"
-
-
 def test_ring_matches_explicit_sliding_window(tmp_path):
-    folder = _one_layer_stories(tmp_path)
+    folder = one_layer_model(STORIES_SRC, tmp_path)
     m = edgeinfer.load(folder, capacity_tokens=32, n_sink=4, prefill_chunk=8)
     sess = DecoderSession(folder)
     ids = m.tokenizer.encode(EVAL_TXT.read_text().splitlines()[0])[:90]
