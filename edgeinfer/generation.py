@@ -80,23 +80,47 @@ def make_request(max_new_tokens: int = 128, temperature: float = 0.8, top_k: int
     return Request(params, max_new_tokens, stops, seed, bool(ignore_eos))
 
 
+class PenaltyWindow:
+    """The last `n` ids (prompt, then generated) for the penalties, in a buffer of 2n: constant
+    memory however long generation runs; `view()` is a contiguous slice, no copy."""
+
+    def __init__(self, n: int, prompt: list[int]):
+        self.n = n
+        self.buf = np.zeros(max(2 * n, 1), np.int64)
+        tail = prompt[-n:] if n else []
+        self.buf[:len(tail)] = tail
+        self.end = len(tail)
+
+    def push(self, token: int) -> None:
+        if not self.n:
+            return
+        if self.end == self.buf.size:  # full: keep the last n - 1, then append
+            self.buf[:self.n - 1] = self.buf[self.end - self.n + 1:self.end]
+            self.end = self.n - 1
+        self.buf[self.end] = token
+        self.end += 1
+
+    def view(self) -> np.ndarray | None:
+        return self.buf[max(0, self.end - self.n):self.end] if self.n else None
+
+
 class Detokenizer:
     """Incremental decode: text of new tokens, decoded with a little left context (so leading spaces
     and multi-token UTF-8 come out right), held back while it ends in an incomplete character."""
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
-        self.ids: list[int] = []
-        self.prefix = 0  # start of the context window
-        self.read = 0  # tokens already turned into text
+        self.ids: list[int] = []  # the context window (last emitted tokens) + tokens not yet turned into text
+        self.read = 0  # how many of `ids` are already text
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        before = self.tok.decode(self.ids[self.prefix:self.read])
-        after = self.tok.decode(self.ids[self.prefix:])
+        before = self.tok.decode(self.ids[:self.read])
+        after = self.tok.decode(self.ids)
         if after.endswith("\ufffd") or len(after) <= len(before):
             return ""
-        self.prefix, self.read = self.read, len(self.ids)
+        del self.ids[:self.read]  # the new tokens become the next call's left context
+        self.read = len(self.ids)
         return after[len(before):]
 
 
@@ -171,11 +195,8 @@ def run(engine: Engine, tok: Tokenizer, cache: RingKVCache, prompt_ids: list[int
     eos = set() if req.ignore_eos else set(tok.eos_ids)
     feed, dropped = fit_prompt(cache, prompt_ids, overflow, req.max_new_tokens)
     dropped_before = cache.dropped
-    use_history = req.params.penalty_last_n > 0 and req.params.has_penalties
-    history = np.zeros(len(feed) + req.max_new_tokens + 1, np.int64)  # one allocation per request
-    history[:len(feed)] = feed
-    n_hist = len(feed)
-    last_n = req.params.penalty_last_n
+    last_n = req.params.penalty_last_n if req.params.has_penalties else 0
+    window = PenaltyWindow(last_n, feed)
     detok, stops = Detokenizer(tok), StopFilter(req.stop)
     generated: list[int] = []
     finish = "length"
@@ -185,16 +206,14 @@ def run(engine: Engine, tok: Tokenizer, cache: RingKVCache, prompt_ids: list[int
     t_prefill = time.perf_counter()
     t_first = t_prefill
     while True:
-        h = history[max(0, n_hist - last_n):n_hist] if use_history else None
-        token = sampler.sample(logits, h)
+        token = sampler.sample(logits, window.view())
         if not generated:
             t_first = time.perf_counter()
         if token in eos:
             finish = "eos"
             break
         generated.append(token)
-        history[n_hist] = token
-        n_hist += 1
+        window.push(token)
         text = stops.feed(detok.add(token))
         if stops.stopped:
             finish = "stop"

@@ -223,3 +223,28 @@ def test_bundled_model_is_what_the_converter_makes(tmp_path):
     fresh = convert(STORIES_SRC, tmp_path / "fresh", quant="int8").to_json()
     assert fresh["files"]["model.onnx.data"] == shipped["files"]["model.onnx.data"]
     assert fresh["quantization"] == shipped["quantization"]
+
+
+def test_penalty_window_keeps_the_last_n():
+    from edgeinfer.generation import PenaltyWindow
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 3, 64):
+        prompt = rng.integers(0, 100, int(rng.integers(0, 150))).tolist()
+        w, naive = PenaltyWindow(n, prompt), list(prompt)
+        for _ in range(500):
+            t = int(rng.integers(0, 100))
+            w.push(t)
+            naive.append(t)
+            got = w.view()
+            assert (got is None and n == 0) or got.tolist() == naive[-n:]
+        assert w.buf.size == max(2 * n, 1)  # constant memory
+
+
+def test_detokenizer_joins_to_full_decode(bundled):
+    from edgeinfer.generation import Detokenizer
+
+    ids = bundled.tokenizer.encode('Once upon a time, Lily saw a big dog. "Hello!" she said.', add_bos=False)
+    d = Detokenizer(bundled.tokenizer)
+    assert "".join(d.add(t) for t in ids) == bundled.tokenizer.decode(ids)
+    assert len(d.ids) <= 2  # only the context window is kept
