@@ -166,10 +166,11 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer,
                                     src.get(f"{a}.v_proj.bias", (Hkv * Dh,))])
         qkv = G.linear(g, f"{p}/attn/qkv_proj", normed, w_qkv, b_qkv, scheme.kind_for("qkv_proj"), scheme)
         del w_qkv
-        if packed:
-            ctx = G.gqa_packed_attention(g, f"{p}/attn", qkv, names.past_key(i), names.past_value(i), "seqlens_k",
-                                         "total_sequence_length", cos_p, sin_p, local_ids, H, Hkv,
-                                         names.present_key(i), names.present_value(i))
+        past_k, past_v, present_k, present_v = (names.past_key(i), names.past_value(i), names.present_key(i),
+                                                names.present_value(i))
+        if packed:  # one node: q|k|v in, RoPE and attention inside
+            ctx = G.gqa_packed_attention(g, f"{p}/attn", qkv, past_k, past_v, "seqlens_k", "total_sequence_length",
+                                         cos_p, sin_p, local_ids, H, Hkv, present_k, present_v)
         else:
             q, k, v = G.split_last(g, f"{p}/attn/qkv_proj", qkv, [H * Dh, Hkv * Dh, Hkv * Dh])
             if spec.qk_norm:
@@ -177,14 +178,11 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer,
                 k = _head_norm(g, f"{p}/attn/k_norm", k, src.get(f"{a}.k_norm.weight", (Dh,)), Hkv, Dh, eps)
             q = G.rotary(g, f"{p}/attn/q_rotary", q, local_ids, cos, sin, H)
             k = G.rotary(g, f"{p}/attn/k_rotary", k, local_ids, cos, sin, Hkv)
-        if packed:
-            pass  # attention done above, on the packed projection
-        elif gqa:
-            ctx = G.gqa_attention(g, f"{p}/attn", q, k, v, names.past_key(i), names.past_value(i), "seqlens_k",
-                                  "total_sequence_length", H, Hkv, names.present_key(i), names.present_value(i))
-        else:
-            ctx = G.attention(g, f"{p}/attn", q, k, v, names.past_key(i), names.past_value(i), mask, H, Hkv, Dh,
-                              names.present_key(i), names.present_value(i))
+            if gqa:
+                ctx = G.gqa_attention(g, f"{p}/attn", q, k, v, past_k, past_v, "seqlens_k", "total_sequence_length",
+                                      H, Hkv, present_k, present_v)
+            else:
+                ctx = G.attention(g, f"{p}/attn", q, k, v, past_k, past_v, mask, H, Hkv, Dh, present_k, present_v)
         o_b = src.maybe(f"{a}.o_proj.bias", (D,), spec.o_bias)
         attn_out = G.linear(g, f"{p}/attn/o_proj", ctx, src.get(f"{a}.o_proj.weight", (D, H * Dh)), o_b,
                             scheme.kind_for("o_proj"), scheme)

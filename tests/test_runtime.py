@@ -221,8 +221,9 @@ def test_bundled_model_is_what_the_converter_makes(tmp_path):
 
     shipped = json.loads((default_model_path() / "edgeinfer.json").read_text())
     fresh = convert(STORIES_SRC, tmp_path / "fresh", quant="int8").to_json()
-    assert fresh["files"]["model.onnx.data"] == shipped["files"]["model.onnx.data"]
-    assert fresh["quantization"] == shipped["quantization"]
+    for name in ("model.onnx", "model.onnx.data"):
+        assert fresh["files"][name] == shipped["files"][name], f"re-convert models/stories260K-int8: {name} is stale"
+    assert fresh["quantization"] == shipped["quantization"] and fresh["interface"] == shipped["interface"]
 
 
 def test_penalty_window_keeps_the_last_n():
