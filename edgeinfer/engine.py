@@ -56,10 +56,15 @@ class Engine:
             raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {s}")
         t = cache.n_valid
         off = cache.write_offset(s)
-        self._ids[0, :s] = ids
-        self._pos[0, :s] = np.arange(cache.next_position, cache.next_position + s)
         n = s if all_logits else 1
-        self._index[:n] = np.arange(s) if all_logits else s - 1
+        if s == 1:  # the decode step: plain stores, nothing allocated
+            self._ids[0, 0] = ids[0]
+            self._pos[0, 0] = cache.next_position
+            self._index[0] = 0
+        else:
+            self._ids[0, :s] = ids
+            self._pos[0, :s] = np.arange(cache.next_position, cache.next_position + s)
+            self._index[:n] = np.arange(s) if all_logits else s - 1
         io, dev = self._io, self._device
         hkv, dh = self.spec.num_kv_heads, self.spec.head_dim
         if self.shared:  # GroupQueryAttention appends in place to the ring buffer: past and present are one

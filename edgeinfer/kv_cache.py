@@ -89,7 +89,10 @@ class RingKVCache:
         """Account for the s rows the last call wrote at rows [n_valid, n_valid + s)."""
         start = self.n_valid
         fit = max(0, min(s, self.capacity - start))  # rows that landed in free slots
-        self.positions[start:start + fit] = np.arange(self.next_position, self.next_position + fit)
+        if fit == 1:
+            self.positions[start] = self.next_position
+        elif fit:
+            self.positions[start:start + fit] = np.arange(self.next_position, self.next_position + fit)
         self.n_valid += fit
         for j in range(fit, s):  # rows past the ring: move each into the oldest non-sink slot
             src, dst = start + j, self.next_slot
