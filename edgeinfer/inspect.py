@@ -9,6 +9,10 @@ from edgeinfer.arch import ArchSpec
 from edgeinfer.manifest import read_manifest
 
 
+ATTENTION = {"shared_buffer": "GroupQueryAttention appending in place to the KV ring",
+             "runtime_append": "standard ops over the valid KV slots"}
+
+
 def parameter_count(a: ArchSpec) -> int:
     D, I, V, Dh = a.hidden_size, a.intermediate_size, a.vocab_size, a.head_dim
     attn = D * a.num_heads * Dh * 2 + D * a.num_kv_heads * Dh * 2
@@ -28,7 +32,7 @@ def summary(folder: Path | str) -> dict:
         "family": a.family, "parameters": parameter_count(a), "layers": a.num_layers, "hidden_size": a.hidden_size,
         "heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
         "tied_embeddings": a.tie_word_embeddings, "quantization": m.quantization, "target": m.target,
-        "flavour": m.flavour, "size_on_disk_bytes": disk, "kv_bytes_per_token": a.kv_bytes_per_token,
+        "flavour": m.flavour, "kv_io": m.interface.get("kv_io"), "size_on_disk_bytes": disk, "kv_bytes_per_token": a.kv_bytes_per_token,
         "default_capacity_tokens": m.default_capacity_tokens,
         "kv_bytes_at_default_capacity": a.kv_bytes_per_token * m.default_capacity_tokens,
         "tokenizer": m.tokenizer["kind"], "format_version": m.format_version, "converter_version": m.converter_version,
@@ -49,7 +53,8 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         f"hidden {s['hidden_size']}, {s['heads']} heads / {s['kv_heads']} KV heads x {s['head_dim']}, "
         f"vocab {s['vocab_size']}{', tied embeddings' if s['tied_embeddings'] else ''}",
         f"  quantization  weights {q['weights']}{blocks}; embedding {q['embedding']}, lm_head {q['lm_head']}",
-        f"  graph         {s['flavour']} flavour for {s['target']}, format v{s['format_version']}",
+        f"  graph         {s['flavour']} flavour for {s['target']}, format v{s['format_version']}; attention: "
+        f"{ATTENTION.get(s['kv_io'], s['kv_io'])}",
         f"  size on disk  {s['size_on_disk_bytes'] / 1e6:.2f} MB",
         f"  KV cache      {s['kv_bytes_per_token']} bytes per token; "
         f"{s['kv_bytes_at_default_capacity'] / 1e6:.2f} MB at the default capacity of {s['default_capacity_tokens']}",

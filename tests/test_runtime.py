@@ -249,3 +249,22 @@ def test_detokenizer_joins_to_full_decode(bundled):
     d = Detokenizer(bundled.tokenizer)
     assert "".join(d.add(t) for t in ids) == bundled.tokenizer.decode(ids)
     assert len(d.ids) <= 2  # only the context window is kept
+
+
+@pytest.mark.parametrize("name", ["stories", "gqa"])
+def test_snapshot_restore_replays_a_prefix(converted, name):
+    """A restored snapshot continues exactly as the original cache did (prefix caching's base)."""
+    from conftest import TINY
+
+    folder = converted(STORIES_SRC, "fp32") if name == "stories" else converted(TINY / "llama2_gqa_tied", "fp32")
+    m = edgeinfer.load(folder, capacity_tokens=40, n_sink=4, prefill_chunk=16)
+    prefix, tail = list(range(3, 33)), [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]
+    cache = m.new_cache()
+    m.engine.prefill(cache, prefix)
+    snap = cache.snapshot()
+    first = [m.engine.decode_one(cache, t).copy() for t in tail]  # runs past the capacity: the ring wraps
+    other = m.new_cache()
+    other.restore(snap)
+    again = [m.engine.decode_one(other, t).copy() for t in tail]
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert other.dropped == cache.dropped == len(prefix) + len(tail) - 40
