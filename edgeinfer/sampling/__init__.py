@@ -17,7 +17,7 @@ import numpy as np
 
 from edgeinfer.sampling import reference
 from edgeinfer.sampling.params import SamplingParams
-from edgeinfer.sampling.rng import Rng
+from edgeinfer.sampling.rng import Rng, resolve_seed
 
 try:
     from edgeinfer.sampling import _csampler
@@ -61,7 +61,7 @@ def _c_sampler(params: SamplingParams, seed: int | None):
     return _csampler.Sampler(float(params.temperature), params.top_k, float(params.top_p), float(params.min_p),
                              float(params.typical_p), float(params.repetition_penalty),
                              float(params.frequency_penalty), float(params.presence_penalty), params.penalty_last_n,
-                             ids, vals, seed & ((1 << 64) - 1))
+                             ids, vals, resolve_seed(seed))
 
 
 def filter_probs(logits, params: SamplingParams, history=None) -> np.ndarray:
@@ -96,11 +96,7 @@ class Sampler:
 
     def __init__(self, params: SamplingParams | None = None, seed: int | None = None):
         self.params = params or SamplingParams()
-        if seed is None:
-            seed = int.from_bytes(__import__("os").urandom(8), "little")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer or None, got {seed!r}")
-        self.seed = seed
+        self.seed = seed = resolve_seed(seed)
         self._c = _c_sampler(self.params, seed) if _csampler is not None else None
         self._rng = Rng(seed) if _csampler is None else None
 

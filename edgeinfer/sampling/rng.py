@@ -20,12 +20,17 @@ def splitmix64(state: int) -> tuple[int, int]:
     return state, z ^ (z >> 31)
 
 
-def seed_state(seed: int | None) -> list[int]:
+def resolve_seed(seed: int | None) -> int:
+    """The 64-bit seed both back ends start from: `seed` masked to 64 bits, or one from os.urandom."""
     if seed is None:
-        seed = int.from_bytes(os.urandom(8), "little")
+        return int.from_bytes(os.urandom(8), "little")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer or None, got {seed!r}")
-    x, s = seed & MASK, []
+    return seed & MASK
+
+
+def seed_state(seed: int | None) -> list[int]:
+    x, s = resolve_seed(seed), []
     for _ in range(4):
         x, z = splitmix64(x)
         s.append(z)
