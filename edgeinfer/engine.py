@@ -54,6 +54,7 @@ class Engine:
         s = len(ids)
         if not 0 < s <= self.max_chunk:
             raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {s}")
+        cache.rebase_if_due(s)
         t = cache.n_valid
         off = cache.write_offset(s)
         n = s if all_logits else 1

@@ -11,9 +11,17 @@ S_max = the largest chunk one graph call may append (the overflow rows): [1, C +
 A graph call reads slots [0, n_valid) and writes its S new rows (already rotated by RoPE, so slot
 order does not matter to attention) at rows [n_valid, n_valid + S). Rows that land at or past C
 (the ring was full, or filled up during the call) are moved by `commit` into the ring slots they
-replace, oldest first, never the sinks. Positions stay absolute.
+replace, oldest first, never the sinks.
 
-Owned by one conversation; mutated only by `commit`, `reset` and `restore`.
+Positions do not drift (StreamingLLM's rule): the sinks keep positions 0..n_sink-1 and the ring's
+tokens keep consecutive positions that start just past the sinks, so no distance the model sees
+exceeds about the cache's span, however long generation runs. Keys are cached already rotated by
+RoPE, and RoPE is a rotation, so moving every ring token d positions back is one rotation of its
+cached key by -d (values do not change). `rebase_if_due` does that when the next call would pass
+`position_limit` = capacity + `rebase_every_tokens`, moving the oldest ring token to position
+n_sink: an O(C) pass over the keys once every `rebase_every_tokens` tokens, nothing per token.
+
+Owned by one conversation; mutated only by `rebase_if_due`, `commit`, `reset` and `restore`.
 """
 
 from __future__ import annotations
@@ -23,11 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeinfer.arch import ArchSpec
+from edgeinfer.errors import EdgeInferError
 
 OVERFLOW_POLICIES = ("shift", "truncate", "error")
 
 
-class ContextOverflowError(ValueError):
+class ContextOverflowError(EdgeInferError, ValueError):
     """The prompt (or prompt plus requested tokens) does not fit the ring under overflow="error"."""
 
 
@@ -42,11 +51,35 @@ class Snapshot:
     next_slot: int
     next_position: int
     dropped: int
+    rebased_tokens: int
+
+
+def rebase_interval(capacity_tokens: int, max_chunk: int, max_position_embeddings: int) -> int:
+    """How far positions may run past the capacity before the ring is re-based.
+
+    A quarter of the capacity (so a re-base, which rotates every cached key once, costs a small
+    fraction of the attention work between two re-bases), less where that would carry positions past
+    the model's trained length, but never below a sixteenth of the capacity (or 1).
+    """
+    headroom = max_position_embeddings - capacity_tokens - max_chunk
+    return max(1, min(capacity_tokens // 4, max(capacity_tokens // 16, headroom)))
+
+
+def rotate_keys(k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Rotate-half RoPE by the angles whose cos/sin are given ([Dh/2], broadcast), in place on the
+    last axis of k: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] (transformers' convention)."""
+    half = k.shape[-1] // 2
+    x1 = k[..., :half].copy()
+    x2 = k[..., half:]
+    k[..., :half] *= cos
+    k[..., :half] -= x2 * sin
+    x2 *= cos
+    x2 += x1 * sin
 
 
 class RingKVCache:
     def __init__(self, spec: ArchSpec, capacity_tokens: int, n_sink: int = 4, max_chunk: int = 256,
-                 layout: str = "BSNH"):
+                 layout: str = "BSNH", rebase_every_tokens: int | None = None):
         if capacity_tokens < 2:
             raise ValueError(f"capacity_tokens must be at least 2, got {capacity_tokens}")
         if not 0 <= n_sink < capacity_tokens:
@@ -64,20 +97,53 @@ class RingKVCache:
             (1, spec.num_kv_heads, rows, spec.head_dim)
         self.k = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
         self.v = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
-        self.positions = np.full(self.capacity, -1, np.int64)  # absolute position held by each slot
+        self.positions = np.full(self.capacity, -1, np.int64)  # RoPE position held by each slot
+        self.inv_freq = spec.rope.inv_freq(spec.head_dim).astype(np.float64)
+        self.rebase_every_tokens = int(rebase_every_tokens or rebase_interval(
+            self.capacity, self.max_chunk, spec.max_position_embeddings))
+        if self.rebase_every_tokens < 1:
+            raise ValueError(f"rebase_every_tokens must be >= 1, got {rebase_every_tokens}")
         self.bytes = 2 * spec.num_layers * rows * spec.num_kv_heads * spec.head_dim * 4
         self.reset()
 
     def reset(self) -> None:
         self.n_valid = 0  # slots [0, n_valid) hold tokens
         self.next_slot = self.n_sink  # the ring slot the next token overwrites once full
-        self.next_position = 0  # absolute position of the next token
+        self.next_position = 0  # RoPE position of the next token
         self.dropped = 0  # tokens evicted from the ring so far
+        self.rebased_tokens = 0  # total shift applied by re-basing: a token's index in the stream is
+        # its position + rebased_tokens (for ring tokens)
         self.positions[:] = -1
 
     @property
     def full(self) -> bool:
         return self.n_valid == self.capacity
+
+    @property
+    def position_limit(self) -> int:
+        """No call writes a position at or past this (re-basing keeps it so)."""
+        return self.capacity + self.rebase_every_tokens + self.max_chunk
+
+    def rebase_if_due(self, s: int) -> int:
+        """Before a call appending s tokens: if its positions would run past capacity +
+        rebase_every_tokens, move every ring token back so that the oldest sits at position n_sink
+        (its key rotated by RoPE's -d, its position lowered by d). The sinks never move. Returns d
+        (0 when nothing was due)."""
+        if self.next_position + s <= self.capacity + self.rebase_every_tokens or self.n_valid <= self.n_sink:
+            return 0
+        ring = self.positions[self.n_sink:self.n_valid]
+        d = int(ring.min()) - self.n_sink
+        if d <= 0:
+            return 0
+        angle = -d * self.inv_freq  # float64: exact enough for any d the ring reaches
+        cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+        for k in self.k:
+            rotate_keys(k[0, self.n_sink:self.n_valid] if self.layout == "BSNH" else
+                        k[0, :, self.n_sink:self.n_valid], cos, sin)
+        ring -= d
+        self.next_position -= d
+        self.rebased_tokens += d
+        return d
 
     def write_offset(self, s: int) -> int:
         """Row where a call appending s tokens writes its new rows: always right after the valid slots."""
@@ -112,7 +178,8 @@ class RingKVCache:
     def snapshot(self) -> Snapshot:
         n = self.n_valid
         return Snapshot(tuple(self._valid(k).copy() for k in self.k), tuple(self._valid(v).copy() for v in self.v),
-                        self.positions[:n].copy(), n, self.next_slot, self.next_position, self.dropped)
+                        self.positions[:n].copy(), n, self.next_slot, self.next_position, self.dropped,
+                        self.rebased_tokens)
 
     def restore(self, snap: Snapshot) -> None:
         if snap.n_valid > self.capacity:
@@ -125,4 +192,5 @@ class RingKVCache:
             else:
                 k[:, :, :n], v[:, :, :n] = sk, sv
         self.positions[:n] = snap.positions
-        self.n_valid, self.next_slot, self.next_position, self.dropped = n, snap.next_slot, snap.next_position, snap.dropped
+        self.n_valid, self.next_slot, self.next_position = n, snap.next_slot, snap.next_position
+        self.dropped, self.rebased_tokens = snap.dropped, snap.rebased_tokens

@@ -28,7 +28,7 @@ def write_safetensors(path: Path, tensors: dict) -> None:
     path.write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
 
 
-def one_layer_model(src: Path, tmp: Path) -> Path:
+def one_layer_model(src: Path, tmp: Path, attention: str = "auto") -> Path:
     """`src` cut to its first layer and converted at fp32. With one layer a token's K/V depend only
     on the token and its position, so a ring step must equal one forward over exactly the tokens
     the ring holds: the reference the ring tests compare with."""
@@ -46,8 +46,41 @@ def one_layer_model(src: Path, tmp: Path) -> Path:
     ckpt = Checkpoint(src)
     write_safetensors(cut / "model.safetensors", {
         n: ckpt.read(n) for n in ckpt.tensors if not n.startswith("model.layers.") or n.startswith("model.layers.0.")})
-    convert(cut, tmp / "one-layer", quant="fp32")
+    convert(cut, tmp / "one-layer", quant="fp32", attention=attention)
     return tmp / "one-layer"
+
+
+def run_ring(engine, cache, ids: list[int], chunk: int, shrink_when_full: bool) -> dict:
+    """Feed `ids` through `cache` in calls of at most `chunk` tokens (one at a time once the ring is
+    full, with `shrink_when_full`); returns {t: (logits row [V], start of its call, position of that
+    call's first token)}. Positions are read back from the cache: after a call of s tokens they are
+    next_position - s ..."""
+    rows, pos = {}, 0
+    while pos < len(ids):
+        room = cache.capacity - cache.n_valid
+        s = min(chunk, len(ids) - pos)
+        if shrink_when_full:
+            s = min(s, max(room, 1))
+        lg = engine.forward(cache, ids[pos:pos + s], all_logits=True)
+        p0 = cache.next_position - s
+        rows.update({pos + j: (lg[j].copy(), pos, p0) for j in range(s)})
+        pos += s
+    return rows
+
+
+def ring_reference(sess, ids: list[int], t: int, start: int, p0: int, capacity: int, n_sink: int):
+    """Logits for token t computed the StreamingLLM way, from scratch: one forward over exactly the
+    tokens the ring held when t's call started (the sinks, then the newest capacity - n_sink tokens
+    before `start`) and the call's tokens up to t. Sinks sit at positions 0..n_sink-1; every later
+    token at p0 - start + its index (consecutive, so the oldest ring token sits just past the sinks
+    once the ring is re-based)."""
+    import numpy as np
+
+    sel = list(range(min(n_sink, start))) + list(range(max(n_sink, start - (capacity - n_sink)), t + 1))
+    positions = [i if i < n_sink else p0 - start + i for i in sel]
+    ref, _ = sess.forward(np.array([[ids[i] for i in sel]]), np.array([positions]), sess.empty_past(),
+                          np.array([len(sel) - 1]))
+    return ref[0, -1]
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from conftest import TINY, TINY_MODELS, one_layer_model
+from conftest import TINY, TINY_MODELS, one_layer_model, ring_reference, run_ring
 from edgeinfer.converters import convert
 from edgeinfer.session import DecoderSession
 
@@ -43,22 +43,12 @@ def test_gqa_ring_matches_explicit_sliding_window(tmp_path):
     m = edgeinfer.load(folder, capacity_tokens=24, n_sink=2, prefill_chunk=5)
     assert m.engine.shared
     sess = DecoderSession(folder)
-    ids = np.random.default_rng(0).integers(3, 512, 70).tolist()
+    ids = np.random.default_rng(0).integers(3, 512, 90).tolist()
     cache = m.new_cache()
-    rows, pos = {}, 0
-    while pos < len(ids):
-        s = min(5, len(ids) - pos)  # chunks keep going past the capacity: overflow rows move into the ring
-        lg = m.engine.forward(cache, ids[pos:pos + s], all_logits=True)
-        rows.update({pos + j: lg[j].copy() for j in range(s)})
-        pos += s
-    assert cache.n_valid == 24 and cache.dropped == 70 - 24
-    for t in (10, 23, 24, 25, 40, 69):
-        if t < 24:
-            sel = list(range(t + 1))
-        else:  # the call that holds t started with the ring as it was after the previous chunk
-            start = t - (t % 5)
-            held = list(range(2)) + list(range(max(2, start - 22), start))
-            sel = held + list(range(start, t + 1))
-        ref, _ = sess.forward(np.array([[ids[i] for i in sel]]), np.array([sel]), sess.empty_past(),
-                              np.array([len(sel) - 1]))
-        assert np.abs(ref[0, -1] - rows[t]).max() < 1e-4, t
+    # chunks keep going past the capacity: overflow rows move into the ring, and the ring re-bases
+    rows = run_ring(m.engine, cache, ids, 5, shrink_when_full=False)
+    assert cache.n_valid == 24 and cache.dropped == 90 - 24
+    assert cache.rebased_tokens > 0 and cache.next_position < 90  # positions were moved back
+    for t in (10, 23, 24, 25, 40, 64, 69, 89):
+        lg, start, p0 = rows[t]
+        assert np.abs(ring_reference(sess, ids, t, start, p0, 24, 2) - lg).max() < 1e-4, t

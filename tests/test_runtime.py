@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from conftest import STORIES_FIX, STORIES_SRC, one_layer_model
+from conftest import STORIES_FIX, STORIES_SRC, one_layer_model, ring_reference, run_ring
 from edgeinfer.evaluate import stream_perplexity
 from edgeinfer.kv_cache import ContextOverflowError
 from edgeinfer.session import DecoderSession
@@ -82,22 +82,14 @@ def test_ring_matches_explicit_sliding_window(tmp_path):
     folder = one_layer_model(STORIES_SRC, tmp_path)
     m = edgeinfer.load(folder, capacity_tokens=32, n_sink=4, prefill_chunk=8)
     sess = DecoderSession(folder)
-    ids = m.tokenizer.encode(EVAL_TXT.read_text().splitlines()[0])[:90]
+    ids = m.tokenizer.encode(EVAL_TXT.read_text().splitlines()[0])[:120]
     cache = m.new_cache()
-    rows = {}
-    pos = 0
-    while pos < len(ids):
-        room = cache.capacity - cache.n_valid
-        s = min(8, room if room > 0 else 1, len(ids) - pos)
-        lg = m.engine.forward(cache, ids[pos:pos + s], all_logits=True)
-        rows.update({pos + j: lg[j].copy() for j in range(s)})
-        pos += s
+    rows = run_ring(m.engine, cache, ids, 8, shrink_when_full=True)
     assert cache.n_valid == 32 and cache.dropped == len(ids) - 32
-    for t in (20, 31, 32, 33, 50, 89):
-        sel = list(range(4)) + list(range(max(4, t - 28), t + 1))  # sinks + the 28 ring slots + itself
-        ref, _ = sess.forward(np.array([[ids[i] for i in sel]]), np.array([sel]), sess.empty_past(),
-                              np.array([len(sel) - 1]))
-        assert np.abs(ref[0, -1] - rows[t]).max() < 1e-4, t
+    assert cache.rebased_tokens > 0 and cache.next_position <= cache.position_limit
+    for t in (20, 31, 32, 33, 50, 89, 119):
+        lg, start, p0 = rows[t]
+        assert np.abs(ring_reference(sess, ids, t, start, p0, 32, 4) - lg).max() < 1e-4, t
 
 
 def test_generation_runs_past_capacity_in_constant_memory(converted):
@@ -258,7 +250,7 @@ def test_snapshot_restore_replays_a_prefix(converted, name):
 
     folder = converted(STORIES_SRC, "fp32") if name == "stories" else converted(TINY / "llama2_gqa_tied", "fp32")
     m = edgeinfer.load(folder, capacity_tokens=40, n_sink=4, prefill_chunk=16)
-    prefix, tail = list(range(3, 33)), [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]
+    prefix, tail = list(range(3, 33)), list(range(40, 70))  # past capacity + rebase interval: a re-base too
     cache = m.new_cache()
     m.engine.prefill(cache, prefix)
     snap = cache.snapshot()
@@ -268,3 +260,4 @@ def test_snapshot_restore_replays_a_prefix(converted, name):
     again = [m.engine.decode_one(other, t).copy() for t in tail]
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert other.dropped == cache.dropped == len(prefix) + len(tail) - 40
+    assert other.rebased_tokens == cache.rebased_tokens > 0

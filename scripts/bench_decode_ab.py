@@ -1,0 +1,84 @@
+"""Decode-step time of two installs of edgeinfer side by side (A/B), alternating runs in one harness.
+
+    python scripts/bench_decode_ab.py -m MODEL --python A=/path/venvA/bin/python B=/path/venvB/bin/python \
+        [--rounds 5] [--threads 2] [--out FILE]
+
+Each round runs every interpreter once, in turn, on two cases:
+  valid32:   capacity 4,096, 31 prompt tokens, 200 decode steps (32 valid slots: cost set by valid tokens)
+  full_ring: capacity 256, a 256-token prompt, then 1,000 decode steps with the ring full and wrapping
+             (so any periodic work, e.g. re-basing positions, falls inside the timed steps)
+A step is one `Engine.decode_one` call (graph run + ring bookkeeping), timed with perf_counter.
+Reports, per install and case, the median over rounds of the per-run median and mean step (ms); the
+mean includes occasional slow steps that the median hides. JSON out; ratios B/A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+INNER = r"""
+import json, sys, time, statistics
+import numpy as np
+import edgeinfer
+model, threads = sys.argv[1], int(sys.argv[2])
+out = {}
+for case, cap, prompt, steps in (("valid32", 4096, 31, 200), ("full_ring", 256, 256, 1000)):
+    m = edgeinfer.load(model, threads=threads, capacity_tokens=cap, prefill_chunk=256)
+    rng = np.random.default_rng(0)
+    V = m.manifest.arch.vocab_size
+    cache = m.new_cache()
+    m.engine.prefill(cache, [1] + rng.integers(3, V, prompt - 1).tolist())
+    toks = rng.integers(3, V, steps + 20).tolist()
+    for t in toks[:20]:  # warm-up
+        m.engine.decode_one(cache, t)
+    times = []
+    for t in toks[20:]:
+        t0 = time.perf_counter()
+        m.engine.decode_one(cache, t)
+        times.append((time.perf_counter() - t0) * 1e3)
+    out[case] = {"median_ms": statistics.median(times), "mean_ms": statistics.fmean(times),
+                 "max_ms": max(times), "dropped": cache.dropped}
+print(json.dumps(out))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("--python", nargs="+", required=True, metavar="NAME=PYTHON")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    installs = dict(p.split("=", 1) for p in args.python)
+    runs: dict = {name: [] for name in installs}
+    for r in range(args.rounds):
+        for name, py in installs.items():
+            res = subprocess.run([py, "-c", INNER, args.model, str(args.threads)], capture_output=True, text=True,
+                                 check=True, cwd="/")
+            runs[name].append(json.loads(res.stdout))
+            print(f"round {r + 1} {name}: {res.stdout.strip()}", file=sys.stderr)
+    summary = {}
+    for name, rs in runs.items():
+        summary[name] = {case: {k: round(statistics.median(x[case][k] for x in rs), 4)
+                                for k in ("median_ms", "mean_ms", "max_ms")} for case in rs[0]}
+    names = list(installs)
+    ratios = {}
+    if len(names) == 2:
+        a, b = summary[names[0]], summary[names[1]]
+        ratios = {case: {k: round(b[case][k] / a[case][k], 4) for k in ("median_ms", "mean_ms")} for case in a}
+    report = {"model": args.model, "threads": args.threads, "rounds": args.rounds, "summary": summary,
+              f"ratio_{names[-1]}_over_{names[0]}": ratios}
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
