@@ -2,15 +2,20 @@
 
 The ONNX Runtime IO binding points the graph straight at the cache's arrays: `past` is the
 contiguous block of valid slots, the new K/V rows are written by the graph into the slots the cache
-chooses (`RingKVCache.write_offset`), and logits land in a buffer allocated once. Per call, only
-pointers and shapes change; no array of the model's or the cache's size is allocated.
+chooses (`RingKVCache.write_offset`), and the last token's logits land in the cache's own buffer.
+Per call, only pointers and shapes change; no array of the model's or the cache's size is allocated.
 
-One Engine serves any number of caches (conversations), one call at a time (not thread-safe).
+One Engine serves any number of caches (conversations) from any number of threads: each call
+holds `lock` for the graph run and the cache's bookkeeping (the IO binding and run-state buffers are
+shared), and writes its logits into the cache's own buffer, so steps of different conversations
+interleave safely. One cache must be driven by one caller at a time (its owner's lock).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import threading
 
 import numpy as np
 
@@ -36,11 +41,11 @@ class Engine:
         self._ids = np.zeros((1, self.max_chunk), np.int64)
         self._pos = np.zeros((1, self.max_chunk), np.int64)
         self._index = np.zeros(self.max_chunk, np.int64)
-        self._logits = np.zeros((1, self.max_chunk, spec.vocab_size), np.float32)
         self._seqlens = np.zeros(1, np.int32)
         self._total = np.zeros((), np.int32)
-        self._bound: tuple | None = None  # (cache, S, N) the shared-buffer binding was made for
+        self._bound: tuple | None = None  # (cache, S) the shared-buffer binding was made for
         self.calls = 0
+        self.lock = threading.Lock()
 
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
         return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, self.layout)
@@ -48,16 +53,21 @@ class Engine:
     def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Run up to `max_chunk` new tokens at the cache's next positions; return logits [N, V].
 
-        N = len(ids) with `all_logits`, else 1 (the last position). The returned array is a view of
-        a buffer reused by the next call. Mutates `cache` (its new rows and bookkeeping).
+        N = len(ids) with `all_logits`, else 1 (the last position). N = 1: a view of the cache's
+        logits buffer, valid until the next call on the same cache; N > 1: a new array. Mutates
+        `cache` (its new rows and bookkeeping). Thread-safe across caches (see the module doc).
         """
         s = len(ids)
         if not 0 < s <= self.max_chunk:
             raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {s}")
+        with self.lock:
+            return self._forward(cache, ids, s, s if all_logits and s > 1 else 1)
+
+    def _forward(self, cache: RingKVCache, ids: Sequence[int], s: int, n: int) -> np.ndarray:
+        logits = cache.logits if n == 1 else np.empty((1, n, self.spec.vocab_size), np.float32)
         cache.rebase_if_due(s)
         t = cache.n_valid
         off = cache.write_offset(s)
-        n = s if all_logits else 1
         if s == 1:  # the decode step: plain stores, nothing allocated
             self._ids[0, 0] = ids[0]
             self._pos[0, 0] = cache.next_position
@@ -65,16 +75,16 @@ class Engine:
         else:
             self._ids[0, :s] = ids
             self._pos[0, :s] = np.arange(cache.next_position, cache.next_position + s)
-            self._index[:n] = np.arange(s) if all_logits else s - 1
+            self._index[:n] = np.arange(s) if n > 1 else s - 1
         io, dev = self._io, self._device
         hkv, dh = self.spec.num_kv_heads, self.spec.head_dim
         if self.shared:  # GroupQueryAttention appends in place to the ring buffer: past and present are one
             self._seqlens[0] = t + s - 1
             self._total[()] = t + s
-            key = (cache, s, n)  # holds the cache: its buffers cannot be freed while still bound
-            if key == self._bound:  # same buffers and shapes as the last call (every decode step): no rebinding
-                return self._run(cache, s, n)
-            self._bound = key
+            key = (cache, s)  # holds the cache: its buffers cannot be freed while still bound
+            if key == self._bound and n == 1:  # same buffers and shapes as the last call (every decode step)
+                return self._run(cache, s, logits)
+            self._bound = key if n == 1 else None
             io.bind_input("seqlens_k", "cpu", 0, np.int32, [1], self._seqlens.ctypes.data)
             io.bind_input("total_sequence_length", "cpu", 0, np.int32, [], self._total.ctypes.data)
             shape = [1, hkv, cache.rows, dh]
@@ -95,14 +105,14 @@ class Engine:
         io.bind_input("input_ids", "cpu", 0, np.int64, [1, s], self._ids.ctypes.data)
         io.bind_input("position_ids", "cpu", 0, np.int64, [1, s], self._pos.ctypes.data)
         io.bind_input("logits_index", "cpu", 0, np.int64, [n], self._index.ctypes.data)
-        io.bind_output("logits", "cpu", 0, np.float32, [1, n, self.spec.vocab_size], self._logits.ctypes.data)
-        return self._run(cache, s, n)
+        io.bind_output("logits", "cpu", 0, np.float32, [1, n, self.spec.vocab_size], logits.ctypes.data)
+        return self._run(cache, s, logits)
 
-    def _run(self, cache: RingKVCache, s: int, n: int) -> np.ndarray:
+    def _run(self, cache: RingKVCache, s: int, logits: np.ndarray) -> np.ndarray:
         self.session.session.run_with_iobinding(self._io)
         cache.commit(s)
         self.calls += 1
-        return self._logits[0, :n]
+        return logits[0]
 
     def prefill(self, cache: RingKVCache, ids: Sequence[int], chunk: int | None = None) -> np.ndarray:
         """Feed `ids` in chunks of at most `chunk` tokens; return the logits [V] after the last one."""

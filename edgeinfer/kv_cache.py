@@ -103,6 +103,7 @@ class RingKVCache:
             self.capacity, self.max_chunk, spec.max_position_embeddings))
         if self.rebase_every_tokens < 1:
             raise ValueError(f"rebase_every_tokens must be >= 1, got {rebase_every_tokens}")
+        self.logits = np.zeros((1, 1, spec.vocab_size), np.float32)  # the engine writes the last token's here
         self.bytes = 2 * spec.num_layers * rows * spec.num_kv_heads * spec.head_dim * 4
         self.reset()
 
