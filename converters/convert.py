@@ -2,7 +2,8 @@
 
 The output is built in a hidden temporary folder next to `dst` and renamed into place at the
 end. Any failure (bad input, full disk, Ctrl-C) removes the temporary folder and leaves an
-existing `dst` untouched; `force=True` replaces `dst` only after the new folder is complete.
+existing `dst` untouched; `force=True` replaces `dst` only after the new folder is complete, and
+only an existing edgeinfer model folder (or an empty one), never one holding the source folder.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter, sha256_fil
 from edgeinfer.converters.quantize import QuantScheme
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
-from edgeinfer.manifest import MODEL_FILE, Manifest, graph_interface
+from edgeinfer.manifest import MANIFEST_FILE, MODEL_FILE, Manifest, graph_interface
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
@@ -80,21 +81,65 @@ def _check_source(src: Path) -> None:
         raise ConvertError(f"no tokenizer in {src} (need tokenizer.model or tokenizer.json)")
 
 
+def _check_destination(src: Path, dst: Path, force: bool) -> None:
+    """Refuse, before any work, a destination that `convert` must not create or replace.
+
+    DST must be a folder path whose nearest existing ancestor is a folder. An existing DST is
+    replaced only with `force`, and only if it is an edgeinfer model folder (has edgeinfer.json)
+    or an empty folder; never if it is, or contains, the source folder or the current folder
+    (compared both as resolved paths, through symlinks, and as written).
+    """
+    if dst.exists() and not dst.is_dir():
+        raise ConvertError(f"destination is a file, not a folder: {dst}")
+    above = next(p for p in Path(os.path.abspath(dst)).parents if p.exists())
+    if not above.is_dir():
+        raise ConvertError(f"cannot create {dst}: {above} is a file, not a folder")
+    if not dst.exists():
+        return
+    if not force:
+        raise ConvertError(f"destination exists: {dst} (use --force to replace it)")
+    real = dst.resolve()
+    if real == src.resolve():
+        raise ConvertError("destination must differ from the source folder")
+    for what, p in (("the source folder", src), ("the current folder", Path.cwd())):
+        if any(real == q or real in q.parents for q in (p.resolve(), Path(os.path.abspath(p)))):
+            raise ConvertError(f"destination {dst} is or contains {what}: --force would delete it")
+    if not (dst / MANIFEST_FILE).is_file() and any(dst.iterdir()):
+        raise ConvertError(f"destination {dst} is not an edgeinfer model folder (no {MANIFEST_FILE}): --force "
+                           "replaces only a model folder or an empty folder; remove it yourself or choose another")
+
+
+def _os_error(e: OSError, dst: Path) -> ConvertError:
+    """One line for an OSError met while converting (full disk, permission, read-only, not a folder)."""
+    if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return ConvertError(f"disk full while writing {dst.name}: nothing was written")
+    where = f": {e.filename}" if e.filename is not None else ""
+    return ConvertError(f"cannot convert into {dst}: {e.strerror or e}{where}")
+
+
 def convert(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size: int = 32, target: str = "cpu",
             force: bool = False, scheme: QuantScheme | None = None, attention: str = "auto",
             log=lambda msg: None) -> Manifest:
-    """Convert `src` (Hugging Face folder) into `dst` (edgeinfer folder). Returns the manifest written."""
+    """Convert `src` (Hugging Face folder) into `dst` (edgeinfer folder). Returns the manifest written.
+
+    Every refusal (see `_check_destination`) happens before any work; every failure, OSError
+    included, raises ConvertError and leaves no temporary folder and an existing `dst` untouched.
+    """
     src, dst = Path(src), Path(dst)
     if target not in TARGETS:
         raise ConvertError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
-    _check_source(src)
-    if dst.exists() and not force:
-        raise ConvertError(f"destination exists: {dst} (use --force to replace it)")
-    if dst.resolve() == src.resolve():
-        raise ConvertError("destination must differ from the source folder")
-    scheme = scheme or default_scheme(quant, block_size)
     if attention not in ("auto", "gqa", "standard"):
         raise ConvertError(f"unknown attention {attention!r} (choose from auto, gqa, standard)")
+    try:
+        _check_source(src)
+        _check_destination(src, dst, force)
+        return _convert(src, Path(os.path.abspath(dst)), scheme or default_scheme(quant, block_size), target,
+                        attention, log)
+    except OSError as e:
+        raise _os_error(e, dst) from None
+
+
+def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: str, log) -> Manifest:
     spec = spec_from_config(read_config(src))
     kv_io = choose_kv_io(spec, attention)
     ckpt = Checkpoint(src)
@@ -129,18 +174,16 @@ def convert(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size
         manifest.write(tmp)
         _replace_atomically(tmp, dst)
         return manifest
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise ConvertError(f"disk full while writing {dst.name}: nothing was written") from None
-        raise
     finally:
-        if writer is not None:
-            writer.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _replace_atomically(tmp: Path, dst: Path) -> None:
-    if not dst.exists():
+    if not os.path.lexists(dst):
         os.replace(tmp, dst)
         return
     old = dst.parent / f".{dst.name}.old-{os.getpid()}"
@@ -150,7 +193,10 @@ def _replace_atomically(tmp: Path, dst: Path) -> None:
     except BaseException:
         os.replace(old, dst)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    if old.is_symlink():
+        old.unlink()  # DST was a link to a model folder: the link is replaced, its target left alone
+    else:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 __all__ = ["convert", "default_scheme", "QuantScheme"]

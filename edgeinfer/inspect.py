@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 from edgeinfer.arch import ArchSpec
-from edgeinfer.manifest import read_manifest
+from edgeinfer.errors import ModelFormatError
+from edgeinfer.integrity import STAMP_FILE, check
+from edgeinfer.manifest import MANIFEST_FILE, read_manifest
 
 
 ATTENTION = {"shared_buffer": "GroupQueryAttention appending in place to the KV ring",
@@ -27,7 +29,7 @@ def summary(folder: Path | str) -> dict:
     folder = Path(folder)
     m = read_manifest(folder)
     a = m.arch
-    disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != STAMP_FILE)
     return {
         "family": a.family, "parameters": parameter_count(a), "layers": a.num_layers, "hidden_size": a.hidden_size,
         "heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
@@ -60,3 +62,19 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         f"{s['kv_bytes_at_default_capacity'] / 1e6:.2f} MB at the default capacity of {s['default_capacity_tokens']}",
         f"  tokenizer     {s['tokenizer']}",
     ])
+
+
+def verify(folder: Path | str, out=print) -> bool:
+    """Hash every file edgeinfer.json lists, ignoring verification stamps, and `out` one line per
+    file as it is checked ("ok  NAME" or "MISMATCH  NAME: problem"). True when every file matches.
+    Raises ModelFormatError for a manifest without file checksums (an older converter's)."""
+    folder = Path(folder)
+    files = read_manifest(folder).files
+    if not files:
+        raise ModelFormatError(f"{folder / MANIFEST_FILE} lists no file checksums (an older converter wrote it): "
+                               "nothing to verify; convert again")
+    ok = True
+    for name, problem in check(folder, files):
+        ok = ok and problem is None
+        out(f"ok        {name}" if problem is None else f"MISMATCH  {name}: {problem}")
+    return ok

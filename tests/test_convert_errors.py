@@ -187,8 +187,10 @@ def test_sharded_index_with_missing_shard(capsys, src, tmp_path):
 
 
 def _existing_dst(tmp_path: Path) -> Path:
+    """An earlier edgeinfer model folder (the only kind --force may replace), with a file to recognise it by."""
     dst = tmp_path / "out"
     dst.mkdir()
+    (dst / "edgeinfer.json").write_text("{}")
     (dst / "keep.txt").write_text("mine")
     return dst
 
@@ -197,7 +199,7 @@ def test_existing_destination_refused_without_force(capsys, src, tmp_path):
     dst = _existing_dst(tmp_path)
     rc, err = run_convert(capsys, src, dst)
     assert_user_error(rc, err, "destination exists", "--force")
-    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in dst.iterdir()) == ["edgeinfer.json", "keep.txt"]
 
 
 def test_force_replaces_destination_only_when_complete(capsys, src, tmp_path):
@@ -213,7 +215,7 @@ def test_failure_with_force_keeps_existing_destination(capsys, src, tmp_path):
     rewrite_tensor(src, "model.norm.weight", shape=[63])
     rc, err = run_convert(capsys, src, dst, "--force")
     assert_user_error(rc, err, "model.norm.weight")
-    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in dst.iterdir()) == ["edgeinfer.json", "keep.txt"]
     assert_no_partial(tmp_path)
 
 
@@ -238,7 +240,7 @@ def test_disk_full(capsys, monkeypatch, src, tmp_path):
     _fail_after(monkeypatch, 5, OSError(errno.ENOSPC, "No space left on device"))
     rc, err = run_convert(capsys, src, dst, "--force")
     assert_user_error(rc, err, "disk full")
-    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in dst.iterdir()) == ["edgeinfer.json", "keep.txt"]
     assert_no_partial(tmp_path)
 
 

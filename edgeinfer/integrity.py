@@ -1,0 +1,162 @@
+"""A model folder's files against the sizes and sha256 that `convert` wrote in edgeinfer.json.
+
+`verify(folder, files)` runs at every load: sizes first (one stat each), then sha256. A full hash
+of a large model costs about a second per GB, so after a successful one a stamp file
+(`.edgeinfer-verified.json`, beside the model) records each file's (size, mtime_ns, inode,
+sha256); a later load skips the hash of a file whose stat still matches its stamp and whose
+stamped sha256 equals the manifest's. A stamp does not catch a change that keeps size, mtime and
+inode (bit rot on disk): `check(folder, files)`, behind `edgeinfer inspect DIR --verify`, always
+hashes everything. A folder that cannot be written (an installed package) simply gets no stamp.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from edgeinfer.errors import ModelFormatError
+from edgeinfer.manifest import MANIFEST_FILE
+
+STAMP_FILE = ".edgeinfer-verified.json"
+STAMP_VERSION = 1
+RACY_NS = 2_000_000_000  # a file modified this recently may change again within the same mtime tick
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """The file's sha256 as lowercase hex, read in `chunk`-byte pieces."""
+    h = hashlib.sha256()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _entries(folder: Path, files: dict) -> dict:
+    """`files` checked for shape: plain file names -> {"bytes": int, "sha256": str}."""
+    if not isinstance(files, dict):
+        raise ModelFormatError(f"{folder / MANIFEST_FILE} is corrupted (bad files section)")
+    for name, want in files.items():
+        if (not isinstance(name, str) or Path(name).name != name or name in (".", "..") or not isinstance(want, dict)
+                or not isinstance(want.get("bytes"), int) or not isinstance(want.get("sha256"), str)):
+            raise ModelFormatError(f"{folder / MANIFEST_FILE} is corrupted (bad files entry {name!r})")
+    return files
+
+
+def _stat(folder: Path, name: str) -> os.stat_result:
+    try:
+        st = os.stat(folder / name)
+    except FileNotFoundError:
+        raise ModelFormatError(f"{folder} lacks {name} (listed in {MANIFEST_FILE}); convert again") from None
+    except OSError as e:
+        raise ModelFormatError(f"cannot read {folder / name}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelFormatError(f"{folder / name} is not a regular file")
+    return st
+
+
+def _size_problem(st: os.stat_result, want: dict) -> str | None:
+    if st.st_size != want["bytes"]:
+        return f"{st.st_size} bytes, expected {want['bytes']}"
+    return None
+
+
+def _hash(folder: Path, name: str) -> str:
+    try:
+        return sha256_file(folder / name)
+    except OSError as e:
+        raise ModelFormatError(f"cannot read {folder / name}: {e.strerror or e}") from None
+
+
+def _mismatch(folder: Path, name: str, what: str, detail: str = "") -> ModelFormatError:
+    return ModelFormatError(f"{folder / name} does not match its {what} in {MANIFEST_FILE}{detail}: the file is "
+                            "corrupted or was changed; convert again")
+
+
+def _stamp(st: os.stat_result, sha256: str) -> dict:
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino, "sha256": sha256}
+
+
+def read_stamps(folder: Path | str) -> dict:
+    """The stamp file's entries (name -> stamp); {} when it is absent, unreadable or not ours."""
+    try:
+        d = json.loads((Path(folder) / STAMP_FILE).read_text())
+        return d["files"] if d.get("version") == STAMP_VERSION and isinstance(d.get("files"), dict) else {}
+    except (OSError, ValueError, AttributeError, KeyError):
+        return {}
+
+
+def _write_stamps(folder: Path, stamps: dict) -> None:
+    """Atomically replace the stamp file (temp file + os.replace); silently nothing if we cannot write."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=STAMP_FILE + ".", suffix=".tmp", dir=folder)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": STAMP_VERSION, "files": stamps}, f, indent=1)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, folder / STAMP_FILE)
+    except OSError:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def verify(folder: Path | str, files: dict) -> None:
+    """Raise ModelFormatError unless every file in `files` (edgeinfer.json's "files": name ->
+    {"bytes", "sha256"}) is present with that size and sha256. Empty `files` (an older manifest):
+    nothing to check. Stamped files whose stat is unchanged are not hashed again; after hashing,
+    the stamp file is rewritten (never an error if that fails)."""
+    folder = Path(folder)
+    if not files:
+        return
+    stats = {}
+    for name, want in _entries(folder, files).items():
+        stats[name] = _stat(folder, name)
+        problem = _size_problem(stats[name], want)
+        if problem:
+            raise _mismatch(folder, name, "size", f" ({problem})")
+    old = read_stamps(folder)
+    new, hashed = {}, False
+    for name, want in files.items():
+        st = stats[name]
+        if old.get(name) == _stamp(st, want["sha256"]):
+            new[name] = old[name]
+            continue
+        if _hash(folder, name) != want["sha256"]:
+            raise _mismatch(folder, name, "sha256")
+        hashed = True
+        if time.time_ns() - st.st_mtime_ns >= RACY_NS:
+            new[name] = _stamp(st, want["sha256"])
+    if hashed and new:
+        _write_stamps(folder, new)
+
+
+def check(folder: Path | str, files: dict) -> Iterator[tuple[str, str | None]]:
+    """Full check, stamps ignored: yield (name, None) for a good file, (name, problem) otherwise,
+    in the manifest's order, hashing each file as it comes."""
+    folder = Path(folder)
+    for name, want in _entries(folder, files).items():
+        try:
+            st = os.stat(folder / name)
+        except OSError as e:
+            yield name, "missing" if isinstance(e, FileNotFoundError) else f"cannot read ({e.strerror or e})"
+            continue
+        problem = _size_problem(st, want) if stat.S_ISREG(st.st_mode) else "not a regular file"
+        if problem is None:
+            try:
+                problem = None if sha256_file(folder / name) == want["sha256"] else "sha256 differs"
+            except OSError as e:
+                problem = f"cannot read ({e.strerror or e})"
+        yield name, problem
+
+
+__all__ = ["STAMP_FILE", "check", "read_stamps", "sha256_file", "verify"]

@@ -1,0 +1,209 @@
+"""`edgeinfer convert` never deletes what it should not, and never shows a traceback for an OS error.
+
+`--force` replaces only an existing edgeinfer model folder (or an empty folder), never the source
+folder, a folder holding it (also through symlinks) or the current folder, and never a file.
+Any OSError while converting (permission, not a folder, read-only, full disk) is one line, exit 1,
+no temporary folder left behind, an existing destination untouched.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY
+from edgeinfer.cli import main
+from edgeinfer.errors import ConvertError
+
+SRC = TINY / "llama2_gqa_tied"
+
+
+@pytest.fixture
+def work(tmp_path) -> Path:
+    """tmp/work holding a Hugging Face folder `src` and a file of the user's, `notes.txt`."""
+    w = tmp_path / "work"
+    w.mkdir()
+    shutil.copytree(SRC, w / "src", ignore=shutil.ignore_patterns("reference.npz"))
+    (w / "notes.txt").write_text("mine")
+    return w
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def run_convert(capsys, src, dst, *extra: str) -> tuple[int, str]:
+    rc = main(["convert", str(src), "-o", str(dst), "-q", *extra])
+    return rc, capsys.readouterr().err
+
+
+def assert_user_error(rc: int, err: str, *needles: str) -> None:
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("edgeinfer: error: "), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def assert_no_leftovers(parent: Path) -> None:
+    assert not [p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+
+
+def model_folder(path: Path) -> Path:
+    path.mkdir()
+    (path / "edgeinfer.json").write_text("{}")
+    (path / "model.onnx").write_bytes(b"old")
+    return path
+
+
+def test_force_refuses_the_parent_of_the_source(capsys, work):
+    """The report: `convert SRC -o PARENT_OF_SRC --force` deleted the checkpoint and its neighbours."""
+    before = snapshot(work)
+    rc, err = run_convert(capsys, work / "src", work, "--force")
+    assert_user_error(rc, err, "contains the source folder")
+    assert snapshot(work) == before
+    assert_no_leftovers(work.parent)
+
+
+def test_force_refuses_an_ancestor_of_the_source_even_if_it_is_a_model_folder(capsys, work):
+    (work / "edgeinfer.json").write_text("{}")
+    before = snapshot(work)
+    rc, err = run_convert(capsys, work / "src", work, "--force")
+    assert_user_error(rc, err, "contains the source folder")
+    assert snapshot(work) == before
+
+
+def test_force_refuses_the_source_itself(capsys, work):
+    before = snapshot(work)
+    rc, err = run_convert(capsys, work / "src", work / "src", "--force")
+    assert_user_error(rc, err, "must differ from the source")
+    assert snapshot(work) == before
+
+
+@pytest.mark.parametrize("via", ["dst_link", "src_link"])
+def test_force_refuses_an_ancestor_through_a_symlink(capsys, work, tmp_path, via):
+    before = snapshot(work)
+    link = tmp_path / via
+    if via == "dst_link":  # DST is a link to the folder holding SRC
+        link.symlink_to(work, target_is_directory=True)
+        src, dst = work / "src", link
+    else:  # SRC is reached through a link; DST is the folder holding the real SRC
+        link.symlink_to(work / "src", target_is_directory=True)
+        src, dst = link, work
+    rc, err = run_convert(capsys, src, dst, "--force")
+    assert_user_error(rc, err, "contains the source folder")
+    assert snapshot(work) == before and link.is_symlink()
+
+
+def test_force_refuses_a_folder_that_is_not_a_model_folder(capsys, work, tmp_path):
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "cat.jpg").write_bytes(b"meow")
+    rc, err = run_convert(capsys, work / "src", other, "--force")
+    assert_user_error(rc, err, "not an edgeinfer model folder", "edgeinfer.json")
+    assert snapshot(other) == {"cat.jpg": b"meow"}
+    assert_no_leftovers(tmp_path)
+
+
+def test_force_replaces_a_model_folder_or_an_empty_folder(capsys, work, tmp_path):
+    old = model_folder(tmp_path / "model")
+    rc, err = run_convert(capsys, work / "src", old, "--force")
+    assert rc == 0, err
+    assert (old / "model.onnx").read_bytes() != b"old" and (old / "model.onnx.data").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, err = run_convert(capsys, work / "src", empty, "--force")
+    assert rc == 0, err
+    assert (empty / "edgeinfer.json").exists()
+    assert_no_leftovers(tmp_path)
+
+
+def test_force_through_a_link_replaces_the_link_not_its_target(capsys, work, tmp_path):
+    target = model_folder(tmp_path / "model")
+    (tmp_path / "current").symlink_to(target, target_is_directory=True)
+    rc, err = run_convert(capsys, work / "src", tmp_path / "current", "--force")
+    assert rc == 0, err
+    assert not (tmp_path / "current").is_symlink() and (tmp_path / "current" / "model.onnx.data").exists()
+    assert (target / "model.onnx").read_bytes() == b"old"
+    assert_no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_destination_that_is_a_file(capsys, work, force):
+    f = work / "notes.txt"
+    rc, err = run_convert(capsys, work / "src", f, *force)
+    assert_user_error(rc, err, "is a file, not a folder")
+    assert f.read_text() == "mine"
+    assert_no_leftovers(work)
+
+
+def test_dot_with_force_in_the_folder_holding_the_source(capsys, work, monkeypatch):
+    monkeypatch.chdir(work)
+    before = snapshot(work)
+    rc, err = run_convert(capsys, "src", ".", "--force")
+    assert_user_error(rc, err, "contains the source folder")
+    assert "Traceback" not in err and snapshot(work) == before
+
+
+def test_dot_with_force_in_a_model_folder(capsys, work, tmp_path, monkeypatch):
+    """Even a model folder is not replaced while it is the current folder (the shell would sit in a deleted folder)."""
+    cwd = model_folder(tmp_path / "model")
+    monkeypatch.chdir(cwd)
+    rc, err = run_convert(capsys, work / "src", ".", "--force")
+    assert_user_error(rc, err, "the current folder")
+    assert (cwd / "model.onnx").read_bytes() == b"old"
+
+
+def test_parent_is_a_file(capsys, work):
+    rc, err = run_convert(capsys, work / "src", work / "notes.txt" / "sub")
+    assert_user_error(rc, err, "notes.txt is a file, not a folder")
+    assert_no_leftovers(work)
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux /proc")
+def test_unwritable_parent(capsys, work):
+    rc, err = run_convert(capsys, work / "src", "/proc/edgeinfer-out")
+    assert_user_error(rc, err, "cannot convert into /proc/edgeinfer-out")
+
+
+@pytest.mark.parametrize("code,needle", [
+    (errno.EACCES, "Permission denied"),
+    (errno.EROFS, "Read-only file system"),
+    (errno.ENOTDIR, "Not a directory"),
+    (errno.ENOSPC, "disk full"),
+])
+def test_os_error_half_way_is_one_line(capsys, monkeypatch, work, tmp_path, code, needle):
+    from edgeinfer.converters import onnx_writer
+
+    dst = model_folder(tmp_path / "model")
+    real_add, count = onnx_writer.WeightWriter.add, [0]
+
+    def add(self, name, array):
+        count[0] += 1
+        if count[0] > 3:
+            raise OSError(code, os.strerror(code), str(tmp_path / "x"))
+        return real_add(self, name, array)
+
+    monkeypatch.setattr(onnx_writer.WeightWriter, "add", add)
+    rc, err = run_convert(capsys, work / "src", dst, "--force")
+    assert_user_error(rc, err, needle)
+    assert (dst / "model.onnx").read_bytes() == b"old"
+    assert_no_leftovers(tmp_path)
+
+
+def test_os_error_at_the_final_rename_is_a_convert_error(monkeypatch, work, tmp_path):
+    """The Python API raises ConvertError too, not OSError, and cleans up."""
+    convert_module = importlib.import_module("edgeinfer.converters.convert")
+
+    def refuse(tmp, dst):
+        raise PermissionError(errno.EACCES, "Permission denied", str(dst))
+
+    monkeypatch.setattr(convert_module, "_replace_atomically", refuse)
+    with pytest.raises(ConvertError, match="Permission denied"):
+        convert_module.convert(work / "src", tmp_path / "out", quant="fp32")
+    assert not (tmp_path / "out").exists()
+    assert_no_leftovers(tmp_path)

@@ -1,0 +1,186 @@
+"""Load checks a model folder's files against edgeinfer.json's sizes and sha256; a stamp file makes
+later loads skip the hash of unchanged files; `edgeinfer inspect DIR --verify` always hashes all."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import edgeinfer
+from conftest import ROOT
+from edgeinfer import integrity
+from edgeinfer.cli import main
+
+BUNDLED = ROOT / "models" / "stories260K-int8"
+PAST_NS = 1_600_000_000 * 10**9  # 2020: older than the stamp's "modified just now" guard
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    """A copy of the bundled model whose files have an old mtime (so a verified load stamps them)."""
+    d = tmp_path / "model"
+    shutil.copytree(BUNDLED, d, ignore=shutil.ignore_patterns(integrity.STAMP_FILE + "*"))
+    for p in d.iterdir():
+        os.utime(p, ns=(PAST_NS, PAST_NS))
+    return d
+
+
+@pytest.fixture
+def hashes(monkeypatch) -> list:
+    """Every file hashed by edgeinfer.integrity, in order."""
+    calls: list = []
+    real = integrity.sha256_file
+
+    def counting(path, *a, **kw):
+        calls.append(Path(path).name)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(integrity, "sha256_file", counting)
+    return calls
+
+
+def listed(folder: Path) -> list:
+    return list(json.loads((folder / "edgeinfer.json").read_text())["files"])
+
+
+def flip_bit(path: Path, offset: int) -> None:
+    """Flip one bit in place, keeping size (and, restored, mtime): the damage a stamp cannot see."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ 0x10]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def verify_cli(capsys, folder: Path) -> tuple[int, list[str]]:
+    rc = main(["inspect", str(folder), "--verify"])
+    return rc, capsys.readouterr().out.strip().splitlines()
+
+
+def test_flipped_bit_in_weights_refused_at_load(capsys, folder):
+    """The report: a bit-flipped model.onnx.data loaded and generated garbage with exit 0."""
+    flip_bit(folder / "model.onnx.data", 100_000)
+    with pytest.raises(edgeinfer.ModelFormatError,
+                       match=r"model\.onnx\.data does not match its sha256 in edgeinfer\.json: the file is corrupted"):
+        edgeinfer.load(folder)
+    rc = main(["generate", "-m", str(folder), "Once", "--max-tokens", "4", "--seed", "0"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and len(err.splitlines()) == 1 and "model.onnx.data does not match" in err, err
+
+
+def test_inspect_verify_reports_each_file(capsys, folder):
+    rc, lines = verify_cli(capsys, folder)
+    assert rc == 0 and lines == [f"ok        {n}" for n in listed(folder)]
+    flip_bit(folder / "model.onnx.data", 1234)
+    rc, lines = verify_cli(capsys, folder)
+    assert rc == 1 and len(lines) == len(listed(folder))
+    assert "MISMATCH  model.onnx.data: sha256 differs" in lines
+    assert sum(line.startswith("ok ") for line in lines) == len(lines) - 1
+
+
+def test_truncated_file_fails_on_size_before_any_hash(folder, hashes):
+    p = folder / "tokenizer.json"
+    p.write_bytes(p.read_bytes()[:-10])
+    with pytest.raises(edgeinfer.ModelFormatError, match=r"tokenizer\.json does not match its size .*19416 bytes"):
+        edgeinfer.load(folder)
+    assert hashes == []
+
+
+def test_missing_listed_file(folder):
+    (folder / "special_tokens_map.json").unlink()
+    with pytest.raises(edgeinfer.ModelFormatError, match="lacks special_tokens_map.json"):
+        edgeinfer.load(folder)
+
+
+def test_stamp_skips_the_hash_until_a_file_changes(folder, hashes):
+    names = listed(folder)
+    edgeinfer.load(folder)
+    assert sorted(hashes) == sorted(names)
+    stamps = integrity.read_stamps(folder)
+    assert sorted(stamps) == sorted(names)
+    hashes.clear()
+    edgeinfer.load(folder)
+    assert hashes == []  # every file's size, mtime_ns and inode match its stamp: nothing hashed
+    os.utime(folder / "model.onnx.data", ns=(PAST_NS, PAST_NS + 1))  # "touch": new mtime, same bytes
+    edgeinfer.load(folder)
+    assert hashes == ["model.onnx.data"]
+    hashes.clear()
+    edgeinfer.load(folder)
+    assert hashes == []
+
+
+def test_stamp_does_not_vouch_for_a_copy_or_another_manifest(folder, tmp_path, hashes):
+    edgeinfer.load(folder)
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)  # same sizes and mtimes, and the stamp file too; new inodes
+    hashes.clear()
+    edgeinfer.load(copy)
+    assert sorted(hashes) == sorted(listed(folder))
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    m["files"]["tokenizer.model"]["sha256"] = "0" * 64  # the manifest now expects other bytes
+    (folder / "edgeinfer.json").write_text(json.dumps(m))
+    with pytest.raises(edgeinfer.ModelFormatError, match="tokenizer.model does not match its sha256"):
+        edgeinfer.load(folder)
+
+
+def test_inspect_verify_ignores_the_stamp(capsys, folder, hashes):
+    edgeinfer.load(folder)
+    flip_bit(folder / "model.onnx", 500)  # size and mtime kept: the stamp still matches
+    hashes.clear()
+    rc, lines = verify_cli(capsys, folder)
+    assert rc == 1 and "MISMATCH  model.onnx: sha256 differs" in lines
+    assert sorted(hashes) == sorted(listed(folder))
+
+
+def test_bad_stamp_file_is_ignored_and_rewritten(folder, hashes):
+    (folder / integrity.STAMP_FILE).write_text("{not json")
+    edgeinfer.load(folder)
+    assert sorted(hashes) == sorted(listed(folder))
+    assert sorted(integrity.read_stamps(folder)) == sorted(listed(folder))
+    assert not [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_unwritable_folder_loads_without_a_stamp(folder, hashes, monkeypatch):
+    """Tests run as root, where chmod does not stop writes: make the stamp's temp file fail instead."""
+    def refuse(*a, **kw):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(integrity.tempfile, "mkstemp", refuse)
+    edgeinfer.load(folder)
+    edgeinfer.load(folder)
+    assert not (folder / integrity.STAMP_FILE).exists()
+    assert len(hashes) == 2 * len(listed(folder))  # no stamp: every load hashes
+
+
+def test_manifest_without_files_loads_unchecked(capsys, folder, hashes):
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    del m["files"]
+    (folder / "edgeinfer.json").write_text(json.dumps(m))
+    flip_bit(folder / "tokenizer_config.json", 3)
+    edgeinfer.load(folder)
+    assert hashes == []
+    rc = main(["inspect", str(folder), "--verify"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err.startswith("edgeinfer: error: ") and "no file checksums" in err
+
+
+def test_bundled_model_loads_and_verifies(capsys):
+    edgeinfer.load()
+    rc = main(["inspect", str(BUNDLED), "--verify"])
+    assert rc == 0 and capsys.readouterr().out.count("ok ") == len(listed(BUNDLED))
+
+
+def test_stamp_file_is_ignored_by_git():
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout")
+    stamp = f"models/stories260K-int8/{integrity.STAMP_FILE}"
+    for path in (stamp, stamp + ".abc123.tmp"):
+        r = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
+        assert r.returncode == 0, f"{path} is not ignored by .gitignore"
