@@ -5,9 +5,10 @@ Runtime modules never import torch or transformers; the converter lives in `edge
 
 __version__ = "0.1.0"
 
-from edgeinfer.errors import ConvertError, EdgeInferError, ModelFormatError  # noqa: E402
+from edgeinfer.errors import (  # noqa: E402
+    ConvertError, EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelFormatError)
 from edgeinfer.kv_cache import ContextOverflowError  # noqa: E402
 from edgeinfer.model import Conversation, Model, load  # noqa: E402
 
 __all__ = ["load", "Model", "Conversation", "ContextOverflowError", "EdgeInferError", "ConvertError",
-           "ModelFormatError", "__version__"]
+           "ModelFormatError", "InvalidArgumentError", "InvalidArgumentTypeError", "__version__"]

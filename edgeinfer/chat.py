@@ -8,25 +8,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from edgeinfer.errors import InvalidArgumentError
+
 ROLES = ("system", "user", "assistant")
 
 
 def _raise(message: str):
-    raise ValueError(f"chat template: {message}")
+    """The templates' `raise_exception`: the template refuses these messages (a user error)."""
+    raise InvalidArgumentError(f"chat template: {message}")
 
 
 def check_messages(messages: Sequence[dict]) -> list[dict]:
+    """The messages as plain {"role", "content"} dicts; InvalidArgumentError (a ValueError) unless
+    `messages` is a non-empty list of dicts with a role in ROLES and string content."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        raise InvalidArgumentError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ValueError(f"message {i} must be a dict with role in {ROLES} and string content")
+            raise InvalidArgumentError(f"message {i} must be a dict with role in {ROLES} and string content")
         out.append({"role": m["role"], "content": m["content"]})
     return out
 
 
 class ChatTemplate:
+    """Renders messages to prompt text. `bos_token` / `eos_token` are the tokens' own strings ("<s>",
+    "<|im_end|>": `Tokenizer.token_string`), as Hugging Face templates expect; "" for none."""
+
     def __init__(self, template: str | None, bos_token: str = "", eos_token: str = ""):
         self.source = template
         self.bos_token, self.eos_token = bos_token, eos_token
@@ -40,7 +48,7 @@ class ChatTemplate:
             try:
                 self._tpl = env.from_string(template)
             except jinja2.TemplateError as e:
-                raise ValueError(f"the model's chat template does not parse: {e}") from None
+                raise InvalidArgumentError(f"the model's chat template does not parse: {e}") from None
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         messages = check_messages(messages)

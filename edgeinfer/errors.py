@@ -1,8 +1,10 @@
 """Error types.
 
-Every error a user can cause (bad path, bad model folder, bad argument) derives from
-`EdgeInferError`; the CLI prints its message on one line and exits non-zero without a
-traceback. Anything else is a bug and keeps its traceback.
+Every error a user can cause (bad path, bad model folder, bad argument, a prompt that does not
+fit) derives from `EdgeInferError`; the CLI prints its message on one line and exits non-zero
+without a traceback. Anything else is a bug and keeps its traceback. Bad arguments are also the
+builtin type Python code expects (`InvalidArgumentError` is a ValueError, `InvalidArgumentTypeError`
+a TypeError, `ContextOverflowError` a ValueError).
 """
 
 
@@ -16,3 +18,13 @@ class ConvertError(EdgeInferError):
 
 class ModelFormatError(EdgeInferError):
     """An edgeinfer model folder is missing, corrupted, or from an unknown format version."""
+
+
+class InvalidArgumentError(EdgeInferError, ValueError):
+    """An argument has a bad value (out of range, empty, unknown name). Still a ValueError, so
+    `except ValueError` keeps working."""
+
+
+class InvalidArgumentTypeError(EdgeInferError, TypeError):
+    """An argument has the wrong type (e.g. a prompt that is neither text nor token ids). Still a
+    TypeError."""

@@ -12,28 +12,39 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from edgeinfer.errors import ModelFormatError
+from edgeinfer.errors import InvalidArgumentError, ModelFormatError
 from edgeinfer.manifest import MODEL_FILE, Manifest, io_names, read_manifest
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
 def resolve_provider(provider: str) -> str:
-    """"auto" -> "cuda" when this onnxruntime build has the CUDA provider, else "cpu"."""
+    """"auto" -> "cuda" when this onnxruntime build has the CUDA provider, else "cpu"; "cpu" and
+    "cuda" as given. An unknown or unavailable provider raises InvalidArgumentError."""
     if provider == "auto":
         return "cuda" if PROVIDERS["cuda"] in ort.get_available_providers() else "cpu"
-    if provider not in PROVIDERS:
-        raise ValueError(f"unknown provider {provider!r} (choose from auto, {', '.join(PROVIDERS)})")
+    if not isinstance(provider, str) or provider not in PROVIDERS:
+        raise InvalidArgumentError(f"unknown provider {provider!r} (choose from auto, {', '.join(PROVIDERS)})")
     if PROVIDERS[provider] not in ort.get_available_providers():
-        raise ValueError(f"provider {provider!r} is not available in this onnxruntime build")
+        raise InvalidArgumentError(f"provider {provider!r} is not available in this onnxruntime build")
     return provider
 
 
+def check_threads(threads: int | None) -> None:
+    """threads is None (onnxruntime's default: one per physical core) or a positive int; anything
+    else (0, -1, a bool, a float, a string) raises InvalidArgumentError."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise InvalidArgumentError(f"threads must be a positive integer or None (the default), got {threads!r}")
+
+
 def session_options(threads: int | None) -> ort.SessionOptions:
+    """Options for one decoder session: full graph optimization, `threads` intra-op threads (None:
+    onnxruntime's default; else a positive int, see `check_threads`), one inter-op thread."""
+    check_threads(threads)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        so.intra_op_num_threads = int(threads)
+    if threads is not None:
+        so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
     return so

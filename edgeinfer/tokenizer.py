@@ -2,13 +2,15 @@
 
 `encode` never adds special tokens on its own: BOS is prepended when the manifest's tokenizer
 section says `add_bos` (the model's tokenizer_config), so both back ends behave the same.
+`decode` drops special tokens (BOS/EOS decode to ""); `token_string` gives a token's own string
+in the vocabulary ("<s>", "<|im_end|>"), which is what chat templates want for bos/eos_token.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from edgeinfer.errors import ModelFormatError
+from edgeinfer.errors import InvalidArgumentError, ModelFormatError
 
 
 class Tokenizer:
@@ -30,6 +32,8 @@ class Tokenizer:
                 raise ModelFormatError(f"tokenizer.model is corrupted ({e})") from None
             self._encode = lambda text: self._sp.encode(text)
             self._decode = lambda ids: self._sp.decode(ids)
+            self._n_vocab = self._sp.get_piece_size()
+            self._token_string = lambda i: self._sp.id_to_piece(i)
         else:
             from tokenizers import Tokenizer as HFTokenizer
 
@@ -42,8 +46,19 @@ class Tokenizer:
                 raise ModelFormatError(f"tokenizer.json is corrupted ({e})") from None
             self._encode = lambda text: self._hf.encode(text, add_special_tokens=False).ids
             self._decode = lambda ids: self._hf.decode(ids, skip_special_tokens=True)
+            self._n_vocab = self._hf.get_vocab_size(with_added_tokens=True)
+            self._token_string = lambda i: self._hf.id_to_token(i)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text` (valid Unicode: a lone surrogate, e.g. an undecodable byte of a
+        command line, raises InvalidArgumentError), with BOS first when `add_bos` (default: the
+        model's config)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidArgumentError(
+                f"the text is not valid UTF-8: character {e.start} is {text[e.start]!r} (an undecodable byte "
+                f"or a lone surrogate)") from None
         ids = list(self._encode(text))
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, int(self.bos_id))
@@ -51,3 +66,12 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._decode([int(i) for i in ids])
+
+    def token_string(self, token_id: int) -> str:
+        """The token's own string in the vocabulary, special tokens included ("<s>" for Llama's BOS,
+        where `decode` gives ""); a normal token's raw piece ("▁the", "Ġthe"), not decoded text."""
+        token_id = int(token_id)
+        piece = self._token_string(token_id) if 0 <= token_id < self._n_vocab else None
+        if piece is None:
+            raise ModelFormatError(f"token id {token_id} is not in the tokenizer's vocabulary of {self._n_vocab}")
+        return piece

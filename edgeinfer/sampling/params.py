@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
+
+from edgeinfer.errors import InvalidArgumentError
+
+INT32_MAX = 2**31 - 1  # the C sampler indexes the vocabulary with int32
 
 
 @dataclass(frozen=True)
@@ -11,7 +16,13 @@ class SamplingParams:
     """Settings of the sampling chain (order and meaning: `edgeinfer.sampling.reference`).
 
     temperature 0 is greedy; top_k 0, top_p 1, min_p 0, typical_p 1, repetition_penalty 1 and
-    frequency/presence penalties 0 switch their step off. `logit_bias` maps token id -> added logit.
+    frequency/presence penalties 0 switch their step off. `logit_bias` maps token id -> added logit
+    (a finite number, or -inf to ban the token).
+
+    Integers (top_k, penalty_last_n, logit_bias ids) must lie in [0, 2**31 - 1]: no vocabulary the
+    sampler supports is larger, and a larger value is refused rather than overflowing the C types.
+    A top_k at or above the vocabulary size keeps every token (the same as 0). Every bad value
+    raises `InvalidArgumentError` (an `EdgeInferError` and a `ValueError`) naming the field.
     """
 
     temperature: float = 0.8
@@ -27,41 +38,40 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def num(name: str) -> float:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite number, got {v!r}")
+            v = getattr(self, name)  # abs(nan) <= max is False; an int too large for a float fails too
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= sys.float_info.max:
+                raise InvalidArgumentError(f"{name} must be a finite number, got {v!r}")
             return float(v)
 
         def integer(name: str) -> int:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= INT32_MAX:
+                raise InvalidArgumentError(f"{name} must be an integer in [0, {INT32_MAX}] (0 means off), got {v!r}")
             return v
 
         if num("temperature") < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if integer("top_k") < 0:
-            raise ValueError(f"top_k must be >= 0 (0 means off), got {self.top_k}")
+            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature}")
+        integer("top_k")
         if not 0 < num("top_p") <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= num("min_p") <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidArgumentError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 < num("typical_p") <= 1:
-            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
+            raise InvalidArgumentError(f"typical_p must be in (0, 1], got {self.typical_p}")
         if num("repetition_penalty") <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidArgumentError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         num("frequency_penalty")
         num("presence_penalty")
-        if integer("penalty_last_n") < 0:
-            raise ValueError(f"penalty_last_n must be >= 0 (0 means off), got {self.penalty_last_n}")
+        integer("penalty_last_n")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError("logit_bias must be a dict {token_id: bias}")
+                raise InvalidArgumentError("logit_bias must be a dict {token_id: bias}")
             for k, v in self.logit_bias.items():
-                if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {k!r}")
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v == math.inf:
-                    raise ValueError(f"logit_bias[{k}] must be a number or -inf, got {v!r}")
+                if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= INT32_MAX:
+                    raise InvalidArgumentError(f"logit_bias keys must be token ids in [0, {INT32_MAX}], got {k!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                        v == -math.inf or abs(v) <= sys.float_info.max):
+                    raise InvalidArgumentError(f"logit_bias[{k}] must be a finite number or -inf, got {v!r}")
 
     @property
     def has_penalties(self) -> bool:

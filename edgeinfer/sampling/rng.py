@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from edgeinfer.errors import InvalidArgumentError
+
 MASK = (1 << 64) - 1
 
 
@@ -21,11 +23,12 @@ def splitmix64(state: int) -> tuple[int, int]:
 
 
 def resolve_seed(seed: int | None) -> int:
-    """The 64-bit seed both back ends start from: `seed` masked to 64 bits, or one from os.urandom."""
+    """The 64-bit seed both back ends start from: `seed` masked to 64 bits (so -1 is 2**64 - 1, and any
+    Python int is accepted), or one from os.urandom for None. Anything else: InvalidArgumentError."""
     if seed is None:
         return int.from_bytes(os.urandom(8), "little")
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        raise InvalidArgumentError(f"seed must be an integer or None, got {seed!r}")
     return seed & MASK
 
 

@@ -1,0 +1,88 @@
+"""CLI errors a user can cause: each prints exactly one line `edgeinfer: error: ...` and exits 1,
+never a traceback; a reader closing the pipe early ends the program quietly."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import subprocess
+import sys
+
+import pytest
+
+from edgeinfer.cli import main
+
+ONE_LINE = [
+    (["generate", "hi", "--top-k", "99999999999999999999"], "top_k"),
+    (["generate", "hi", "--capacity", "1000000000000"], "bytes"),
+    (["generate", "hi", "--threads", "-1"], "threads"),
+    (["generate", "hi", "--threads", "0"], "threads"),
+    (["generate", "hi", "--max-tokens", "0"], "max_new_tokens"),
+    (["generate", "hi", "--temperature", "nan"], "temperature"),
+    (["generate", "hi", "--top-p", "2"], "top_p"),
+    (["generate", "hi", "--stream", "--top-k", "99999999999999999999"], "top_k"),
+    (["generate", "Once upon a time there was a little girl named Lily", "--capacity", "8", "--overflow", "error"],
+     "does not fit"),
+    (["chat", "--threads", "-1"], "threads"),
+    (["chat", "--capacity", "1000000000000"], "bytes"),
+]
+
+
+def _one_error_line(err: str, needle: str) -> None:
+    err = err.strip()
+    assert err.startswith("edgeinfer: error: ") and needle in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv,needle", ONE_LINE, ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_user_errors_print_one_line(capsys, argv, needle):
+    assert main(argv) == 1
+    _one_error_line(capsys.readouterr().err, needle)
+
+
+@pytest.mark.parametrize("seed", ["-1", "99999999999999999999999"])
+def test_any_integer_seed_is_accepted(capsys, seed):
+    """Seeds are masked to 64 bits (rng.resolve_seed): any integer is a valid, reproducible seed."""
+    assert main(["generate", "Once", "--max-tokens", "5", "--seed", seed]) == 0
+    first = capsys.readouterr()
+    assert first.err == "" and first.out.strip()
+    assert main(["generate", "Once", "--max-tokens", "5", "--seed", seed]) == 0
+    assert capsys.readouterr().out == first.out
+
+
+def test_non_utf8_prompt_is_one_line():
+    """A byte that is not UTF-8 on the command line reaches Python as a lone surrogate."""
+    r = subprocess.run([sys.executable, "-m", "edgeinfer", "generate", b"Once \xff", "--max-tokens", "3"],
+                       capture_output=True, timeout=120)
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 1 and "Traceback" not in err
+    _one_error_line(err, "not valid UTF-8")
+
+
+def test_chat_reports_bad_input_and_goes_on(capsys, monkeypatch):
+    lines = iter(["caf\udce9", "Once upon a time there was a little girl named Lily who", "/quit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    assert main(["chat", "--max-tokens", "3", "--seed", "1", "--capacity", "8", "--overflow", "error"]) == 0
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("edgeinfer: error: ")]
+    assert len(err) == 2 and "not valid UTF-8" in err[0] and "does not fit" in err[1]
+
+
+def test_chat_stdin_that_is_not_utf8():
+    """Under a strict UTF-8 stdin, a bad byte skips that input with one error line."""
+    r = subprocess.run([sys.executable, "-m", "edgeinfer", "chat", "--max-tokens", "3"], input=b"hi\xff\n",
+                       capture_output=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"})
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 0 and "Traceback" not in err
+    assert [x for x in err.splitlines() if "edgeinfer: error:" in x] == [
+        "edgeinfer: error: the input is not valid UTF-8 (invalid start byte); line skipped"]
+
+
+def test_closed_pipe_ends_quietly():
+    """`edgeinfer generate --stream "Once" | head -c 5`: no BrokenPipeError traceback."""
+    argv = [sys.executable, "-m", "edgeinfer", "generate", "--stream", "Once", "--max-tokens", "400", "--seed", "1"]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(p.stdout.read(5)) == 5
+    p.stdout.close()  # the reader goes away while the writer still has output
+    err = p.stderr.read().decode()
+    rc = p.wait(timeout=120)
+    assert "Traceback" not in err and "Broken pipe" not in err and "Exception ignored" not in err, err
+    assert rc == 141  # the writer did meet the closed pipe (128 + SIGPIPE)

@@ -1,0 +1,287 @@
+"""What a user of the Python API can get wrong, and text contracts a user relies on.
+
+- completion text is exactly what follows the prompt: the first token keeps its leading space;
+- chat templates get the real strings of BOS / EOS ("<s>"), not decoded (empty) text;
+- every user error is an `EdgeInferError` and still the builtin type it was (ValueError, TypeError);
+- prompts: numpy integer arrays are token ids; bytes, bools and floats are refused; ids outside
+  the vocabulary are refused up front;
+- load: threads must be None or a positive int; a KV cache larger than free memory is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import namedtuple
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from conftest import STORIES_FIX
+from edgeinfer import EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError
+from edgeinfer.generation import Detokenizer
+from edgeinfer.kv_cache import ContextOverflowError
+from edgeinfer.sampling import Sampler, SamplingParams
+from edgeinfer.tokenizer import Tokenizer
+
+GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return edgeinfer.load()
+
+
+@pytest.fixture
+def hf_tokenizer(tmp_path):
+    """A tiny Hugging Face `tokenizers` tokenizer (Metaspace, like Llama's tokenizer.json) with
+    special tokens <s> and </s>."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "\u2581Once": 3, "\u2581upon": 4, "\u2581a": 5, "\u2581time": 6, ",": 7}
+    tk = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Metaspace()
+    tk.add_special_tokens(["<s>", "</s>"])
+    tk.save(str(tmp_path / "tokenizer.json"))
+    return Tokenizer(tmp_path, {"kind": "hf_tokenizers", "bos_token_id": 1, "eos_token_ids": [2], "add_bos": True})
+
+
+# 1. completion text is what follows the prompt ------------------------------------------------
+
+def test_first_token_keeps_its_leading_space(bundled):
+    c = bundled.generate("Once upon a", max_new_tokens=8, **GREEDY)
+    assert c.text.startswith(" time,")
+
+
+@pytest.mark.parametrize("prompt", ["Once upon a", "Lily and Ben were", "The little dog", "Once upon a time",
+                                    [1], 'She said "Hello', "Lily said: caf\u00e9 \u00fc \u4f60"])
+def test_completion_is_what_follows_the_prompt(bundled, prompt):
+    tok = bundled.tokenizer
+    ids = bundled.encode_prompt(prompt)
+    for seed in (0, 1):
+        c = bundled.generate(prompt, max_new_tokens=24, seed=seed, ignore_eos=True)
+        assert tok.decode(ids + list(c.token_ids)) == tok.decode(ids) + c.text
+        assert "".join(ch.text for ch in bundled.stream(prompt, max_new_tokens=24, seed=seed, ignore_eos=True)) == c.text
+
+
+def test_golden_completions_follow_their_prompts(bundled):
+    """golden.json's full_text is the reference decode of prompt + greedy ids."""
+    tok = bundled.tokenizer
+    for case in GOLDEN["cases"]:
+        ids = case["prompt_ids"]
+        text = tok.decode(ids + case["greedy_ids"])[len(tok.decode(ids)):]
+        assert tok.decode(ids) + text == case["full_text"]
+        d = Detokenizer(tok, ids)
+        assert "".join(d.add(t) for t in case["greedy_ids"]) == text
+
+
+def test_detokenizer_context_ending_inside_a_character(bundled):
+    """A prompt of ids cut inside a character: that character comes with the token completing it."""
+    tok = bundled.tokenizer
+    ids = tok.encode("Lily said: caf\u00e9 \u00fc \u4f60\u597d!", add_bos=False)  # \u00fc, \u4f60, \u597d are byte tokens
+    full = tok.decode(ids)
+    for k in range(len(ids)):
+        d = Detokenizer(tok, ids[:k])
+        out = "".join(d.add(t) for t in ids[k:])
+        assert tok.decode(ids[:k]).rstrip("\ufffd") + out == full, k
+
+
+def test_detokenizer_with_hf_tokenizer(hf_tokenizer):
+    tok = hf_tokenizer
+    assert tok.decode([6]) == "time"  # a decode drops the first token's leading space
+    d = Detokenizer(tok, tok.encode("Once upon a"))
+    assert d.add(6) == " time" and d.add(7) == ","
+
+
+def test_conversation_reply_keeps_space_and_turn_two_prefills_only_new_text(bundled):
+    conv = bundled.conversation()
+    tok = bundled.tokenizer
+    ids = tok.encode(bundled.template.render([{"role": "user", "content": "Lily had a ball."}]))
+    r1 = conv.say("Lily had a ball.", max_new_tokens=12, **GREEDY)
+    assert tok.decode(ids + list(r1.token_ids)) == tok.decode(ids) + r1.text
+    assert r1.text.startswith(" ")  # "Assistant:" then " Once ...": the space is the reply's
+    after_first = conv.cache.n_valid
+    r2 = conv.say("Then what?", max_new_tokens=12, **GREEDY)
+    # `_new_text` still finds reply 1 in the re-rendered history: turn 2 feeds the last sampled
+    # token of reply 1 and the new text only, and the cache grows instead of starting over
+    new_ids = tok.encode("\nUser: Then what?\nAssistant:", add_bos=False)
+    assert r2.usage.prompt_tokens == 1 + len(new_ids)
+    assert conv.cache.n_valid == after_first + 1 + len(new_ids) + 11
+
+
+# 2. chat templates get the special tokens' strings ---------------------------------------------
+
+def test_template_gets_bos_and_eos_strings(bundled):
+    assert bundled.tokenizer.token_string(1) == "<s>" and bundled.tokenizer.decode([1]) == ""
+    assert bundled.template.bos_token == "<s>" and bundled.template.eos_token == "</s>"
+    from edgeinfer.chat import ChatTemplate
+
+    tpl = ChatTemplate("{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}",
+                       bundled.template.bos_token, bundled.template.eos_token)
+    assert tpl.render([{"role": "user", "content": "Hi"}]) == "<s>Hi</s>"
+
+
+def test_hf_tokenizer_token_string(hf_tokenizer):
+    from edgeinfer.model import Model
+
+    assert hf_tokenizer.decode([1]) == "" and hf_tokenizer.token_string(1) == "<s>"
+    assert hf_tokenizer.token_string(2) == "</s>" and hf_tokenizer.token_string(6) == "\u2581time"
+
+    class Stub:
+        tokenizer = hf_tokenizer
+
+    assert Model._piece(Stub(), 2) == "</s>" and Model._piece(Stub(), None) == ""
+    with pytest.raises(edgeinfer.ModelFormatError, match="99"):
+        hf_tokenizer.token_string(99)
+
+
+# 3. every user error is an EdgeInferError, and still its old type ------------------------------
+
+@pytest.mark.parametrize("call,old,needle", [
+    (lambda m: m.generate(""), ValueError, "prompt is empty"),
+    (lambda m: m.generate([]), ValueError, "prompt is empty"),
+    (lambda m: m.generate("Hi", max_new_tokens=0), ValueError, "max_new_tokens"),
+    (lambda m: m.generate("Hi", top_p=0), ValueError, "top_p"),
+    (lambda m: m.generate("Hi", top_k=-1), ValueError, "top_k"),
+    (lambda m: m.generate("Hi", stop=[""]), ValueError, "stop"),
+    (lambda m: m.generate("Hi", stop=5), ValueError, "stop"),
+    (lambda m: m.generate("Hi", seed="abc"), ValueError, "seed"),
+    (lambda m: m.generate("Hi", temperature=10**400), ValueError, "temperature"),
+    (lambda m: m.generate("Hi", top_k=2**63), ValueError, "top_k"),
+    (lambda m: m.generate("Hi", penalty_last_n=2**63), ValueError, "penalty_last_n"),
+    (lambda m: m.generate("Hi", logit_bias={2**70: 1.0}), ValueError, "logit_bias"),
+    (lambda m: m.generate("Hi", logit_bias={5: 10**400}), ValueError, "logit_bias"),
+    (lambda m: m.generate(3.5), TypeError, "prompt must be"),
+    (lambda m: list(m.stream("Hi", max_new_tokens=0)), ValueError, "max_new_tokens"),
+    (lambda m: m.chat([{"role": "robot", "content": "x"}]), ValueError, "role"),
+    (lambda m: m.chat([]), ValueError, "messages"),
+    (lambda m: m.conversation().say("Hi", top_p=2), ValueError, "top_p"),
+])
+def test_bad_requests_are_edgeinfer_errors(bundled, call, old, needle):
+    with pytest.raises(EdgeInferError, match=needle) as info:
+        call(bundled)
+    assert isinstance(info.value, old)
+    assert bundled.generate("Once", max_new_tokens=3, seed=0).usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("kw,old,needle", [
+    (dict(overflow="wrap"), ValueError, "overflow"), (dict(capacity_tokens=1), ValueError, "capacity_tokens"),
+    (dict(capacity_tokens="64"), ValueError, "capacity_tokens"), (dict(n_sink=600), ValueError, "n_sink"),
+    (dict(n_sink=-1), ValueError, "n_sink"), (dict(provider="tpu"), ValueError, "provider"),
+    (dict(prefill_chunk=0), ValueError, "prefill_chunk"), (dict(path=3), TypeError, "path"),
+])
+def test_bad_load_options_are_edgeinfer_errors(kw, old, needle):
+    with pytest.raises(EdgeInferError, match=needle) as info:
+        edgeinfer.load(**kw)
+    assert isinstance(info.value, old)
+
+
+def test_error_types_and_exports():
+    assert issubclass(ContextOverflowError, EdgeInferError) and issubclass(ContextOverflowError, ValueError)
+    assert issubclass(InvalidArgumentError, EdgeInferError) and issubclass(InvalidArgumentError, ValueError)
+    assert issubclass(InvalidArgumentTypeError, EdgeInferError) and issubclass(InvalidArgumentTypeError, TypeError)
+    assert edgeinfer.ContextOverflowError is ContextOverflowError
+    with pytest.raises(InvalidArgumentError, match="top_k"):
+        SamplingParams(top_k=-1)
+    with pytest.raises(InvalidArgumentError, match="seed"):
+        Sampler(SamplingParams(), seed="abc")
+    from edgeinfer.chat import ChatTemplate, check_messages
+    from edgeinfer.session import resolve_provider
+
+    with pytest.raises(InvalidArgumentError, match="messages"):
+        check_messages("hi")
+    with pytest.raises(InvalidArgumentError, match="provider"):
+        resolve_provider("tpu")
+    with pytest.raises(InvalidArgumentError, match="does not parse"):
+        ChatTemplate("{% for %}")
+    tpl = ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(InvalidArgumentError, match="roles must alternate"):
+        tpl.render([{"role": "user", "content": "x"}])
+
+
+def test_context_overflow_is_an_edgeinfer_error():
+    m = edgeinfer.load(capacity_tokens=16, overflow="error")
+    with pytest.raises(EdgeInferError, match="does not fit") as info:
+        m.generate(list(range(3, 40)), max_new_tokens=5)
+    assert isinstance(info.value, ContextOverflowError) and isinstance(info.value, ValueError)
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token(bundled):
+    """Documented in SamplingParams: top_k >= vocab size is the same as 0 (off)."""
+    a = bundled.generate("Once", max_new_tokens=20, seed=5, top_k=0, ignore_eos=True).token_ids
+    assert bundled.generate("Once", max_new_tokens=20, seed=5, top_k=10**6, ignore_eos=True).token_ids == a
+    assert bundled.generate("Once", max_new_tokens=20, seed=5, top_k=2**31 - 1, ignore_eos=True).token_ids == a
+
+
+# 4. prompt types -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64, np.uint16, np.uint32, np.uint64, np.intc])
+def test_numpy_integer_prompt_is_token_ids(bundled, dtype):
+    ids = [1, 120, 65, 7]  # small enough for int8
+    want = bundled.generate(ids, max_new_tokens=6, **GREEDY)
+    got = bundled.generate(np.array(ids, dtype), max_new_tokens=6, **GREEDY)
+    assert got.token_ids == want.token_ids and got.text == want.text and got.usage == want.usage
+    assert bundled.encode_prompt(np.array(ids, dtype)) == ids
+    assert all(type(t) is int for t in bundled.encode_prompt(np.array(ids, dtype)))
+    assert bundled.encode_prompt([dtype(t) for t in ids]) == ids  # numpy scalars in a list too
+
+
+@pytest.mark.parametrize("prompt,needle", [
+    (b"Once upon", "bytes"), (bytearray(b"\x01\x05"), "bytes"), (b"\x01\x05", "bytes"),
+    (np.array([True, False]), "bool"), (np.array([1.0, 403.0]), "float64"), (np.array([[1, 403]]), "shape"),
+    ([1.0, 403.0], "prompt must be"), ([True, 5], "prompt must be"), (None, "prompt must be"),
+])
+def test_prompt_of_a_wrong_type_is_refused(bundled, prompt, needle):
+    with pytest.raises(InvalidArgumentTypeError, match=needle) as info:
+        bundled.generate(prompt, max_new_tokens=2)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, EdgeInferError)
+
+
+@pytest.mark.parametrize("prompt,bad", [([1, 512], 512), ([-1, 5], -1), (np.array([1, 70000], np.uint32), 70000),
+                                        (np.array([1, 2**64 - 1], np.uint64), 2**64 - 1)])
+def test_ids_outside_the_vocabulary_are_refused_up_front(bundled, prompt, bad):
+    with pytest.raises(InvalidArgumentError, match=f"token id {bad} is outside the vocabulary"):
+        bundled.encode_prompt(prompt)
+    with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
+        bundled.stream(prompt, max_new_tokens=2)  # before the first chunk is asked for
+
+
+def test_text_that_is_not_utf8_is_refused(bundled):
+    with pytest.raises(InvalidArgumentError, match="not valid UTF-8"):
+        bundled.generate("Once \udcff", max_new_tokens=2)
+    with pytest.raises(InvalidArgumentError, match="not valid UTF-8"):
+        bundled.chat([{"role": "user", "content": "\ud800"}], max_new_tokens=2)
+
+
+# 5. threads ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [-1, 0, True, 1.5, "2"])
+def test_bad_threads_are_refused(threads):
+    with pytest.raises(InvalidArgumentError, match="threads must be a positive integer"):
+        edgeinfer.load(threads=threads)
+
+
+def test_good_threads_load():
+    assert edgeinfer.load(threads=1).generate("Once", max_new_tokens=2, seed=0).usage.completion_tokens == 2
+
+
+# 6. a KV cache larger than free memory is refused before allocating --------------------------
+
+def test_capacity_beyond_memory_is_refused():
+    with pytest.raises(InvalidArgumentError, match=r"capacity_tokens=1000000000000 needs [\d,]+ bytes"):
+        edgeinfer.load(capacity_tokens=10**12)
+
+
+def test_capacity_check_uses_available_memory(monkeypatch):
+    import edgeinfer.model as model_mod
+
+    mem = namedtuple("mem", "available")
+    monkeypatch.setattr(model_mod.psutil, "virtual_memory", lambda: mem(10**6))
+    # stories260K: 1280 bytes per token; 1000 ring slots + 256 overflow rows
+    with pytest.raises(InvalidArgumentError, match=r"needs 1,607,680 bytes .* only 1,000,000 bytes"):
+        edgeinfer.load(capacity_tokens=1000)
+    m = edgeinfer.load(capacity_tokens=300, prefill_chunk=64)  # 364 rows x 1280 bytes fit
+    assert m.generate("Once", max_new_tokens=2, seed=0).usage.completion_tokens == 2
