@@ -1,13 +1,17 @@
 """The `edgeinfer` command line: convert, eval, inspect, generate, chat, bench.
 
-User errors (`EdgeInferError`) print one line `edgeinfer: error: ...` and exit 1; Ctrl-C prints
-`edgeinfer: interrupted` and exits 130. Neither prints a traceback.
+User errors (`EdgeInferError`: bad arguments, a missing model, a prompt that does not fit or is
+not valid UTF-8) print one line `edgeinfer: error: ...` and exit 1; Ctrl-C prints
+`edgeinfer: interrupted` and exits 130; a reader that closes the output early
+(`edgeinfer generate ... | head`) ends the program quietly with 141 (128 + SIGPIPE, as a shell
+reports a command killed by SIGPIPE). None of them prints a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,8 +51,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from edgeinfer.inspect import describe
+    from edgeinfer.inspect import describe, verify
 
+    if args.verify:
+        return 0 if verify(args.model, out=lambda line: print(line, flush=True)) else 1
     print(describe(args.model, as_json=args.json))
     return 0
 
@@ -80,25 +86,19 @@ def _options(args: argparse.Namespace) -> dict:
 def _load(args: argparse.Namespace):
     import edgeinfer
 
-    try:
-        return edgeinfer.load(args.model, threads=args.threads, capacity_tokens=args.capacity,
-                              overflow=args.overflow, verbose=args.verbose)
-    except ValueError as e:
-        raise EdgeInferError(str(e)) from None
+    return edgeinfer.load(args.model, threads=args.threads, capacity_tokens=args.capacity,
+                          overflow=args.overflow, verbose=args.verbose)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     model = _load(args)
     opts = _options(args)
-    try:
-        if args.stream:
-            for chunk in model.stream(args.prompt, **opts):
-                print(chunk.text, end="", flush=True)
-            print()
-            return 0
-        c = model.generate(args.prompt, **opts)
-    except ValueError as e:
-        raise EdgeInferError(str(e)) from None
+    if args.stream:
+        for chunk in model.stream(args.prompt, **opts):
+            print(chunk.text, end="", flush=True)
+        print()
+        return 0
+    c = model.generate(args.prompt, **opts)
     if args.json:
         from dataclasses import asdict
 
@@ -122,6 +122,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print()
             continue
+        except UnicodeDecodeError as e:  # stdin decoded strictly (a UTF-8 locale) met a bad byte
+            print(f"edgeinfer: error: the input is not valid UTF-8 ({e.reason}); line skipped", file=sys.stderr)
+            continue
         if line.strip() in ("/quit", "/exit"):
             return 0
         if line.strip() == "/reset":
@@ -130,14 +133,17 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             continue
         if not line.strip():
             continue
+        reply = None
         try:
-            for chunk in conv.stream_say(line, **opts):
+            reply = conv.stream_say(line, **opts)
+            for chunk in reply:
                 print(chunk.text, end="", flush=True)
         except KeyboardInterrupt:
-            conv.reset()  # a reply cut half-way leaves the context unknown: start clean
-            print("\n(reply stopped; context cleared)", file=sys.stderr)
+            if reply is not None:
+                reply.close()  # the conversation rolls the cut turn back: history and cache agree
+            print("\n(reply stopped; that turn is forgotten)", file=sys.stderr)
             continue
-        except ValueError as e:
+        except EdgeInferError as e:  # e.g. the reply does not fit (--overflow error): say so, keep chatting
             print(f"edgeinfer: error: {e}", file=sys.stderr)
             continue
         print()
@@ -179,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="convert a Hugging Face model folder to an edgeinfer model folder")
     c.add_argument("src", type=Path, help="Hugging Face folder (config.json, *.safetensors, tokenizer files)")
-    c.add_argument("-o", "--output", type=Path, required=True, help="destination folder (must not exist)")
+    c.add_argument("-o", "--output", type=Path, required=True,
+                   help="destination folder (must not exist, or with --force be an edgeinfer model folder)")
     c.add_argument("--quant", choices=("fp32", "fp16", "int8", "int4"), default="int4")
     c.add_argument("--block-size", type=int, choices=(16, 32, 64, 128), default=32)
     c.add_argument("--target", choices=("cpu", "cuda"), default="cpu")
@@ -192,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --quant int4, keep these projections at int8 (e.g. qkv_proj down_proj)")
     c.add_argument("--attention", choices=("auto", "gqa", "standard"), default="auto",
                    help="GroupQueryAttention over the shared ring (head size %% 16 == 0) or standard ops")
-    c.add_argument("--force", action="store_true", help="replace an existing destination")
+    c.add_argument("--force", action="store_true",
+                   help="replace an existing edgeinfer model folder (never one holding SRC or the current folder)")
     c.add_argument("-q", "--quiet", action="store_true")
     c.set_defaults(func=_cmd_convert)
 
@@ -232,7 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="describe an edgeinfer model folder")
     i.add_argument("model", type=Path)
-    i.add_argument("--json", action="store_true")
+    mode = i.add_mutually_exclusive_group()
+    mode.add_argument("--json", action="store_true")
+    mode.add_argument("--verify", action="store_true",
+                      help="hash every file against edgeinfer.json; one line per file, exit 1 on a mismatch")
     i.set_defaults(func=_cmd_inspect)
     return ap
 
@@ -240,13 +251,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
+        return rc
     except EdgeInferError as e:
         print(f"edgeinfer: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("edgeinfer: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away: Python's docs (signal, "Note on SIGPIPE") advise pointing stdout at
+        # devnull, so that flushing it again at exit does not raise, and leaving quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

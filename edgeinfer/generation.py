@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeinfer.engine import Engine
+from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.kv_cache import ContextOverflowError, RingKVCache
 from edgeinfer.sampling import Sampler, SamplingParams
 from edgeinfer.tokenizer import Tokenizer
@@ -68,16 +69,23 @@ def make_request(max_new_tokens: int = 128, temperature: float = 0.8, top_k: int
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0, penalty_last_n: int = 64,
                  logit_bias: dict[int, float] | None = None, stop: str | Sequence[str] | None = None,
                  seed: int | None = None, ignore_eos: bool = False) -> Request:
-    """Validate generation options (an unknown keyword is a TypeError naming it)."""
+    """Validate generation options: a bad value raises InvalidArgumentError (an EdgeInferError and a
+    ValueError) naming the option; an unknown keyword is Python's TypeError naming it.
+
+    max_new_tokens: a positive int; stop: None, a non-empty string, or a list/tuple of them; seed:
+    None (random) or any int (masked to 64 bits); the sampling options: see `SamplingParams`.
+    """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if any(not isinstance(s, str) or not s for s in stops):
-        raise ValueError("stop must be a non-empty string or a list of them")
+        raise InvalidArgumentError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
+        raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InvalidArgumentError(f"seed must be an integer or None, got {seed!r}")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, penalty_last_n=penalty_last_n, logit_bias=logit_bias)
-    return Request(params, max_new_tokens, stops, seed, bool(ignore_eos))
+    return Request(params, max_new_tokens, tuple(stops), seed, bool(ignore_eos))
 
 
 class PenaltyWindow:
@@ -105,13 +113,28 @@ class PenaltyWindow:
 
 
 class Detokenizer:
-    """Incremental decode: text of new tokens, decoded with a little left context (so leading spaces
-    and multi-token UTF-8 come out right), held back while it ends in an incomplete character."""
+    """Incremental decode of generated tokens, seeded with the prompt's last ids as left context.
 
-    def __init__(self, tok: Tokenizer):
+    Contract: the texts `add` returns, joined, are exactly what the generated ids add after the
+    context: decode(context + ids) minus its prefix decode(context). So the first token keeps its
+    leading space (decoders drop a leading space at the start of a decode: "▁time" alone is "time",
+    after "Once upon a" it is " time"). With no context, they join to decode(ids). Each call decodes
+    the new tokens with a little left context (the last emitted tokens), and holds text back while
+    it ends in an incomplete UTF-8 character. A context that ends inside a character (a prompt of
+    ids cut mid-character) has that character's text come with the first token that completes it.
+    """
+
+    CONTEXT = 8  # prompt ids kept as left context: enough for a leading space or a split character
+
+    def __init__(self, tok: Tokenizer, context: Sequence[int] = ()):
         self.tok = tok
-        self.ids: list[int] = []  # the context window (last emitted tokens) + tokens not yet turned into text
-        self.read = 0  # how many of `ids` are already text
+        # the context window (prompt tail, later the last emitted tokens) + tokens not yet turned into text
+        self.ids: list[int] = [int(t) for t in context[-self.CONTEXT:]]
+        self.read = len(self.ids)  # how many of `ids` are already text
+        for _ in range(3):  # a character split across the end of the context is decoded with the new tokens
+            if not self.read or not tok.decode(self.ids[:self.read]).endswith("\ufffd"):
+                break
+            self.read -= 1
 
     def add(self, token: int) -> str:
         self.ids.append(token)
@@ -162,8 +185,21 @@ class StopFilter:
         return out
 
 
+def truncate_reserve(capacity_tokens: int, max_new_tokens: int) -> int:
+    """Slots `truncate` keeps free for the reply: max_new_tokens, but at most half the ring (a huge
+    max_new_tokens must not cut the prompt to nothing; the reply then ends "length" when the ring is full)."""
+    return min(max_new_tokens, capacity_tokens // 2)
+
+
 def fit_prompt(cache: RingKVCache, ids: list[int], overflow: str, max_new_tokens: int) -> tuple[list[int], int]:
-    """Apply the overflow policy to a prompt about to enter `cache`; returns (ids to feed, dropped count)."""
+    """Apply the overflow policy to a prompt about to enter `cache`; returns (ids to feed, dropped count).
+
+    shift: everything goes in (the ring forgets its oldest tokens after the sinks as it must).
+    error: the prompt must fit the free slots, else ContextOverflowError stating the counts.
+    truncate: the prompt plus `truncate_reserve` slots must fit; if not, the oldest prompt tokens after
+    the first n_sink (the sinks: BOS and the start of a system prompt, when the cache is empty) are
+    dropped, exactly as many as needed, and reported.
+    """
     room = cache.capacity - cache.n_valid
     if overflow == "shift" or len(ids) <= room and overflow == "error":
         return ids, 0
@@ -172,11 +208,11 @@ def fit_prompt(cache: RingKVCache, ids: list[int], overflow: str, max_new_tokens
             f"prompt of {len(ids)} tokens does not fit: the context holds {cache.n_valid} of "
             f"{cache.capacity} tokens, {room} free (overflow='error'; use 'shift' or 'truncate', or a larger "
             f"capacity_tokens)")
-    want = max(1, room - max_new_tokens)  # truncate: leave room to generate
-    if len(ids) <= want:
+    budget = max(1, room - truncate_reserve(cache.capacity, max_new_tokens))
+    if len(ids) <= budget:
         return ids, 0
-    keep_head = min(cache.n_sink, want - 1) if cache.n_valid == 0 else 0
-    kept = ids[:keep_head] + ids[len(ids) - (want - keep_head):]
+    keep_head = min(cache.n_sink, budget - 1) if cache.n_valid == 0 else 0
+    kept = ids[:keep_head] + ids[len(ids) - (budget - keep_head):]
     return kept, len(ids) - len(kept)
 
 
@@ -191,13 +227,16 @@ def run(engine: Engine, tok: Tokenizer, cache: RingKVCache, prompt_ids: list[int
     vocab = engine.spec.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    bad = [t for t in (req.params.logit_bias or {}) if not 0 <= t < vocab]
+    if bad:
+        raise InvalidArgumentError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
     eos = set() if req.ignore_eos else set(tok.eos_ids)
     feed, dropped = fit_prompt(cache, prompt_ids, overflow, req.max_new_tokens)
     dropped_before = cache.dropped
     last_n = req.params.penalty_last_n if req.params.has_penalties else 0
     window = PenaltyWindow(last_n, feed)
-    detok, stops = Detokenizer(tok), StopFilter(req.stop)
+    detok, stops = Detokenizer(tok, prompt_ids), StopFilter(req.stop)
     generated: list[int] = []
     finish = "length"
 

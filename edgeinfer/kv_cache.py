@@ -21,7 +21,9 @@ cached key by -d (values do not change). `rebase_if_due` does that when the next
 `position_limit` = capacity + `rebase_every_tokens`, moving the oldest ring token to position
 n_sink: an O(C) pass over the keys once every `rebase_every_tokens` tokens, nothing per token.
 
-Owned by one conversation; mutated only by `rebase_if_due`, `commit`, `reset` and `restore`.
+Owned by one conversation; mutated only by `rebase_if_due`, `commit`, `rewind`, `reset` and
+`restore`. `intact` is False while (or if an exception such as Ctrl-C stopped) `rebase_if_due` or
+`commit` is half done: such a cache must be reset before use.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class RingKVCache:
         self.reset()
 
     def reset(self) -> None:
+        self.intact = True
         self.n_valid = 0  # slots [0, n_valid) hold tokens
         self.next_slot = self.n_sink  # the ring slot the next token overwrites once full
         self.next_position = 0  # RoPE position of the next token
@@ -136,6 +139,7 @@ class RingKVCache:
         d = int(ring.min()) - self.n_sink
         if d <= 0:
             return 0
+        self.intact = False
         angle = -d * self.inv_freq  # float64: exact enough for any d the ring reaches
         cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
         for k in self.k:
@@ -144,6 +148,7 @@ class RingKVCache:
         ring -= d
         self.next_position -= d
         self.rebased_tokens += d
+        self.intact = True
         return d
 
     def write_offset(self, s: int) -> int:
@@ -154,6 +159,7 @@ class RingKVCache:
 
     def commit(self, s: int) -> None:
         """Account for the s rows the last call wrote at rows [n_valid, n_valid + s)."""
+        self.intact = False
         start = self.n_valid
         fit = max(0, min(s, self.capacity - start))  # rows that landed in free slots
         if fit == 1:
@@ -172,6 +178,23 @@ class RingKVCache:
                     k[0, :, dst], v[0, :, dst] = k[0, :, src], v[0, :, src]
             self.positions[dst] = self.next_position + j
         self.next_position += s
+        self.intact = True
+
+    def mark(self) -> tuple[int, int, int, int, int]:
+        """The bookkeeping now, for `rewind`."""
+        return self.n_valid, self.next_slot, self.next_position, self.dropped, self.rebased_tokens
+
+    def rewind(self, mark: tuple[int, int, int, int, int]) -> bool:
+        """Forget every token appended since `mark`, if that leaves exactly the cache as it was then:
+        nothing held at `mark` was overwritten (no eviction) or moved (no re-base) since, and no
+        mutation was cut short. Returns False and changes nothing otherwise (reset instead)."""
+        n_valid, next_slot, next_position, dropped, rebased = mark
+        if not self.intact or (self.dropped, self.rebased_tokens, self.next_slot) != (dropped, rebased, next_slot) \
+                or self.n_valid < n_valid:
+            return False
+        self.positions[n_valid:self.n_valid] = -1
+        self.n_valid, self.next_position = n_valid, next_position
+        return True
 
     def _valid(self, a: np.ndarray) -> np.ndarray:
         return a[:, :self.n_valid] if self.layout == "BSNH" else a[:, :, :self.n_valid]

@@ -3,24 +3,36 @@
 Ownership: a Model owns the ONNX Runtime session (read-only weights), one Engine (its run-state
 buffers) and one default ring-buffer KV cache used by `generate` and `stream` (reset per call).
 Each `Conversation` owns its own cache, allocated once when it is created, so a server can hold
-several conversations over one Model. Calls are sequential: a Model is not thread-safe.
+several conversations over one Model.
+
+Threads: a Model is safe to share. `generate`/`stream` serialise on the default context's lock
+(`ContextLock`: another thread waits, the same thread with a live stream is refused); each
+Conversation has its own lock and cache, so conversations run side by side, their graph calls
+interleaving on the Engine's lock.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
+import psutil
+
 from edgeinfer.chat import ChatTemplate
 from edgeinfer.engine import Engine
-from edgeinfer.errors import EdgeInferError
-from edgeinfer.generation import Chunk, Completion, make_request, run
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError
+from edgeinfer.context_lock import ContextLock
+from edgeinfer.conversation import Conversation
+from edgeinfer.generation import Chunk, Completion, Request, make_request, run
+from edgeinfer import integrity
 from edgeinfer.kv_cache import OVERFLOW_POLICIES, RingKVCache
 from edgeinfer.manifest import read_manifest
-from edgeinfer.session import DecoderSession
+from edgeinfer.session import DecoderSession, check_threads
 from edgeinfer.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "stories260K-int8"
@@ -36,29 +48,57 @@ def load(path: str | Path | None = None, *, provider: str = "auto", threads: int
          prefill_chunk: int = 256, verbose: bool = False) -> "Model":
     """Load an edgeinfer model folder (None: the bundled default model).
 
-    capacity_tokens: the KV ring's size (default: the manifest's, capped at the model's sliding
-    window); n_sink: first tokens the ring never overwrites; overflow: "shift" | "truncate" | "error".
-    The KV memory is allocated here, once, and printed to stderr when `verbose`.
+    provider: "auto" | "cpu" | "cuda"; threads: None (onnxruntime's default) or a positive int;
+    capacity_tokens: the KV ring's size, an int >= 2 (default: the manifest's, capped at the model's
+    sliding window); n_sink: first tokens the ring never overwrites, in [0, capacity_tokens);
+    overflow: "shift" | "truncate" | "error"; prefill_chunk: a positive int (tokens per prefill call).
+    The KV memory is allocated here, once, and printed to stderr when `verbose`; a capacity whose KV
+    cache needs more bytes than the memory available now is refused before allocating.
+    A bad argument raises `InvalidArgumentError` (a ValueError) or `InvalidArgumentTypeError` (a
+    TypeError), both `EdgeInferError`s; a bad folder raises `ModelFormatError`.
     """
     return Model(path, provider=provider, threads=threads, capacity_tokens=capacity_tokens, n_sink=n_sink,
                  overflow=overflow, prefill_chunk=prefill_chunk, verbose=verbose)
 
 
+def check_kv_memory(spec, capacity: int, chunk: int) -> None:
+    """Refuse a KV ring (capacity + one chunk's overflow rows) larger than the memory available now."""
+    rows = capacity + chunk
+    need, free = spec.kv_bytes_per_token * rows, psutil.virtual_memory().available
+    if need > free:
+        raise InvalidArgumentError(
+            f"capacity_tokens={capacity} needs {need:,} bytes of KV cache ({spec.kv_bytes_per_token} bytes per "
+            f"token x {rows} rows) but only {free:,} bytes of memory are available: use a smaller capacity")
+
+
 class Model:
     def __init__(self, path, *, provider, threads, capacity_tokens, n_sink, overflow, prefill_chunk, verbose):
         t0 = time.perf_counter()
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise InvalidArgumentTypeError(f"path must be a folder path (str or os.PathLike) or None, "
+                                           f"got {type(path).__name__}")
         folder = Path(path) if path is not None else default_model_path()
-        if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
+        if not isinstance(overflow, str) or overflow not in OVERFLOW_POLICIES:
+            raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
+        check_threads(threads)
+
+        def integer(name: str, v, low: int) -> None:
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {v!r}")
+
+        if capacity_tokens is not None:
+            integer("capacity_tokens", capacity_tokens, 2)
+        integer("n_sink", n_sink, 0)
+        integer("prefill_chunk", prefill_chunk, 1)
         self.manifest = read_manifest(folder)
+        integrity.verify(folder, self.manifest.files)
         spec = self.manifest.arch
         capacity = capacity_tokens if capacity_tokens is not None else self.manifest.default_capacity_tokens
         if spec.sliding_window and capacity > spec.sliding_window:
             capacity = spec.sliding_window if capacity_tokens is None else capacity
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2:
-            raise ValueError(f"capacity_tokens must be an integer >= 2, got {capacity!r}")
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        if n_sink >= capacity:
+            raise InvalidArgumentError(f"n_sink must be in [0, capacity_tokens), got {n_sink} for capacity {capacity}")
+        check_kv_memory(spec, capacity, min(prefill_chunk, capacity))
         self.folder = folder
         self.overflow = overflow
         self.capacity_tokens, self.n_sink = capacity, n_sink
@@ -66,6 +106,7 @@ class Model:
         self.session = DecoderSession(folder, threads=threads, provider=provider, manifest=self.manifest)
         self.engine = Engine(self.session, max_chunk=min(prefill_chunk, capacity))
         self.cache = self.new_cache()
+        self.lock = ContextLock("the model's default context (generate/stream)")
         tk = self.manifest.tokenizer
         self.template = ChatTemplate(tk.get("chat_template"), self._piece(tk.get("bos_token_id")),
                                      self._piece((tk.get("eos_token_ids") or [None])[0]))
@@ -77,34 +118,62 @@ class Model:
                   file=sys.stderr)
 
     def _piece(self, token_id) -> str:
-        return "" if token_id is None else self.tokenizer.decode([token_id]) or ""
+        """What a chat template gets as bos_token / eos_token: the token's own string ("<s>"), "" for none."""
+        return "" if token_id is None else self.tokenizer.token_string(token_id)
 
     def new_cache(self) -> RingKVCache:
+        """A ring of this model's capacity (refused before allocating if memory is short)."""
+        check_kv_memory(self.manifest.arch, self.capacity_tokens, self.engine.max_chunk)
         return self.engine.new_cache(self.capacity_tokens, self.n_sink)
 
-    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Text is tokenized (with BOS as the model's tokenizer config says); a list of ids is used as-is."""
+    def encode_prompt(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
+        """The prompt's token ids.
+
+        Text (str, valid UTF-8) is tokenized, with BOS as the model's tokenizer config says. Token ids
+        (a list, tuple or other Sequence of ints, or a 1-D numpy array of an integer dtype) are used as they are, and
+        each must be in [0, vocab_size). bytes are refused (decode them to text first), and so are bool
+        or float ids. Errors: InvalidArgumentTypeError for a wrong type, InvalidArgumentError for an
+        empty prompt or an id outside the vocabulary.
+        """
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("the prompt is empty: give text, or [bos_id] to generate from nothing")
+                raise InvalidArgumentError("the prompt is empty: give text, or [bos_id] to generate from nothing")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
+        elif isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentTypeError("prompt must be text or token ids, not bytes: decode it first, "
+                                           "e.g. prompt.decode('utf-8')")
+        elif isinstance(prompt, np.ndarray) and prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer):
+            ids = prompt.tolist()
+        elif isinstance(prompt, Sequence) and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            ids = [int(t) for t in prompt]
         else:
-            raise TypeError("prompt must be a string or a list of token ids")
+            raise InvalidArgumentTypeError("prompt must be a string, a list of token ids (ints) or a 1-D integer "
+                                           f"numpy array, got {type(prompt).__name__}"
+                                           + (f" of {prompt.dtype} shape {prompt.shape}"
+                                              if isinstance(prompt, np.ndarray) else ""))
         if not ids:
-            raise ValueError("the prompt is empty (no tokens): give text or at least one token id")
+            raise InvalidArgumentError("the prompt is empty (no tokens): give text or at least one token id")
+        vocab = self.manifest.arch.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgumentError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         return ids
 
     def stream(self, prompt: str | Sequence[int], **options) -> Iterator[Chunk]:
         """Yield one Chunk per generated token; joined, their text equals `generate(...).text`.
 
-        Options are those of `generate`. The default cache is reset first.
+        Options are those of `generate` and are checked now. From its first next() until it ends (or
+        is closed or dropped) the stream holds the model's default context: `generate` or `stream`
+        from another thread waits for it; from the same thread they raise ContextBusyError.
         """
-        req = make_request(**options)
-        ids = self.encode_prompt(prompt)
-        self.cache.reset()
-        return run(self.engine, self.tokenizer, self.cache, ids, req, self.overflow, self.load_ms, {})
+        return self._run_default(self.encode_prompt(prompt), make_request(**options), {})
+
+    def _run_default(self, ids: list[int], req: Request, result: dict) -> Iterator[Chunk]:
+        """One request on the default cache, holding its lock (reset first: requests are independent)."""
+        with self.lock:
+            self.cache.reset()
+            yield from run(self.engine, self.tokenizer, self.cache, ids, req, self.overflow, self.load_ms, result)
 
     def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
@@ -115,10 +184,8 @@ class Model:
         """Generate a completion of `prompt` (temperature 0: greedy). The default cache is reset first."""
         req = make_request(max_new_tokens, temperature, top_k, top_p, min_p, typical_p, repetition_penalty,
                            frequency_penalty, presence_penalty, penalty_last_n, logit_bias, stop, seed, ignore_eos)
-        ids = self.encode_prompt(prompt)
-        self.cache.reset()
         result: dict = {}
-        for _ in run(self.engine, self.tokenizer, self.cache, ids, req, self.overflow, self.load_ms, result):
+        for _ in self._run_default(self.encode_prompt(prompt), req, result):
             pass
         result.pop("unfed")
         return Completion(**result)
@@ -127,75 +194,6 @@ class Model:
         """One reply to `messages` with the model's chat template (stateless: a fresh conversation)."""
         return self.conversation().reply(messages, **options)
 
-    def conversation(self) -> "Conversation":
+    def conversation(self) -> Conversation:
+        """A new conversation with its own KV cache (allocated now, the same size as the default)."""
         return Conversation(self)
-
-
-class Conversation:
-    """A multi-turn chat whose KV cache persists across turns: turn N prefills only its new text.
-
-    `say(content)` adds a user message and returns the reply; `reply(messages)` continues with a
-    full message list (its already-seen prefix is not re-prefilled). `reset()` forgets everything.
-    """
-
-    def __init__(self, model: Model):
-        self.model = model
-        self.cache = model.new_cache()
-        self.messages: list[dict] = []
-        self._prompt_text = ""  # the last turn's rendered prompt (its tokens are in the cache)
-        self._reply = ""  # the reply generated after it (its tokens are in the cache, but the last)
-        self._unfed: list[int] = []  # last sampled token, not yet fed to the cache
-
-    def reset(self) -> None:
-        self.cache.reset()
-        self.messages, self._prompt_text, self._reply, self._unfed = [], "", "", []
-
-    def say(self, content: str, **options) -> Completion:
-        return self.reply(self.messages + [{"role": "user", "content": content}], **options)
-
-    def stream_say(self, content: str, **options) -> Iterator[Chunk]:
-        return self._stream(self.messages + [{"role": "user", "content": content}], options)
-
-    def reply(self, messages: Sequence[dict], **options) -> Completion:
-        result: dict = {}
-        for _ in self._stream(messages, options, result):
-            pass
-        return Completion(**{k: v for k, v in result.items() if k != "unfed"})
-
-    def _stream(self, messages: Sequence[dict], options: dict, result: dict | None = None) -> Iterator[Chunk]:
-        result = {} if result is None else result
-        m = self.model
-        req = make_request(**options)
-        full = m.template.render(messages, add_generation_prompt=True)
-        new_text = self._new_text(full)
-        if new_text is not None:
-            ids = self._unfed + m.tokenizer.encode(new_text, add_bos=False)
-        else:  # first turn, or a template whose earlier turns render differently: start over
-            self.cache.reset()
-            self._unfed = []
-            text, bos = full, m.tokenizer.add_bos
-            if m.template.bos_token and text.startswith(m.template.bos_token):
-                text, bos = text[len(m.template.bos_token):], True
-            ids = m.tokenizer.encode(text, add_bos=bos)
-        if not ids:
-            raise EdgeInferError("nothing new to say: the messages add no text")
-        self.messages = list(messages)
-        for chunk in run(m.engine, m.tokenizer, self.cache, ids, req, m.overflow, m.load_ms, result):
-            yield chunk
-        self._unfed = result["unfed"]
-        self.messages.append({"role": "assistant", "content": result["text"]})
-        self._prompt_text, self._reply = full, result["text"]
-
-    def _new_text(self, full: str) -> str | None:
-        """The part of this turn's rendering that the cache has not seen, or None to start over.
-
-        The cache holds the last rendered prompt and the generated reply; the template renders that
-        reply again (maybe with other whitespace around it), so what follows it is the new text.
-        """
-        if not self._prompt_text or not full.startswith(self._prompt_text):
-            return None
-        rest = full[len(self._prompt_text):]
-        i = rest.find(self._reply) if self._reply else 0
-        if i < 0 or rest[:i].strip():
-            return None
-        return rest[i + len(self._reply):]

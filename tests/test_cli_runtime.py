@@ -34,7 +34,7 @@ def test_generate_errors_are_one_line(capsys, argv, needle):
 
 
 def test_chat_reset_and_ctrl_c(capsys, monkeypatch):
-    from edgeinfer.model import Conversation
+    from edgeinfer.conversation import Conversation
 
     lines = iter(["Hello there", "/reset", KeyboardInterrupt(), "Tell me more", "Again", "/quit"])
 
@@ -44,19 +44,25 @@ def test_chat_reset_and_ctrl_c(capsys, monkeypatch):
             raise item
         return item
 
-    real = Conversation._stream
+    real = Conversation._turn
     calls = {"n": 0}
+    seen = {}
 
-    def stream(self, messages, options, result=None):
+    def turn(self, messages, content, req, result):
         calls["n"] += 1
         if calls["n"] == 2:  # Ctrl-C in the middle of the second reply
-            yield from ()
+            gen = real(self, messages, content, req, result)
+            yield next(gen)
+            seen["history_before"] = list(self.messages)
             raise KeyboardInterrupt
-        yield from real(self, messages, options, result)
+        yield from real(self, messages, content, req, result)
+        seen["history_after"] = list(self.messages)
 
     monkeypatch.setattr(builtins, "input", fake_input)
-    monkeypatch.setattr(Conversation, "_stream", stream)
+    monkeypatch.setattr(Conversation, "_turn", turn)
     assert main(["chat", "--max-tokens", "5", "--seed", "1"]) == 0
     err = capsys.readouterr().err
-    assert "(context cleared)" in err and "(reply stopped; context cleared)" in err
+    assert "(context cleared)" in err and "(reply stopped; that turn is forgotten)" in err
+    # /reset emptied the history and the cut turn left no trace in it: the last turn's history is its own
+    assert [m["content"] for m in seen["history_after"] if m["role"] == "user"] == ["Again"]
     assert calls["n"] == 3  # the program went on after the interrupted reply

@@ -1,0 +1,46 @@
+"""Who may use a KV cache now: one call, or one live stream, at a time.
+
+A Model's default cache and each Conversation's cache hold one context; two callers feeding the
+same ring would interleave their tokens and both get wrong output. So each context has a
+`ContextLock`: a caller in another thread waits its turn (calls serialise), while the same thread
+asking again before its own stream is finished is refused with `ContextBusyError` (waiting would
+deadlock, sharing would corrupt). A stream holds the lock from its first `next()` until it ends,
+is closed, or is garbage-collected after being dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from edgeinfer.errors import EdgeInferError
+
+
+class ContextBusyError(EdgeInferError, RuntimeError):
+    """The same thread asked for a context that its own unfinished stream still holds."""
+
+
+class ContextLock:
+    def __init__(self, what: str):
+        self.what = what  # names the context in the error message
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # thread ident of the holder; only the holder sets it to itself
+
+    def acquire(self) -> None:
+        me = threading.get_ident()
+        if self._owner == me:
+            raise ContextBusyError(
+                f"{self.what} is in use by a stream that is still open in this thread: finish it or call its "
+                "close() first, or use model.conversation() for a second, independent context")
+        self._lock.acquire()
+        self._owner = me
+
+    def release(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def __enter__(self) -> "ContextLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,0 +1,134 @@
+"""`Conversation`: a multi-turn chat whose KV cache persists across turns (turn N prefills only its new text).
+
+State, and the invariant every public method keeps: the cache holds exactly the tokens of
+`_prompt_text` (the last turn's rendered prompt) followed by `_reply` (its reply) less the last
+sampled token (`_unfed`, fed at the start of the next turn); `messages` ends with that reply. An
+empty `_prompt_text` means "the cache holds nothing useful": the next turn re-prefills the whole
+rendered history.
+
+A turn commits (history and bookkeeping updated) only when its generation finishes. A turn that is
+refused (ContextOverflowError under overflow="error", a bad option), fails, or is abandoned (its
+stream closed or dropped half-way, Ctrl-C) is rolled back: `messages` is left as it was, and the
+cache is rewound to where the turn started; if the turn's tokens already evicted or moved older ones
+(the ring wrapped or re-based), the cache is emptied instead and the next turn re-prefills the history.
+
+One turn at a time: another thread waits; a second live stream in the same thread is refused
+(`ContextBusyError`). Conversations of one Model run in parallel, each with its own cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from edgeinfer.chat import check_messages
+from edgeinfer.context_lock import ContextLock
+from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError
+from edgeinfer.generation import Chunk, Completion, Request, make_request, run, truncate_reserve
+
+if TYPE_CHECKING:
+    from edgeinfer.model import Model
+
+
+class Conversation:
+    """`say(content)` adds a user message and returns the reply; `reply(messages)` continues with a
+    full message list (its already-seen prefix is not re-prefilled). `reset()` forgets everything."""
+
+    def __init__(self, model: "Model"):
+        self.model = model
+        self.cache = model.new_cache()
+        self.lock = ContextLock("this conversation")
+        self.messages: list[dict] = []
+        self._forget()
+
+    def _forget(self) -> None:
+        """Empty the cache and its bookkeeping (messages are kept: the next turn re-prefills them)."""
+        self.cache.reset()
+        self._prompt_text = ""  # the last turn's rendered prompt (its tokens are in the cache)
+        self._reply = ""  # the reply generated after it (its tokens are in the cache, but the last)
+        self._unfed: list[int] = []  # last sampled token, not yet fed to the cache
+
+    def reset(self) -> None:
+        with self.lock:
+            self.messages = []
+            self._forget()
+
+    def say(self, content: str, **options) -> Completion:
+        return self._finish(None, _user_text(content), make_request(**options))
+
+    def stream_say(self, content: str, **options) -> Iterator[Chunk]:
+        """Options are checked now; the turn runs (and holds the conversation) from the first next()."""
+        return self._turn(None, _user_text(content), make_request(**options), {})
+
+    def reply(self, messages: Sequence[dict], **options) -> Completion:
+        return self._finish(check_messages(messages), None, make_request(**options))
+
+    def _finish(self, messages: list[dict] | None, content: str | None, req: Request) -> Completion:
+        result: dict = {}
+        for _ in self._turn(messages, content, req, result):
+            pass
+        return result["completion"]
+
+    def _turn(self, messages: list[dict] | None, content: str | None, req: Request, result: dict) -> Iterator[Chunk]:
+        """One turn: messages given (reply) or the history plus a user message (say). On success the
+        history gains the reply and result["completion"] is set; otherwise the turn is rolled back."""
+        self.lock.acquire()
+        try:
+            m = self.model
+            msgs = list(messages) if messages is not None else self.messages + [{"role": "user", "content": content}]
+            full = m.template.render(msgs, add_generation_prompt=True)
+            if not self.cache.intact:  # a mutation was cut short (Ctrl-C inside a step): start clean
+                self._forget()
+            ids = self._ids_for(full, req)
+            if not ids:
+                raise EdgeInferError("nothing new to say: the messages add no text")
+            mark, out, finished = self.cache.mark(), {}, False
+            try:
+                yield from run(m.engine, m.tokenizer, self.cache, ids, req, m.overflow, m.load_ms, out)
+                finished = True
+            finally:
+                if not finished and not self.cache.rewind(mark):
+                    self._forget()
+            self._unfed = out.pop("unfed")
+            self.messages = msgs + [{"role": "assistant", "content": out["text"]}]
+            self._prompt_text, self._reply = full, out["text"]
+            result["completion"] = Completion(**out)
+        finally:
+            self.lock.release()
+
+    def _ids_for(self, full: str, req: Request) -> list[int]:
+        """Token ids this turn feeds: the new text after what the cache holds, or (starting over) the
+        whole rendering. Under overflow="truncate", a turn that would not fit beside what the cache
+        holds starts over, so that truncation drops the oldest turns, not the new one."""
+        m = self.model
+        new_text = self._new_text(full)
+        if new_text is not None:
+            ids = self._unfed + m.tokenizer.encode(new_text, add_bos=False)
+            room = self.cache.capacity - self.cache.n_valid - truncate_reserve(self.cache.capacity, req.max_new_tokens)
+            if m.overflow != "truncate" or len(ids) <= room:
+                return ids
+        self._forget()  # first turn, a template whose earlier turns render differently, or truncation
+        text, bos = full, m.tokenizer.add_bos
+        if m.template.bos_token and text.startswith(m.template.bos_token):
+            text, bos = text[len(m.template.bos_token):], True
+        return m.tokenizer.encode(text, add_bos=bos)
+
+    def _new_text(self, full: str) -> str | None:
+        """The part of this turn's rendering that the cache has not seen, or None to start over.
+
+        The cache holds the last rendered prompt and the generated reply; the template renders that
+        reply again (maybe with other whitespace around it), so what follows it is the new text.
+        """
+        if not self._prompt_text or not full.startswith(self._prompt_text):
+            return None
+        rest = full[len(self._prompt_text):]
+        i = rest.find(self._reply) if self._reply else 0
+        if i < 0 or rest[:i].strip():
+            return None
+        return rest[i + len(self._reply):]
+
+
+def _user_text(content) -> str:
+    if not isinstance(content, str):
+        raise InvalidArgumentTypeError(f"content must be a string, got {type(content).__name__}")
+    return content
