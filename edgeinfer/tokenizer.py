@@ -4,10 +4,15 @@
 section says `add_bos` (the model's tokenizer_config), so both back ends behave the same.
 `decode` drops special tokens (BOS/EOS decode to ""); `token_string` gives a token's own string
 in the vocabulary ("<s>", "<|im_end|>"), which is what chat templates want for bos/eos_token.
+A rendered template holds those strings as text, so `encode` maps them back to their ids: the
+`tokenizers` library does it for its added tokens; for SentencePiece, the control pieces' strings
+are split out here and each piece of text between them is encoded on its own (as Hugging Face's
+legacy Llama tokenizer does: text after "<s>" gets the usual leading-space marker).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
@@ -30,9 +35,14 @@ class Tokenizer:
                 self._sp = spm.SentencePieceProcessor(model_file=str(path))
             except (RuntimeError, OSError) as e:
                 raise ModelFormatError(f"tokenizer.model is corrupted ({e})") from None
-            self._encode = lambda text: self._sp.encode(text)
-            self._decode = lambda ids: self._sp.decode(ids)
             self._n_vocab = self._sp.get_piece_size()
+            self._specials = {self._sp.id_to_piece(i): i for i in range(self._n_vocab)
+                              if self._sp.is_control(i) and self._sp.id_to_piece(i)}
+            self._special_re = re.compile("(" + "|".join(map(re.escape, sorted(self._specials, key=len,
+                                                                                reverse=True))) + ")") \
+                if self._specials else None
+            self._encode = self._encode_sentencepiece
+            self._decode = lambda ids: self._sp.decode(ids)
             self._token_string = lambda i: self._sp.id_to_piece(i)
         else:
             from tokenizers import Tokenizer as HFTokenizer
@@ -62,6 +72,17 @@ class Tokenizer:
         ids = list(self._encode(text))
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, int(self.bos_id))
+        return ids
+
+    def _encode_sentencepiece(self, text: str) -> list[int]:
+        if self._special_re is None or not self._special_re.search(text):
+            return self._sp.encode(text)
+        ids: list[int] = []
+        for i, part in enumerate(self._special_re.split(text)):
+            if i % 2:  # the split keeps the matched special strings at odd indices
+                ids.append(self._specials[part])
+            elif part:
+                ids.extend(self._sp.encode(part))
         return ids
 
     def decode(self, ids: list[int]) -> str:

@@ -261,3 +261,17 @@ def test_snapshot_restore_replays_a_prefix(converted, name):
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert other.dropped == cache.dropped == len(prefix) + len(tail) - 40
     assert other.rebased_tokens == cache.rebased_tokens > 0
+
+
+def test_sentencepiece_template_special_strings_encode_to_their_ids(bundled):
+    """Templates now get "<s>"/"</s>" as text; encoding the rendering must give the control ids back,
+    not the characters '<', 's', '>' (a Llama-2-style template puts bos_token before every turn)."""
+    from edgeinfer.chat import ChatTemplate
+
+    tok = bundled.tokenizer
+    tpl = ChatTemplate("{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{% endfor %}",
+                       "<s>", "</s>")
+    ids = tok.encode(tpl.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+                                add_generation_prompt=False), add_bos=False)
+    assert ids == [1] + tok.encode("Hi", add_bos=False) + [2, 1] + tok.encode("Yo", add_bos=False) + [2]
+    assert tok.encode("a <s> b", add_bos=False).count(1) == 1
