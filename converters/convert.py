@@ -21,7 +21,8 @@ from edgeinfer import __version__
 from edgeinfer.converters.decoder import build_decoder, choose_kv_io
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
-from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter, sha256_file
+from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter
+from edgeinfer.integrity import sha256_file
 from edgeinfer.converters.quantize import QuantScheme
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError

@@ -8,7 +8,6 @@ Tiny tensors (norm weights, shape constants) stay inline in the `.onnx` file.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -53,10 +52,3 @@ class WeightWriter:
             self._f.flush()
             self._f.close()
 
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

@@ -29,7 +29,6 @@ from edgeinfer.errors import EdgeInferError, InvalidArgumentError, InvalidArgume
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.conversation import Conversation
 from edgeinfer.generation import Chunk, Completion, Request, make_request, run
-from edgeinfer import integrity
 from edgeinfer.kv_cache import OVERFLOW_POLICIES, RingKVCache
 from edgeinfer.manifest import read_manifest
 from edgeinfer.session import DecoderSession, check_threads
@@ -91,7 +90,6 @@ class Model:
         integer("n_sink", n_sink, 0)
         integer("prefill_chunk", prefill_chunk, 1)
         self.manifest = read_manifest(folder)
-        integrity.verify(folder, self.manifest.files)
         spec = self.manifest.arch
         capacity = capacity_tokens if capacity_tokens is not None else self.manifest.default_capacity_tokens
         if spec.sliding_window and capacity > spec.sliding_window:

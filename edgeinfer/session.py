@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
+from edgeinfer.integrity import verify
 from edgeinfer.manifest import MODEL_FILE, Manifest, io_names, read_manifest
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -55,6 +56,7 @@ class DecoderSession:
                  manifest: Manifest | None = None):
         self.folder = Path(folder)
         self.manifest = manifest or read_manifest(self.folder)
+        verify(self.folder, self.manifest.files)  # every loader (Model, eval) runs checked weights
         spec = self.manifest.arch
         self.names = io_names(spec.num_layers)
         self.provider = resolve_provider(provider)

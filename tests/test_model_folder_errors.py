@@ -62,16 +62,39 @@ def test_missing_model_onnx(capsys, folder):
 
 def test_corrupted_model_onnx(capsys, folder):
     (folder / "model.onnx").write_bytes(b"\x00garbage" * 10)
+    one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "model.onnx does not match its size")
+
+
+def test_corrupted_model_onnx_without_recorded_hashes(capsys, folder):
+    """A folder whose manifest lists no files (nothing to verify) still fails cleanly in ONNX Runtime."""
+    _forget_hashes(folder)
+    (folder / "model.onnx").write_bytes(b"\x00garbage" * 10)
     one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "cannot load")
 
 
+def test_eval_verifies_weights(capsys, folder):
+    data = bytearray((folder / "model.onnx.data").read_bytes())
+    data[len(data) // 2] ^= 0x10  # one flipped bit
+    (folder / "model.onnx.data").write_bytes(bytes(data))
+    one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "model.onnx.data does not match its sha256")
+
+
+def _forget_hashes(folder):
+    """An older folder whose manifest lists no files: load cannot verify, the loaders' own checks run."""
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    del m["files"]
+    (folder / "edgeinfer.json").write_text(json.dumps(m))
+
+
 def test_truncated_external_data(capsys, folder):
+    _forget_hashes(folder)
     data = folder / "model.onnx.data"
     data.write_bytes(data.read_bytes()[:1000])
     one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "cannot load")
 
 
 def test_corrupted_tokenizer(capsys, folder):
+    _forget_hashes(folder)
     (folder / "tokenizer.model").write_bytes(b"not a sentencepiece model")
     one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "tokenizer.model is corrupted")
 
