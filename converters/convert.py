@@ -126,7 +126,9 @@ def convert(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size
     Every refusal (see `_check_destination`) happens before any work; every failure, OSError
     included, raises ConvertError and leaves no temporary folder and an existing `dst` untouched.
     """
-    src, dst = Path(src), Path(dst)
+    # one normalised destination for the checks and the writing: "missing/../x" or "link/.." must not
+    # be checked as one folder and replaced as another
+    src, dst = Path(src), Path(os.path.abspath(dst))
     if target not in TARGETS:
         raise ConvertError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
     if attention not in ("auto", "gqa", "standard"):
@@ -134,8 +136,7 @@ def convert(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size
     try:
         _check_source(src)
         _check_destination(src, dst, force)
-        return _convert(src, Path(os.path.abspath(dst)), scheme or default_scheme(quant, block_size), target,
-                        attention, log)
+        return _convert(src, dst, scheme or default_scheme(quant, block_size), target, attention, log)
     except OSError as e:
         raise _os_error(e, dst) from None
 

@@ -23,11 +23,13 @@ class ContextLock:
     def __init__(self, what: str):
         self.what = what  # names the context in the error message
         self._lock = threading.Lock()
-        self._owner: int | None = None  # thread ident of the holder; only the holder sets it to itself
+        # the holder's Thread object (not its ident: the OS reuses a finished thread's ident, and a new
+        # thread must wait, not be refused); only the holder sets it to itself
+        self._owner: threading.Thread | None = None
 
     def acquire(self) -> None:
-        me = threading.get_ident()
-        if self._owner == me:
+        me = threading.current_thread()
+        if self._owner is me:
             raise ContextBusyError(
                 f"{self.what} is in use by a stream that is still open in this thread: finish it or call its "
                 "close() first, or use model.conversation() for a second, independent context")

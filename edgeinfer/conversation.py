@@ -82,19 +82,26 @@ class Conversation:
             ids = self._ids_for(full, req)
             if not ids:
                 raise EdgeInferError("nothing new to say: the messages add no text")
-            mark, out, finished = self.cache.mark(), {}, False
+            mark, out = self.cache.mark(), {}
             try:
                 yield from run(m.engine, m.tokenizer, self.cache, ids, req, m.overflow, m.load_ms, out)
-                finished = True
-            finally:
-                if not finished and not self.cache.rewind(mark):
+            finally:  # run sets out["completion"] before its last chunk: a stream closed after it commits
+                if "completion" in out:
+                    self._commit(msgs, full, out)
+                    result["completion"] = out["completion"]
+                elif not self.cache.rewind(mark):
                     self._forget()
-            self._unfed = out.pop("unfed")
-            self.messages = msgs + [{"role": "assistant", "content": out["text"]}]
-            self._prompt_text, self._reply = full, out["text"]
-            result["completion"] = Completion(**out)
         finally:
             self.lock.release()
+
+    def _commit(self, msgs: list[dict], full: str, out: dict) -> None:
+        """The turn finished: the history gains the reply; the bookkeeping says what the cache holds
+        (the reply's text less a stop string, `run` having taken its tokens back out)."""
+        self.messages = msgs + [{"role": "assistant", "content": out["completion"].text}]
+        if out["cache_stale"]:
+            self._forget()
+        else:
+            self._prompt_text, self._reply, self._unfed = full, out["cached_text"], out["unfed"]
 
     def _ids_for(self, full: str, req: Request) -> list[int]:
         """Token ids this turn feeds: the new text after what the cache holds, or (starting over) the

@@ -12,6 +12,7 @@ Steps of one request (`run`):
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -216,12 +217,20 @@ def fit_prompt(cache: RingKVCache, ids: list[int], overflow: str, max_new_tokens
     return kept, len(ids) - len(kept)
 
 
+STOP_MARKS = 64  # how many recent tokens' cache marks a request keeps, to take a stop string back out
+
+
 def run(engine: Engine, tok: Tokenizer, cache: RingKVCache, prompt_ids: list[int], req: Request, overflow: str,
         load_ms: float, result: dict) -> Iterator[Chunk]:
-    """Yield one Chunk per generated token; fill `result` with the Completion fields at the end.
+    """Yield one Chunk per generated token; at the end set result["completion"] (a Completion).
 
-    Mutates `cache` (the conversation's context grows by the prompt and the generated tokens; the
-    last sampled token is not fed back, it is returned in result["unfed"] for the next turn).
+    `result` is complete before the last chunk is yielded, so a caller that stops right after the
+    final chunk (it has all the text) still has the whole completion. Mutates `cache`: the context
+    grows by the prompt and the generated tokens, except
+    - the last sampled token, not fed back: result["unfed"] (for a conversation's next turn);
+    - on a stop string, the tokens that carry it (and anything after it) are taken back out
+      (`rewind`), so that the cache holds exactly result["cached_text"] after the prompt; if the ring
+      already evicted or moved older tokens meanwhile, result["cache_stale"] is True instead.
     """
     sampler = Sampler(req.params, req.seed)
     vocab = engine.spec.vocab_size
@@ -239,9 +248,13 @@ def run(engine: Engine, tok: Tokenizer, cache: RingKVCache, prompt_ids: list[int
     detok, stops = Detokenizer(tok, prompt_ids), StopFilter(req.stop)
     generated: list[int] = []
     finish = "length"
+    # (tokens fed, text length they make, no text pending, cache mark) for the last tokens, if stop strings
+    marks: deque = deque(maxlen=STOP_MARKS if req.stop else 1)
+    text_len = 0
 
     t0 = time.perf_counter()
     logits = engine.prefill(cache, feed)
+    marks.append((0, 0, True, cache.mark()))
     t_prefill = time.perf_counter()
     t_first = t_prefill
     while True:
@@ -249,32 +262,40 @@ def run(engine: Engine, tok: Tokenizer, cache: RingKVCache, prompt_ids: list[int
         if not generated:
             t_first = time.perf_counter()
         if token in eos:
-            finish = "eos"
+            finish, final = "eos", None
             break
         generated.append(token)
         window.push(token)
-        text = stops.feed(detok.add(token))
+        piece = detok.add(token)
+        text = stops.feed(piece)
         if stops.stopped:
-            finish = "stop"
-            yield Chunk(text, token)
+            finish, final = "stop", Chunk(text, token)
             break
         if len(generated) >= req.max_new_tokens or (cache.full and overflow != "shift"):
-            yield Chunk(text + stops.flush(), token)
+            final = Chunk(text + stops.flush(), token)
             break
         yield Chunk(text, token)
         logits = engine.decode_one(cache, token)
-    rest = stops.flush() if finish != "stop" else ""
-    if rest:
-        yield Chunk(rest, None)
+        text_len += len(piece)
+        if req.stop:
+            marks.append((len(generated), text_len, detok.read == len(detok.ids), cache.mark()))
+    if final is None:  # eos: what the stop filter held back
+        rest = stops.flush()
+        final = Chunk(rest, None) if rest else None
     t_end = time.perf_counter()
     n = len(generated)
     decode_s = t_end - t_first
-    result.update(
-        unfed=generated[-1:] if finish in ("length", "stop") else [],  # sampled but not yet in the cache
+    unfed, cached_text, stale = (generated[-1:] if finish == "length" else []), stops.text, False
+    if finish == "stop":  # keep in the cache only whole tokens of the text before the stop string
+        kept = [(j, length, m) for j, length, clean, m in marks if clean and length <= len(stops.text)]
+        stale = not kept or not cache.rewind(kept[-1][2])
+        cached_text = stops.text[:kept[-1][1]] if kept else ""
+    result.update(unfed=unfed, cached_text=cached_text, cache_stale=stale, completion=Completion(
         text=stops.text, token_ids=tuple(generated), finish_reason=finish,
         usage=Usage(len(prompt_ids), n, dropped + cache.dropped - dropped_before),
         timings=Timings(load_ms=load_ms, ttft_ms=(t_first - t0) * 1e3,
                         tpot_ms=decode_s * 1e3 / (n - 1) if n > 1 else 0.0,
                         prefill_tok_s=len(feed) / max(t_prefill - t0, 1e-9),
-                        decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0),
-    )
+                        decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0)))
+    if final is not None:
+        yield final

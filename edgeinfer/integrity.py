@@ -44,7 +44,8 @@ def _entries(folder: Path, files: dict) -> dict:
     if not isinstance(files, dict):
         raise ModelFormatError(f"{folder / MANIFEST_FILE} is corrupted (bad files section)")
     for name, want in files.items():
-        if (not isinstance(name, str) or Path(name).name != name or name in (".", "..") or not isinstance(want, dict)
+        if (not isinstance(name, str) or not name or "\0" in name or Path(name).name != name or name in (".", "..")
+                or not isinstance(want, dict)
                 or not isinstance(want.get("bytes"), int) or not isinstance(want.get("sha256"), str)):
             raise ModelFormatError(f"{folder / MANIFEST_FILE} is corrupted (bad files entry {name!r})")
     return files

@@ -185,8 +185,7 @@ class Model:
         result: dict = {}
         for _ in self._run_default(self.encode_prompt(prompt), req, result):
             pass
-        result.pop("unfed")
-        return Completion(**result)
+        return result["completion"]
 
     def chat(self, messages: Sequence[dict], **options) -> Completion:
         """One reply to `messages` with the model's chat template (stateless: a fresh conversation)."""

@@ -76,7 +76,8 @@ def ring_reference(sess, ids: list[int], t: int, start: int, p0: int, capacity: 
     once the ring is re-based)."""
     import numpy as np
 
-    sel = list(range(min(n_sink, start))) + list(range(max(n_sink, start - (capacity - n_sink)), t + 1))
+    held = list(range(min(n_sink, start))) + list(range(max(n_sink, start - (capacity - n_sink)), start))
+    sel = held + list(range(start, t + 1))
     positions = [i if i < n_sink else p0 - start + i for i in sel]
     ref, _ = sess.forward(np.array([[ids[i] for i in sel]]), np.array([positions]), sess.empty_past(),
                           np.array([len(sel) - 1]))
