@@ -2,10 +2,10 @@
 
 `verify(folder, files)` runs at every load: sizes first (one stat each), then sha256. A full hash
 of a large model costs about a second per GB, so after a successful one a stamp file
-(`.edgeinfer-verified.json`, beside the model) records each file's (size, mtime_ns, inode,
-sha256); a later load skips the hash of a file whose stat still matches its stamp and whose
-stamped sha256 equals the manifest's. A stamp does not catch a change that keeps size, mtime and
-inode (bit rot on disk): `check(folder, files)`, behind `edgeinfer inspect DIR --verify`, always
+(`.edgeinfer-verified.json`, beside the model) records each file's (size, mtime_ns, ctime_ns,
+inode, sha256); a later load skips the hash of a file whose stat still matches its stamp and whose
+stamped sha256 equals the manifest's. A stamp does not catch a change that keeps size, mtime,
+ctime and inode (bit rot on disk): `check(folder, files)`, behind `edgeinfer inspect DIR --verify`, always
 hashes everything. A folder that cannot be written (an installed package) simply gets no stamp.
 """
 
@@ -82,7 +82,9 @@ def _mismatch(folder: Path, name: str, what: str, detail: str = "") -> ModelForm
 
 
 def _stamp(st: os.stat_result, sha256: str) -> dict:
-    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino, "sha256": sha256}
+    # ctime too: a write followed by os.utime() restores mtime, but not ctime (the kernel sets it)
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino,
+            "sha256": sha256}
 
 
 def read_stamps(folder: Path | str) -> dict:

@@ -184,3 +184,20 @@ def test_stamp_file_is_ignored_by_git():
     for path in (stamp, stamp + ".abc123.tmp"):
         r = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
         assert r.returncode == 0, f"{path} is not ignored by .gitignore"
+
+
+def test_bit_flip_with_mtime_restored_is_caught_at_load(tmp_path, monkeypatch):
+    """A write whose mtime is put back with os.utime still changes ctime, which the stamp records."""
+    d = tmp_path / "model"
+    shutil.copytree(BUNDLED, d, ignore=shutil.ignore_patterns(integrity.STAMP_FILE + "*"))
+    data = d / "model.onnx.data"
+    old_ns = data.stat().st_mtime_ns - 3_600 * 10**9
+    os.utime(data, ns=(old_ns, old_ns))  # an hour old: not "racy", so the first load stamps it
+    edgeinfer.load(d)
+    assert "model.onnx.data" in integrity.read_stamps(d)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    data.write_bytes(bytes(raw))
+    os.utime(data, ns=(old_ns, old_ns))  # size, mtime and inode as stamped
+    with pytest.raises(edgeinfer.ModelFormatError, match="does not match its sha256"):
+        edgeinfer.load(d)
