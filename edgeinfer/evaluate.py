@@ -2,7 +2,8 @@
 
 1. Every non-empty line of the text is one story; ids = [BOS] + encode(story) (no EOS).
 2. The ids are cut into consecutive non-overlapping windows of at most `window` tokens.
-3. Each window is one forward pass from position 0 with an empty cache.
+3. Each window is one forward pass from position 0 with an empty cache (the runtime's Engine, the
+   same path generation runs).
 4. Within a window every token but the first is scored: NLL = -log_softmax(logits[t-1])[ids[t]] (float32).
 5. perplexity = exp(sum NLL / number of scored tokens).
 """
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeinfer.engine import Engine
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.session import DecoderSession
 from edgeinfer.tokenizer import Tokenizer
 
@@ -48,19 +51,22 @@ def _read_stories(text_path: Path) -> list[str]:
     return stories
 
 
-def window_nll(session: DecoderSession, ids: list[int]) -> tuple[float, int]:
-    """Sum of NLL over ids[1:] given the prefix, one forward pass from position 0."""
+def _nll(logits: np.ndarray, targets: list[int]) -> float:
+    """Sum over rows of -log_softmax(logits[r])[targets[r]], in float32 as the method says."""
+    m = logits.max(axis=-1, keepdims=True)
+    lse = (m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)))[:, 0]
+    picked = logits[np.arange(len(targets)), np.asarray(targets)]
+    return float(np.sum((lse - picked).astype(np.float64)))
+
+
+def window_nll(engine: Engine, cache: RingKVCache, ids: list[int]) -> tuple[float, int]:
+    """Sum of NLL over ids[1:] given the prefix: one forward pass from position 0 (the cache is reset)."""
     n = len(ids)
     if n < 2:
         return 0.0, 0
-    x = np.asarray([ids], np.int64)
-    logits, _ = session.forward(x, np.arange(n, dtype=np.int64)[None], session.empty_past(),
-                                np.arange(n - 1, dtype=np.int64))
-    lg = logits[0]  # [n-1, V] float32
-    m = lg.max(axis=-1, keepdims=True)
-    lse = (m + np.log(np.exp(lg - m).sum(axis=-1, keepdims=True)))[:, 0]
-    picked = lg[np.arange(n - 1), x[0, 1:]]
-    return float(np.sum((lse - picked).astype(np.float64))), n - 1
+    cache.reset()
+    logits = engine.forward(cache, ids, all_logits=True)  # [n, V]
+    return _nll(logits[:n - 1], ids[1:]), n - 1
 
 
 def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int = 512, threads: int | None = None,
@@ -70,12 +76,14 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int = 51
     stories = _read_stories(Path(text_path))
     session = session or DecoderSession(model_dir, threads=threads)
     tok = Tokenizer(session.folder, session.manifest.tokenizer)
+    engine = Engine(session, max_chunk=window)
+    cache = engine.new_cache(window, 0)
     t0 = time.perf_counter()
     total, count, windows = 0.0, 0, 0
     for story in stories:
         ids = tok.encode(story, add_bos=True)
         for start in range(0, len(ids), window):
-            nll, n = window_nll(session, ids[start:start + window])
+            nll, n = window_nll(engine, cache, ids[start:start + window])
             total, count, windows = total + nll, count + n, windows + 1
     if count == 0:
         raise EdgeInferError(f"{text_path}: no token to score")
@@ -91,8 +99,6 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
     sees the whole story so far); once it is full they go one at a time, so each token sees exactly
     the sinks and the latest tokens the ring holds, at their true positions.
     """
-    from edgeinfer.engine import Engine
-
     if capacity < 2 or not 0 <= sinks < capacity:
         raise EdgeInferError(f"--capacity must be >= 2 and --sinks in [0, capacity), got {capacity} and {sinks}")
     stories = _read_stories(Path(text_path))
@@ -110,10 +116,7 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
             room = cache.capacity - cache.n_valid
             s = min(engine.max_chunk, room if room > 0 else 1, len(ids) - 1 - pos)
             lg = engine.forward(cache, ids[pos:pos + s], all_logits=True)  # [s, V]: predicts ids[pos+1 : pos+s+1]
-            m = lg.max(axis=-1, keepdims=True)
-            lse = (m + np.log(np.exp(lg - m).sum(axis=-1, keepdims=True)))[:, 0]
-            target = np.asarray(ids[pos + 1:pos + s + 1])
-            total += float(np.sum((lse - lg[np.arange(s), target]).astype(np.float64)))
+            total += _nll(lg, ids[pos + 1:pos + s + 1])
             count += s
             pos += s
     if count == 0:

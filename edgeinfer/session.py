@@ -1,15 +1,14 @@
 """A thin ONNX Runtime session over a model folder's decoder graph (interface version 1).
 
-`DecoderSession.forward` runs one call of the graph: new tokens in, logits for the requested
-positions and the new K/V rows out. It owns no cache; the caller (the ring-buffer KV cache of
-the runtime, or `evaluate` with an empty past) decides what `past` holds.
+`DecoderSession` opens the graph (checked against the manifest's sha256 first) and owns nothing
+else: every run of the graph goes through `engine.Engine.forward`, for generation, evaluation and
+the tests alike.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
@@ -65,33 +64,3 @@ class DecoderSession:
                                                 providers=[PROVIDERS[self.provider]])
         except Exception as e:  # onnxruntime raises its own exception types for bad files
             raise ModelFormatError(f"cannot load {self.folder / MODEL_FILE}: {str(e).splitlines()[0][:300]}") from None
-        self.kv_shape = (spec.num_kv_heads, spec.head_dim)
-        self._output_names = [o.name for o in self.session.get_outputs()]
-
-    def empty_past(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        z = np.zeros((1, 0, *self.kv_shape), np.float32)
-        return [(z, z)] * self.manifest.arch.num_layers
-
-    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, past: list[tuple[np.ndarray, np.ndarray]],
-                logits_index: np.ndarray) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
-        """input_ids, position_ids [1, S] int64; past[i] = (K, V) [1, T, Hkv, Dh]; logits_index [N] int64.
-
-        Returns logits [1, N, V] and, per layer, the new (K, V) rows [1, S, Hkv, Dh]. Mutates nothing.
-        """
-        feeds = {"input_ids": input_ids, "position_ids": position_ids, "logits_index": logits_index}
-        shared = self.manifest.interface.get("kv_io") == "shared_buffer"
-        s = input_ids.shape[1]
-        for i, (k, v) in enumerate(past):
-            if shared:  # the BNSH past of exactly T rows; GQA returns past + new as present
-                k, v = np.ascontiguousarray(k.transpose(0, 2, 1, 3)), np.ascontiguousarray(v.transpose(0, 2, 1, 3))
-            feeds[self.names.past_key(i)] = k
-            feeds[self.names.past_value(i)] = v
-        if shared:
-            t = past[0][0].shape[1] if past else 0
-            feeds["seqlens_k"] = np.array([t + s - 1], np.int32)
-            feeds["total_sequence_length"] = np.array(t + s, np.int32)
-        outs = self.session.run(self._output_names, feeds)
-        new = [(outs[1 + 2 * i], outs[2 + 2 * i]) for i in range(len(past))]
-        if shared:  # back to this method's contract: the S new rows, BSNH
-            new = [(k[:, :, -s:].transpose(0, 2, 1, 3), v[:, :, -s:].transpose(0, 2, 1, 3)) for k, v in new]
-        return outs[0], new

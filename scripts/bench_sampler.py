@@ -40,15 +40,16 @@ def median_us(fn, calls: int) -> float:
 
 
 def decode_step_us(model: Path, calls: int) -> tuple[float, int]:
+    """Median time of one decode step (the Engine's graph call) with 64 cached tokens."""
+    from edgeinfer.engine import Engine
     from edgeinfer.session import DecoderSession
 
-    s = DecoderSession(model, threads=2)
+    eng = Engine(DecoderSession(model, threads=2), max_chunk=64)
     rng = np.random.default_rng(0)
-    ids = rng.integers(3, s.manifest.arch.vocab_size, 64)
-    _, new = s.forward(ids[None], np.arange(64)[None], s.empty_past(), np.array([63]))
-    past = list(new)
-    x, pos, idx = np.array([[int(ids[-1])]]), np.array([[64]]), np.array([0])
-    return median_us(lambda: s.forward(x, pos, past, idx), calls), s.manifest.arch.vocab_size
+    cache = eng.new_cache(64 + calls + 8, 0)
+    eng.prefill(cache, rng.integers(3, eng.spec.vocab_size, 64).tolist())
+    token = int(rng.integers(3, eng.spec.vocab_size))
+    return median_us(lambda: eng.decode_one(cache, token), calls), eng.spec.vocab_size
 
 
 def main() -> None:

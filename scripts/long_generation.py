@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import edgeinfer
+from edgeinfer.engine import Engine
 from edgeinfer.evaluate import window_nll
 from edgeinfer.session import DecoderSession
 
@@ -48,7 +49,8 @@ def main() -> None:
     c = m.generate("Once upon a time", max_new_tokens=args.tokens, seed=args.seed, ignore_eos=True)
     gen_s = time.perf_counter() - t0
     ids = list(c.token_ids)
-    judge = DecoderSession(args.judge or args.model)
+    judge = Engine(DecoderSession(args.judge or args.model), max_chunk=512)
+    judge_cache = judge.new_cache(512, 0)
     bos = m.tokenizer.bos_id
     blocks = []
     for start in range(0, len(ids), args.block):
@@ -56,7 +58,7 @@ def main() -> None:
         seq = [bos] + block
         total, count = 0.0, 0
         for w in range(0, len(seq), 512):
-            nll, n = window_nll(judge, seq[w:w + 512])
+            nll, n = window_nll(judge, judge_cache, seq[w:w + 512])
             total, count = total + nll, count + n
         blocks.append({"tokens": f"{start + 1}-{start + len(block)}", "perplexity": round(math.exp(total / count), 3),
                        "distinct_4grams": round(distinct_4grams(block), 3),

@@ -68,20 +68,19 @@ def run_ring(engine, cache, ids: list[int], chunk: int, shrink_when_full: bool) 
     return rows
 
 
-def ring_reference(sess, ids: list[int], t: int, start: int, p0: int, capacity: int, n_sink: int):
-    """Logits for token t computed the StreamingLLM way, from scratch: one forward over exactly the
-    tokens the ring held when t's call started (the sinks, then the newest capacity - n_sink tokens
-    before `start`) and the call's tokens up to t. Sinks sit at positions 0..n_sink-1; every later
-    token at p0 - start + its index (consecutive, so the oldest ring token sits just past the sinks
-    once the ring is re-based)."""
-    import numpy as np
-
-    held = list(range(min(n_sink, start))) + list(range(max(n_sink, start - (capacity - n_sink)), start))
-    sel = held + list(range(start, t + 1))
-    positions = [i if i < n_sink else p0 - start + i for i in sel]
-    ref, _ = sess.forward(np.array([[ids[i] for i in sel]]), np.array([positions]), sess.empty_past(),
-                          np.array([len(sel) - 1]))
-    return ref[0, -1]
+def ring_reference(engine, ids: list[int], t: int, start: int, p0: int, capacity: int, n_sink: int):
+    """Logits for token t computed the StreamingLLM way, from scratch: one forward (through the same
+    Engine, into a fresh cache) over exactly the tokens the ring held when t's call started (the
+    sinks, then the newest capacity - n_sink tokens before `start`) and the call's tokens up to t.
+    Sinks sit at positions 0..n_sink-1; every later token at p0 - start + its index (consecutive, so
+    the oldest ring token sits just past the sinks once the ring is re-based)."""
+    sinks = list(range(min(n_sink, start)))
+    rest = list(range(max(n_sink, start - (capacity - n_sink)), start)) + list(range(start, t + 1))
+    cache = engine.new_cache(len(sinks) + len(rest) + 1, 0)
+    if sinks:
+        engine.prefill(cache, [ids[i] for i in sinks])
+    cache.next_position = rest[0] if rest[0] < n_sink else p0 - start + rest[0]  # the gap the ring re-base left
+    return engine.prefill(cache, [ids[i] for i in rest]).copy()
 
 
 @pytest.fixture(scope="session")

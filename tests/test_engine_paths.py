@@ -10,7 +10,6 @@ import pytest
 import edgeinfer
 from conftest import TINY, TINY_MODELS, one_layer_model, ring_reference, run_ring
 from edgeinfer.converters import convert
-from edgeinfer.session import DecoderSession
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +41,6 @@ def test_gqa_ring_matches_explicit_sliding_window(tmp_path):
     folder = one_layer_model(TINY / "llama2_gqa_tied", tmp_path)
     m = edgeinfer.load(folder, capacity_tokens=24, n_sink=2, prefill_chunk=5)
     assert m.engine.shared
-    sess = DecoderSession(folder)
     ids = np.random.default_rng(0).integers(3, 512, 90).tolist()
     cache = m.new_cache()
     # chunks keep going past the capacity: overflow rows move into the ring, and the ring re-bases
@@ -51,4 +49,4 @@ def test_gqa_ring_matches_explicit_sliding_window(tmp_path):
     assert cache.rebased_tokens > 0 and cache.next_position < 90  # positions were moved back
     for t in (10, 23, 24, 25, 40, 64, 69, 89):
         lg, start, p0 = rows[t]
-        assert np.abs(ring_reference(sess, ids, t, start, p0, 24, 2) - lg).max() < 1e-4, t
+        assert np.abs(ring_reference(m.engine, ids, t, start, p0, 24, 2) - lg).max() < 1e-4, t

@@ -12,7 +12,6 @@ import edgeinfer
 from conftest import STORIES_FIX, STORIES_SRC, one_layer_model, ring_reference, run_ring
 from edgeinfer.evaluate import stream_perplexity
 from edgeinfer.kv_cache import ContextOverflowError
-from edgeinfer.session import DecoderSession
 
 GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
 EVAL_TXT = STORIES_FIX / "eval.txt"
@@ -81,7 +80,6 @@ def test_eos_ends_generation(fp32):
 def test_ring_matches_explicit_sliding_window(tmp_path):
     folder = one_layer_model(STORIES_SRC, tmp_path)
     m = edgeinfer.load(folder, capacity_tokens=32, n_sink=4, prefill_chunk=8)
-    sess = DecoderSession(folder)
     ids = m.tokenizer.encode(EVAL_TXT.read_text().splitlines()[0])[:120]
     cache = m.new_cache()
     rows = run_ring(m.engine, cache, ids, 8, shrink_when_full=True)
@@ -89,7 +87,7 @@ def test_ring_matches_explicit_sliding_window(tmp_path):
     assert cache.rebased_tokens > 0 and cache.next_position <= cache.position_limit
     for t in (20, 31, 32, 33, 50, 89, 119):
         lg, start, p0 = rows[t]
-        assert np.abs(ring_reference(sess, ids, t, start, p0, 32, 4) - lg).max() < 1e-4, t
+        assert np.abs(ring_reference(m.engine, ids, t, start, p0, 32, 4) - lg).max() < 1e-4, t
 
 
 def test_generation_runs_past_capacity_in_constant_memory(converted):

@@ -15,6 +15,7 @@ import pytest
 from conftest import STORIES_FIX, STORIES_SRC
 from edgeinfer.cli import main
 from edgeinfer.evaluate import perplexity
+from edgeinfer.engine import Engine
 from edgeinfer.session import DecoderSession
 
 GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
@@ -22,34 +23,28 @@ REF_PPL = json.loads((STORIES_FIX / "eval_ppl.json").read_text())["perplexity"]
 EVAL_TXT = STORIES_FIX / "eval.txt"
 
 
-def greedy_with_cache(sess: DecoderSession, prompt: list[int], n: int) -> list[int]:
-    past = sess.empty_past()
-    ids, pos, out = prompt, 0, []
+def greedy_with_cache(folder, prompt: list[int], n: int) -> list[int]:
+    eng = Engine(DecoderSession(folder))
+    cache = eng.new_cache(512, 0)
+    out = [int(eng.prefill(cache, prompt).argmax())]
     while len(out) < n:
-        x = np.asarray([ids], np.int64)
-        logits, new = sess.forward(x, np.arange(pos, pos + len(ids))[None], past, np.array([len(ids) - 1]))
-        past = [(np.concatenate([k, nk], 1), np.concatenate([v, nv], 1)) for (k, v), (nk, nv) in zip(past, new)]
-        pos += len(ids)
-        out.append(int(logits[0, -1].argmax()))
-        ids = [out[-1]]
+        out.append(int(eng.decode_one(cache, out[-1]).argmax()))
     return out
 
 
 @pytest.mark.parametrize("case", GOLDEN["cases"], ids=lambda c: c["prompt"][:16] or "<bos>")
 def test_fp32_greedy_reproduces_golden(case, converted):
-    sess = DecoderSession(converted(STORIES_SRC, "fp32"))
-    assert greedy_with_cache(sess, case["prompt_ids"], 64) == case["greedy_ids"]
+    assert greedy_with_cache(converted(STORIES_SRC, "fp32"), case["prompt_ids"], 64) == case["greedy_ids"]
 
 
 def test_fp32_top5_logits_at_prompt_end(converted):
-    sess = DecoderSession(converted(STORIES_SRC, "fp32"))
+    eng = Engine(DecoderSession(converted(STORIES_SRC, "fp32")))
     for case in GOLDEN["cases"]:
-        ids = case["prompt_ids"]
-        logits, _ = sess.forward(np.asarray([ids]), np.arange(len(ids))[None], sess.empty_past(),
-                                 np.array([len(ids) - 1]))
+        cache = eng.new_cache(512, 0)
+        last = eng.prefill(cache, case["prompt_ids"])
         ref_ids, ref_logits = case["top5_last_prompt_pos"]["ids"], case["top5_last_prompt_pos"]["logits"]
-        assert np.argsort(-logits[0, -1])[:5].tolist() == ref_ids
-        assert np.abs(logits[0, -1][ref_ids] - np.asarray(ref_logits)).max() < 1e-4
+        assert np.argsort(-last)[:5].tolist() == ref_ids
+        assert np.abs(last[ref_ids] - np.asarray(ref_logits)).max() < 1e-4
 
 
 @pytest.mark.parametrize("quant,bound", [("fp32", 0.001), ("int8", 0.01)])
