@@ -10,7 +10,8 @@ setup(
     ext_modules=[
         Extension(
             "edgeinfer.sampling._csampler",
-            sources=["edgeinfer/sampling/_csampler.c", "edgeinfer/sampling/sampler_chain.c"],
+            sources=["edgeinfer/sampling/_csampler.c", "edgeinfer/sampling/sampler_chain.c",
+                     "edgeinfer/sampling/sampler_kernels.c", "edgeinfer/sampling/sampler_penalties.c"],
             depends=["edgeinfer/sampling/sampler_chain.h"],
             extra_compile_args=["-O3", "-std=c99", "-fno-trapping-math", "-fno-math-errno"],
             optional=True,

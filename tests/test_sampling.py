@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+import edgeinfer.sampling as sampling
 from edgeinfer.sampling import BACKEND, Sampler, SamplingParams, filter_probs, logprobs, reference
 from edgeinfer.sampling.rng import Rng
 
@@ -68,14 +69,14 @@ def test_filters_see_probabilities_at_temperature_one(fp):
 
 def test_penalties_hand_computed():
     lg = np.array([1.0, 2.0, -1.0, 0.5], np.float32)
-    out = reference.adjusted_logits(lg, P(repetition_penalty=2.0), [0, 2, 0])
+    out = reference.adjust_logits(lg, P(repetition_penalty=2.0), [0, 2, 0])
     np.testing.assert_allclose(out, [0.5, 2.0, -2.0, 0.5])
-    out = reference.adjusted_logits(lg, P(frequency_penalty=0.5, presence_penalty=1.0), [1, 1, 3])
+    out = reference.adjust_logits(lg, P(frequency_penalty=0.5, presence_penalty=1.0), [1, 1, 3])
     np.testing.assert_allclose(out, [1.0, 2.0 - 1.0 - 1.0, -1.0, 0.5 - 0.5 - 1.0])
     # only the last penalty_last_n ids count
-    out = reference.adjusted_logits(lg, P(presence_penalty=1.0, penalty_last_n=1), [0, 1])
+    out = reference.adjust_logits(lg, P(presence_penalty=1.0, penalty_last_n=1), [0, 1])
     np.testing.assert_allclose(out, [1.0, 1.0, -1.0, 0.5])
-    out = reference.adjusted_logits(lg, P(presence_penalty=1.0, penalty_last_n=0), [0, 1])
+    out = reference.adjust_logits(lg, P(presence_penalty=1.0, penalty_last_n=0), [0, 1])
     np.testing.assert_allclose(out, lg)
 
 
@@ -130,14 +131,23 @@ def test_seed_reproducible_and_matches_numpy_twin():
     hist: list[int] = []
     seq_a = []
     for _ in range(50):
-        t = a.sample(lg, hist)
+        t = a.sample(lg)
         seq_a.append(t)
         hist.append(t)
-    assert [b.sample(lg, hist[:i]) for i in range(50)] == seq_a
+        a.accept(t)
+
+    def replay(s: Sampler) -> list[int]:
+        out = []
+        for i in range(50):
+            s.reset(hist[:i])
+            out.append(s.sample(lg))
+        return out
+
+    assert replay(b) == seq_a
     r = Rng(42)
     assert [reference.sample(lg, params, hist[:i], r) for i in range(50)] == seq_a
     c = Sampler(params, seed=43)
-    assert [c.sample(lg, hist[:i]) for i in range(50)] != seq_a
+    assert replay(c) != seq_a
 
 
 def _random_case(rng: np.random.Generator, big: bool = False):
@@ -175,8 +185,8 @@ def test_c_equals_numpy_twin_on_random_cases(seed, n, big):
         assert np.array_equal(got > 0, ref > 0)
         assert np.abs(got - ref).max() < 1e-6
         s_seed = int(rng.integers(1 << 62))
-        s, r = Sampler(params, s_seed), Rng(s_seed)
-        assert [s.sample(lg, hist) for _ in range(4)] == [reference.sample(lg, params, hist, r) for _ in range(4)]
+        s, r = Sampler(params, s_seed, hist), Rng(s_seed)
+        assert [s.sample(lg) for _ in range(4)] == [reference.sample(lg, params, hist, r) for _ in range(4)]
         checked += 1
     assert checked > n * 0.8
 
@@ -253,7 +263,7 @@ def test_logprobs():
 def test_input_not_mutated():
     lg = np.array([1.0, 2.0, 3.0], np.float32)
     before = lg.copy()
-    Sampler(SamplingParams(repetition_penalty=1.5, logit_bias={0: 2.0}), seed=0).sample(lg, [2, 2])
+    Sampler(SamplingParams(repetition_penalty=1.5, logit_bias={0: 2.0}), seed=0, history=[2, 2]).sample(lg)
     assert np.array_equal(lg, before)
 
 
@@ -267,7 +277,7 @@ def test_c_logprobs_equal_twin():
         lg[0] = 0.0
         params = SamplingParams(repetition_penalty=1.3, logit_bias={0: 1.0})
         hist = rng.integers(0, v, 20)
-        got = Sampler(params, 1).sample_with_logprobs(lg, hist, top_n=5)
+        got = Sampler(params, 1, hist).sample_with_logprobs(lg, top_n=5)
         ref = logprobs(lg, params, hist, got.token, 5)
         assert [t for t, _ in got.top] == [t for t, _ in ref.top]
         assert abs(got.logprob - ref.logprob) < 1e-9
@@ -278,11 +288,120 @@ def test_c_logprobs_equal_twin():
 def test_c_logprobs_need_a_run():
     from edgeinfer.sampling import _csampler
 
-    s = _csampler.Sampler(1.0, 0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0, np.zeros(0, np.int64), np.zeros(0), 0)
+    s = _csampler.Sampler(seed=0)  # keywords only; the defaults switch every step off
     with pytest.raises(RuntimeError, match="successful run"):
         s.logprobs(0, 3)
-    s.run(np.zeros(4, np.float32), np.zeros(0, np.int64), None, True)
+    s.run(np.zeros(4, np.float32))
     with pytest.raises(ValueError, match="outside"):
         s.logprobs(9, 3)
     lp, top = s.logprobs(1, 10)
     assert lp == pytest.approx(np.log(0.25)) and len(top) == 4
+
+
+# ---- the sampler's own penalty history (history at construction, accept, reset)
+
+
+@pytest.fixture(params=["default", "numpy"])
+def make_sampler(request, monkeypatch):
+    """Builds Samplers on the default back end, or on the numpy twin with the extension hidden."""
+    def make(*args, **kw) -> Sampler:
+        with monkeypatch.context() as m:
+            if request.param == "numpy":
+                m.setattr(sampling, "_csampler", None)
+            s = Sampler(*args, **kw)
+        assert s._c is None or request.param == "default"
+        return s
+    return make
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_owned_history_equals_twin_given_the_whole_history(make_sampler, seed):
+    """history + accept() draw exactly what the twin draws from the whole history so far, for long
+    enough that ids enter and leave the window (tokens drawn, and small ids accepted so they repeat)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(16):
+        v = int(rng.integers(2, 300))
+        params = SamplingParams(
+            temperature=float(rng.choice([0, 0.7, 1.5])), top_k=int(rng.choice([0, 5, 40])),
+            top_p=float(rng.choice([1.0, 0.9])), min_p=float(rng.choice([0, 0.05])),
+            repetition_penalty=float(rng.choice([1, 1.1, 0.8])), frequency_penalty=float(rng.choice([0, 0.5])),
+            presence_penalty=float(rng.choice([0, 0.5, -0.3])), penalty_last_n=int(rng.choice([0, 1, 3, 64, 200])))
+        prompt = rng.integers(0, v, int(rng.integers(0, 100))).tolist()
+        s_seed = int(rng.integers(1 << 62))
+        s, r, hist = make_sampler(params, s_seed, prompt), Rng(s_seed), list(prompt)
+        for _ in range(100):
+            lg = (rng.standard_normal(v) * 2).astype(np.float32)
+            t = s.sample(lg)
+            assert t == reference.sample(lg, params, hist, r)
+            t = t if rng.random() < 0.6 else int(rng.integers(0, min(v, 6)))
+            s.accept(t)
+            hist.append(t)
+
+
+def test_reset_restarts_the_history_not_the_rng(make_sampler):
+    lg = (np.random.default_rng(3).standard_normal(10) * 2).astype(np.float32)
+    params = P(repetition_penalty=1.5, presence_penalty=1.0, penalty_last_n=4)
+    s, r = make_sampler(params, 7, [1, 2]), Rng(7)
+    assert s.sample(lg) == reference.sample(lg, params, [1, 2], r)
+    s.accept(3)
+    s.reset([0, 0, 5, 6, 7, 8])
+    assert [s.sample(lg) for _ in range(3)] == [reference.sample(lg, params, [0, 0, 5, 6, 7, 8], r) for _ in range(3)]
+    s.reset()
+    assert s.sample(lg) == reference.sample(lg, params, [], r)
+
+
+@pytest.mark.parametrize("params", [P(), P(repetition_penalty=1.1, penalty_last_n=2)])
+def test_history_ids_are_checked(make_sampler, params):
+    lg = np.zeros(4, np.float32)
+    for bad in ([-1], [2**31], [0, -5]):
+        with pytest.raises(ValueError, match="history"):
+            make_sampler(params, 0, bad)
+    s = make_sampler(params, 0, [1])
+    for bad in (-1, 2**31, 2**70):
+        with pytest.raises(ValueError, match="history"):
+            s.accept(bad)
+    with pytest.raises(ValueError, match="history"):
+        s.reset([1, -1])
+    s.accept(3)
+    assert s.sample(lg) in range(4)
+    s.accept(4)  # outside this vocabulary: refused when sampling, as the twin refuses the whole history
+    for _ in range(3):
+        s.accept(0)  # even once 4 has left the penalty window
+        with pytest.raises(ValueError, match="history"):
+            s.sample(lg)
+    assert s.sample(np.zeros(5, np.float32)) in range(5)
+    s.reset([3])
+    assert s.sample(lg) in range(4)
+
+
+def test_sample_takes_no_history_argument():
+    s = Sampler(P(), 0)
+    with pytest.raises(TypeError):
+        s.sample(np.zeros(4, np.float32), [1, 2])
+    with pytest.raises(TypeError):
+        s.sample_with_logprobs(np.zeros(4, np.float32), [1, 2])
+
+
+@pytest.mark.skipif(BACKEND != "c", reason="C extension not built")
+def test_c_boundary_takes_keywords():
+    from edgeinfer.sampling import _csampler
+
+    with pytest.raises(TypeError):
+        _csampler.Sampler(0.8, 40)  # no positional parameters
+    with pytest.raises(TypeError):
+        _csampler.Sampler(temprature=0.8)
+    with pytest.raises(ValueError, match="together"):
+        _csampler.Sampler(bias_ids=np.array([1], np.int64))
+    s = _csampler.Sampler(temperature=0.0, repetition_penalty=2.0, penalty_last_n=2,
+                          bias_ids=np.array([0], np.int64), bias_values=np.array([-1.0]), seed=5)
+    lg = np.array([3.5, 3.0, 1.0, 2.0], np.float32)
+    with pytest.raises(TypeError):
+        s.run(lg, None, True)  # probs_out and draw are keywords
+    out = np.empty(4)
+    assert s.run(lg, probs_out=out, draw=False) == -1 and out.tolist() == [0, 1, 0, 0]
+    s.reset(history=np.array([1], np.int64))  # 3.0 / 2 = 1.5 < 2.0 (and 3.5 - 1.0 = 2.5)
+    assert s.run(lg) == 0
+    s.accept(0)  # 2.5 / 2 = 1.25; 1.5; 2.0 wins
+    assert s.run(lg) == 3
+    lp, top = s.logprobs(token=3, top_n=1)
+    assert top[0][0] == 3 and lp == pytest.approx(top[0][1])

@@ -34,11 +34,11 @@ def test_fuzz_c_against_twin(logits, p, history, seed):
         with pytest.raises(ValueError):
             filter_probs(logits, p, history)
         with pytest.raises(ValueError):
-            Sampler(p, seed).sample(logits, history)
+            Sampler(p, seed, history).sample(logits)
         return
     got = filter_probs(logits, p, history)
     assert np.array_equal(got > 0, ref > 0) and np.abs(got - ref).max() < 1e-6
-    token = Sampler(p, seed).sample(logits, history)
+    token = Sampler(p, seed, history).sample(logits)
     assert ref[token] > 0
 
 
@@ -48,13 +48,52 @@ def test_fuzz_raw_entry_point_rejects_bad_buffers(data):
     """The extension's own argument checks: wrong dtypes, ranks and sizes raise, never crash."""
     from edgeinfer.sampling import _csampler
 
-    s = _csampler.Sampler(1.0, 0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0, np.zeros(0, np.int64), np.zeros(0), 0)
+    s = _csampler.Sampler(seed=0)
     dtype = data.draw(st.sampled_from([np.float32, np.float64, np.int64, np.int32, np.uint8]))
     shape = data.draw(st.sampled_from([(0,), (5,), (2, 3)]))
     logits = np.zeros(shape, dtype)
     hist = np.zeros(data.draw(st.integers(0, 3)), data.draw(st.sampled_from([np.int64, np.int32, np.float64])))
     out = data.draw(st.sampled_from([None, np.zeros(5), np.zeros(4), np.zeros(5, np.float32)]))
     try:
-        s.run(logits, hist, out, True)
+        s.reset(hist)
+        s.run(logits, probs_out=out)
     except (ValueError, TypeError, BufferError):
         pass
+
+
+ids = st.one_of(st.integers(0, 40), st.integers(-2**70, 2**70), st.floats(), st.booleans(), st.none(),
+                st.text(max_size=2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(given_ids=st.lists(ids, max_size=300), n=st.sampled_from([0, 1, 3, 64]), reset_at=st.integers(0, 300),
+       vocab=st.sampled_from([1, 41, 1000]))
+def test_fuzz_raw_accept_and_reset(given_ids, n, reset_at, vocab):
+    """Any object given to accept/reset raises or is taken; the window then penalises exactly as the
+    twin does given every id taken (since the last reset), and the interpreter never crashes."""
+    from edgeinfer.sampling import _csampler
+
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.3,
+                       frequency_penalty=0.2, presence_penalty=0.1, penalty_last_n=n)
+    s = _csampler.Sampler(repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1, penalty_last_n=n)
+    taken: list[int] = []
+    for i, t in enumerate(given_ids):
+        if i == reset_at:
+            s.reset(history=np.array(taken[-5:], np.int64))
+            taken = taken[-5:]
+        try:
+            s.accept(t)
+        except (ValueError, TypeError):
+            assert not (isinstance(t, int) and 0 <= t < 2**31)
+            continue
+        taken.append(int(t))
+    logits = np.linspace(-3, 3, vocab, dtype=np.float32)
+    out = np.empty(vocab)
+    try:
+        ref = reference.filter_probs(logits, p, taken)
+    except ValueError:
+        with pytest.raises(ValueError, match="history"):
+            s.run(logits, probs_out=out, draw=False)
+        return
+    s.run(logits, probs_out=out, draw=False)
+    assert np.abs(out - ref).max() < 1e-12

@@ -1,8 +1,9 @@
 """Sampling: the chain of DESIGN §6, fused in C, with a pure-numpy twin as its specification.
 
-    sampler = Sampler(SamplingParams(temperature=0.8, top_k=40), seed=1)
-    token = sampler.sample(logits, history)          # logits: float32 [V]; history: ids so far
-    result = sampler.sample_with_logprobs(logits, history, top_n=5)
+    sampler = Sampler(SamplingParams(temperature=0.8, top_k=40), seed=1, history=prompt_ids)
+    token = sampler.sample(logits)          # logits: float32 [V]
+    sampler.accept(token)                   # the penalties count it from the next draw on
+    result = sampler.sample_with_logprobs(logits, top_n=5)
 
 `BACKEND` is "c" when the extension `_csampler` is loaded, else "numpy" (same results, slower).
 The order and meaning of every step are in `edgeinfer.sampling.reference`. Inputs are not
@@ -11,12 +12,14 @@ mutated; logits of another float dtype or a non-contiguous array are converted (
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 
 from edgeinfer.sampling import reference
-from edgeinfer.sampling.params import SamplingParams
+from edgeinfer.sampling.params import INT32_MAX, SamplingParams
+from edgeinfer.sampling.penalties import PenaltyWindow
 from edgeinfer.sampling.rng import Rng, resolve_seed
 
 try:
@@ -26,6 +29,7 @@ except ImportError:  # no compiler at install time: the numpy twin does the work
 
 BACKEND = "c" if _csampler is not None else "numpy"
 _EMPTY = np.zeros(0, np.int64)
+_BAD_ID = "history has token ids outside the vocabulary [0, 2**31 - 1]"  # the C glue's words
 
 __all__ = ["BACKEND", "SampleResult", "Sampler", "SamplingParams", "filter_probs", "logprobs"]
 
@@ -54,14 +58,14 @@ def _history(history) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(history, dtype=np.int64).reshape(-1))
 
 
-def _c_sampler(params: SamplingParams, seed: int | None):
+def _c_sampler(params: SamplingParams, seed: int):
     bias = params.logit_bias_items
-    ids = np.array([k for k, _ in bias], np.int64)
-    vals = np.array([v for _, v in bias], np.float64)
-    return _csampler.Sampler(float(params.temperature), params.top_k, float(params.top_p), float(params.min_p),
-                             float(params.typical_p), float(params.repetition_penalty),
-                             float(params.frequency_penalty), float(params.presence_penalty), params.penalty_last_n,
-                             ids, vals, resolve_seed(seed))
+    return _csampler.Sampler(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+        typical_p=params.typical_p, repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
+        penalty_last_n=params.penalty_last_n, bias_ids=np.array([k for k, _ in bias], np.int64),
+        bias_values=np.array([v for _, v in bias], np.float64), seed=seed)
 
 
 def filter_probs(logits, params: SamplingParams, history=None) -> np.ndarray:
@@ -70,13 +74,15 @@ def filter_probs(logits, params: SamplingParams, history=None) -> np.ndarray:
         return reference.filter_probs(logits, params, history)
     x = _logits(logits)
     out = np.empty(x.size, np.float64)
-    _c_sampler(params, 0).run(x, _history(history), out, False)
+    c = _c_sampler(params, 0)
+    c.reset(_history(history))
+    c.run(x, probs_out=out, draw=False)
     return out
 
 
 def logprobs(logits, params: SamplingParams, history, token: int, top_n: int = 0) -> SampleResult:
     """Log-probabilities of the penalised, biased distribution at temperature 1 (over all tokens)."""
-    lg = reference.adjusted_logits(logits, params, history)
+    lg = reference.adjust_logits(logits, params, history)
     m = lg.max()
     lse = m + np.log(np.sum(np.exp(lg - m)))
     top: tuple = ()
@@ -89,28 +95,65 @@ def logprobs(logits, params: SamplingParams, history, token: int, top_n: int = 0
 
 
 class Sampler:
-    """Draws tokens with one `SamplingParams`, a seeded RNG it owns, and buffers it reuses.
+    """Draws tokens with one `SamplingParams`, and owns what persists between draws: a seeded RNG,
+    the penalty history, and buffers it reuses.
 
+    The history is what the penalties count: `history` (e.g. the prompt ids), then every id given
+    to `accept` (the tokens generated). Only the last `params.penalty_last_n` are kept, in constant
+    memory; none when no penalty is on, which makes `accept` nearly free. Each draw equals
+    `reference.sample(logits, params, ids, rng)` with `ids` = history followed by the accepted ids
+    and `rng` = Rng(seed) advanced by the earlier draws.
+
+    Ids: the constructor, `accept` and `reset` raise ValueError for an id outside [0, 2**31 - 1];
+    `sample` raises ValueError if an id given since the last reset is >= the vocabulary size.
     Not thread-safe: use one Sampler per conversation. `seed=None` seeds from os.urandom.
     """
 
-    def __init__(self, params: SamplingParams | None = None, seed: int | None = None):
+    def __init__(self, params: SamplingParams | None = None, seed: int | None = None, history=()):
         self.params = params or SamplingParams()
         self.seed = seed = resolve_seed(seed)
         self._c = _c_sampler(self.params, seed) if _csampler is not None else None
         self._rng = Rng(seed) if _csampler is None else None
+        self._window_n = self.params.penalty_last_n if self.params.has_penalties else 0
+        self.reset(history)
 
-    def sample(self, logits, history=None) -> int:
-        """One token id. `history`: the prompt and generated ids so far (for the penalties)."""
+    def reset(self, history=()) -> None:
+        """Forget the history and start again from `history` (ids); the RNG continues as it is.
+        On a bad id (ValueError) the history stays as it was."""
+        ids = _history(history)
         if self._c is not None:
-            return self._c.run(_logits(logits), _history(history), None, True)
-        return reference.sample(logits, self.params, history, self._rng)
+            self._c.reset(ids)
+            return
+        if ids.size and (ids.min() < 0 or ids.max() > INT32_MAX):
+            raise ValueError(_BAD_ID)
+        self._max_id = int(ids.max()) if ids.size else -1
+        self._window = PenaltyWindow(self._window_n, ids)
 
-    def sample_with_logprobs(self, logits, history=None, top_n: int = 0) -> SampleResult:
+    def accept(self, token: int) -> None:
+        """Append one id (the token just generated) to the history."""
+        if self._c is not None:
+            self._c.accept(token)
+            return
+        token = operator.index(token)
+        if not 0 <= token <= INT32_MAX:
+            raise ValueError(_BAD_ID)
+        self._max_id = max(self._max_id, token)
+        self._window.push(token)
+
+    def sample(self, logits) -> int:
+        """One token id drawn from `logits` (float [V]), penalised by the history."""
+        if self._c is not None:
+            return self._c.run(_logits(logits))
+        x = reference.check_logits(logits)
+        if self._max_id >= x.size:
+            raise ValueError(f"history has token ids outside the vocabulary [0, {x.size})")
+        return reference.sample(x, self.params, self._window.view(), self._rng)
+
+    def sample_with_logprobs(self, logits, *, top_n: int = 0) -> SampleResult:
         """The token and its log-probability (plus the top_n alternatives), computed in C from the
         same penalised, biased logits the chain used; the numpy twin's `logprobs` is the reference."""
-        token = self.sample(logits, history)
+        token = self.sample(logits)
         if self._c is not None:
-            lp, top = self._c.logprobs(token, int(top_n))
+            lp, top = self._c.logprobs(token, top_n=int(top_n))
             return SampleResult(token, lp, tuple(top))
-        return logprobs(logits, self.params, history, token, top_n)
+        return logprobs(logits, self.params, self._window.view(), token, top_n)

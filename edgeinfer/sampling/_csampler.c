@@ -1,11 +1,12 @@
 /*
  * edgeinfer.sampling._csampler: Python glue for the C sampling chain (sampler_chain.c).
  *
- * One `Sampler` object owns one ChainState: parameters fixed at construction, its RNG
- * (xoshiro256** seeded by splitmix64, the same generator as edgeinfer/sampling/rng.py), and
- * run-state buffers allocated once for the vocabulary. Inputs arrive through the buffer protocol
- * (contiguous float32 logits, int64 history), are checked here, and the chain runs with the GIL
- * released; one object refuses to be used by two threads at once.
+ * One `Sampler` object owns one ChainState: parameters fixed at construction (keyword arguments),
+ * its RNG (xoshiro256** seeded by splitmix64, the same generator as edgeinfer/sampling/rng.py), its
+ * penalty window (ids arrive by accept / reset), and run-state buffers allocated once for the
+ * vocabulary. Inputs arrive through the buffer protocol (contiguous float32 logits, int64 ids), are
+ * checked here, and the chain runs with the GIL released; one object refuses to be used by two
+ * threads at once.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,29 +39,34 @@ static int get_vec(PyObject *obj, Py_buffer *view, const char *what, char kind) 
     return 0;
 }
 
-/* sample(logits: float32[V], history: int64[n], probs_out: float64[V] | None, draw: bool) -> int */
-static PyObject *Sampler_run(SamplerObject *self, PyObject *args) {
-    PyObject *lo, *ho, *po;
-    int draw;
-    if (!PyArg_ParseTuple(args, "OOOp", &lo, &ho, &po, &draw)) return NULL;
-    if (self->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "this Sampler is in use by another thread");
-        return NULL;
-    }
-    Py_buffer lv, hv, pv;
+/* ids given to the window: in [0, 2^31), else ValueError (no vocabulary is larger) */
+static const char BAD_ID[] = "history has token ids outside the vocabulary [0, 2**31 - 1]";
+
+static int check_idle(SamplerObject *self) {
+    if (!self->busy) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "this Sampler is in use by another thread");
+    return -1;
+}
+
+/* run(logits: float32[V], *, probs_out: float64[V] | None = None, draw: bool = True) -> int */
+static PyObject *Sampler_run(SamplerObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"logits", "probs_out", "draw", NULL};
+    PyObject *lo, *po = Py_None;
+    int draw = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$Op", kwlist, &lo, &po, &draw)) return NULL;
+    if (check_idle(self) < 0) return NULL;
+    Py_buffer lv, pv;
     if (get_vec(lo, &lv, "logits", 'f') < 0) return NULL;
-    if (get_vec(ho, &hv, "history", 'q') < 0) { PyBuffer_Release(&lv); return NULL; }
     int have_probs = po != Py_None;
     if (have_probs) {
         if (PyObject_GetBuffer(po, &pv, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0 ||
             pv.len != (Py_ssize_t)(lv.shape[0] * sizeof(double))) {
             if (!PyErr_Occurred()) { PyErr_SetString(PyExc_ValueError, "probs_out must be float64[V]"); PyBuffer_Release(&pv); }
-            PyBuffer_Release(&lv); PyBuffer_Release(&hv);
+            PyBuffer_Release(&lv);
             return NULL;
         }
     }
-    Call c = {(const float *)lv.buf, lv.shape[0], (const int64_t *)hv.buf, hv.shape[0],
-              have_probs ? (double *)pv.buf : NULL, draw, -1, NULL};
+    Call c = {(const float *)lv.buf, lv.shape[0], have_probs ? (double *)pv.buf : NULL, draw, -1, NULL};
     PyObject *result = NULL;
     if (c.V == 0) {
         PyErr_SetString(PyExc_ValueError, "logits are empty");
@@ -83,17 +89,62 @@ static PyObject *Sampler_run(SamplerObject *self, PyObject *args) {
         }
     }
     PyBuffer_Release(&lv);
-    PyBuffer_Release(&hv);
     if (have_probs) PyBuffer_Release(&pv);
     return result;
 }
 
-/* logprobs(token, top_n) -> (logprob, [(id, logprob), ...]) of the last run's penalised, biased
+/* accept(token: int) -> None: one id into the penalty window (METH_O: the per-token call, no parsing) */
+static PyObject *Sampler_accept(SamplerObject *self, PyObject *token) {
+    long long id = PyLong_AsLongLong(token);
+    if (id == -1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
+        PyErr_Clear();
+        id = -1; /* too large for 64 bits: outside every vocabulary */
+    }
+    if (id < 0 || id > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, BAD_ID);
+        return NULL;
+    }
+    if (check_idle(self) < 0) return NULL;
+    if (window_accept(&self->st.win, (int32_t)id) < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* reset(history: int64[n] | None = None) -> None: the window as if only `history` had been given.
+ * On a bad id the window is left as it was. */
+static PyObject *Sampler_reset(SamplerObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"history", NULL};
+    PyObject *ho = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &ho)) return NULL;
+    if (check_idle(self) < 0) return NULL;
+    if (ho == Py_None) {
+        window_reset(&self->st.win, NULL, 0);
+        Py_RETURN_NONE;
+    }
+    Py_buffer hv;
+    if (get_vec(ho, &hv, "history", 'q') < 0) return NULL;
+    const int64_t *ids = (const int64_t *)hv.buf;
+    for (Py_ssize_t i = 0; i < hv.shape[0]; i++) {
+        if (ids[i] < 0 || ids[i] > INT32_MAX) {
+            PyBuffer_Release(&hv);
+            PyErr_SetString(PyExc_ValueError, BAD_ID);
+            return NULL;
+        }
+    }
+    int rc = window_reset(&self->st.win, ids, hv.shape[0]);
+    PyBuffer_Release(&hv);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* logprobs(token, top_n=0) -> (logprob, [(id, logprob), ...]) of the last run's penalised, biased
  * logits at temperature 1 over the whole vocabulary; the top_n best first (lower id on ties). */
-static PyObject *Sampler_logprobs(SamplerObject *self, PyObject *args) {
+static PyObject *Sampler_logprobs(SamplerObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"token", "top_n", NULL};
     long long token;
-    Py_ssize_t top_n;
-    if (!PyArg_ParseTuple(args, "Ln", &token, &top_n)) return NULL;
+    Py_ssize_t top_n = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "L|n", kwlist, &token, &top_n)) return NULL;
+    if (check_idle(self) < 0) return NULL;
     Py_ssize_t V = self->last_v;
     if (V == 0) {
         PyErr_SetString(PyExc_RuntimeError, "logprobs needs a successful run first");
@@ -129,63 +180,89 @@ static void Sampler_dealloc(SamplerObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Sampler(temperature, top_k, top_p, min_p, typical_p, rep, freq, pres, last_n, bias_ids, bias_vals, seed)
- * Parameters are validated by the Python SamplingParams; this checks only what would be unsafe. */
+/*
+ * Sampler(*, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, repetition_penalty=1.0,
+ *         frequency_penalty=0.0, presence_penalty=0.0, penalty_last_n=0, bias_ids=None (int64[k]),
+ *         bias_values=None (float64[k]), seed=0)
+ * Keywords only; the defaults switch every step off. Parameters are validated by the Python
+ * SamplingParams; this checks only what would be unsafe. The penalty window starts empty and keeps
+ * penalty_last_n ids when a penalty is on, none otherwise.
+ */
 static int Sampler_init(SamplerObject *self, PyObject *args, PyObject *kwds) {
-    (void)kwds;
-    Params p;
-    PyObject *ids_o, *vals_o;
-    unsigned long long seed;
-    if (!PyArg_ParseTuple(args, "dnddddddnOOK", &p.temperature, &p.top_k, &p.top_p, &p.min_p, &p.typical_p,
-                          &p.rep, &p.freq, &p.pres, &p.last_n, &ids_o, &vals_o, &seed))
+    static char *kwlist[] = {"temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+                             "frequency_penalty", "presence_penalty", "penalty_last_n", "bias_ids",
+                             "bias_values", "seed", NULL};
+    Params p = {.temperature = 1.0, .top_p = 1.0, .min_p = 0.0, .typical_p = 1.0, .rep = 1.0, .freq = 0.0,
+                .pres = 0.0, .top_k = 0};
+    Py_ssize_t last_n = 0;
+    PyObject *ids_o = Py_None, *vals_o = Py_None;
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$dnddddddnOOK", kwlist, &p.temperature, &p.top_k, &p.top_p,
+                                     &p.min_p, &p.typical_p, &p.rep, &p.freq, &p.pres, &last_n, &ids_o, &vals_o,
+                                     &seed))
         return -1;
-    if (p.top_k < 0 || p.last_n < 0 || !(p.top_p > 0 && p.top_p <= 1) || !(p.typical_p > 0 && p.typical_p <= 1) ||
-        !(p.min_p >= 0 && p.min_p <= 1) || !(p.temperature >= 0) || !(p.rep > 0)) {
+    if (check_idle(self) < 0) return -1;
+    if (p.top_k < 0 || last_n < 0 || last_n > INT32_MAX || !(p.top_p > 0 && p.top_p <= 1) ||
+        !(p.typical_p > 0 && p.typical_p <= 1) || !(p.min_p >= 0 && p.min_p <= 1) || !(p.temperature >= 0) ||
+        !(p.rep > 0)) {
         PyErr_SetString(PyExc_ValueError, "invalid sampling parameters");
         return -1;
     }
-    Py_buffer iv, vv;
-    if (get_vec(ids_o, &iv, "bias ids", 'q') < 0) return -1;
-    if (PyObject_GetBuffer(vals_o, &vv, PyBUF_C_CONTIGUOUS) < 0) { PyBuffer_Release(&iv); return -1; }
-    p.n_bias = iv.shape[0];
-    if (vv.len != p.n_bias * (Py_ssize_t)sizeof(double)) {
-        PyErr_SetString(PyExc_ValueError, "bias values must be float64 of the same length as ids");
-        PyBuffer_Release(&iv); PyBuffer_Release(&vv);
+    if ((ids_o == Py_None) != (vals_o == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "bias_ids and bias_values go together");
         return -1;
+    }
+    Py_buffer iv = {0}, vv = {0};
+    p.n_bias = 0;
+    if (ids_o != Py_None) {
+        if (get_vec(ids_o, &iv, "bias_ids", 'q') < 0) return -1;
+        if (PyObject_GetBuffer(vals_o, &vv, PyBUF_C_CONTIGUOUS) < 0) { PyBuffer_Release(&iv); return -1; }
+        p.n_bias = iv.shape[0];
+        if (vv.len != p.n_bias * (Py_ssize_t)sizeof(double)) {
+            PyErr_SetString(PyExc_ValueError, "bias_values must be float64 of the same length as bias_ids");
+            PyBuffer_Release(&iv); PyBuffer_Release(&vv);
+            return -1;
+        }
     }
     p.bias_ids = malloc((size_t)(p.n_bias + 1) * sizeof(int64_t));
     p.bias_vals = malloc((size_t)(p.n_bias + 1) * sizeof(double));
-    int64_t *win = malloc((size_t)(p.last_n + 1) * sizeof(int64_t));
-    if (!p.bias_ids || !p.bias_vals || !win) {
-        free(p.bias_ids); free(p.bias_vals); free(win);
-        PyBuffer_Release(&iv); PyBuffer_Release(&vv);
+    if (!p.bias_ids || !p.bias_vals) {
+        free(p.bias_ids); free(p.bias_vals);
+        if (ids_o != Py_None) { PyBuffer_Release(&iv); PyBuffer_Release(&vv); }
         PyErr_NoMemory();
         return -1;
     }
-    memcpy(p.bias_ids, iv.buf, (size_t)p.n_bias * sizeof(int64_t));
-    memcpy(p.bias_vals, vv.buf, (size_t)p.n_bias * sizeof(double));
-    PyBuffer_Release(&iv);
-    PyBuffer_Release(&vv);
+    if (p.n_bias) {
+        memcpy(p.bias_ids, iv.buf, (size_t)p.n_bias * sizeof(int64_t));
+        memcpy(p.bias_vals, vv.buf, (size_t)p.n_bias * sizeof(double));
+    }
+    if (ids_o != Py_None) { PyBuffer_Release(&iv); PyBuffer_Release(&vv); }
     for (Py_ssize_t i = 0; i < p.n_bias; i++) {
         if (p.bias_ids[i] < 0) {
-            free(p.bias_ids); free(p.bias_vals); free(win);
+            free(p.bias_ids); free(p.bias_vals);
             PyErr_SetString(PyExc_ValueError, "logit_bias token ids must be >= 0");
             return -1;
         }
     }
-    free(self->st.p.bias_ids); free(self->st.p.bias_vals); free(self->st.win);
+    free(self->st.p.bias_ids); free(self->st.p.bias_vals); window_free(&self->st.win);
     self->st.p = p;
-    self->st.win = win;
+    int has_pen = p.rep != 1.0 || p.freq != 0.0 || p.pres != 0.0;
+    window_init(&self->st.win, has_pen ? last_n : 0);
+    self->last_v = 0;
     chain_seed(&self->st, (uint64_t)seed);
     return 0;
 }
 
 static PyMethodDef Sampler_methods[] = {
-    {"run", (PyCFunction)Sampler_run, METH_VARARGS,
-     "run(logits, history, probs_out, draw) -> token id (argmax when temperature is 0)"},
+    {"run", (PyCFunction)(void (*)(void))Sampler_run, METH_VARARGS | METH_KEYWORDS,
+     "run(logits, *, probs_out=None, draw=True) -> token id (argmax when temperature is 0; -1 when draw is False)"},
+    {"accept", (PyCFunction)Sampler_accept, METH_O,
+     "accept(token) -> None: append one id to the penalty window"},
+    {"reset", (PyCFunction)(void (*)(void))Sampler_reset, METH_VARARGS | METH_KEYWORDS,
+     "reset(history=None) -> None: the penalty window as if only history (int64[n]) had been given"},
     {"uniform", (PyCFunction)Sampler_uniform, METH_NOARGS, "next uniform double in [0, 1) (advances the RNG)"},
-    {"logprobs", (PyCFunction)Sampler_logprobs, METH_VARARGS,
-     "logprobs(token, top_n) -> (logprob, [(id, logprob)]) of the last run's adjusted logits (temperature 1)"},
+    {"logprobs", (PyCFunction)(void (*)(void))Sampler_logprobs, METH_VARARGS | METH_KEYWORDS,
+     "logprobs(token, top_n=0) -> (logprob, [(id, logprob)]) of the last run's adjusted logits (temperature 1)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,30 +1,31 @@
 """The sampling chain in plain numpy: the specification the C extension is held equal to.
 
-`filter_probs(logits, params, history)` returns the probability vector `sample` draws from.
-The steps, in order (llama.cpp's default chain):
+One token is three steps, each a function here and in sampler_chain.c (llama.cpp's default chain):
 
-1. Penalties over the last `penalty_last_n` ids of `history` (0 disables them), in float64:
-   with c = count of token t in that window, if c > 0: a positive logit is divided by
-   `repetition_penalty`, a negative one multiplied by it; then
-   logit -= c * frequency_penalty + presence_penalty.
-2. Logit bias: logit[t] += bias for each (t, bias) in `logit_bias`.
-   If `temperature == 0` the result is argmax of these logits (lowest id on ties); stop here.
-3. Top-k (k > 0 and k < V): keep the k largest logits; ties broken by the lower id.
-4. Typical (typical_p < 1): p = softmax of the kept logits (temperature 1), H = -sum p log p (p > 0);
-   order the kept tokens by |-log p - H| ascending (lower id first on ties) and keep the
-   shortest prefix whose mass reaches typical_p.
-5. Top-p (top_p < 1): p = softmax of the kept logits; order by logit descending (lower id first
-   on ties) and keep the shortest prefix whose mass reaches top_p.
-6. Min-p (min_p > 0): p = softmax of the kept logits; keep p >= min_p * max(p).
-7. Temperature: divide the kept logits by `temperature`.
-8. Softmax over the kept tokens: the returned vector is zero elsewhere.
-9. Draw: u = rng.uniform() in [0, 1); walk the kept tokens in ascending id, accumulating
-   probability; the first token whose running sum exceeds u * total is chosen.
+1. `adjust_logits(logits, params, history)` -> float64 logits [V]:
+   1a. Penalties over the last `penalty_last_n` ids of `history` (0 disables them), in float64:
+       with c = count of token t in that window, if c > 0: a positive logit is divided by
+       `repetition_penalty`, a negative one multiplied by it; then
+       logit -= c * frequency_penalty + presence_penalty.
+   1b. Logit bias: logit[t] += bias for each (t, bias) in `logit_bias`.
+2. `filter_logits(adjusted, params)` -> float64 probabilities [V], zero outside the kept set:
+   2a. If `temperature == 0`: 1 at the argmax (lowest id on ties), 0 elsewhere; stop here.
+   2b. Top-k (k > 0 and k < V): keep the k largest logits; ties broken by the lower id.
+   2c. Typical (typical_p < 1): p = softmax of the kept logits (temperature 1), H = -sum p log p
+       (p > 0); order the kept tokens by |-log p - H| ascending (lower id first on ties) and keep
+       the shortest prefix whose mass reaches typical_p.
+   2d. Top-p (top_p < 1): p = softmax of the kept logits; order by logit descending (lower id
+       first on ties) and keep the shortest prefix whose mass reaches top_p.
+   2e. Min-p (min_p > 0): p = softmax of the kept logits; keep p >= min_p * max(p).
+   2f. Temperature: divide the kept logits by `temperature`; softmax over the kept tokens.
+3. `draw_token(probs, params, rng)` -> token id: temperature 0: the argmax, no RNG used. Else
+   u = rng.uniform() in [0, 1); walk the kept tokens in ascending id, accumulating probability;
+   the first token whose running sum exceeds u * total is chosen.
 
-Each filter keeps at least one token. "Mass reaches x" means running sum >= x (float64).
-Bad input: NaN or +inf logits, an empty or non-1-D vector, all logits -inf, history or bias ids
-outside the vocabulary raise ValueError. -inf logits are allowed (banned tokens). Logits of
-another float dtype are converted to float32 first.
+`filter_probs` = steps 1-2 and `sample` = steps 1-3. Each filter keeps at least one token. "Mass
+reaches x" means running sum >= x (float64). Bad input: NaN or +inf logits, an empty or non-1-D
+vector, all logits -inf, history or bias ids outside the vocabulary raise ValueError. -inf logits
+are allowed (banned tokens). Logits of another float dtype are converted to float32 first.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def check_history(history, vocab: int) -> np.ndarray:
     return h
 
 
-def adjusted_logits(logits, params: SamplingParams, history=None) -> np.ndarray:
-    """Steps 1-2: penalties and bias applied to a float64 copy. Mutates nothing."""
+def adjust_logits(logits, params: SamplingParams, history=None) -> np.ndarray:
+    """Step 1: penalties and bias applied to a float64 copy of the checked logits. Mutates nothing."""
     x = check_logits(logits)
     v = x.size
     h = check_history(history, v)
@@ -95,22 +96,22 @@ def _prefix_mass(order: np.ndarray, p: np.ndarray, mass: float) -> np.ndarray:
     return order[:n]
 
 
-def filter_probs(logits, params: SamplingParams, history=None) -> np.ndarray:
-    """Steps 1-8: the float64 probability vector over the whole vocabulary that `sample` draws from."""
-    lg = adjusted_logits(logits, params, history)
+def filter_logits(lg: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Step 2: the float64 probability vector over the whole vocabulary that `draw_token` draws from,
+    given the float64 logits of `adjust_logits` (not mutated)."""
     v = lg.size
     ids = np.arange(v)
-    if params.temperature == 0:
+    if params.temperature == 0:  # 2a
         p = np.zeros(v)
         p[int(np.argmax(lg))] = 1.0
         return p
     keep = np.isfinite(lg)
-    if 0 < params.top_k < keep.sum():
+    if 0 < params.top_k < keep.sum():  # 2b
         order = np.lexsort((ids, -lg))  # logit descending, id ascending
         kept = order[:params.top_k]
         keep = np.zeros(v, bool)
         keep[kept] = True
-    if params.typical_p < 1.0:
+    if params.typical_p < 1.0:  # 2c
         p = _softmax(lg, keep)
         cand = ids[keep]
         with np.errstate(divide="ignore"):
@@ -121,22 +122,27 @@ def filter_probs(logits, params: SamplingParams, history=None) -> np.ndarray:
         kept = _prefix_mass(order, p, params.typical_p)
         keep = np.zeros(v, bool)
         keep[kept] = True
-    if params.top_p < 1.0:
+    if params.top_p < 1.0:  # 2d
         p = _softmax(lg, keep)
         cand = ids[keep]
         order = cand[np.lexsort((cand, -lg[cand]))]
         kept = _prefix_mass(order, p, params.top_p)
         keep = np.zeros(v, bool)
         keep[kept] = True
-    if params.min_p > 0.0:
+    if params.min_p > 0.0:  # 2e
         p = _softmax(lg, keep)
         keep = keep & (p >= params.min_p * p[keep].max())
-    return _softmax(lg / params.temperature, keep)
+    return _softmax(lg / params.temperature, keep)  # 2f
 
 
-def sample(logits, params: SamplingParams, history=None, rng: Rng | None = None) -> int:
-    """Step 9: draw one token id from `filter_probs` (argmax when temperature == 0, no RNG used)."""
-    p = filter_probs(logits, params, history)
+def filter_probs(logits, params: SamplingParams, history=None) -> np.ndarray:
+    """Steps 1-2: the float64 probability vector over the whole vocabulary that `sample` draws from."""
+    return filter_logits(adjust_logits(logits, params, history), params)
+
+
+def draw_token(p: np.ndarray, params: SamplingParams, rng: Rng | None = None) -> int:
+    """Step 3: one token id from the probabilities of `filter_logits` (argmax when temperature == 0,
+    no RNG used; rng=None draws from a fresh unseeded Rng)."""
     if params.temperature == 0:
         return int(np.argmax(p))
     rng = rng if rng is not None else Rng(None)
@@ -145,3 +151,8 @@ def sample(logits, params: SamplingParams, history=None, rng: Rng | None = None)
     target = rng.uniform() * cum[-1]
     i = int(np.searchsorted(cum, target, side="right"))
     return int(kept[min(i, kept.size - 1)])
+
+
+def sample(logits, params: SamplingParams, history=None, rng: Rng | None = None) -> int:
+    """Steps 1-3: one token id drawn from `filter_probs(logits, params, history)`."""
+    return draw_token(filter_probs(logits, params, history), params, rng)
