@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 
 from edgeinfer import __version__
-from edgeinfer.converters.decoder import build_decoder, choose_kv_io
+from edgeinfer.converters.decoder import ATTENTION_CHOICES, build_decoder, choose_kv_mode
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter
@@ -26,7 +26,7 @@ from edgeinfer.integrity import sha256_file
 from edgeinfer.converters.quantize import QuantScheme
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
-from edgeinfer.manifest import MANIFEST_FILE, MODEL_FILE, Manifest, graph_interface
+from edgeinfer.manifest import MANIFEST_FILE, MODEL_FILE, Manifest, TokenizerInfo, graph_interface
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
@@ -52,7 +52,7 @@ def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | No
                        embedding=embedding, lm_head=embedding, int8_tensors=tuple(int8_tensors))
 
 
-def _tokenizer_info(src: Path, spec) -> dict:
+def _tokenizer_info(src: Path, spec) -> TokenizerInfo:
     cfg_path = src / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     gen_path = src / "generation_config.json"
@@ -64,13 +64,9 @@ def _tokenizer_info(src: Path, spec) -> dict:
     eos = gen.get("eos_token_id", list(spec.eos_token_ids))
     eos = eos if isinstance(eos, list) else [eos]
     bos = gen.get("bos_token_id", spec.bos_token_id)
-    return {
-        "kind": kind,
-        "add_bos": bool(cfg.get("add_bos_token", kind == "sentencepiece")),
-        "bos_token_id": bos,
-        "eos_token_ids": [int(e) for e in eos if e is not None],
-        "chat_template": template,
-    }
+    return TokenizerInfo(kind=kind, add_bos=bool(cfg.get("add_bos_token", kind == "sentencepiece")),
+                         bos_token_id=bos, eos_token_ids=tuple(int(e) for e in eos if e is not None),
+                         chat_template=template)
 
 
 def _check_source(src: Path) -> None:
@@ -131,8 +127,8 @@ def convert(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size
     src, dst = Path(src), Path(os.path.abspath(dst))
     if target not in TARGETS:
         raise ConvertError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
-    if attention not in ("auto", "gqa", "standard"):
-        raise ConvertError(f"unknown attention {attention!r} (choose from auto, gqa, standard)")
+    if attention not in ATTENTION_CHOICES:
+        raise ConvertError(f"unknown attention {attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
     try:
         _check_source(src)
         _check_destination(src, dst, force)
@@ -143,7 +139,7 @@ def convert(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size
 
 def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: str, log) -> Manifest:
     spec = spec_from_config(read_config(src))
-    kv_io = choose_kv_io(spec, attention)
+    mode = choose_kv_mode(spec, attention)
     ckpt = Checkpoint(src)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -154,7 +150,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: 
     try:
         t0 = time.perf_counter()
         writer = WeightWriter(tmp)
-        model = build_decoder(spec, ckpt, scheme, writer, kv_io)
+        model = build_decoder(spec, ckpt, scheme, writer, mode)
         writer.close()
         onnx.save_model(model, tmp / MODEL_FILE)
         del model
@@ -168,8 +164,8 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: 
         if (src / "model.safetensors.index.json").exists():
             sources.append("model.safetensors.index.json")
         manifest = Manifest(
-            arch=spec, quantization=scheme.to_json(), target=target, flavour="fused",
-            interface=graph_interface(spec, kv_io), tokenizer=_tokenizer_info(src, spec),
+            arch=spec, quantization=scheme, target=target, flavour="fused",
+            interface=graph_interface(spec, mode), tokenizer=_tokenizer_info(src, spec),
             default_capacity_tokens=min(spec.max_position_embeddings, MAX_DEFAULT_CAPACITY),
             files=files, source={n: sha256_file(src / n) for n in sources}, converter_version=__version__,
         )

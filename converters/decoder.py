@@ -4,18 +4,17 @@ Families differ only in flags on the spec (biases, q/k norm, rope scaling); this
 layers once, reading one layer's tensors from the checkpoint at a time and streaming the
 (quantized) weights to the external-data file, so peak memory is about one layer.
 
-Graph interface (version 1; see docs/architecture.md), two KV modes:
+Graph interface (version 1; see docs/architecture.md):
   inputs   input_ids     int64 [B, S]
            position_ids  int64 [B, S]          absolute positions (RoPE applied in graph)
            logits_index  int64 [N]             which of the S positions get logits
-  "runtime_append" (standard-op attention, any head size):
-           past_key_values.{i}.key / .value  float32 [B, T, Hkv, Dh]   valid cached slots only
-  outputs  present.{i}.key / .value          float32 [B, S, Hkv, Dh]   this call's new rows (roped)
-  "shared_buffer" (GroupQueryAttention, head size a multiple of 16):
-           past_key_values.{i}.key / .value  float32 [B, Hkv, M, Dh]   the ring buffer itself
-           seqlens_k int32 [B] (= total - 1), total_sequence_length int32 []
-  outputs  present.{i}.key / .value          float32 [B, Hkv, M, Dh]   the same memory, rows appended
-  and      logits        float32 [B, N, V]
+           the KV mode's extra inputs          (`KVMode.extra_inputs`)
+           past_key_values.{i}.key / .value    float32, `KVMode.past_dims`
+  outputs  logits        float32 [B, N, V]
+           present.{i}.key / .value            float32, `KVMode.present_dims` (keys roped)
+A mode that appends in place (`KVMode.in_place`) is built on GroupQueryAttention, which reads the
+past and writes this call's rows in one buffer; the other on standard ops, whose present is this
+call's new rows for the runtime to place. `choose_kv_mode` is `--attention`'s chooser.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from edgeinfer.converters import graph as G
 from edgeinfer.converters.quantize import QuantScheme, bits_of, quantize_blockwise
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
+from edgeinfer.kv_mode import MODES, NAMES, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, KVMode, kv_mode
 from edgeinfer.manifest import io_names
 
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -119,21 +119,26 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
     return h, head
 
 
-KV_IO = ("runtime_append", "shared_buffer")
+ATTENTION_CHOICES = ("auto", *NAMES)  # `convert --attention`: a KV mode's name, or auto
 
 
-def choose_kv_io(spec: ArchSpec, attention: str) -> str:
-    """"auto": GroupQueryAttention when ONNX Runtime's CPU kernel takes the head size, else standard ops."""
-    if attention == "standard":
-        return "runtime_append"
-    gqa_ok = spec.head_dim % 16 == 0
-    if attention == "gqa" and not gqa_ok:
-        raise ConvertError(f"--attention gqa needs a head size that is a multiple of 16, this model has {spec.head_dim}")
-    return "shared_buffer" if gqa_ok else "runtime_append"
+def choose_kv_mode(spec: ArchSpec, attention: str) -> KVMode:
+    """"auto": the first of `kv_mode.MODES` that takes the head size (GroupQueryAttention whenever ONNX
+    Runtime's CPU kernel does, else standard ops); a mode's name: that mode, if it takes the head size."""
+    if attention == "auto":
+        return next(m for m in MODES if m.takes(spec.head_dim))
+    try:
+        mode = kv_mode(attention)
+    except ValueError:
+        raise ConvertError(f"unknown attention {attention!r} (choose from {', '.join(ATTENTION_CHOICES)})") from None
+    if not mode.takes(spec.head_dim):
+        raise ConvertError(f"--attention {mode.name} needs a head size that is a multiple of {mode.head_multiple}, "
+                           f"this model has {spec.head_dim}")
+    return mode
 
 
 def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer,
-                  kv_io: str = "runtime_append") -> "onnx.ModelProto":  # noqa: F821
+                  mode: KVMode) -> "onnx.ModelProto":  # noqa: F821
     g = G.Graph(writer)
     src = TensorSource(ckpt)
     names = io_names(spec.num_layers)
@@ -142,11 +147,11 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer,
 
     h, head = embedding_and_head(g, spec, src, scheme, "input_ids")
     cos, sin, local_ids = G.rope_tables(g, "position_ids", spec.rope.inv_freq(Dh))
-    gqa = kv_io == "shared_buffer"
+    gqa = mode.in_place  # GroupQueryAttention reads the past and appends the new rows in the one buffer
     packed = gqa and not spec.qk_norm  # q/k norms sit between the projection and RoPE: those need them apart
     mask = None if gqa else G.causal_mask(g, "input_ids", names.past_key(0))
     if packed:
-        cos_p, sin_p = G.pad_rope_tables(g, cos, sin, "total_sequence_length")
+        cos_p, sin_p = G.pad_rope_tables(g, cos, sin, TOTAL_SEQUENCE_LENGTH)
 
     residual, normed, mlp_out = h, None, None
     for i in range(spec.num_layers):
@@ -169,7 +174,7 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer,
         past_k, past_v, present_k, present_v = (names.past_key(i), names.past_value(i), names.present_key(i),
                                                 names.present_value(i))
         if packed:  # one node: q|k|v in, RoPE and attention inside
-            ctx = G.gqa_packed_attention(g, f"{p}/attn", qkv, past_k, past_v, "seqlens_k", "total_sequence_length",
+            ctx = G.gqa_packed_attention(g, f"{p}/attn", qkv, past_k, past_v, SEQLENS_K, TOTAL_SEQUENCE_LENGTH,
                                          cos_p, sin_p, local_ids, H, Hkv, present_k, present_v)
         else:
             q, k, v = G.split_last(g, f"{p}/attn/qkv_proj", qkv, [H * Dh, Hkv * Dh, Hkv * Dh])
@@ -179,7 +184,7 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer,
             q = G.rotary(g, f"{p}/attn/q_rotary", q, local_ids, cos, sin, H)
             k = G.rotary(g, f"{p}/attn/k_rotary", k, local_ids, cos, sin, Hkv)
             if gqa:
-                ctx = G.gqa_attention(g, f"{p}/attn", q, k, v, past_k, past_v, "seqlens_k", "total_sequence_length",
+                ctx = G.gqa_attention(g, f"{p}/attn", q, k, v, past_k, past_v, SEQLENS_K, TOTAL_SEQUENCE_LENGTH,
                                       H, Hkv, present_k, present_v)
             else:
                 ctx = G.attention(g, f"{p}/attn", q, k, v, past_k, past_v, mask, H, Hkv, Dh, present_k, present_v)
@@ -204,7 +209,7 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer,
     logits = head(normed)
     g.node("Identity", [logits], "/model/logits/Identity", outputs=["logits"])
     src.check_all_used()
-    return _model(g, spec, names, gqa)
+    return _model(g, spec, names, mode)
 
 
 def _head_norm(g: G.Graph, prefix: str, x: str, weight: np.ndarray, heads: int, dh: int, eps: float) -> str:
@@ -217,19 +222,15 @@ def _head_norm(g: G.Graph, prefix: str, x: str, weight: np.ndarray, heads: int, 
     return y
 
 
-def _model(g: G.Graph, spec: ArchSpec, names, gqa: bool) -> "onnx.ModelProto":  # noqa: F821
+def _model(g: G.Graph, spec: ArchSpec, names, mode: KVMode) -> "onnx.ModelProto":  # noqa: F821
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    if gqa:
-        kv = new_kv = ["batch", spec.num_kv_heads, "max_sequence", spec.head_dim]
-    else:
-        kv = ["batch", "past_sequence", spec.num_kv_heads, spec.head_dim]
-        new_kv = ["batch", "sequence", spec.num_kv_heads, spec.head_dim]
+    kv = mode.past_dims(spec.num_kv_heads, spec.head_dim)
+    new_kv = mode.present_dims(spec.num_kv_heads, spec.head_dim)
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "sequence"]),
               helper.make_tensor_value_info("position_ids", i64, ["batch", "sequence"]),
               helper.make_tensor_value_info("logits_index", i64, ["num_logits"])]
-    if gqa:
-        inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
-                   helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    inputs += [helper.make_tensor_value_info(e.name, helper.np_dtype_to_tensor_dtype(np.dtype(e.dtype)), list(e.dims))
+               for e in mode.extra_inputs]
     outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "num_logits", spec.vocab_size])]
     for i in range(spec.num_layers):
         inputs += [helper.make_tensor_value_info(names.past_key(i), f32, kv),

@@ -7,8 +7,13 @@ __version__ = "0.1.0"
 
 from edgeinfer.errors import (  # noqa: E402
     ConvertError, EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelFormatError)
-from edgeinfer.kv_cache import ContextOverflowError  # noqa: E402
+from edgeinfer.context_lock import ContextBusyError  # noqa: E402
+from edgeinfer.overflow import ContextOverflowError  # noqa: E402
+from edgeinfer.options import GenerationOptions  # noqa: E402
+from edgeinfer.sampling import SamplingParams  # noqa: E402
+from edgeinfer.generation import Chunk, Completion, Generation  # noqa: E402
 from edgeinfer.model import Conversation, Model, load  # noqa: E402
 
-__all__ = ["load", "Model", "Conversation", "ContextOverflowError", "EdgeInferError", "ConvertError",
+__all__ = ["load", "Model", "Conversation", "Generation", "GenerationOptions", "SamplingParams", "Chunk",
+           "Completion", "ContextOverflowError", "ContextBusyError", "EdgeInferError", "ConvertError",
            "ModelFormatError", "InvalidArgumentError", "InvalidArgumentTypeError", "__version__"]

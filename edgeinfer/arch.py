@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from edgeinfer.fields import FieldError, json_fields
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -74,8 +76,16 @@ class ArchSpec:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "ArchSpec":
-        d = dict(d)
-        d["rope"] = RopeSpec(**d["rope"])
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        return cls(**d)
+    def from_json(cls, d: dict, where: str = "architecture") -> "ArchSpec":
+        """Checked (FieldError naming a bad field): types, positive sizes, a known rope type."""
+        spec = cls(**json_fields(cls, d, where))
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "vocab_size", "max_position_embeddings"):
+            if getattr(spec, name) < 1:
+                raise FieldError(f"{where}.{name}", f"must be positive, got {getattr(spec, name)}")
+        if spec.num_heads % spec.num_kv_heads:
+            raise FieldError(f"{where}.num_kv_heads", f"{spec.num_kv_heads} does not divide num_heads {spec.num_heads}")
+        if spec.rope.type not in SUPPORTED_ROPE_TYPES:
+            raise FieldError(f"{where}.rope.type", f"unknown {spec.rope.type!r} (choose from "
+                             f"{', '.join(SUPPORTED_ROPE_TYPES)})")
+        return spec

@@ -71,7 +71,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         decode.append(c.timings.decode_tok_s)
         cpu.append((c1.user - c0.user + c1.system - c0.system) / len(c.token_ids))
     return {
-        "model": str(model.folder), "quantization": model.manifest.quantization["weights"],
+        "model": str(model.folder), "quantization": model.manifest.quantization.weights,
         "prompt_tokens": cfg.prompt_tokens, "gen_tokens": cfg.gen_tokens, "threads": cfg.threads, "runs": cfg.runs,
         "capacity_tokens": capacity,
         "load_s": round(load_s, 3), "ttft_ms": _stats(ttft), "prefill_tok_s": _stats(prefill),

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.overflow import OVERFLOW_POLICIES
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -63,24 +64,42 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=Path, default=None, help="edgeinfer model folder (default: bundled)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--capacity", type=int, default=None, help="KV ring capacity in tokens")
-    p.add_argument("--overflow", choices=("shift", "truncate", "error"), default="shift")
+    p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=OVERFLOW_POLICIES[0],
+                   help="when the context is full: shift (forget the oldest, go on), truncate, error")
     p.add_argument("-v", "--verbose", action="store_true", help="print load details (KV memory) to stderr")
 
 
+# generation flags: (flag, option name, type, help); defaults come from edgeinfer.options, declared once
+GENERATION_FLAGS = (
+    ("--max-tokens", "max_new_tokens", int, "tokens to generate at most"),
+    ("--temperature", "temperature", float, "0 is greedy"),
+    ("--top-k", "top_k", int, "0 switches it off"),
+    ("--top-p", "top_p", float, "1 switches it off"),
+    ("--min-p", "min_p", float, "0 switches it off"),
+    ("--typical-p", "typical_p", float, "1 switches it off"),
+    ("--repetition-penalty", "repetition_penalty", float, "1 switches it off"),
+    ("--frequency-penalty", "frequency_penalty", float, "0 switches it off"),
+    ("--presence-penalty", "presence_penalty", float, "0 switches it off"),
+    ("--penalty-last-n", "penalty_last_n", int, "how many recent tokens the penalties look at"),
+    ("--seed", "seed", int, "random when not given"),
+)
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    from edgeinfer.options import default
+
+    for flag, name, kind, help_text in GENERATION_FLAGS:
+        d = default(name)
+        p.add_argument(flag, type=kind, default=d, help=f"{help_text} (default: {d})")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
 
 
-def _options(args: argparse.Namespace) -> dict:
-    return dict(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+def _options(args: argparse.Namespace):
+    from edgeinfer.options import GenerationOptions
+
+    flat = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in GENERATION_FLAGS}
+    return GenerationOptions.from_kwargs(**flat, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
 def _load(args: argparse.Namespace):
@@ -91,14 +110,14 @@ def _load(args: argparse.Namespace):
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    opts = _options(args)  # a bad option fails before the model loads
     model = _load(args)
-    opts = _options(args)
     if args.stream:
-        for chunk in model.stream(args.prompt, **opts):
+        for chunk in model.stream(args.prompt, opts):
             print(chunk.text, end="", flush=True)
         print()
         return 0
-    c = model.generate(args.prompt, **opts)
+    c = model.generate(args.prompt, opts)
     if args.json:
         from dataclasses import asdict
 
@@ -109,9 +128,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    opts = _options(args)
     model = _load(args)
     conv = model.conversation()
-    opts = _options(args)
     print("edgeinfer chat: /reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
     while True:
         try:
@@ -135,7 +154,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             continue
         reply = None
         try:
-            reply = conv.stream_say(line, **opts)
+            reply = conv.stream_say(line, opts)
             for chunk in reply:
                 print(chunk.text, end="", flush=True)
         except KeyboardInterrupt:
@@ -197,8 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--asymmetric", action="store_true", help="int4/int8 with zero points")
     c.add_argument("--int8-tensors", nargs="*", metavar="NAME",
                    help="with --quant int4, keep these projections at int8 (e.g. qkv_proj down_proj)")
-    c.add_argument("--attention", choices=("auto", "gqa", "standard"), default="auto",
-                   help="GroupQueryAttention over the shared ring (head size %% 16 == 0) or standard ops")
+    from edgeinfer.kv_mode import MODES as KV_MODES
+
+    c.add_argument("--attention", choices=("auto", *(m.name for m in KV_MODES)), default="auto",
+                   help="the KV mode: " + "; ".join(
+                       f"{m.name}: {m.description}" + (f" (head size a multiple of {m.head_multiple})"
+                                                       if m.head_multiple > 1 else "") for m in KV_MODES)
+                   + "; auto: the first of these the model's head size allows")
     c.add_argument("--force", action="store_true",
                    help="replace an existing edgeinfer model folder (never one holding SRC or the current folder)")
     c.add_argument("-q", "--quiet", action="store_true")

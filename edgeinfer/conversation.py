@@ -18,13 +18,15 @@ One turn at a time: another thread waits; a second live stream in the same threa
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from edgeinfer.chat import check_messages
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError
-from edgeinfer.generation import Chunk, Completion, Request, make_request, run, truncate_reserve
+from edgeinfer.generation import Completion, Generation
+from edgeinfer.options import GenerationOptions, resolve
+from edgeinfer.overflow import truncate_reserve
 
 if TYPE_CHECKING:
     from edgeinfer.model import Model
@@ -53,57 +55,51 @@ class Conversation:
             self.messages = []
             self._forget()
 
-    def say(self, content: str, **options) -> Completion:
-        return self._finish(None, _user_text(content), make_request(**options))
+    def say(self, content: str, options: GenerationOptions | None = None, **overrides) -> Completion:
+        return _fold(self.stream_say(content, options, **overrides))
 
-    def stream_say(self, content: str, **options) -> Iterator[Chunk]:
+    def stream_say(self, content: str, options: GenerationOptions | None = None, **overrides) -> Generation:
         """Options are checked now; the turn runs (and holds the conversation) from the first next()."""
-        return self._turn(None, _user_text(content), make_request(**options), {})
+        return self._turn(None, _user_text(content), resolve(options, overrides))
 
-    def reply(self, messages: Sequence[dict], **options) -> Completion:
-        return self._finish(check_messages(messages), None, make_request(**options))
+    def reply(self, messages: Sequence[dict], options: GenerationOptions | None = None, **overrides) -> Completion:
+        return _fold(self._turn(check_messages(messages), None, resolve(options, overrides)))
 
-    def _finish(self, messages: list[dict] | None, content: str | None, req: Request) -> Completion:
-        result: dict = {}
-        for _ in self._turn(messages, content, req, result):
-            pass
-        return result["completion"]
+    def _turn(self, messages: list[dict] | None, content: str | None, opts: GenerationOptions) -> Generation:
+        """One turn: messages given (reply) or the history plus a user message (say). It commits when
+        its Generation completes; otherwise (refused, failed, abandoned) it is rolled back."""
+        m, turn = self.model, {}
 
-    def _turn(self, messages: list[dict] | None, content: str | None, req: Request, result: dict) -> Iterator[Chunk]:
-        """One turn: messages given (reply) or the history plus a user message (say). On success the
-        history gains the reply and result["completion"] is set; otherwise the turn is rolled back."""
-        self.lock.acquire()
-        try:
-            m = self.model
+        def begin() -> list[int]:  # under the lock, at the first next()
             msgs = list(messages) if messages is not None else self.messages + [{"role": "user", "content": content}]
             full = m.template.render(msgs, add_generation_prompt=True)
             if not self.cache.intact:  # a mutation was cut short (Ctrl-C inside a step): start clean
                 self._forget()
-            ids = self._ids_for(full, req)
+            ids = self._ids_for(full, opts)
             if not ids:
                 raise EdgeInferError("nothing new to say: the messages add no text")
-            mark, out = self.cache.mark(), {}
-            try:
-                yield from run(m.engine, m.tokenizer, self.cache, ids, req, m.overflow, m.load_ms, out)
-            finally:  # run sets out["completion"] before its last chunk: a stream closed after it commits
-                if "completion" in out:
-                    self._commit(msgs, full, out)
-                    result["completion"] = out["completion"]
-                elif not self.cache.rewind(mark):
-                    self._forget()
-        finally:
-            self.lock.release()
+            turn.update(msgs=msgs, full=full, mark=self.cache.mark())
+            return ids
 
-    def _commit(self, msgs: list[dict], full: str, out: dict) -> None:
+        def end(gen: Generation) -> None:
+            if gen.completion is not None:
+                self._commit(turn["msgs"], turn["full"], gen)
+            elif "mark" in turn and not self.cache.rewind(turn["mark"]):
+                self._forget()
+
+        return Generation(m.engine, m.tokenizer, self.cache, opts, m.overflow, begin=begin, end=end, lock=self.lock,
+                          load_ms=m.load_ms)
+
+    def _commit(self, msgs: list[dict], full: str, gen: Generation) -> None:
         """The turn finished: the history gains the reply; the bookkeeping says what the cache holds
-        (the reply's text less a stop string, `run` having taken its tokens back out)."""
-        self.messages = msgs + [{"role": "assistant", "content": out["completion"].text}]
-        if out["cache_stale"]:
+        (the reply's text less a stop string, the Generation having taken its tokens back out)."""
+        self.messages = msgs + [{"role": "assistant", "content": gen.completion.text}]
+        if gen.cache_stale:
             self._forget()
         else:
-            self._prompt_text, self._reply, self._unfed = full, out["cached_text"], out["unfed"]
+            self._prompt_text, self._reply, self._unfed = full, gen.cached_text, list(gen.unfed)
 
-    def _ids_for(self, full: str, req: Request) -> list[int]:
+    def _ids_for(self, full: str, opts: GenerationOptions) -> list[int]:
         """Token ids this turn feeds: the new text after what the cache holds, or (starting over) the
         whole rendering. Under overflow="truncate", a turn that would not fit beside what the cache
         holds starts over, so that truncation drops the oldest turns, not the new one."""
@@ -111,7 +107,7 @@ class Conversation:
         new_text = self._new_text(full)
         if new_text is not None:
             ids = self._unfed + m.tokenizer.encode(new_text, add_bos=False)
-            room = self.cache.capacity - self.cache.n_valid - truncate_reserve(self.cache.capacity, req.max_new_tokens)
+            room = self.cache.capacity - self.cache.n_valid - truncate_reserve(self.cache.capacity, opts.max_new_tokens)
             if m.overflow != "truncate" or len(ids) <= room:
                 return ids
         self._forget()  # first turn, a template whose earlier turns render differently, or truncation
@@ -139,3 +135,9 @@ def _user_text(content) -> str:
     if not isinstance(content, str):
         raise InvalidArgumentTypeError(f"content must be a string, got {type(content).__name__}")
     return content
+
+
+def _fold(gen: Generation) -> Completion:
+    for _ in gen:
+        pass
+    return gen.completion

@@ -1,9 +1,11 @@
 """`prefill` and `decode_one` as twins: one graph call over a ring-buffer KV cache, zero-copy.
 
-The ONNX Runtime IO binding points the graph straight at the cache's arrays: `past` is the
-contiguous block of valid slots, the new K/V rows are written by the graph into the slots the cache
-chooses (`RingKVCache.write_offset`), and the last token's logits land in the cache's own buffer.
-Per call, only pointers and shapes change; no array of the model's or the cache's size is allocated.
+The ONNX Runtime IO binding points the graph straight at the cache's arrays, as the model's KV mode
+(`kv_mode.KVMode`, from the manifest) says: a mode that appends in place (GroupQueryAttention) gets
+the whole ring as past and present, bound once and reused across decode steps; otherwise `past` is
+the contiguous block of valid slots and the graph writes its new K/V rows into the slots right after
+them (`RingKVCache.write_offset`). The last token's logits land in the cache's own buffer. Per call,
+only pointers and shapes change; no array of the model's or the cache's size is allocated.
 
 One Engine serves any number of caches (conversations) from any number of threads: each call
 holds `lock` for the graph run and the cache's bookkeeping (the IO binding and run-state buffers are
@@ -20,6 +22,7 @@ import threading
 import numpy as np
 
 from edgeinfer.kv_cache import RingKVCache
+from edgeinfer.kv_mode import SEQLENS_K, TOTAL_SEQUENCE_LENGTH
 from edgeinfer.session import DecoderSession
 
 
@@ -30,9 +33,13 @@ class Engine:
         self.spec = spec
         self.max_chunk = int(max_chunk)
         self.names = session.names
-        self.shared = session.manifest.interface.get("kv_io") == "shared_buffer"
-        self.layout = "BNSH" if self.shared else "BSNH"
-        self.row_bytes = spec.num_kv_heads * spec.head_dim * 4
+        self.mode = session.manifest.interface.kv_mode
+        self.row_bytes = spec.num_kv_heads * spec.head_dim * 4  # one slot of one layer's K or V
+        # the bound KV shapes (a mode that is not in place has its slots outermost after the batch: the
+        # first T rows are one block, the S new rows the next); only the sequence dim changes per call
+        self._seq_axis = self.mode.seq_axis
+        self._past_dims = list(self.mode.cache_shape(0, spec.num_kv_heads, spec.head_dim))
+        self._new_dims = list(self._past_dims)
         self._io = session.session.io_binding()
         # the cache lives in host memory; with CUDA, ORT copies the bound blocks (a device-resident
         # cache is the Jetson profile's work)
@@ -43,12 +50,12 @@ class Engine:
         self._index = np.zeros(self.max_chunk, np.int64)
         self._seqlens = np.zeros(1, np.int32)
         self._total = np.zeros((), np.int32)
-        self._bound: tuple | None = None  # (cache, S) the shared-buffer binding was made for
+        self._bound: tuple | None = None  # (cache, S) the in-place binding was made for
         self.calls = 0
         self.lock = threading.Lock()
 
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
-        return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, self.layout)
+        return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, self.mode)
 
     def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Run up to `max_chunk` new tokens at the cache's next positions; return logits [N, V].
@@ -77,24 +84,24 @@ class Engine:
             self._pos[0, :s] = np.arange(cache.next_position, cache.next_position + s)
             self._index[:n] = np.arange(s) if n > 1 else s - 1
         io, dev = self._io, self._device
-        hkv, dh = self.spec.num_kv_heads, self.spec.head_dim
-        if self.shared:  # GroupQueryAttention appends in place to the ring buffer: past and present are one
+        if self.mode.in_place:  # the graph (GroupQueryAttention) appends in place: past and present are the ring
             self._seqlens[0] = t + s - 1
             self._total[()] = t + s
             key = (cache, s)  # holds the cache: its buffers cannot be freed while still bound
             if key == self._bound and n == 1:  # same buffers and shapes as the last call (every decode step)
                 return self._run(cache, s, logits)
             self._bound = key if n == 1 else None
-            io.bind_input("seqlens_k", "cpu", 0, np.int32, [1], self._seqlens.ctypes.data)
-            io.bind_input("total_sequence_length", "cpu", 0, np.int32, [], self._total.ctypes.data)
-            shape = [1, hkv, cache.rows, dh]
+            io.bind_input(SEQLENS_K, "cpu", 0, np.int32, [1], self._seqlens.ctypes.data)
+            io.bind_input(TOTAL_SEQUENCE_LENGTH, "cpu", 0, np.int32, [], self._total.ctypes.data)
+            shape = list(self.mode.cache_shape(cache.rows, self.spec.num_kv_heads, self.spec.head_dim))
             for i, (k, v) in enumerate(zip(cache.k, cache.v)):
                 io.bind_input(self.names.past_key(i), dev, 0, np.float32, shape, k.ctypes.data)
                 io.bind_input(self.names.past_value(i), dev, 0, np.float32, shape, v.ctypes.data)
                 io.bind_output(self.names.present_key(i), dev, 0, np.float32, shape, k.ctypes.data)
                 io.bind_output(self.names.present_value(i), dev, 0, np.float32, shape, v.ctypes.data)
-        else:  # standard ops: past = the valid block, new rows written right after it
-            kv_past, kv_new = [1, t, hkv, dh], [1, s, hkv, dh]
+        else:  # past = the valid block; the graph's new rows are bound right after it
+            kv_past, kv_new = self._past_dims, self._new_dims  # bind_input copies the dims
+            kv_past[self._seq_axis], kv_new[self._seq_axis] = t, s
             for i, (k, v) in enumerate(zip(cache.k, cache.v)):
                 io.bind_input(self.names.past_key(i), dev, 0, np.float32, kv_past, k.ctypes.data)
                 io.bind_input(self.names.past_value(i), dev, 0, np.float32, kv_past, v.ctypes.data)

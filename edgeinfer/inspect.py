@@ -8,11 +8,7 @@ from pathlib import Path
 from edgeinfer.arch import ArchSpec
 from edgeinfer.errors import ModelFormatError
 from edgeinfer.integrity import STAMP_FILE, check
-from edgeinfer.manifest import MANIFEST_FILE, read_manifest
-
-
-ATTENTION = {"shared_buffer": "GroupQueryAttention appending in place to the KV ring",
-             "runtime_append": "standard ops over the valid KV slots"}
+from edgeinfer.manifest import MANIFEST_FILE, Manifest, read_manifest
 
 
 def parameter_count(a: ArchSpec) -> int:
@@ -26,37 +22,41 @@ def parameter_count(a: ArchSpec) -> int:
 
 
 def summary(folder: Path | str) -> dict:
-    folder = Path(folder)
-    m = read_manifest(folder)
+    return _summary(Path(folder), read_manifest(folder))
+
+
+def _summary(folder: Path, m: Manifest) -> dict:
     a = m.arch
     disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != STAMP_FILE)
     return {
         "family": a.family, "parameters": parameter_count(a), "layers": a.num_layers, "hidden_size": a.hidden_size,
         "heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
-        "tied_embeddings": a.tie_word_embeddings, "quantization": m.quantization, "target": m.target,
-        "flavour": m.flavour, "kv_io": m.interface.get("kv_io"), "size_on_disk_bytes": disk, "kv_bytes_per_token": a.kv_bytes_per_token,
+        "tied_embeddings": a.tie_word_embeddings, "quantization": m.quantization.to_json(), "target": m.target,
+        "flavour": m.flavour, "kv_mode": m.interface.kv_mode.name, "attention": m.interface.kv_mode.description,
+        "size_on_disk_bytes": disk, "kv_bytes_per_token": a.kv_bytes_per_token,
         "default_capacity_tokens": m.default_capacity_tokens,
         "kv_bytes_at_default_capacity": a.kv_bytes_per_token * m.default_capacity_tokens,
-        "tokenizer": m.tokenizer["kind"], "format_version": m.format_version, "converter_version": m.converter_version,
+        "tokenizer": m.tokenizer.kind, "format_version": m.format_version, "converter_version": m.converter_version,
     }
 
 
 def describe(folder: Path | str, as_json: bool = False) -> str:
-    s = summary(folder)
+    m = read_manifest(folder)
+    s = _summary(Path(folder), m)
     if as_json:
         return json.dumps(s, indent=1)
-    q = s["quantization"]
-    mixed = f", int8 for {', '.join(q['int8_tensors'])}" if q.get("int8_tensors") else ""
-    blocks = f" (block {q['block_size']}, {'symmetric' if q['symmetric'] else 'asymmetric'}, " \
-             f"accuracy_level {q['accuracy_level']}{mixed})" if q["weights"] in ("int4", "int8") else ""
+    q = m.quantization
+    mixed = f", int8 for {', '.join(q.int8_tensors)}" if q.int8_tensors else ""
+    blocks = f" (block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}, " \
+             f"accuracy_level {q.accuracy_level}{mixed})" if q.weights in ("int4", "int8") else ""
     return "\n".join([
         f"{folder}",
         f"  architecture  {s['family']}: {s['parameters'] / 1e6:.2f} M parameters, {s['layers']} layers, "
         f"hidden {s['hidden_size']}, {s['heads']} heads / {s['kv_heads']} KV heads x {s['head_dim']}, "
         f"vocab {s['vocab_size']}{', tied embeddings' if s['tied_embeddings'] else ''}",
-        f"  quantization  weights {q['weights']}{blocks}; embedding {q['embedding']}, lm_head {q['lm_head']}",
+        f"  quantization  weights {q.weights}{blocks}; embedding {q.embedding}, lm_head {q.lm_head}",
         f"  graph         {s['flavour']} flavour for {s['target']}, format v{s['format_version']}; attention: "
-        f"{ATTENTION.get(s['kv_io'], s['kv_io'])}",
+        f"{s['attention']} (KV mode {s['kv_mode']})",
         f"  size on disk  {s['size_on_disk_bytes'] / 1e6:.2f} MB",
         f"  KV cache      {s['kv_bytes_per_token']} bytes per token; "
         f"{s['kv_bytes_at_default_capacity'] / 1e6:.2f} MB at the default capacity of {s['default_capacity_tokens']}",

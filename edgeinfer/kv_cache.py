@@ -1,8 +1,11 @@
 """The ring-buffer KV cache: allocated once, constant memory however long generation runs.
 
-Layout per layer: K and V arrays of C + S_max rows, float32, where C = capacity_tokens and
-S_max = the largest chunk one graph call may append (the overflow rows): [1, C + S_max, Hkv, Dh]
-("BSNH", standard-op graphs) or [1, Hkv, C + S_max, Dh] ("BNSH", GroupQueryAttention graphs).
+Per layer: K and V arrays of C + S_max rows ("slots"), float32, where C = capacity_tokens and
+S_max = the largest chunk one graph call may append (the overflow rows), shaped as the graph's KV
+mode binds them (`KVMode.cache_shape`: slots second for standard ops, third for GroupQueryAttention).
+The bookkeeping works on one layout whatever the mode: `ks`/`vs` are slot-major views [C + S_max,
+Hkv, Dh] of the same memory (`KVMode.slot_major`; a transposed view where the slots are not the
+outer axis), so moving, copying and rotating slots has no per-mode branch and nothing is copied.
 
     slots [0, n_sink)        attention sinks: the first tokens, never overwritten
     slots [n_sink, C)        the ring: once full, each new token overwrites the oldest
@@ -31,20 +34,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 
 from edgeinfer.arch import ArchSpec
-from edgeinfer.errors import EdgeInferError
-
-OVERFLOW_POLICIES = ("shift", "truncate", "error")
-
-
-class ContextOverflowError(EdgeInferError, ValueError):
-    """The prompt (or prompt plus requested tokens) does not fit the ring under overflow="error"."""
+from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.kv_mode import STANDARD, KVMode
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A copy of the valid slots and the bookkeeping: restoring it replays a cached prefix."""
+    """A copy of the valid slots (per layer [n_valid, Hkv, Dh], slot-major whatever the KV mode) and the
+    bookkeeping: restoring it replays a cached prefix."""
 
     k: tuple[np.ndarray, ...]
     v: tuple[np.ndarray, ...]
@@ -81,33 +81,47 @@ def rotate_keys(k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
 
 class RingKVCache:
     def __init__(self, spec: ArchSpec, capacity_tokens: int, n_sink: int = 4, max_chunk: int = 256,
-                 layout: str = "BSNH", rebase_every_tokens: int | None = None):
-        if capacity_tokens < 2:
-            raise ValueError(f"capacity_tokens must be at least 2, got {capacity_tokens}")
-        if not 0 <= n_sink < capacity_tokens:
-            raise ValueError(f"n_sink must be in [0, capacity_tokens), got {n_sink} for capacity {capacity_tokens}")
-        if max_chunk < 1:
-            raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+                 mode: KVMode = STANDARD, rebase_every_tokens: int | None = None):
+        self.check_geometry(spec, capacity_tokens, n_sink, max_chunk)
+        if not isinstance(mode, KVMode):
+            raise TypeError(f"mode must be a KVMode, got {mode!r}")
         self.capacity = int(capacity_tokens)
         self.n_sink = int(n_sink)
         self.max_chunk = int(max_chunk)
-        if layout not in ("BSNH", "BNSH"):
-            raise ValueError(f"layout must be BSNH or BNSH, got {layout!r}")
-        self.layout = layout
+        self.mode = mode
         self.rows = rows = self.capacity + self.max_chunk
-        shape = (1, rows, spec.num_kv_heads, spec.head_dim) if layout == "BSNH" else \
-            (1, spec.num_kv_heads, rows, spec.head_dim)
-        self.k = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+        shape = mode.cache_shape(rows, spec.num_kv_heads, spec.head_dim)
+        self.k = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]  # bound to the graph
         self.v = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+        self.ks = [mode.slot_major(a) for a in self.k]  # the same memory, [rows, Hkv, Dh]: the bookkeeping's view
+        self.vs = [mode.slot_major(a) for a in self.v]
         self.positions = np.full(self.capacity, -1, np.int64)  # RoPE position held by each slot
         self.inv_freq = spec.rope.inv_freq(spec.head_dim).astype(np.float64)
         self.rebase_every_tokens = int(rebase_every_tokens or rebase_interval(
             self.capacity, self.max_chunk, spec.max_position_embeddings))
         if self.rebase_every_tokens < 1:
-            raise ValueError(f"rebase_every_tokens must be >= 1, got {rebase_every_tokens}")
+            raise InvalidArgumentError(f"rebase_every_tokens must be >= 1, got {rebase_every_tokens}")
         self.logits = np.zeros((1, 1, spec.vocab_size), np.float32)  # the engine writes the last token's here
         self.bytes = 2 * spec.num_layers * rows * spec.num_kv_heads * spec.head_dim * 4
         self.reset()
+
+    @staticmethod
+    def check_geometry(spec: ArchSpec, capacity_tokens: int, n_sink: int, max_chunk: int) -> None:
+        """The one validator of a ring's geometry (callers may run it before loading anything else):
+        capacity an int >= 2, sinks in [0, capacity), chunk >= 1, and the KV arrays (capacity +
+        max_chunk rows) no larger than the memory available now. InvalidArgumentError otherwise."""
+        for name, v, low in (("capacity_tokens", capacity_tokens, 2), ("n_sink", n_sink, 0), ("max_chunk", max_chunk, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {v!r}")
+        if n_sink >= capacity_tokens:
+            raise InvalidArgumentError(f"n_sink must be in [0, capacity_tokens), got {n_sink} for capacity "
+                                       f"{capacity_tokens}")
+        rows = capacity_tokens + max_chunk
+        need, free = spec.kv_bytes_per_token * rows, psutil.virtual_memory().available
+        if need > free:
+            raise InvalidArgumentError(
+                f"capacity_tokens={capacity_tokens} needs {need:,} bytes of KV cache ({spec.kv_bytes_per_token} bytes "
+                f"per token x {rows} rows) but only {free:,} bytes of memory are available: use a smaller capacity")
 
     def reset(self) -> None:
         self.intact = True
@@ -142,9 +156,8 @@ class RingKVCache:
         self.intact = False
         angle = -d * self.inv_freq  # float64: exact enough for any d the ring reaches
         cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
-        for k in self.k:
-            rotate_keys(k[0, self.n_sink:self.n_valid] if self.layout == "BSNH" else
-                        k[0, :, self.n_sink:self.n_valid], cos, sin)
+        for k in self.ks:
+            rotate_keys(k[self.n_sink:self.n_valid], cos, sin)
         ring -= d
         self.next_position -= d
         self.rebased_tokens += d
@@ -171,11 +184,8 @@ class RingKVCache:
             src, dst = start + j, self.next_slot
             self.next_slot = self.n_sink + (self.next_slot + 1 - self.n_sink) % (self.capacity - self.n_sink)
             self.dropped += 1
-            for k, v in zip(self.k, self.v):
-                if self.layout == "BSNH":
-                    k[0, dst], v[0, dst] = k[0, src], v[0, src]
-                else:
-                    k[0, :, dst], v[0, :, dst] = k[0, :, src], v[0, :, src]
+            for k, v in zip(self.ks, self.vs):
+                k[dst], v[dst] = k[src], v[src]
             self.positions[dst] = self.next_position + j
         self.next_position += s
         self.intact = True
@@ -196,12 +206,11 @@ class RingKVCache:
         self.n_valid, self.next_position = n_valid, next_position
         return True
 
-    def _valid(self, a: np.ndarray) -> np.ndarray:
-        return a[:, :self.n_valid] if self.layout == "BSNH" else a[:, :, :self.n_valid]
-
     def snapshot(self) -> Snapshot:
+        """A copy of the valid slots ([n_valid, Hkv, Dh] per layer, slot-major whatever the mode) and the
+        bookkeeping."""
         n = self.n_valid
-        return Snapshot(tuple(self._valid(k).copy() for k in self.k), tuple(self._valid(v).copy() for v in self.v),
+        return Snapshot(tuple(k[:n].copy() for k in self.ks), tuple(v[:n].copy() for v in self.vs),
                         self.positions[:n].copy(), n, self.next_slot, self.next_position, self.dropped,
                         self.rebased_tokens)
 
@@ -210,11 +219,8 @@ class RingKVCache:
             raise ValueError(f"snapshot holds {snap.n_valid} slots, this cache has {self.capacity}")
         self.reset()
         n = snap.n_valid
-        for k, v, sk, sv in zip(self.k, self.v, snap.k, snap.v):
-            if self.layout == "BSNH":
-                k[:, :n], v[:, :n] = sk, sv
-            else:
-                k[:, :, :n], v[:, :, :n] = sk, sv
+        for k, v, sk, sv in zip(self.ks, self.vs, snap.k, snap.v):
+            k[:n], v[:n] = sk, sv
         self.positions[:n] = snap.positions
         self.n_valid, self.next_slot, self.next_position = n, snap.next_slot, snap.next_position
         self.dropped, self.rebased_tokens = snap.dropped, snap.rebased_tokens

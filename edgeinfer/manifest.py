@@ -2,18 +2,44 @@
 
 Versioned: `FORMAT_VERSION` changes when a reader of the old version would misread the folder.
 A manifest from a newer version is refused with a clear error rather than half understood.
+
+Typed: each section is a frozen dataclass with `to_json`/`from_json`, checked once, by
+`read_manifest` (a bad field raises ModelFormatError naming it, e.g. "bad field
+tokenizer.add_bos: expected bool, got 'yes'"): `architecture` is an ArchSpec (arch.py),
+`quantization` a QuantScheme (quant_scheme.py), `interface` an Interface (its KV mode a
+`kv_mode.KVMode`), `tokenizer` a TokenizerInfo. Nothing else reads these sections by key.
+
+Format version 1 stays readable as it was written:
+- The interface names its KV mode by `kv_mode` (a `KVMode` name, as `convert --attention` takes).
+  Folders converted before it carry the older `kv_io` and `kv_layout` keys instead;
+  `kv_mode.from_interface` maps them, so those folders load as they are (their graphs are the
+  same). An edgeinfer from before the rename, reading a new folder, finds no `kv_io` and binds the
+  standard-op way: right for a standard folder; for a GroupQueryAttention folder ONNX Runtime
+  refuses the first graph call (the KV inputs have the wrong dims), so nothing is misread.
+- A tokenizer section lacking a field reads it as older readers did (kind sentencepiece, no BOS,
+  no EOS ids, no chat template).
+- Renaming or adding a field in a way this reader maps, as above, keeps version 1; a change an
+  older reader would misread silently raises FORMAT_VERSION.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 from edgeinfer.arch import ArchSpec
+from edgeinfer.fields import FieldError, json_fields
 from edgeinfer.errors import ModelFormatError
+from edgeinfer.kv_mode import LEGACY_KEYS, KVMode, from_interface
+from edgeinfer.quant_scheme import QuantScheme
 
 FORMAT_VERSION = 1
+INTERFACE_VERSION = 1
+KV_DTYPE = "float32"  # the ring's element type
+TOKENIZER_KINDS = ("sentencepiece", "hf_tokenizers")
 MANIFEST_FILE = "edgeinfer.json"
 MODEL_FILE = "model.onnx"
 
@@ -41,52 +67,130 @@ def io_names(num_layers: int) -> IONames:
     return IONames(num_layers)
 
 
-def graph_interface(spec: ArchSpec, kv_io: str = "runtime_append") -> dict:
-    """The manifest's description of the graph's inputs and outputs.
+@dataclass(frozen=True)
+class TensorDesc:
+    """One graph input or output: element type and dims (ints, or names of symbolic dims); `name` is
+    the per-layer template ("past_key_values.{i}.key") for the KV tensors, else None (the key is the name)."""
 
-    kv_io "runtime_append": past = the valid slots [B, T, Hkv, Dh] (BSNH), present = the S new rows;
-    "shared_buffer": past and present are the same ring buffer [B, Hkv, M, Dh] (BNSH) that
-    GroupQueryAttention appends to in place, with seqlens_k and total_sequence_length inputs.
-    """
+    dtype: str
+    shape: tuple[int | str, ...]
+    name: str | None = None
+
+    def to_json(self) -> dict:
+        return {**({"name": self.name} if self.name is not None else {}), "dtype": self.dtype,
+                "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class Interface:
+    """The graph's interface (version 1): its KV mode, KV element type, and every input and output."""
+
+    version: int
+    kv_mode: KVMode
+    kv_dtype: str
+    inputs: Mapping[str, TensorDesc]
+    outputs: Mapping[str, TensorDesc]
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "kv_mode": self.kv_mode.name, "kv_dtype": self.kv_dtype,
+                "inputs": {k: t.to_json() for k, t in self.inputs.items()},
+                "outputs": {k: t.to_json() for k, t in self.outputs.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict, spec: ArchSpec, where: str = "interface") -> "Interface":
+        """Checked against what this runtime binds for `spec` in the mode it names (FieldError naming
+        the first field that differs). Reads older manifests' `kv_io`/`kv_layout` (see the module doc)."""
+        if not isinstance(d, dict):
+            raise FieldError(where, f"expected an object, got {d!r}")
+        try:
+            mode = from_interface(d)
+        except ValueError as e:
+            raise FieldError(f"{where}.{e.args[0]}", e.args[1]) from None
+        kw = json_fields(cls, d, where, skip=("kv_mode", "inputs", "outputs", *LEGACY_KEYS))
+        if kw["version"] != INTERFACE_VERSION:
+            newer = ": upgrade edgeinfer" if kw["version"] > INTERFACE_VERSION else ""
+            raise FieldError(f"{where}.version", f"{kw['version']}: this edgeinfer runs interface version "
+                             f"{INTERFACE_VERSION}{newer}")
+        if kw["kv_dtype"] != KV_DTYPE:
+            raise FieldError(f"{where}.kv_dtype", f"{kw['kv_dtype']!r}: this edgeinfer's KV cache is {KV_DTYPE}")
+        want = graph_interface(spec, mode)
+        for part in ("inputs", "outputs"):
+            got, expected = d.get(part), getattr(want, part)
+            if not isinstance(got, dict):
+                raise FieldError(f"{where}.{part}", "missing" if got is None else f"expected an object, got {got!r}")
+            for key in (*expected, *(k for k in got if k not in expected)):
+                if key not in got:
+                    raise FieldError(f"{where}.{part}.{key}", "missing")
+                if key not in expected:
+                    raise FieldError(f"{where}.{part}.{key}",
+                                     f"not an {part[:-1]} of interface version {INTERFACE_VERSION}")
+                t = TensorDesc(**json_fields(TensorDesc, got[key], f"{where}.{part}.{key}"))
+                if t != expected[key]:
+                    raise FieldError(f"{where}.{part}.{key}", f"{t.to_json()} does not match the {mode.name} KV mode "
+                                     f"and the architecture ({expected[key].to_json()})")
+        return want
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """The manifest's `tokenizer` section: which back end reads the folder's tokenizer files, whether
+    `encode` prepends BOS, the special ids, and the model's chat template (Jinja) if it has one."""
+
+    kind: str = "sentencepiece"  # one of TOKENIZER_KINDS: tokenizer.model or tokenizer.json
+    add_bos: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "add_bos": self.add_bos, "bos_token_id": self.bos_token_id,
+                "eos_token_ids": list(self.eos_token_ids), "chat_template": self.chat_template}
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "tokenizer") -> "TokenizerInfo":
+        info = cls(**json_fields(cls, d, where))
+        if info.kind not in TOKENIZER_KINDS:
+            raise FieldError(f"{where}.kind", f"unknown {info.kind!r} (choose from {', '.join(TOKENIZER_KINDS)})")
+        return info
+
+
+def graph_interface(spec: ArchSpec, mode: KVMode) -> Interface:
+    """The interface of the graph `build_decoder` makes for `spec` in KV mode `mode` (docs/architecture.md,
+    "Graph interface"): ids, positions and logits_index in, logits out, the mode's extra inputs, and
+    per layer the past and present K/V in the mode's dims."""
     n = io_names(spec.num_layers)
-    if kv_io == "shared_buffer":
-        kv = new = ["batch", spec.num_kv_heads, "max_sequence", spec.head_dim]
-    else:
-        kv = ["batch", "past_sequence", spec.num_kv_heads, spec.head_dim]
-        new = ["batch", "sequence", spec.num_kv_heads, spec.head_dim]
-    extra = {"seqlens_k": {"dtype": "int32", "shape": ["batch"]},
-             "total_sequence_length": {"dtype": "int32", "shape": []}} if kv_io == "shared_buffer" else {}
-    return {
-        "version": 1,
-        "kv_io": kv_io,
-        "kv_layout": "BNSH" if kv_io == "shared_buffer" else "BSNH",
-        "kv_dtype": "float32",
-        "inputs": {
-            "input_ids": {"dtype": "int64", "shape": ["batch", "sequence"]},
-            "position_ids": {"dtype": "int64", "shape": ["batch", "sequence"]},
-            "logits_index": {"dtype": "int64", "shape": ["num_logits"]},
-            **extra,
-            "past_key": {"name": n.past_key(0).replace(".0.", ".{i}."), "dtype": "float32", "shape": kv},
-            "past_value": {"name": n.past_value(0).replace(".0.", ".{i}."), "dtype": "float32", "shape": kv},
-        },
-        "outputs": {
-            "logits": {"dtype": "float32", "shape": ["batch", "num_logits", spec.vocab_size]},
-            "present_key": {"name": n.present_key(0).replace(".0.", ".{i}."), "dtype": "float32", "shape": new},
-            "present_value": {"name": n.present_value(0).replace(".0.", ".{i}."), "dtype": "float32", "shape": new},
-        },
+    past = tuple(mode.past_dims(spec.num_kv_heads, spec.head_dim))
+    new = tuple(mode.present_dims(spec.num_kv_heads, spec.head_dim))
+
+    def layer(name: str) -> str:
+        return name.replace(".0.", ".{i}.")
+
+    inputs = {
+        "input_ids": TensorDesc("int64", ("batch", "sequence")),
+        "position_ids": TensorDesc("int64", ("batch", "sequence")),
+        "logits_index": TensorDesc("int64", ("num_logits",)),
+        **{e.name: TensorDesc(e.dtype, tuple(e.dims)) for e in mode.extra_inputs},
+        "past_key": TensorDesc(KV_DTYPE, past, layer(n.past_key(0))),
+        "past_value": TensorDesc(KV_DTYPE, past, layer(n.past_value(0))),
     }
+    outputs = {
+        "logits": TensorDesc("float32", ("batch", "num_logits", spec.vocab_size)),
+        "present_key": TensorDesc(KV_DTYPE, new, layer(n.present_key(0))),
+        "present_value": TensorDesc(KV_DTYPE, new, layer(n.present_value(0))),
+    }
+    return Interface(INTERFACE_VERSION, mode, KV_DTYPE, MappingProxyType(inputs), MappingProxyType(outputs))
 
 
 @dataclass(frozen=True)
 class Manifest:
     arch: ArchSpec
-    quantization: dict
+    quantization: QuantScheme
     target: str
     flavour: str
-    interface: dict
-    tokenizer: dict
+    interface: Interface
+    tokenizer: TokenizerInfo
     default_capacity_tokens: int
-    files: dict = field(default_factory=dict)  # outputs: name -> {"bytes", "sha256"}
+    files: dict = field(default_factory=dict)  # outputs: name -> {"bytes", "sha256"} (checked by integrity.py)
     source: dict = field(default_factory=dict)  # inputs: name -> sha256
     converter_version: str = ""
     format_version: int = FORMAT_VERSION
@@ -98,13 +202,36 @@ class Manifest:
             "target": self.target,
             "flavour": self.flavour,
             "architecture": self.arch.to_json(),
-            "quantization": self.quantization,
-            "interface": self.interface,
-            "tokenizer": self.tokenizer,
+            "quantization": self.quantization.to_json(),
+            "interface": self.interface.to_json(),
+            "tokenizer": self.tokenizer.to_json(),
             "default_capacity_tokens": self.default_capacity_tokens,
             "files": self.files,
             "source": self.source,
         }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Manifest":
+        """Every section checked; FieldError names the first bad field. Unknown top-level keys are ignored."""
+        def section(key: str):
+            if key not in d:
+                raise FieldError(key, "missing")
+            return d[key]
+
+        arch = ArchSpec.from_json(section("architecture"))
+        top = {}
+        for key, kind in (("target", str), ("flavour", str), ("default_capacity_tokens", int),
+                          ("converter_version", str), ("format_version", int)):
+            v = d.get(key, "") if key == "converter_version" else section(key)
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise FieldError(key, f"expected {kind.__name__}, got {v!r}")
+            top[key] = v
+        if top["default_capacity_tokens"] < 2:
+            raise FieldError("default_capacity_tokens", f"must be at least 2, got {top['default_capacity_tokens']}")
+        return cls(arch=arch, quantization=QuantScheme.from_json(section("quantization")),
+                   interface=Interface.from_json(section("interface"), arch),
+                   tokenizer=TokenizerInfo.from_json(section("tokenizer")),
+                   files=d.get("files", {}), source=d.get("source", {}), **top)
 
     def write(self, folder: Path) -> None:
         (Path(folder) / MANIFEST_FILE).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -127,14 +254,9 @@ def read_manifest(folder: Path) -> Manifest:
         raise ModelFormatError(f"{path} has format version {version}; this edgeinfer reads up to "
                                f"{FORMAT_VERSION}: upgrade edgeinfer")
     try:
-        m = Manifest(
-            arch=ArchSpec.from_json(d["architecture"]), quantization=d["quantization"], target=d["target"],
-            flavour=d["flavour"], interface=d["interface"], tokenizer=d["tokenizer"],
-            default_capacity_tokens=int(d["default_capacity_tokens"]), files=d.get("files", {}),
-            source=d.get("source", {}), converter_version=d.get("converter_version", ""), format_version=version,
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelFormatError(f"{path} is corrupted (bad field: {e})") from None
+        m = Manifest.from_json(d)
+    except FieldError as e:
+        raise ModelFormatError(f"{path} is corrupted (bad field {e})") from None
     if not (folder / MODEL_FILE).exists():
         raise ModelFormatError(f"{folder} lacks {MODEL_FILE}")
     return m

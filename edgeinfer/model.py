@@ -16,20 +16,21 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 from edgeinfer.chat import ChatTemplate
 from edgeinfer.engine import Engine
-from edgeinfer.errors import EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError
+from edgeinfer.errors import InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.conversation import Conversation
-from edgeinfer.generation import Chunk, Completion, Request, make_request, run
-from edgeinfer.kv_cache import OVERFLOW_POLICIES, RingKVCache
+from edgeinfer.generation import Completion, Generation
+from edgeinfer.kv_cache import RingKVCache
+from edgeinfer.options import GenerationOptions, resolve
+from edgeinfer.overflow import check_policy, resolve_capacity
 from edgeinfer.manifest import read_manifest
 from edgeinfer.session import DecoderSession, check_threads
 from edgeinfer.tokenizer import Tokenizer
@@ -60,16 +61,6 @@ def load(path: str | Path | None = None, *, provider: str = "auto", threads: int
                  overflow=overflow, prefill_chunk=prefill_chunk, verbose=verbose)
 
 
-def check_kv_memory(spec, capacity: int, chunk: int) -> None:
-    """Refuse a KV ring (capacity + one chunk's overflow rows) larger than the memory available now."""
-    rows = capacity + chunk
-    need, free = spec.kv_bytes_per_token * rows, psutil.virtual_memory().available
-    if need > free:
-        raise InvalidArgumentError(
-            f"capacity_tokens={capacity} needs {need:,} bytes of KV cache ({spec.kv_bytes_per_token} bytes per "
-            f"token x {rows} rows) but only {free:,} bytes of memory are available: use a smaller capacity")
-
-
 class Model:
     def __init__(self, path, *, provider, threads, capacity_tokens, n_sink, overflow, prefill_chunk, verbose):
         t0 = time.perf_counter()
@@ -77,26 +68,14 @@ class Model:
             raise InvalidArgumentTypeError(f"path must be a folder path (str or os.PathLike) or None, "
                                            f"got {type(path).__name__}")
         folder = Path(path) if path is not None else default_model_path()
-        if not isinstance(overflow, str) or overflow not in OVERFLOW_POLICIES:
-            raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
+        check_policy(overflow)
         check_threads(threads)
-
-        def integer(name: str, v, low: int) -> None:
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {v!r}")
-
-        if capacity_tokens is not None:
-            integer("capacity_tokens", capacity_tokens, 2)
-        integer("n_sink", n_sink, 0)
-        integer("prefill_chunk", prefill_chunk, 1)
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise InvalidArgumentError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.manifest = read_manifest(folder)
         spec = self.manifest.arch
-        capacity = capacity_tokens if capacity_tokens is not None else self.manifest.default_capacity_tokens
-        if spec.sliding_window and capacity > spec.sliding_window:
-            capacity = spec.sliding_window if capacity_tokens is None else capacity
-        if n_sink >= capacity:
-            raise InvalidArgumentError(f"n_sink must be in [0, capacity_tokens), got {n_sink} for capacity {capacity}")
-        check_kv_memory(spec, capacity, min(prefill_chunk, capacity))
+        capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec.sliding_window, capacity_tokens)
+        RingKVCache.check_geometry(spec, capacity, n_sink, min(prefill_chunk, capacity))  # before the slow loading
         self.folder = folder
         self.overflow = overflow
         self.capacity_tokens, self.n_sink = capacity, n_sink
@@ -106,8 +85,8 @@ class Model:
         self.cache = self.new_cache()
         self.lock = ContextLock("the model's default context (generate/stream)")
         tk = self.manifest.tokenizer
-        self.template = ChatTemplate(tk.get("chat_template"), self._piece(tk.get("bos_token_id")),
-                                     self._piece((tk.get("eos_token_ids") or [None])[0]))
+        self.template = ChatTemplate(tk.chat_template, self._piece(tk.bos_token_id),
+                                     self._piece((tk.eos_token_ids or (None,))[0]))
         self.load_ms = (time.perf_counter() - t0) * 1e3
         if verbose:
             print(f"edgeinfer: loaded {folder} in {self.load_ms:.0f} ms; KV cache {self.cache.bytes / 2**20:.2f} MiB "
@@ -121,7 +100,6 @@ class Model:
 
     def new_cache(self) -> RingKVCache:
         """A ring of this model's capacity (refused before allocating if memory is short)."""
-        check_kv_memory(self.manifest.arch, self.capacity_tokens, self.engine.max_chunk)
         return self.engine.new_cache(self.capacity_tokens, self.n_sink)
 
     def encode_prompt(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
@@ -158,38 +136,37 @@ class Model:
             raise InvalidArgumentError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         return ids
 
-    def stream(self, prompt: str | Sequence[int], **options) -> Iterator[Chunk]:
-        """Yield one Chunk per generated token; joined, their text equals `generate(...).text`.
+    def stream(self, prompt: str | Sequence[int], options: GenerationOptions | None = None, **overrides) -> Generation:
+        """A Generation: iterate for Chunks (joined, their text equals `generate(...).text`); its
+        `completion` is set when it ends.
 
-        Options are those of `generate` and are checked now. From its first next() until it ends (or
-        is closed or dropped) the stream holds the model's default context: `generate` or `stream`
-        from another thread waits for it; from the same thread they raise ContextBusyError.
+        Options (a GenerationOptions, and/or its flat keywords: max_new_tokens, temperature, top_k,
+        top_p, min_p, typical_p, repetition_penalty, frequency_penalty, presence_penalty,
+        penalty_last_n, logit_bias, stop, seed, ignore_eos) and the prompt are checked now. From its
+        first next() until it ends (or is closed or dropped) the stream holds the model's default
+        context: `generate` or `stream` from another thread waits for it; from the same thread they
+        raise ContextBusyError.
         """
-        return self._run_default(self.encode_prompt(prompt), make_request(**options), {})
+        opts, ids = resolve(options, overrides), self.encode_prompt(prompt)
 
-    def _run_default(self, ids: list[int], req: Request, result: dict) -> Iterator[Chunk]:
-        """One request on the default cache, holding its lock (reset first: requests are independent)."""
-        with self.lock:
+        def begin() -> list[int]:  # requests on the default context are independent
             self.cache.reset()
-            yield from run(self.engine, self.tokenizer, self.cache, ids, req, self.overflow, self.load_ms, result)
+            return ids
 
-    def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.8,
-                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
-                 repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 penalty_last_n: int = 64, logit_bias: dict[int, float] | None = None,
-                 stop: str | Sequence[str] | None = None, seed: int | None = None,
-                 ignore_eos: bool = False) -> Completion:
-        """Generate a completion of `prompt` (temperature 0: greedy). The default cache is reset first."""
-        req = make_request(max_new_tokens, temperature, top_k, top_p, min_p, typical_p, repetition_penalty,
-                           frequency_penalty, presence_penalty, penalty_last_n, logit_bias, stop, seed, ignore_eos)
-        result: dict = {}
-        for _ in self._run_default(self.encode_prompt(prompt), req, result):
+        return Generation(self.engine, self.tokenizer, self.cache, opts, self.overflow, begin=begin, lock=self.lock,
+                          load_ms=self.load_ms)
+
+    def generate(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
+                 **overrides) -> Completion:
+        """Generate a completion of `prompt` (temperature 0: greedy); options as for `stream`."""
+        gen = self.stream(prompt, options, **overrides)
+        for _ in gen:
             pass
-        return result["completion"]
+        return gen.completion
 
-    def chat(self, messages: Sequence[dict], **options) -> Completion:
+    def chat(self, messages: Sequence[dict], options: GenerationOptions | None = None, **overrides) -> Completion:
         """One reply to `messages` with the model's chat template (stateless: a fresh conversation)."""
-        return self.conversation().reply(messages, **options)
+        return self.conversation().reply(messages, options, **overrides)
 
     def conversation(self) -> Conversation:
         """A new conversation with its own KV cache (allocated now, the same size as the default)."""

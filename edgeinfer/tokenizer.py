@@ -1,7 +1,8 @@
 """Tokenizers: SentencePiece (`tokenizer.model`) or Hugging Face `tokenizers` (`tokenizer.json`).
 
 `encode` never adds special tokens on its own: BOS is prepended when the manifest's tokenizer
-section says `add_bos` (the model's tokenizer_config), so both back ends behave the same.
+section (a `TokenizerInfo`) says `add_bos` (the model's tokenizer_config), so both back ends behave
+the same.
 `decode` drops special tokens (BOS/EOS decode to ""); `token_string` gives a token's own string
 in the vocabulary ("<s>", "<|im_end|>"), which is what chat templates want for bos/eos_token.
 A rendered template holds those strings as text, so `encode` maps them back to their ids: the
@@ -16,15 +17,16 @@ import re
 from pathlib import Path
 
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
+from edgeinfer.manifest import TokenizerInfo
 
 
 class Tokenizer:
-    def __init__(self, folder: Path, info: dict):
+    def __init__(self, folder: Path, info: TokenizerInfo):
         folder = Path(folder)
-        self.kind = info.get("kind", "sentencepiece")
-        self.add_bos = bool(info.get("add_bos", False))
-        self.bos_id = info.get("bos_token_id")
-        self.eos_ids = tuple(info.get("eos_token_ids", ()))
+        self.kind = info.kind
+        self.add_bos = info.add_bos
+        self.bos_id = info.bos_token_id
+        self.eos_ids = info.eos_token_ids
         if self.kind == "sentencepiece":
             import sentencepiece as spm
 

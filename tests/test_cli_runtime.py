@@ -48,15 +48,22 @@ def test_chat_reset_and_ctrl_c(capsys, monkeypatch):
     calls = {"n": 0}
     seen = {}
 
-    def turn(self, messages, content, req, result):
+    def turn(self, messages, content, opts):
         calls["n"] += 1
-        if calls["n"] == 2:  # Ctrl-C in the middle of the second reply
-            gen = real(self, messages, content, req, result)
-            yield next(gen)
-            seen["history_before"] = list(self.messages)
-            raise KeyboardInterrupt
-        yield from real(self, messages, content, req, result)
-        seen["history_after"] = list(self.messages)
+        gen = real(self, messages, content, opts)
+
+        def cut():  # Ctrl-C in the middle of the second reply (inside the generation, which then ends)
+            try:
+                yield next(gen)
+                raise KeyboardInterrupt
+            finally:
+                gen.close()
+
+        def watched():
+            yield from gen
+            seen["history_after"] = list(self.messages)
+
+        return cut() if calls["n"] == 2 else watched()
 
     monkeypatch.setattr(builtins, "input", fake_input)
     monkeypatch.setattr(Conversation, "_turn", turn)

@@ -9,7 +9,7 @@ import pytest
 
 import edgeinfer
 from conftest import STORIES_FIX
-from edgeinfer.generation import fit_prompt
+from edgeinfer.overflow import fit_prompt
 
 OPTS = dict(temperature=0, max_new_tokens=10)
 STORY = (STORIES_FIX / "eval.txt").read_text().splitlines()[0]

@@ -10,6 +10,7 @@ import pytest
 import edgeinfer
 from conftest import TINY, TINY_MODELS, one_layer_model, ring_reference, run_ring
 from edgeinfer.converters import convert
+from edgeinfer.kv_mode import GQA, STANDARD
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def folders(tmp_path_factory):
 def test_engine_greedy_matches_transformers(folders, name, attention, chunk):
     ref = np.load(TINY / name / "reference.npz")
     m = edgeinfer.load(folders(name, attention), prefill_chunk=chunk)
-    assert m.engine.shared == (attention == "auto")  # every tiny model has a head size GQA takes
+    assert m.engine.mode is (GQA if attention == "auto" else STANDARD)  # GQA takes every tiny model's head size
     c = m.generate(ref["prompt_ids"].tolist(), max_new_tokens=32, temperature=0, ignore_eos=True)
     assert list(c.token_ids) == ref["greedy_ids"].tolist()
 
@@ -40,7 +41,7 @@ def test_engine_greedy_matches_transformers(folders, name, attention, chunk):
 def test_gqa_ring_matches_explicit_sliding_window(tmp_path):
     folder = one_layer_model(TINY / "llama2_gqa_tied", tmp_path)
     m = edgeinfer.load(folder, capacity_tokens=24, n_sink=2, prefill_chunk=5)
-    assert m.engine.shared
+    assert m.engine.mode is GQA
     ids = np.random.default_rng(0).integers(3, 512, 90).tolist()
     cache = m.new_cache()
     # chunks keep going past the capacity: overflow rows move into the ring, and the ring re-bases

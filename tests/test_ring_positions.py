@@ -13,6 +13,7 @@ from conftest import ROOT, STORIES_FIX, STORIES_SRC, TINY, one_layer_model
 from edgeinfer.converters import convert
 from edgeinfer.evaluate import stream_perplexity
 from edgeinfer.kv_cache import rebase_interval
+from edgeinfer.kv_mode import GQA, STANDARD
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from widen_heads import widen  # noqa: E402
@@ -33,7 +34,7 @@ def paths(tmp_path_factory):
 def test_widened_model_is_the_same_network(paths):
     a = edgeinfer.load(paths["standard"])
     b = edgeinfer.load(paths["gqa"])
-    assert not a.engine.shared and b.engine.shared
+    assert a.engine.mode is STANDARD and b.engine.mode is GQA
     ids = a.tokenizer.encode(STORY)[:100]
     la = a.engine.forward(a.new_cache(), ids, all_logits=True).copy()
     lb = b.engine.forward(b.new_cache(), ids, all_logits=True)
@@ -79,7 +80,7 @@ def test_rebase_equals_a_fresh_forward_at_the_new_positions(tmp_path, attention)
     token and position), values untouched."""
     m = edgeinfer.load(one_layer_model(TINY / "qwen2_bias_tied", tmp_path, attention), capacity_tokens=20, n_sink=2,
                        prefill_chunk=8)
-    assert m.engine.shared == (attention == "auto")
+    assert m.engine.mode is (GQA if attention == "auto" else STANDARD)
     ids = np.random.default_rng(1).integers(3, 512, 47).tolist()
     cache = m.new_cache()
     for t in ids:
@@ -89,11 +90,9 @@ def test_rebase_equals_a_fresh_forward_at_the_new_positions(tmp_path, attention)
     assert cache.positions[order].tolist() == list(range(20))
     ref = m.new_cache()
     m.engine.prefill(ref, ids[:2] + ids[-18:])  # the held tokens, in position order, from empty
-    axis = 1 if cache.layout == "BSNH" else 2
-    for a, b in ((cache.k, ref.k), (cache.v, ref.v)):
+    for a, b in ((cache.ks, ref.ks), (cache.vs, ref.vs)):  # slot-major views [rows, Hkv, Dh] in either mode
         for x, y in zip(a, b):
-            got = np.take(np.take(x, range(20), axis=axis), order, axis=axis)
-            assert np.abs(got - np.take(y, range(20), axis=axis)).max() < 1e-4
+            assert np.abs(x[:20][order] - y[:20]).max() < 1e-4
 
 
 @pytest.mark.parametrize("capacity,chunk,max_pos,expected", [

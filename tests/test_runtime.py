@@ -11,7 +11,7 @@ import pytest
 import edgeinfer
 from conftest import STORIES_FIX, STORIES_SRC, one_layer_model, ring_reference, run_ring
 from edgeinfer.evaluate import stream_perplexity
-from edgeinfer.kv_cache import ContextOverflowError
+from edgeinfer.overflow import ContextOverflowError
 
 GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
 EVAL_TXT = STORIES_FIX / "eval.txt"
@@ -51,7 +51,7 @@ def test_bundled_model_generates_and_streams(bundled):
     assert [ch.token_id for ch in chunks if ch.token_id is not None] == list(c.token_ids)
     t = c.timings
     assert t.ttft_ms > 0 and t.decode_tok_s > 0 and t.load_ms > 0 and t.prefill_tok_s > 0
-    assert bundled.manifest.quantization["weights"] == "int8"
+    assert bundled.manifest.quantization.weights == "int8"
 
 
 def test_seed_reproducible(bundled):
@@ -217,7 +217,7 @@ def test_bundled_model_is_what_the_converter_makes(tmp_path):
 
 
 def test_penalty_window_keeps_the_last_n():
-    from edgeinfer.generation import PenaltyWindow
+    from edgeinfer.sampling.penalties import PenaltyWindow
 
     rng = np.random.default_rng(0)
     for n in (0, 1, 3, 64):

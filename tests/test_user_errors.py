@@ -20,7 +20,7 @@ import edgeinfer
 from conftest import STORIES_FIX
 from edgeinfer import EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.generation import Detokenizer
-from edgeinfer.kv_cache import ContextOverflowError
+from edgeinfer.overflow import ContextOverflowError
 from edgeinfer.sampling import Sampler, SamplingParams
 from edgeinfer.tokenizer import Tokenizer
 
@@ -46,7 +46,9 @@ def hf_tokenizer(tmp_path):
     tk.decoder = decoders.Metaspace()
     tk.add_special_tokens(["<s>", "</s>"])
     tk.save(str(tmp_path / "tokenizer.json"))
-    return Tokenizer(tmp_path, {"kind": "hf_tokenizers", "bos_token_id": 1, "eos_token_ids": [2], "add_bos": True})
+    from edgeinfer.manifest import TokenizerInfo
+
+    return Tokenizer(tmp_path, TokenizerInfo(kind="hf_tokenizers", bos_token_id=1, eos_token_ids=(2,), add_bos=True))
 
 
 # 1. completion text is what follows the prompt ------------------------------------------------
@@ -276,12 +278,23 @@ def test_capacity_beyond_memory_is_refused():
 
 
 def test_capacity_check_uses_available_memory(monkeypatch):
-    import edgeinfer.model as model_mod
+    import edgeinfer.kv_cache as kv_cache_mod
 
     mem = namedtuple("mem", "available")
-    monkeypatch.setattr(model_mod.psutil, "virtual_memory", lambda: mem(10**6))
+    monkeypatch.setattr(kv_cache_mod.psutil, "virtual_memory", lambda: mem(10**6))
     # stories260K: 1280 bytes per token; 1000 ring slots + 256 overflow rows
     with pytest.raises(InvalidArgumentError, match=r"needs 1,607,680 bytes .* only 1,000,000 bytes"):
         edgeinfer.load(capacity_tokens=1000)
     m = edgeinfer.load(capacity_tokens=300, prefill_chunk=64)  # 364 rows x 1280 bytes fit
     assert m.generate("Once", max_new_tokens=2, seed=0).usage.completion_tokens == 2
+
+
+def test_conversation_cache_is_checked_too(monkeypatch):
+    """Every ring is checked where it is allocated: a conversation's as well as the model's."""
+    import edgeinfer.kv_cache as kv_cache_mod
+
+    m = edgeinfer.load(capacity_tokens=300, prefill_chunk=64)
+    mem = namedtuple("mem", "available")
+    monkeypatch.setattr(kv_cache_mod.psutil, "virtual_memory", lambda: mem(10**5))
+    with pytest.raises(InvalidArgumentError, match="only 100,000 bytes"):
+        m.conversation()

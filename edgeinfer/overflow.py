@@ -1,0 +1,69 @@
+"""What happens when a context does not fit its ring: the policy, the prompt fitting, the capacity.
+
+Policies (`OVERFLOW_POLICIES`), chosen at load:
+  shift     everything goes in; the ring forgets its oldest tokens after the sinks, for ever, in
+            constant memory (the default: chats, streams, a daemon left running);
+  truncate  the oldest prompt tokens after the sinks are dropped up front, exactly as many as
+            needed, reported in `usage.dropped_tokens`; generation stops when the ring is full;
+  error     a prompt that does not fit raises `ContextOverflowError` with the counts; generation
+            stops when the ring is full.
+Never silent: every dropped token is counted. The ring itself (`kv_cache.RingKVCache`) is the only
+validator of its own geometry (capacity, sinks, chunk, memory).
+"""
+
+from __future__ import annotations
+
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError
+
+OVERFLOW_POLICIES = ("shift", "truncate", "error")
+
+
+class ContextOverflowError(EdgeInferError, ValueError):
+    """The prompt (or prompt plus requested tokens) does not fit the ring under overflow="error"."""
+
+
+def check_policy(overflow) -> str:
+    if not isinstance(overflow, str) or overflow not in OVERFLOW_POLICIES:
+        raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
+    return overflow
+
+
+def resolve_capacity(default_capacity_tokens: int, sliding_window: int | None, requested: int | None) -> int:
+    """The ring's capacity: what the caller asked for (an int >= 2), else the manifest's default capped
+    at the model's sliding window (a model that attends to at most W tokens gains nothing from more)."""
+    if requested is None:
+        return min(default_capacity_tokens, sliding_window) if sliding_window else default_capacity_tokens
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 2:
+        raise InvalidArgumentError(f"capacity_tokens must be an integer >= 2, got {requested!r}")
+    return requested
+
+
+def truncate_reserve(capacity_tokens: int, max_new_tokens: int) -> int:
+    """Slots `truncate` keeps free for the reply: max_new_tokens, but at most half the ring (a huge
+    max_new_tokens must not cut the prompt to nothing; the reply then ends "length" when the ring is full)."""
+    return min(max_new_tokens, capacity_tokens // 2)
+
+
+def fit_prompt(cache, ids: list[int], overflow: str, max_new_tokens: int) -> tuple[list[int], int]:
+    """Apply the overflow policy to a prompt about to enter `cache`; returns (ids to feed, dropped count).
+
+    shift: everything goes in (the ring forgets its oldest tokens after the sinks as it must).
+    error: the prompt must fit the free slots, else ContextOverflowError stating the counts.
+    truncate: the prompt plus `truncate_reserve` slots must fit; if not, the oldest prompt tokens after
+    the first n_sink (the sinks: BOS and the start of a system prompt, when the cache is empty) are
+    dropped, exactly as many as needed, and reported.
+    """
+    room = cache.capacity - cache.n_valid
+    if overflow == "shift" or len(ids) <= room and overflow == "error":
+        return ids, 0
+    if overflow == "error":
+        raise ContextOverflowError(
+            f"prompt of {len(ids)} tokens does not fit: the context holds {cache.n_valid} of "
+            f"{cache.capacity} tokens, {room} free (overflow='error'; use 'shift' or 'truncate', or a larger "
+            f"capacity_tokens)")
+    budget = max(1, room - truncate_reserve(cache.capacity, max_new_tokens))
+    if len(ids) <= budget:
+        return ids, 0
+    keep_head = min(cache.n_sink, budget - 1) if cache.n_valid == 0 else 0
+    kept = ids[:keep_head] + ids[len(ids) - (budget - keep_head):]
+    return kept, len(ids) - len(kept)

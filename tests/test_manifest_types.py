@@ -1,0 +1,137 @@
+"""The typed manifest and the KV mode: sections read once into frozen dataclasses (a bad field is a
+ModelFormatError naming it), older manifests' `kv_io`/`kv_layout` still read, and one KVMode object
+deciding the layout for the converter, the ring and the Engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from conftest import STORIES_SRC, TINY
+from edgeinfer.kv_mode import GQA, MODES, STANDARD, kv_mode
+from edgeinfer.manifest import MANIFEST_FILE, read_manifest
+from edgeinfer.model import default_model_path
+
+
+def copy_with(src, dst, edit):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".edgeinfer-verified.json*"))
+    m = json.loads((dst / MANIFEST_FILE).read_text())
+    edit(m)
+    (dst / MANIFEST_FILE).write_text(json.dumps(m))
+    return dst
+
+
+def test_manifest_round_trips():
+    folder = default_model_path()
+    m = read_manifest(folder)
+    assert m.to_json() == json.loads((folder / MANIFEST_FILE).read_text())
+    assert m.interface.kv_mode is STANDARD and m.quantization.weights == "int8"
+    assert m.tokenizer.kind == "sentencepiece" and m.tokenizer.add_bos and m.tokenizer.eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize("src,mode", [(STORIES_SRC, STANDARD), (TINY / "llama2_gqa_tied", GQA)])
+def test_older_manifest_with_kv_io_reads_the_same(converted, tmp_path, src, mode):
+    """Folders converted before `kv_mode` name the mode by kv_io and kv_layout: same mode, same tokens."""
+    folder = converted(src, "fp32")
+    legacy = {GQA: ("shared_buffer", "BNSH"), STANDARD: ("runtime_append", "BSNH")}[mode]
+
+    def old(m):
+        i = m["interface"]
+        m["interface"] = {"version": i["version"], "kv_io": legacy[0], "kv_layout": legacy[1],
+                          **{k: v for k, v in i.items() if k not in ("version", "kv_mode")}}
+
+    older = copy_with(folder, tmp_path / "older", old)
+    assert read_manifest(older).interface == read_manifest(folder).interface
+    a, b = edgeinfer.load(folder), edgeinfer.load(older)
+    assert a.engine.mode is b.engine.mode is mode
+    ids = [1, 5, 9, 13, 40, 77]
+    assert a.generate(ids, max_new_tokens=12, temperature=0, ignore_eos=True).token_ids == \
+        b.generate(ids, max_new_tokens=12, temperature=0, ignore_eos=True).token_ids
+
+
+def _set(path, value):
+    def edit(m):
+        d = m
+        for k in path[:-1]:
+            d = d[k]
+        if value is KeyError:
+            del d[path[-1]]
+        else:
+            d[path[-1]] = value
+    return edit
+
+
+@pytest.mark.parametrize("path,value,needle", [
+    (("tokenizer", "add_bos"), "yes", "tokenizer.add_bos: expected bool"),
+    (("tokenizer", "kind"), "wordpiece", "tokenizer.kind: unknown 'wordpiece'"),
+    (("tokenizer", "eos_token_ids"), [2, "x"], "tokenizer.eos_token_ids[1]"),
+    (("quantization", "block_size"), 48, "quantization.block_size"),
+    (("quantization", "weights"), "int3", "quantization.weights"),
+    (("architecture", "head_dim"), "8", "architecture.head_dim: expected int"),
+    (("architecture", "num_layers"), KeyError, "architecture.num_layers: missing"),
+    (("architecture", "rope", "type"), "yarn", "architecture.rope.type"),
+    (("interface", "kv_mode"), "flash", "interface.kv_mode: unknown KV mode 'flash'"),
+    (("interface", "kv_mode"), "gqa", "interface.inputs.seqlens_k: missing"),
+    (("interface", "kv_dtype"), "float16", "interface.kv_dtype"),
+    (("interface", "version"), 2, "interface.version"),
+    (("interface", "inputs", "past_key", "shape"), ["batch", "past_sequence", 4, 16], "interface.inputs.past_key"),
+    (("interface", "outputs", "extra"), {"dtype": "float32", "shape": []}, "interface.outputs.extra"),
+    (("default_capacity_tokens"), "512", "default_capacity_tokens: expected int"),
+    (("quantization",), KeyError, "bad field quantization: missing"),
+])
+def test_bad_field_is_named(tmp_path, path, value, needle):
+    path = path if isinstance(path, tuple) else (path,)
+    folder = copy_with(default_model_path(), tmp_path / "m", _set(path, value))
+    with pytest.raises(edgeinfer.ModelFormatError, match="corrupted") as e:
+        read_manifest(folder)
+    assert needle in str(e.value)
+
+
+def test_inconsistent_legacy_kv_layout_is_refused(tmp_path):
+    def edit(m):
+        m["interface"].pop("kv_mode")
+        m["interface"].update(kv_io="runtime_append", kv_layout="BNSH")
+
+    with pytest.raises(edgeinfer.ModelFormatError, match="interface.kv_layout"):
+        read_manifest(copy_with(default_model_path(), tmp_path / "m", edit))
+
+
+def test_kv_modes():
+    assert [m.name for m in MODES] == ["gqa", "standard"] and kv_mode("gqa") is GQA
+    with pytest.raises(ValueError, match="unknown KV mode"):
+        kv_mode("shared_buffer")  # an old manifest name, not a mode name
+    assert GQA.cache_shape(10, 2, 16) == (1, 2, 10, 16) and STANDARD.cache_shape(10, 2, 16) == (1, 10, 2, 16)
+    assert GQA.takes(64) and not GQA.takes(8) and STANDARD.takes(8)
+    for mode in MODES:  # the bookkeeping's view is the graph's array, slots first
+        a = np.arange(np.prod(mode.cache_shape(5, 2, 4)), dtype=np.float32).reshape(mode.cache_shape(5, 2, 4))
+        view = mode.slot_major(a)
+        assert view.shape == (5, 2, 4) and np.shares_memory(view, a)
+        view[3] = -1
+        assert (np.take(a, 3, axis=mode.seq_axis) == -1).all()
+
+
+def test_choose_kv_mode():
+    from edgeinfer.converters.decoder import choose_kv_mode
+    from edgeinfer.converters.families import spec_from_config
+    from edgeinfer.converters.hf_config import read_config
+    from edgeinfer.errors import ConvertError
+
+    stories = spec_from_config(read_config(STORIES_SRC))  # head size 8
+    tiny = spec_from_config(read_config(TINY / "llama2_gqa_tied"))  # a multiple of 16
+    assert choose_kv_mode(stories, "auto") is STANDARD and choose_kv_mode(tiny, "auto") is GQA
+    assert choose_kv_mode(tiny, "standard") is STANDARD
+    with pytest.raises(ConvertError, match="--attention gqa needs a head size that is a multiple of 16"):
+        choose_kv_mode(stories, "gqa")
+
+
+def test_runtime_reads_the_manifest_without_the_converter():
+    code = ("import sys, edgeinfer; edgeinfer.load(); "
+            "print(sorted(m for m in sys.modules if m.startswith(('edgeinfer.converters', 'onnx.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
