@@ -168,6 +168,67 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         print()
 
 
+# serve flags: (flag, setting, type, help); None defaults so that a TOML file's values are not overridden
+SERVE_FLAGS = (
+    ("--host", "host", str, "address to listen on (default 127.0.0.1; any other needs an API key)"),
+    ("--port", "port", int, "port (default 8080)"),
+    ("--api-key", "api_key", str, "require 'Authorization: Bearer KEY' (prefer --api-key-file or EDGEINFER_API_KEY)"),
+    ("--api-key-file", "api_key_file", str, "read the API key from this file"),
+    ("--slots", "slots", int, "requests generating at once, each with its own KV ring (default 2)"),
+    ("--queue", "queue", int, "requests waiting for a slot; more get 429 at once (default 8)"),
+    ("--capacity", "capacity", int, "each slot's KV ring, in tokens (default: the model's)"),
+    ("--threads", "threads", int, "ONNX Runtime threads"),
+    ("--overflow", "overflow", str, "shift | truncate | error (default shift)"),
+    ("--max-tokens-limit", "max_tokens_limit", int, "most tokens one request may generate (default 512)"),
+    ("--log-format", "log_format", str, "text | json (default text)"),
+    ("--grace-s", "grace_s", float, "on SIGTERM, how long requests in flight may finish (default 30)"),
+)
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", type=str, default=None, help="edgeinfer model folder (default: bundled)")
+    p.add_argument("--config", type=str, default=None, help="TOML file of these settings (flags win)")
+    for flag, _, kind, help_text in SERVE_FLAGS:
+        p.add_argument(flag, type=kind, default=None, help=help_text)
+    p.add_argument("--log-prompts", action="store_true", default=None, help="log each prompt (off by default)")
+    p.add_argument("--print-systemd-unit", action="store_true", help="print a systemd unit for these settings and exit")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from edgeinfer.server.config import load_config
+
+    flags = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in SERVE_FLAGS}
+    config = load_config(args.config, {**flags, "model": args.model, "log_prompts": args.log_prompts})
+    if args.print_systemd_unit:
+        return _print_systemd_unit(args, config)
+    from edgeinfer.server.run import serve
+
+    return serve(config)
+
+
+def _print_systemd_unit(args: argparse.Namespace, config) -> int:
+    import shutil
+
+    from edgeinfer.manifest import read_manifest
+    from edgeinfer.model import default_model_path
+    from edgeinfer.overflow import resolve_capacity
+    from edgeinfer.server.systemd import systemd_unit
+
+    folder = Path(config.model) if config.model else default_model_path()
+    manifest = read_manifest(folder)
+    spec = manifest.arch
+    capacity = resolve_capacity(manifest.default_capacity_tokens, spec.sliding_window, config.capacity)
+    weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    footprint = weights + config.slots * spec.kv_bytes_per_token * (capacity + min(256, capacity))
+    argv = [shutil.which("edgeinfer") or "edgeinfer", "serve", "-m", str(folder.resolve())]
+    for flag, name, _, _ in SERVE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and name not in ("api_key", "api_key_file"):  # the key comes from the env file
+            argv += [flag, str(value)]
+    print(systemd_unit(exec_start=argv, memory_max_bytes=footprint, grace_s=int(config.grace_s)), end="")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from edgeinfer.bench import BenchConfig, run_bench
 
@@ -256,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--capacity", type=int, default=None, help="KV ring capacity (default: prompt + gen + 8)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_bench)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (loopback unless an API key is given)")
+    _serve_args(sv)
+    sv.set_defaults(func=_cmd_serve)
 
     ch = sub.add_parser("chat", help="interactive chat (/reset clears the context, Ctrl-C stops a reply)")
     _model_args(ch)

@@ -111,10 +111,7 @@ class Conversation:
             if m.overflow != "truncate" or len(ids) <= room:
                 return ids
         self._forget()  # first turn, a template whose earlier turns render differently, or truncation
-        text, bos = full, m.tokenizer.add_bos
-        if m.template.bos_token and text.startswith(m.template.bos_token):
-            text, bos = text[len(m.template.bos_token):], True
-        return m.tokenizer.encode(text, add_bos=bos)
+        return m.encode_rendered(full)
 
     def _new_text(self, full: str) -> str | None:
         """The part of this turn's rendering that the cache has not seen, or None to start over.

@@ -67,6 +67,8 @@ class Completion:
 class Chunk:
     text: str  # may be "" while a UTF-8 character or a possible stop string is incomplete
     token_id: int | None  # None only for a final chunk that flushes held-back text
+    logprob: float | None = None  # with `logprobs`: the token's log-probability (penalised, biased, T=1)
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # with `logprobs` = n > 0: the n best (id, logprob)
 
 
 class Generation:
@@ -77,13 +79,15 @@ class Generation:
 
     def __init__(self, engine: Engine, tok: Tokenizer, cache: RingKVCache, options: GenerationOptions, overflow: str,
                  *, begin: Callable[[], list[int]], end: Callable[["Generation"], None] | None = None,
-                 lock: ContextLock | None = None, load_ms: float = 0.0):
+                 lock: ContextLock | None = None, load_ms: float = 0.0, logprobs: int | None = None):
+        """logprobs: None (off) or n >= 0: each chunk carries its token's logprob and the n best."""
         self.engine, self.tok, self.cache, self.options, self.overflow = engine, tok, cache, options, overflow
-        self.load_ms = load_ms
+        self.load_ms, self.logprobs = load_ms, logprobs
         self.completion: Completion | None = None
         self.unfed: tuple[int, ...] = ()
         self.cached_text = ""
         self.cache_stale = False
+        self.prompt_dropped = 0  # prompt tokens the overflow policy dropped before prefill
         self._steps = self._hold(begin, end, lock)
 
     def __iter__(self) -> "Generation":
@@ -120,6 +124,7 @@ class Generation:
             raise InvalidArgumentError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         eos = set() if opts.ignore_eos else set(tok.eos_ids)
         feed, dropped = fit_prompt(cache, prompt_ids, self.overflow, opts.max_new_tokens)
+        self.prompt_dropped = dropped
         dropped_before = cache.dropped
         sampler = Sampler(opts.sampling, opts.seed, feed)
         detok, stops = Detokenizer(tok, prompt_ids), StopFilter(opts.stop)
@@ -134,8 +139,13 @@ class Generation:
         marks.append((0, 0, True, cache.mark()))
         t_prefill = time.perf_counter()
         t_first = t_prefill
+        lp, top = None, ()
         while True:
-            token = sampler.sample(logits)
+            if self.logprobs is None:
+                token = sampler.sample(logits)
+            else:
+                r = sampler.sample_with_logprobs(logits, top_n=self.logprobs)
+                token, lp, top = r.token, r.logprob, r.top
             if not generated:
                 t_first = time.perf_counter()
             if token in eos:
@@ -146,12 +156,12 @@ class Generation:
             piece = detok.add(token)
             text = stops.feed(piece)
             if stops.stopped:
-                finish, final = "stop", Chunk(text, token)
+                finish, final = "stop", Chunk(text, token, lp, top)
                 break
             if len(generated) >= opts.max_new_tokens or (cache.full and self.overflow != "shift"):
-                final = Chunk(text + stops.flush(), token)
+                final = Chunk(text + stops.flush(), token, lp, top)
                 break
-            yield Chunk(text, token)
+            yield Chunk(text, token, lp, top)
             logits = engine.decode_one(cache, token)
             text_len += len(piece)
             if opts.stop:

@@ -194,6 +194,16 @@ class RingKVCache:
         """The bookkeeping now, for `rewind`."""
         return self.n_valid, self.next_slot, self.next_position, self.dropped, self.rebased_tokens
 
+    def keep_prefix(self, n: int) -> bool:
+        """Keep only the first n tokens ever fed (prefix reuse: a new request that starts with them
+        prefills only the rest). Possible while the ring has never evicted or re-based anything, so
+        that slot i holds token i at position i; returns False and changes nothing otherwise."""
+        if not self.intact or self.dropped or self.rebased_tokens or not 0 <= n <= self.n_valid:
+            return False
+        self.positions[n:self.n_valid] = -1
+        self.n_valid = self.next_position = n
+        return True
+
     def rewind(self, mark: tuple[int, int, int, int, int]) -> bool:
         """Forget every token appended since `mark`, if that leaves exactly the cache as it was then:
         nothing held at `mark` was overwritten (no eviction) or moved (no re-base) since, and no

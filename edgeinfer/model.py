@@ -136,6 +136,18 @@ class Model:
             raise InvalidArgumentError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         return ids
 
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a rendered chat: BOS once, whether the template wrote it or the tokenizer
+        config asks for it."""
+        bos = self.tokenizer.add_bos
+        if self.template.bos_token and text.startswith(self.template.bos_token):
+            text, bos = text[len(self.template.bos_token):], True
+        return self.tokenizer.encode(text, add_bos=bos)
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of `messages` in the model's chat template, ending with the assistant's cue."""
+        return self.encode_rendered(self.template.render(messages, add_generation_prompt=True))
+
     def stream(self, prompt: str | Sequence[int], options: GenerationOptions | None = None, **overrides) -> Generation:
         """A Generation: iterate for Chunks (joined, their text equals `generate(...).text`); its
         `completion` is set when it ends.

@@ -90,6 +90,12 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._decode([int(i) for i in ids])
 
+    def token_text(self, token_id: int) -> str:
+        """A token's text on its own, leading space kept ("▁the" -> " the"; byte tokens as their
+        piece): what an API shows as one token of logprobs."""
+        piece = self.token_string(token_id)
+        return piece.replace("\u2581", " ") if self.kind == "sentencepiece" else self.decode([token_id])
+
     def token_string(self, token_id: int) -> str:
         """The token's own string in the vocabulary, special tokens included ("<s>" for Llama's BOS,
         where `decode` gives ""); a normal token's raw piece ("▁the", "Ġthe"), not decoded text."""

@@ -1,0 +1,340 @@
+"""The daemon's HTTP side: a Starlette app speaking OpenAI's API over the slot scheduler.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
+Every error is OpenAI-shaped ({"error": {"message", "type", "param", "code"}}) with its status:
+400 bad request, 401 bad or missing key, 404 unknown route or model, 405, 413 body too large,
+429 queue full (with Retry-After), 503 shutting down, 500 a bug (logged, the server goes on).
+
+Request path: the body is read (at most max_body_bytes) and parsed (`protocol`), the prompt is
+tokenized, a place is reserved (`Scheduler.admit`, else 429 at once), and a `Job` runs in a worker
+thread; its chunks come back through an asyncio queue. A streamed reply waits for the first event
+before answering, so a refused prompt is still a plain 400; the stream then stops when the client
+goes away (the job is cancelled within one token and its slot freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edgeinfer.errors import EdgeInferError
+from edgeinfer.overflow import ContextOverflowError
+from edgeinfer.server import protocol
+from edgeinfer.server.config import ServeConfig
+from edgeinfer.server.metrics import Metrics
+from edgeinfer.server.protocol import APIError
+from edgeinfer.server.scheduler import Job, QueueFull, Scheduler
+
+log = logging.getLogger("edgeinfer.server")
+DROPPED_HEADER = "X-Edgeinfer-Dropped-Tokens"
+
+
+def error_response(e: APIError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class Server:
+    """The app's state: model, scheduler, metrics, settings; `app` is the ASGI application."""
+
+    def __init__(self, model, config: ServeConfig):
+        self.model, self.config = model, config
+        self.model_id = model.folder.name
+        self.created = int(time.time())
+        self.scheduler = Scheduler(model, config.slots, config.queue)
+        self.metrics = Metrics(self.scheduler)
+        self.pool = ThreadPoolExecutor(max_workers=config.slots + config.queue, thread_name_prefix="edgeinfer-job")
+        self.draining = False
+        self._key = config.api_key.encode() if config.api_key else None
+        routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.metrics_route, methods=["GET"])]
+        middleware = [Middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                                 allow_headers=["*"])] if config.cors_origins else []
+        self.app = Starlette(routes=routes, middleware=middleware,
+                             exception_handlers={HTTPException: self._http_error, Exception: self._bug})
+        self.app.add_middleware(_Gate, server=self)
+
+    # ---- plumbing -------------------------------------------------------------------------------
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = f"{request.method} {request.url.path}: " + ("no such route" if exc.status_code == 404 else exc.detail)
+        return error_response(APIError(exc.status_code, msg, code=code))
+
+    async def _bug(self, request: Request, exc: Exception) -> Response:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return error_response(APIError(500, "internal server error", type="server_error"))
+
+    def authorized(self, request: Request) -> bool:
+        if self._key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
+
+    async def read_json(self, request: Request) -> dict:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body of {declared} bytes is over the limit of {limit}", code="body_too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise APIError(413, f"request body is over the limit of {limit} bytes", code="body_too_large")
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the body is not valid JSON: {e}") from None
+
+    # ---- routes -------------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(protocol.models_list(self.model_id, self.created))
+
+    async def health(self, request: Request) -> Response:
+        s = self.scheduler
+        return JSONResponse({"status": "draining" if self.draining else "ok", "model": self.model_id,
+                             "slots_busy": s.busy, "slots_total": len(s.slots), "queue_depth": max(0, s.waiting)})
+
+    async def metrics_route(self, request: Request) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        t0 = time.perf_counter()
+        endpoint = "chat" if chat else "completions"
+        try:
+            body = await self.read_json(request)
+            limit = self.config.max_tokens_limit
+            if chat:
+                req = protocol.parse_chat(body, model_id=self.model_id, max_tokens_limit=limit)
+                prompt = self.model.encode_chat(list(req.messages))
+                logprobs = req.top_logprobs if req.logprobs else None
+            else:
+                req = protocol.parse_completion(body, model_id=self.model_id, max_tokens_limit=limit)
+                prompt = self.model.encode_prompt(req.prompt if isinstance(req.prompt, str) else list(req.prompt))
+                logprobs = req.logprobs
+            try:
+                self.scheduler.admit()
+            except QueueFull:
+                raise APIError(429, f"the server is busy: {len(self.scheduler.slots)} slots and a queue of "
+                                    f"{self.config.queue} are full; retry shortly", type="rate_limit_error",
+                               code="queue_full") from None
+        except APIError as e:
+            self.metrics.request(endpoint, e.status)
+            headers = {"Retry-After": "1"} if e.status == 429 else None
+            return error_response(e, headers)
+        except EdgeInferError as e:  # the prompt itself (vocabulary, empty, template)
+            self.metrics.request(endpoint, 400)
+            return error_response(APIError(400, str(e)))
+        if self.config.log_prompts:
+            log.info("prompt %s", json.dumps(self.model.tokenizer.decode(prompt)))
+        job = Job(self.scheduler, prompt, req.options, logprobs, asyncio.get_running_loop())
+        self.pool.submit(job.run)
+        reply = _Reply(self, req, chat, prompt, job, t0, endpoint)
+        first = await job.events.get()
+        if first[0] == "error":
+            return reply.failed(first[1])
+        if req.stream:
+            return StreamingResponse(reply.stream(first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await reply.whole(first, request)
+
+
+class _Reply:
+    """One generation request's answer, whole or streamed (state of a single response)."""
+
+    def __init__(self, server: Server, req, chat: bool, prompt: list[int], job: Job, t0: float, endpoint: str):
+        self.server, self.req, self.chat, self.prompt, self.job, self.t0 = server, req, chat, prompt, job, t0
+        self.endpoint = endpoint
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.model_id = server.model_id
+        self.ttft_s: float | None = None
+        self.tok = server.model.tokenizer
+        self._offset = len(req.prompt) if not chat and isinstance(req.prompt, str) else 0  # legacy text_offset
+
+    def failed(self, exc: BaseException) -> Response:
+        if isinstance(exc, ContextOverflowError):
+            err = APIError(400, str(exc), param="messages" if self.chat else "prompt", code="context_length_exceeded")
+        elif isinstance(exc, EdgeInferError):
+            err = APIError(400, str(exc))
+        else:
+            log.error("generation failed: %r", exc)
+            err = APIError(500, "generation failed", type="server_error")
+        self.server.metrics.request(self.endpoint, err.status)
+        self._log(err.status, 0)
+        return error_response(err)
+
+    def _usage(self, completion, cached: int) -> dict:
+        u = completion.usage
+        return protocol.usage(len(self.prompt), u.completion_tokens, cached, u.dropped_tokens)
+
+    def _token_logprobs(self, chunk) -> list[dict] | None:
+        if chunk.logprob is None or chunk.token_id is None:
+            return None
+        top = [(self.tok.token_text(i), lp) for i, lp in chunk.top_logprobs]
+        return [protocol.token_logprob(self.tok.token_text(chunk.token_id), chunk.logprob, top)]
+
+    def _log(self, status: int, completion_tokens: int) -> None:
+        total_ms = (time.perf_counter() - self.t0) * 1e3
+        ttft = f"{self.ttft_s * 1e3:.1f}" if self.ttft_s is not None else "-"
+        fields = {"method": "POST", "path": f"/v1/{'chat/' if self.chat else ''}completions", "status": status,
+                  "prompt_tokens": len(self.prompt), "completion_tokens": completion_tokens, "ttft_ms": ttft,
+                  "total_ms": round(total_ms, 1)}
+        if self.server.config.log_format == "json":
+            log.info(json.dumps(fields))
+        else:
+            log.info(" ".join(f"{k}={v}" for k, v in fields.items()))
+
+    def _finish_metrics(self, completion, cached: int, status: int = 200) -> None:
+        m = self.server.metrics
+        m.request(self.endpoint, status)
+        m.finished(completion, len(self.prompt), cached, self.ttft_s, time.perf_counter() - self.t0)
+        self._log(status, completion.usage.completion_tokens)
+
+    async def whole(self, first, request: Request) -> Response:
+        chunks, event = [], first
+        while event[0] == "chunk":
+            if self.ttft_s is None:
+                self.ttft_s = time.perf_counter() - self.t0
+            chunks.append(event[1])
+            event = await self._next_or_disconnect(request)
+            if event is None:
+                return Response(status_code=499)  # nobody is listening; the job was cancelled
+        if event[0] == "error":
+            return self.failed(event[1])
+        _, completion, cached = event
+        usage = self._usage(completion, cached)
+        reason = protocol.finish_reason(completion.finish_reason)
+        if self.chat:
+            lps = [lp for c in chunks for lp in (self._token_logprobs(c) or [])] if self.req.logprobs else None
+            body = protocol.chat_response(id=self.id, created=self.created, model=self.model_id, text=completion.text,
+                                          finish_reason=reason, usage=usage, logprobs=lps)
+        else:
+            body = protocol.completion_response(id=self.id, created=self.created, model=self.model_id,
+                                                text=completion.text, finish_reason=reason, usage=usage,
+                                                logprobs=self._legacy_logprobs(chunks))
+        self._finish_metrics(completion, cached)
+        return JSONResponse(body, headers={DROPPED_HEADER: str(completion.usage.dropped_tokens)})
+
+    async def _next_or_disconnect(self, request: Request):
+        """The job's next event, or None if the client disconnected first (the job is then cancelled)."""
+        get = asyncio.ensure_future(self.job.events.get())
+        while True:
+            done, _ = await asyncio.wait({get}, timeout=0.25)
+            if done:
+                return get.result()
+            if await request.is_disconnected():
+                get.cancel()
+                self.job.cancel()
+                return None
+
+    def _legacy_logprobs(self, chunks) -> dict | None:
+        """Legacy completions' logprobs for these chunks; offsets count from the prompt's start, and
+        go on across the chunks of a stream."""
+        if self.req.logprobs is None:
+            return None
+        entries = [e for c in chunks for e in (self._token_logprobs(c) or [])]
+        out = protocol.completion_logprobs(entries, text_offset=self._offset)
+        self._offset += sum(len(e["token"]) for e in entries)
+        return out
+
+    async def stream(self, first):
+        """SSE events as OpenAI sends them; the job is cancelled if the client goes away."""
+        event, status, completion = first, 200, None
+        try:
+            if self.chat:
+                yield _sse(protocol.chat_chunk(id=self.id, created=self.created, model=self.model_id,
+                                               delta={"role": "assistant", "content": ""}))
+            while event[0] == "chunk":
+                chunk = event[1]
+                if self.ttft_s is None:
+                    self.ttft_s = time.perf_counter() - self.t0
+                if chunk.text or chunk.logprob is not None:
+                    yield _sse(self._chunk_body(chunk))
+                event = await self.job.events.get()
+            if event[0] == "error":
+                status = 500 if not isinstance(event[1], EdgeInferError) else 400
+                yield _sse(APIError(status, str(event[1]) or "generation failed", type="server_error").body())
+                yield "data: [DONE]\n\n"
+                return
+            _, completion, cached = event
+            reason = protocol.finish_reason(completion.finish_reason)
+            if self.chat:
+                yield _sse(protocol.chat_chunk(id=self.id, created=self.created, model=self.model_id, delta={},
+                                               finish_reason=reason))
+            else:
+                yield _sse(protocol.completion_chunk(id=self.id, created=self.created, model=self.model_id, text="",
+                                                     finish_reason=reason))
+            if self.req.include_usage:
+                usage = self._usage(completion, cached)
+                build = protocol.chat_chunk if self.chat else protocol.completion_chunk
+                extra = {"delta": {}} if self.chat else {"text": ""}
+                body = build(id=self.id, created=self.created, model=self.model_id, usage=usage, **extra)
+                yield _sse(body)
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client disconnects: the generator is closed or cancelled here
+            self.job.cancel()
+            if completion is not None:
+                self._finish_metrics(completion, event[2], status)
+            else:
+                self.server.metrics.request(self.endpoint, 499 if status == 200 else status)
+                self._log(499 if status == 200 else status, 0)
+
+    def _chunk_body(self, chunk) -> dict:
+        if self.chat:
+            return protocol.chat_chunk(id=self.id, created=self.created, model=self.model_id,
+                                       delta={"content": chunk.text},
+                                       logprobs=self._token_logprobs(chunk) if self.req.logprobs else None)
+        return protocol.completion_chunk(id=self.id, created=self.created, model=self.model_id, text=chunk.text,
+                                         logprobs=self._legacy_logprobs([chunk]))
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _Gate:
+    """ASGI middleware in front of every route: 503 while draining, 401 without the key (except /health)."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        err = None
+        if self.server.draining and path != "/health":
+            err = APIError(503, "the server is shutting down; retry on another instance or later",
+                           type="server_error", code="shutting_down")
+        elif path != "/health" and not self.server.authorized(Request(scope)):
+            err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        if err is None:
+            return await self.app(scope, receive, send)
+        self.server.metrics.request("other", err.status)
+        return await error_response(err)(scope, receive, send)

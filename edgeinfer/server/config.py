@@ -1,0 +1,134 @@
+"""`ServeConfig`: the daemon's settings, from a TOML file and the command line (flags win), checked once.
+
+A TOML file holds the long option names, with dashes or underscores (`max-tokens-limit = 512` or
+`max_tokens_limit = 512`); an unknown key or a wrong type is refused with its name. The API key may
+also come from the environment variable EDGEINFER_API_KEY (how a systemd EnvironmentFile gives it),
+never from a file the server logs.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.overflow import OVERFLOW_POLICIES
+
+LOOPBACK_NAMES = ("localhost",)
+API_KEY_ENV = "EDGEINFER_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None  # a model folder; None: the bundled model
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    api_key_file: str | None = None
+    slots: int = 2  # requests generating at once, each with its own KV ring
+    queue: int = 8  # requests waiting for a slot; one more is answered 429 at once
+    capacity: int | None = None  # each slot's ring, in tokens (default: the model's)
+    threads: int | None = None
+    overflow: str = "shift"
+    max_tokens_limit: int = 512  # the most tokens one request may generate (and the default)
+    max_body_bytes: int = 1 << 20  # larger request bodies are answered 413
+    grace_s: float = 30.0  # on SIGTERM: how long requests in flight may take to finish
+    log_format: str = "text"
+    log_prompts: bool = False
+    cors_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("host", "overflow", "log_format"):
+            if not isinstance(getattr(self, name), str):
+                raise InvalidArgumentError(f"{name.replace('_', '-')} must be a string, got {getattr(self, name)!r}")
+        for name in ("model", "api_key_file"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidArgumentError(f"{name.replace('_', '-')} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.log_prompts, bool):
+            raise InvalidArgumentError(f"log-prompts must be true or false, got {self.log_prompts!r}")
+
+        def positive(name: str, low: int = 1) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise InvalidArgumentError(f"{name.replace('_', '-')} must be an integer >= {low}, got {v!r}")
+
+        for name in ("slots", "max_tokens_limit", "max_body_bytes"):
+            positive(name)
+        positive("queue", 0)
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise InvalidArgumentError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
+        if self.log_format not in ("text", "json"):
+            raise InvalidArgumentError(f"log-format must be text or json, got {self.log_format!r}")
+        if not isinstance(self.grace_s, (int, float)) or isinstance(self.grace_s, bool) or self.grace_s < 0:
+            raise InvalidArgumentError(f"grace-s must be a number >= 0, got {self.grace_s!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 8):
+            raise InvalidArgumentError("the API key must be a string of at least 8 characters")
+        if not is_loopback(self.host) and not self.api_key:
+            raise InvalidArgumentError(
+                f"refusing to listen on {self.host} without an API key: anyone on the network could use the "
+                "model; give --api-key-file FILE (or EDGEINFER_API_KEY), or keep --host 127.0.0.1")
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost: not provably loopback
+
+
+def _from_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot read the config file {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise InvalidArgumentError(f"the config file {path} is not valid TOML: {e}") from None
+    known = {f.name: f for f in fields(ServeConfig)}
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise InvalidArgumentError(f"{path}: unknown setting {key!r} (known: "
+                                       f"{', '.join(n.replace('_', '-') for n in known)})")
+        if name == "cors_origins":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise InvalidArgumentError(f"{path}: cors-origins must be a list of strings")
+            value = tuple(value)
+        out[name] = value
+    return out
+
+
+def _read_key_file(path: str) -> str:
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot read the API key file {path}: {e.strerror or e}") from None
+    if not key:
+        raise InvalidArgumentError(f"the API key file {path} is empty")
+    return key
+
+
+def load_config(config_file: str | None, flags: dict) -> ServeConfig:
+    """Settings from `config_file` (TOML), then the flags given on the command line (None = not given),
+    then the API key from --api-key, --api-key-file or EDGEINFER_API_KEY (at most one)."""
+    settings = _from_toml(config_file) if config_file else {}
+    settings.update({k: v for k, v in flags.items() if v is not None})
+    given = [k for k in ("api_key", "api_key_file") if settings.get(k)]
+    if len(given) > 1:
+        raise InvalidArgumentError("give the API key once: --api-key or --api-key-file, not both")
+    if settings.get("api_key_file"):
+        settings["api_key"] = _read_key_file(settings["api_key_file"])
+    elif not settings.get("api_key") and os.environ.get(API_KEY_ENV):
+        settings["api_key"] = os.environ[API_KEY_ENV].strip()
+    try:
+        return ServeConfig(**settings)
+    except TypeError as e:  # a TOML value of the wrong kind reaching a comparison
+        raise InvalidArgumentError(f"bad setting: {e}") from None

@@ -1,0 +1,51 @@
+"""Prometheus metrics of the daemon (`prometheus_client`, one registry per server, served at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+TOKEN_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class Metrics:
+    def __init__(self, scheduler):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("edgeinfer_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("edgeinfer_time_to_first_token_seconds", "from request received to first token",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.tpot = Histogram("edgeinfer_time_per_output_token_seconds", "decode time per generated token",
+                              buckets=TOKEN_BUCKETS_S, registry=r)
+        self.prompt_tokens = Counter("edgeinfer_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.completion_tokens = Counter("edgeinfer_completion_tokens", "tokens generated", registry=r)
+        self.cached_tokens = Counter("edgeinfer_prompt_cached_tokens", "prompt tokens reused from a slot's cache",
+                                     registry=r)
+        self.prefix_hits = Counter("edgeinfer_prefix_cache_hits", "requests that reused a cached prefix", registry=r)
+        self.dropped_tokens = Counter("edgeinfer_dropped_tokens", "tokens the overflow policy dropped", registry=r)
+        self.decode_tok_s = Gauge("edgeinfer_decode_tokens_per_second", "decode speed of the last finished request",
+                                  registry=r)
+        Gauge("edgeinfer_queue_depth", "requests waiting for a slot", registry=r).set_function(
+            lambda: max(0, scheduler.waiting))
+        Gauge("edgeinfer_slots_busy", "slots generating now", registry=r).set_function(lambda: scheduler.busy)
+        Gauge("edgeinfer_slots_total", "slots", registry=r).set(len(scheduler.slots))
+
+    def request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def finished(self, completion, prompt_tokens: int, cached: int, ttft_s: float | None, total_s: float) -> None:
+        u, t = completion.usage, completion.timings
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if u.completion_tokens > 1 and t.tpot_ms > 0:
+            self.tpot.observe(t.tpot_ms / 1e3)
+            self.decode_tok_s.set(t.decode_tok_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(u.completion_tokens)
+        self.dropped_tokens.inc(u.dropped_tokens)
+        if cached:
+            self.cached_tokens.inc(cached)
+            self.prefix_hits.inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,412 @@
+"""OpenAI's HTTP JSON <-> edgeinfer's types, for the OpenAI-compatible daemon. Pure functions, no I/O.
+
+Requests: `parse_chat` / `parse_completion` take a decoded JSON body and return a frozen request whose
+`options` come from `GenerationOptions.from_kwargs`, or raise `APIError` (an HTTP status and OpenAI's
+error body). Every bad field is a 400 whose `param` names it. A null optional field counts as absent
+(OpenAI's schema makes them nullable); an absent sampling field takes edgeinfer's default. Unknown
+fields are ignored, except `tools` / `functions` / `response_format`, refused unless null.
+
+Responses: the builders return dicts shaped field for field like OpenAI's objects (they validate as the
+official `openai` client's types). A finish reason may be edgeinfer's ("eos", "stop", "length") or
+OpenAI's; a logprob below -9999.0 (or -inf, which JSON cannot carry) is sent as -9999.0, OpenAI's
+value for "very unlikely".
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.options import GenerationOptions
+from edgeinfer.sampling.params import INT32_MAX
+
+MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs
+MAX_LEGACY_LOGPROBS = 5  # completions' logprobs
+MIN_LOGPROB = -9999.0
+UNSUPPORTED = ("tools", "functions", "response_format")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+OWNED_BY = "edgeinfer"
+
+# (field, test, range in words): numbers passed through to the sampler once checked
+_NUMBERS = (
+    ("temperature", lambda v: 0 <= v <= 2, "in [0, 2]"),
+    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("typical_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("repetition_penalty", lambda v: v > 0, "> 0"),
+)
+
+
+class APIError(Exception):
+    """An OpenAI-shaped error: HTTP status + body {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A checked /v1/chat/completions request. `messages`: {"role": "system"|"user"|"assistant",
+    "content": str} dicts (text parts joined, "developer" -> "system"), as `chat.check_messages` wants.
+    `top_logprobs` is 0 unless `logprobs`."""
+
+    model: str
+    messages: tuple[dict, ...]
+    options: GenerationOptions
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A checked /v1/completions request. `prompt`: text, or token ids (>= 0; the vocabulary bound is
+    checked when generating). `logprobs`: how many top logprobs per token (0..5), None = off."""
+
+    model: str
+    prompt: str | tuple[int, ...]
+    options: GenerationOptions
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+
+
+# ---- requests -------------------------------------------------------------------------------------
+
+def _show(v) -> str:
+    """A value for an error message, cut short (the body is the client's, of any size)."""
+    try:
+        r = repr(v)
+    except ValueError:  # an int past Python's digit limit
+        r = f"<a {type(v).__name__}>"
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _number(body: dict, name: str, ok, words: str):
+    """body[name] (an int or float a float holds, not NaN or inf, not a bool) for which ok() holds;
+    None when absent or null."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= sys.float_info.max:
+        raise _bad(name, f"{name} must be a number {words}, got {_show(v)}")
+    if not ok(v):
+        raise _bad(name, f"{name} must be {words}, got {_show(v)}")
+    return v
+
+
+def _integer(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    """body[name] as a JSON integer (not a float, not a bool) in [lo, hi]; None when absent or null."""
+    v = body.get(name)
+    if v is None:
+        return None
+    bounds = f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}" if lo is not None else ""
+    if type(v) is not int or (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise _bad(name, f"{name} must be an integer{bounds}, got {_show(v)}")
+    return v
+
+
+def _bool(body: dict, name: str) -> bool | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise _bad(name, f"{name} must be true or false, got {_show(v)}")
+    return v
+
+
+def _common(body, model_id: str) -> None:
+    """The checks both endpoints share: a JSON object, the served model, no unsupported feature, n=1."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise _bad("model", f"model is required and must be a string, got {_show(model)}")
+    if model != model_id:
+        raise APIError(404, f"The model '{model[:200]}' does not exist", param="model", code="model_not_found")
+    for name in UNSUPPORTED:
+        value = body.get(name)
+        harmless = value in (None, [], {"type": "text"})  # no tools, plain text: what this server does anyway
+        if not harmless:
+            raise _bad(name, f"{name} is not supported by this server")
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise _bad("n", f"only n=1 is supported, got n={_show(n)}")
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage); stream_options is allowed only with stream true."""
+    stream = bool(_bool(body, "stream"))
+    so = body.get("stream_options")
+    if so is None:
+        return stream, False
+    if not stream:
+        raise _bad("stream_options", "stream_options is only allowed when stream is true")
+    include_usage = so.get("include_usage") if isinstance(so, dict) else "not an object"
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise _bad("stream_options", f"stream_options must be {{'include_usage': true|false}}, got {_show(so)}")
+    return True, bool(include_usage)
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], limit: int) -> tuple[int, str]:
+    """(value, field it came from): each of `names` present is checked, the last present wins;
+    none present -> the server's limit."""
+    value, source = limit, names[-1]
+    for name in names:
+        v = body.get(name)
+        if v is None:
+            continue
+        if type(v) is not int or not 1 <= v <= limit:
+            raise _bad(name, f"{name} must be an integer in [1, {limit}] (this server's limit), got {_show(v)}")
+        value, source = v, name
+    return value, source
+
+
+def _stop(body: dict) -> tuple[str, ...] | None:
+    v = body.get("stop")
+    if v is None:
+        return None
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
+        raise _bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} of them, got {_show(v)}")
+    return tuple(stops)
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """{"token id": bias in [-100, 100]} -> {id: bias}; ids above the sampler's range are refused by
+    SamplingParams (still a 400 naming logit_bias), ids past the vocabulary when generating."""
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad("logit_bias", f"logit_bias must be an object of token id -> bias, got {_show(v)}")
+    out = {}
+    for k, b in v.items():
+        if not isinstance(k, str) or not (k.isascii() and k.isdecimal()) or len(k) > 10:
+            raise _bad("logit_bias", f"logit_bias keys must be token ids (decimal strings), got {_show(k)}")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise _bad("logit_bias", f"logit_bias[{k}] must be a number in [-100, 100], got {_show(b)}")
+        out[int(k)] = float(b)
+    return out
+
+
+def _options(body: dict, max_names: tuple[str, ...], limit: int) -> GenerationOptions:
+    """GenerationOptions from the body's sampling fields; only the fields present are passed, so
+    from_kwargs supplies the defaults. Its InvalidArgumentError becomes a 400."""
+    max_new_tokens, max_source = _max_tokens(body, max_names, limit)
+    kw, source = {"max_new_tokens": max_new_tokens}, {"max_new_tokens": max_source}
+    for name, ok, words in _NUMBERS:
+        kw[name] = _number(body, name, ok, words)
+    kw["top_k"] = _integer(body, "top_k", 0, INT32_MAX)
+    kw["seed"] = _integer(body, "seed")
+    kw["stop"] = _stop(body)
+    kw["logit_bias"] = _logit_bias(body)
+    kw["ignore_eos"] = _bool(body, "ignore_eos")
+    kw = {k: v for k, v in kw.items() if v is not None}
+    try:
+        return GenerationOptions.from_kwargs(**kw)
+    except InvalidArgumentError as e:  # messages start with the option's name ("logit_bias[3] must ...")
+        name = str(e).split(" ", 1)[0].split("[", 1)[0]
+        raise APIError(400, str(e), param=source.get(name, name if name in kw else None)) from None
+
+
+def _content(c, i: int) -> str:
+    if isinstance(c, str):
+        return c
+    if not isinstance(c, list):
+        raise _bad("messages", f"messages[{i}].content must be a string or a list of text parts, got {_show(c)}")
+    texts = []
+    for j, part in enumerate(c):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise _bad("messages", f"messages[{i}].content[{j}] has type {_show(kind)}: only text parts are supported")
+        if not isinstance(part.get("text"), str):
+            raise _bad("messages", f"messages[{i}].content[{j}].text must be a string, got {_show(part.get('text'))}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(body: dict) -> tuple[dict, ...]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", f"messages must be a non-empty list of message objects, got {_show(msgs)}")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise _bad("messages", f"messages[{i}] must be an object, got {_show(m)}")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise _bad("messages", f"messages[{i}].role {_show(role)} is not supported "
+                                   f"(supported: {', '.join(ROLES)}; this server has no tool calling)")
+        out.append({"role": ROLES[role], "content": _content(m.get("content"), i)})
+    return tuple(out)
+
+
+def parse_chat(body, *, model_id: str, max_tokens_limit: int) -> ChatRequest:
+    """A /v1/chat/completions body -> ChatRequest, or APIError (400 naming the field; 404 for another
+    model). max_completion_tokens wins over max_tokens; both are checked against `max_tokens_limit`,
+    which is also the default."""
+    _common(body, model_id)
+    messages = _messages(body)
+    options = _options(body, ("max_tokens", "max_completion_tokens"), max_tokens_limit)
+    logprobs = bool(_bool(body, "logprobs"))
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise _bad("top_logprobs", "top_logprobs is only allowed when logprobs is true")
+    stream, include_usage = _stream(body)
+    return ChatRequest(model=model_id, messages=messages, options=options, stream=stream,
+                       include_usage=include_usage, logprobs=logprobs, top_logprobs=top or 0)
+
+
+def _prompt(body: dict) -> str | tuple[int, ...]:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if isinstance(p, str) and p:
+        return p
+    if isinstance(p, list) and p and all(type(t) is int and t >= 0 for t in p):
+        return tuple(p)
+    raise _bad("prompt", "prompt must be a non-empty string, a list of exactly one such string, or a "
+                         f"non-empty list of token ids (integers >= 0), got {_show(p)}")
+
+
+def parse_completion(body, *, model_id: str, max_tokens_limit: int) -> CompletionRequest:
+    """A /v1/completions body -> CompletionRequest, or APIError (400 naming the field; 404 for
+    another model). max_tokens is checked against `max_tokens_limit`, which is also the default."""
+    _common(body, model_id)
+    prompt = _prompt(body)
+    options = _options(body, ("max_tokens",), max_tokens_limit)
+    logprobs = _integer(body, "logprobs", 0, MAX_LEGACY_LOGPROBS)
+    stream, include_usage = _stream(body)
+    return CompletionRequest(model=model_id, prompt=prompt, options=options, stream=stream,
+                             include_usage=include_usage, logprobs=logprobs)
+
+
+# ---- responses ------------------------------------------------------------------------------------
+
+def finish_reason(edgeinfer_reason: str) -> str:
+    """"eos" -> "stop", "stop" -> "stop", "length" -> "length"; anything else is a bug (ValueError)."""
+    if edgeinfer_reason not in FINISH:
+        raise ValueError(f"unknown finish reason {edgeinfer_reason!r}")
+    return FINISH[edgeinfer_reason]
+
+
+_finish = finish_reason  # the builders' keyword argument `finish_reason` shadows the function
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, dropped_tokens: int = 0) -> dict:
+    """OpenAI's usage object, plus edgeinfer's `dropped_tokens` (prompt tokens truncated and tokens
+    the ring forgot), an extra field clients keep."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}, "dropped_tokens": dropped_tokens}
+
+
+def _logprob(v: float) -> float:
+    return float(v) if v >= MIN_LOGPROB else MIN_LOGPROB  # also NaN -> MIN_LOGPROB
+
+
+def _entry(token: str | bytes, logprob: float) -> dict:
+    if isinstance(token, bytes):  # a byte token that is not whole UTF-8: its bytes are exact, its text is not
+        return {"token": token.decode("utf-8", errors="replace"), "logprob": _logprob(logprob), "bytes": list(token)}
+    return {"token": token, "logprob": _logprob(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def token_logprob(token_text: str | bytes, logprob: float, top: list[tuple[str | bytes, float]]) -> dict:
+    """Chat's per-token logprob {"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+    "bytes"}]}. A token may be given as bytes (a piece of a UTF-8 character): "bytes" keeps them exact."""
+    return {**_entry(token_text, logprob), "top_logprobs": [_entry(t, lp) for t, lp in top]}
+
+
+def completion_logprobs(entries: list[dict], *, text_offset: int) -> dict:
+    """Legacy completions' logprobs {"tokens", "token_logprobs", "top_logprobs", "text_offset"} from
+    `token_logprob` dicts; `text_offset` is the first token's character offset (the prompt's length,
+    plus the text already sent when streaming). Tokens with the same text keep the first's logprob."""
+    tops, offsets = [], []
+    for e in entries:
+        top = {}
+        for t in e["top_logprobs"]:
+            top.setdefault(t["token"], t["logprob"])
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(entries: list[dict] | None) -> dict | None:
+    return None if entries is None else {"content": list(entries), "refusal": None}
+
+
+def _head(id: str, obj: str, created: int, model: str) -> dict:
+    return {"id": id, "object": obj, "created": created, "model": model, "system_fingerprint": None}
+
+
+def _usage_only(chunk: dict, usage: dict, leftovers: tuple) -> dict:
+    """The last chunk of a stream with include_usage: choices [] and the usage."""
+    if any(x not in (None, "", {}) for x in leftovers):
+        raise ValueError("a usage chunk carries no choice: send the delta / finish_reason in the chunk before")
+    return {**chunk, "choices": [], "usage": usage}
+
+
+def chat_response(*, id: str, created: int, model: str, text: str, finish_reason: str, usage: dict,
+                  logprobs: list[dict] | None = None) -> dict:
+    """A chat.completion; `logprobs`: `token_logprob` dicts (None when not requested)."""
+    return {**_head(id, "chat.completion", created, model),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                         "logprobs": _chat_logprobs(logprobs), "finish_reason": _finish(finish_reason)}],
+            "usage": usage}
+
+
+def chat_chunk(*, id: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
+               logprobs: list[dict] | None = None, usage: dict | None = None) -> dict:
+    """A chat.completion.chunk. With `usage`: the usage-only final chunk (choices []), and then `delta`
+    must be {} and finish_reason / logprobs None (ValueError otherwise)."""
+    chunk = _head(id, "chat.completion.chunk", created, model)
+    if usage is not None:
+        return _usage_only(chunk, usage, (delta, finish_reason, logprobs))
+    reason = None if finish_reason is None else _finish(finish_reason)
+    return {**chunk, "choices": [{"index": 0, "delta": dict(delta), "logprobs": _chat_logprobs(logprobs),
+                                  "finish_reason": reason}]}
+
+
+def completion_response(*, id: str, created: int, model: str, text: str, finish_reason: str, usage: dict,
+                        logprobs: dict | None = None) -> dict:
+    """A text_completion; `logprobs`: the legacy dict (`completion_logprobs`), None when not requested."""
+    return {**_head(id, "text_completion", created, model),
+            "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": _finish(finish_reason)}],
+            "usage": usage}
+
+
+def completion_chunk(*, id: str, created: int, model: str, text: str, finish_reason: str | None = None,
+                     logprobs: dict | None = None, usage: dict | None = None) -> dict:
+    """A streamed text_completion (same object as the response; finish_reason null until the last).
+    With `usage`: the usage-only final chunk (choices []), and then `text` must be ""."""
+    chunk = _head(id, "text_completion", created, model)
+    if usage is not None:
+        return _usage_only(chunk, usage, (text, finish_reason, logprobs))
+    reason = None if finish_reason is None else _finish(finish_reason)
+    return {**chunk, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": reason}]}
+
+
+def models_list(model_id: str, created: int) -> dict:
+    """GET /v1/models: the one served model."""
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": OWNED_BY}]}
+
+
+__all__ = ["APIError", "ChatRequest", "CompletionRequest", "chat_chunk", "chat_response", "completion_chunk",
+           "completion_logprobs", "completion_response", "finish_reason", "models_list", "parse_chat",
+           "parse_completion", "token_logprob", "usage"]

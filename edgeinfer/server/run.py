@@ -1,0 +1,84 @@
+"""Starting and stopping the daemon: load the model, build the app, run uvicorn, drain on SIGTERM.
+
+SIGTERM (or a first Ctrl-C): new requests get 503, those in flight may finish for up to `grace_s`,
+then uvicorn closes and the process exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+
+from edgeinfer.server.app import Server
+from edgeinfer.server.config import ServeConfig
+
+log = logging.getLogger("edgeinfer.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose exit signal first drains the app (503 to new requests) for up to grace_s."""
+
+    def __init__(self, config: uvicorn.Config, app_server: Server, grace_s: float):
+        super().__init__(config)
+        self.app_server, self.grace_s = app_server, grace_s
+        self._draining = False
+
+    def handle_exit(self, sig, frame) -> None:  # not recorded, so uvicorn does not re-raise it: exit 0
+        if self._draining:
+            self.force_exit = self.should_exit = True
+            return
+        self._draining = True
+        self.app_server.draining = True
+        log.info("signal %s: draining (%d in flight), then exiting", sig, self.app_server.scheduler.in_flight)
+        threading.Thread(target=self._drain, name="edgeinfer-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.grace_s
+        while self.app_server.scheduler.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.should_exit = True
+
+
+def setup_logging(fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s" if fmt == "json" else "%(asctime)s edgeinfer %(message)s"))
+    root = logging.getLogger("edgeinfer.server")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+def build(config: ServeConfig, model=None) -> Server:
+    import edgeinfer
+
+    if model is None:
+        model = edgeinfer.load(config.model, threads=config.threads, capacity_tokens=config.capacity,
+                               overflow=config.overflow)
+    return Server(model, config)
+
+
+def uvicorn_server(server: Server, sock: socket.socket | None = None) -> DrainingServer:
+    c = server.config
+    cfg = uvicorn.Config(server.app, host=c.host, port=c.port, log_level="warning", access_log=False, lifespan="off",
+                         timeout_graceful_shutdown=max(1, int(c.grace_s)))
+    return DrainingServer(cfg, server, c.grace_s)
+
+
+def serve(config: ServeConfig) -> int:
+    setup_logging(config.log_format)
+    server = build(config)
+    s, m = server.scheduler, server.model
+    kv_mb = sum(slot.cache.bytes for slot in s.slots) / 2**20
+    print(f"edgeinfer serve: model {m.folder} ({server.model_id}); {len(s.slots)} slots x {m.capacity_tokens} tokens "
+          f"= {kv_mb:.1f} MiB of KV cache; queue {config.queue}; overflow {config.overflow}; "
+          f"{'API key required' if config.api_key else 'no API key (loopback only)'}", file=sys.stderr)
+    print(f"edgeinfer serve: listening on http://{config.host}:{config.port} (OpenAI API at /v1)", file=sys.stderr,
+          flush=True)
+    uvicorn_server(server).run()
+    server.pool.shutdown(wait=False, cancel_futures=True)
+    return 0

@@ -1,0 +1,172 @@
+"""Slots and the bounded queue: who generates now, who waits, who is turned away at once.
+
+A slot is a KV ring of its own over the one shared Model (weights, session, Engine). `slots`
+requests generate at once (their graph calls interleave on the Engine's lock, step by step, so no
+request waits for another's whole reply); up to `queue` more wait for a free slot; one more is
+refused at once (`QueueFull`, answered 429). Prefix reuse: each slot remembers the token ids its ring
+holds; a request takes the free slot whose ids share the longest prefix with its prompt, keeps that
+prefix (`RingKVCache.keep_prefix`) and prefills only the rest (a chat that re-sends its history each
+turn prefills only the new turn).
+
+A `Job` runs one request in a worker thread and hands its events (chunks, then the end) to the
+event loop; `cancel()` (the client went away) stops it within one token and frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from edgeinfer.generation import Chunk, Completion, Generation
+from edgeinfer.kv_cache import RingKVCache
+from edgeinfer.options import GenerationOptions
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the queue is full."""
+
+
+class Cancelled(Exception):
+    """The request was cancelled while it waited for a slot."""
+
+
+@dataclass
+class Slot:
+    index: int
+    cache: RingKVCache
+    ids: list[int] | None = None  # the tokens the ring holds, in order (None: not known exactly)
+    last_used: int = 0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Scheduler:
+    def __init__(self, model, slots: int, queue: int):
+        self.model = model
+        # slot 0 reuses the model's own ring (the server never calls generate/stream on the model)
+        self.slots = [Slot(0, model.cache)] + [Slot(i, model.new_cache()) for i in range(1, slots)]
+        self.queue_limit = queue
+        self._free = list(self.slots)
+        self._cond = threading.Condition()
+        self.waiting = 0  # admitted, not yet in a slot
+        self._clock = 0
+        self.prefix_hits = 0  # requests that reused a cached prefix
+        self.cached_tokens = 0  # prompt tokens not prefilled thanks to that
+
+    @property
+    def busy(self) -> int:
+        return len(self.slots) - len(self._free)
+
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return self.busy + self.waiting
+
+    def admit(self) -> None:
+        """Reserve a place (a free slot or the queue), or raise QueueFull at once."""
+        with self._cond:
+            if self.waiting - len(self._free) >= self.queue_limit:  # those beyond the free slots would queue
+                raise QueueFull
+            self.waiting += 1
+
+    def take(self, prompt: list[int], cancelled: threading.Event) -> tuple[Slot, int]:
+        """Wait for a free slot (after `admit`); returns it and how many prompt tokens it already holds."""
+        with self._cond:
+            while not self._free:
+                if cancelled.is_set():
+                    self.waiting -= 1
+                    self._cond.notify_all()
+                    raise Cancelled
+                self._cond.wait(timeout=0.1)
+            self.waiting -= 1
+            best, best_n = None, -1
+            for slot in self._free:  # longest reusable prefix, then least recently used
+                n = common_prefix(slot.ids, prompt) if slot.ids else 0
+                if n > best_n or n == best_n and slot.last_used < best.last_used:
+                    best, best_n = slot, n
+            self._free.remove(best)
+            self._clock += 1
+            best.last_used = self._clock
+        reuse = min(best_n, len(prompt) - 1)  # at least one token is fed, for the next logits
+        if reuse <= 0 or not best.cache.keep_prefix(reuse):
+            reuse = 0
+            best.cache.reset()
+            best.ids = None
+        else:
+            self.prefix_hits += 1
+            self.cached_tokens += reuse
+        return best, reuse
+
+    def give_back(self, slot: Slot) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify_all()
+
+
+class Job:
+    """One request: generation in a worker thread, events for the event loop in `events`.
+
+    Events: ("chunk", Chunk), then exactly one of ("done", Completion, cached_tokens) or
+    ("error", exception). Nothing after that.
+    """
+
+    def __init__(self, scheduler: Scheduler, prompt: list[int], options: GenerationOptions, logprobs: int | None,
+                 loop: asyncio.AbstractEventLoop):
+        self.scheduler, self.prompt, self.options, self.logprobs = scheduler, prompt, options, logprobs
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def _emit(self, *event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def run(self) -> None:
+        try:
+            slot, cached = self.scheduler.take(self.prompt, self.cancelled)
+        except Cancelled:
+            self._emit("error", Cancelled())
+            return
+        try:
+            self._generate(slot, cached)
+        except BaseException as e:  # noqa: BLE001 - reported to the request, the server goes on
+            self._emit("error", e)
+        finally:
+            self.scheduler.give_back(slot)
+
+    def _generate(self, slot: Slot, cached: int) -> None:
+        model, prompt = self.scheduler.model, self.prompt
+        slot.ids = None  # unknown while it runs
+        gen = Generation(model.engine, model.tokenizer, slot.cache, self.options, model.overflow,
+                         begin=lambda: prompt[cached:], end=self._remember(slot, cached), logprobs=self.logprobs,
+                         load_ms=model.load_ms)
+        for chunk in gen:
+            if self.cancelled.is_set():
+                gen.close()
+                return
+            self._emit("chunk", chunk)
+        self._emit("done", gen.completion, cached)
+
+    def _remember(self, slot: Slot, cached: int) -> Callable[[Generation], None]:
+        """After the request: which tokens the slot's ring now holds, if that is known exactly."""
+        def end(gen: Generation) -> None:
+            cache = slot.cache
+            if cache.dropped or cache.rebased_tokens or not cache.intact or gen.prompt_dropped:
+                slot.ids = None
+                return
+            held = self.prompt + (list(gen.completion.token_ids) if gen.completion is not None else [])
+            slot.ids = held[:cache.n_valid] if gen.completion is not None else self.prompt[:cache.n_valid]
+        return end
+
+
+__all__ = ["Scheduler", "Slot", "Job", "QueueFull", "Cancelled", "Chunk", "Completion"]

@@ -1,0 +1,301 @@
+"""The daemon against the official `openai` client: a server on a free loopback port per module,
+checked against the in-process API (same model, same options, same tokens)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+import edgeinfer
+from edgeinfer.server.config import ServeConfig
+from edgeinfer.server.run import build, uvicorn_server
+
+KEY = "test-key-123456"
+
+
+class Running:
+    def __init__(self, config: ServeConfig, model=None):
+        self.server = build(config, model)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.uv = uvicorn_server(self.server)
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.uv.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key: str | None = KEY, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, **kw)
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(timeout=20)
+        self.server.pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    r = Running(ServeConfig(api_key=KEY, slots=2, queue=2, max_tokens_limit=64, max_body_bytes=20_000))
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return edgeinfer.load()
+
+
+def test_chat_matches_in_process(srv, model):
+    c = srv.client().chat.completions.create(
+        model="stories260K-int8", messages=[{"role": "user", "content": "Lily had a ball."}], max_tokens=20,
+        temperature=0, extra_body={"ignore_eos": True})
+    want = model.chat([{"role": "user", "content": "Lily had a ball."}], max_new_tokens=20, temperature=0,
+                      ignore_eos=True)
+    assert c.choices[0].message.content == want.text and c.choices[0].finish_reason == "length"
+    assert c.usage.completion_tokens == 20 and c.usage.prompt_tokens == want.usage.prompt_tokens
+    assert c.object == "chat.completion" and c.model == "stories260K-int8"
+
+
+def test_completion_text_and_ids_and_seed(srv, model):
+    cl = srv.client()
+    a = cl.completions.create(model="stories260K-int8", prompt="Once upon a time", max_tokens=16, seed=7)
+    b = cl.completions.create(model="stories260K-int8", prompt="Once upon a time", max_tokens=16, seed=7)
+    assert a.choices[0].text == b.choices[0].text  # same seed, same text
+    want = model.generate("Once upon a time", max_new_tokens=16, seed=7)
+    assert a.choices[0].text == want.text
+    ids = model.encode_prompt("Once upon a time")
+    c = cl.completions.create(model="stories260K-int8", prompt=ids, max_tokens=16, seed=7)
+    assert c.choices[0].text == want.text
+
+
+def test_streaming_chat_joins_to_the_whole_reply(srv):
+    cl = srv.client()
+    kw = dict(model="stories260K-int8", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=30,
+              temperature=0)
+    whole = cl.chat.completions.create(**kw).choices[0].message.content
+    parts, reasons, usage = [], [], None
+    for ev in cl.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if ev.usage is not None:
+            usage = ev.usage
+        for ch in ev.choices:
+            parts.append(ch.delta.content or "")
+            reasons.append(ch.finish_reason)
+    assert "".join(parts) == whole
+    assert reasons[-1] in ("stop", "length") and usage is not None and usage.completion_tokens > 0
+
+
+def test_stop_string_and_logprobs(srv):
+    cl = srv.client()
+    c = cl.completions.create(model="stories260K-int8", prompt="Once upon a time", max_tokens=40, temperature=0,
+                              stop=["."])
+    assert c.choices[0].finish_reason == "stop" and "." not in c.choices[0].text
+    r = cl.chat.completions.create(model="stories260K-int8", messages=[{"role": "user", "content": "Hi"}],
+                                   max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    lps = r.choices[0].logprobs.content
+    assert len(lps) == 5 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in lps)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in lps)
+    assert all(abs(t.logprob - t.top_logprobs[0].logprob) < 1e-6 for t in lps)  # greedy: the best one
+
+
+def test_legacy_completion_logprobs(srv):
+    c = srv.client().completions.create(model="stories260K-int8", prompt="Once upon", max_tokens=6, temperature=0,
+                                        logprobs=2)
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and lp.text_offset[0] == len("Once upon")
+    assert all(len(t) == 2 for t in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+
+
+def test_prefix_reuse_reports_cached_tokens_and_same_text(srv):
+    cl = srv.client()
+    system = "You are a story teller. " * 20
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Tell me about a cat."}]
+    first = cl.chat.completions.create(model="stories260K-int8", messages=msgs, max_tokens=10, temperature=0)
+    msgs2 = msgs + [{"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "And the dog?"}]
+    second = cl.chat.completions.create(model="stories260K-int8", messages=msgs2, max_tokens=10, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 100
+    fresh = edgeinfer.load().chat(msgs2, max_new_tokens=10, temperature=0)
+    assert second.choices[0].message.content == fresh.text
+
+
+@pytest.mark.parametrize("exc,call", [
+    (openai.BadRequestError, lambda c: c.chat.completions.create(model="stories260K-int8", messages=[], max_tokens=5)),
+    (openai.BadRequestError, lambda c: c.chat.completions.create(
+        model="stories260K-int8", messages=[{"role": "user", "content": "x"}], max_tokens=5000)),
+    (openai.BadRequestError, lambda c: c.chat.completions.create(
+        model="stories260K-int8", messages=[{"role": "user", "content": "x"}], n=2)),
+    (openai.BadRequestError, lambda c: c.completions.create(model="stories260K-int8", prompt="", max_tokens=5)),
+    (openai.NotFoundError, lambda c: c.chat.completions.create(
+        model="gpt-4", messages=[{"role": "user", "content": "x"}])),
+    (openai.APIStatusError, lambda c: c.completions.create(model="stories260K-int8", prompt="x " * 20_000)),
+])
+def test_errors_come_out_as_the_clients_exception_types(srv, exc, call):
+    with pytest.raises(exc) as e:
+        call(srv.client())
+    assert e.value.body is None or "message" in (e.value.body if isinstance(e.value.body, dict) else {"message": 1})
+    if exc is openai.APIStatusError:
+        assert e.value.status_code == 413
+
+
+def test_wrong_or_missing_key_is_401(srv):
+    with pytest.raises(openai.AuthenticationError):
+        srv.client(key="wrong-key-0000").models.list()
+    r = httpx.get(srv.url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(srv.url + "/health").status_code == 200  # health needs no key
+
+
+def test_models_health_metrics_and_unknown_route(srv):
+    cl = srv.client()
+    assert [m.id for m in cl.models.list()] == ["stories260K-int8"]
+    h = httpx.get(srv.url + "/health").json()
+    assert h["status"] == "ok" and h["slots_total"] == 2 and h["model"] == "stories260K-int8"
+    m = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert m.status_code == 200 and "edgeinfer_requests_total" in m.text and "edgeinfer_slots_total 2.0" in m.text
+    r = httpx.get(srv.url + "/v1/nope", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    bad = httpx.post(srv.url + "/v1/chat/completions", content=b"{not json",
+                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+
+
+def test_full_queue_answers_429_at_once(model):
+    r = Running(ServeConfig(slots=1, queue=0, max_tokens_limit=512), model=model)
+    try:
+        cl = r.client(key=None)
+        kw = dict(model="stories260K-int8", prompt="Once upon a time", max_tokens=400, extra_body={"ignore_eos": True})
+        stream = cl.completions.create(stream=True, **kw)
+        next(iter(stream))  # the one slot is busy now
+        t0 = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as e:
+            cl.completions.create(**kw)
+        assert time.monotonic() - t0 < 2 and e.value.response.headers.get("retry-after")
+        stream.close()  # the client goes away: its slot is freed
+        deadline = time.monotonic() + 10
+        while httpx.get(r.url + "/health").json()["slots_busy"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(r.url + "/health").json()["slots_busy"] == 0
+        assert cl.completions.create(model="stories260K-int8", prompt="Hi", max_tokens=3).choices[0].text is not None
+    finally:
+        r.stop()
+
+
+def test_overflow_error_is_a_400_with_counts_and_dropped_tokens_are_reported(model):
+    small = edgeinfer.load(capacity_tokens=32, overflow="error")
+    r = Running(ServeConfig(slots=1, queue=1), model=small)
+    try:
+        with pytest.raises(openai.BadRequestError, match="does not fit"):
+            r.client(key=None).completions.create(model="stories260K-int8", prompt="word " * 60, max_tokens=4)
+    finally:
+        r.stop()
+    shifting = edgeinfer.load(capacity_tokens=32, overflow="shift")
+    r = Running(ServeConfig(slots=1, queue=1), model=shifting)
+    try:
+        resp = httpx.post(r.url + "/v1/completions", json={"model": "stories260K-int8", "prompt": "word " * 60,
+                                                           "max_tokens": 4})
+        body = resp.json()
+        assert resp.status_code == 200 and body["usage"]["dropped_tokens"] > 0
+        assert resp.headers["x-edgeinfer-dropped-tokens"] == str(body["usage"]["dropped_tokens"])
+    finally:
+        r.stop()
+
+
+def test_refuses_a_public_address_without_a_key():
+    with pytest.raises(edgeinfer.EdgeInferError, match="without an API key"):
+        ServeConfig(host="0.0.0.0")
+    assert ServeConfig(host="0.0.0.0", api_key="long-enough-key").host == "0.0.0.0"
+
+
+def test_sse_wire_format(srv):
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "stories260K-int8", "messages": [{"role": "user", "content": "Hi"}],
+                            "max_tokens": 4, "stream": True}) as resp:
+        raw = "".join(resp.iter_text())
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    first = json.loads(events[0][6:])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_then_exits_0(tmp_path):
+    """`edgeinfer serve` as a user runs it: SIGTERM mid-stream -> new requests 503, the stream in
+    flight completes, the process exits 0."""
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "serve", "--port", str(port), "--slots", "1",
+                             "--grace-s", "60", "--max-tokens-limit", "20000"], stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.1)
+        got = {}
+
+        def stream():
+            with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                              json={"model": "stories260K-int8", "prompt": "Once", "max_tokens": 8000,
+                                    "ignore_eos": True, "stream": True}) as r:
+                got["raw"] = "".join(r.iter_text())
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while httpx.get(url + "/health").json()["slots_busy"] == 0:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = httpx.post(url + "/v1/completions", json={"model": "stories260K-int8", "prompt": "Hi"})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        t.join(timeout=60)
+        assert got["raw"].rstrip().endswith("data: [DONE]")
+        assert '"finish_reason":"length"' in got["raw"]
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_concurrent_streams_equal_each_served_alone(srv):
+    cl = srv.client()
+    prompts = ["Once upon a time", "Lily and Ben were", "The little dog"]
+    alone = {p: cl.completions.create(model="stories260K-int8", prompt=p, max_tokens=40, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text for p in prompts[:2]}
+    got = {}
+
+    def run(p):
+        got[p] = "".join(ev.choices[0].text for ev in cl.completions.create(
+            model="stories260K-int8", prompt=p, max_tokens=40, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if ev.choices)
+
+    ts = [threading.Thread(target=run, args=(p,)) for p in prompts[:2]]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    assert got == alone

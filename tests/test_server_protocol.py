@@ -1,0 +1,460 @@
+"""The daemon's OpenAI mapping: request bodies -> edgeinfer options (or OpenAI-shaped errors), and
+response builders that the official `openai` client's types accept field for field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from edgeinfer.chat import check_messages
+from edgeinfer.options import GenerationOptions
+from edgeinfer.sampling import SamplingParams
+from edgeinfer.sampling.params import INT32_MAX
+from edgeinfer.server.protocol import (
+    APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response, completion_chunk, completion_logprobs,
+    completion_response, finish_reason, models_list, parse_chat, parse_completion, token_logprob, usage)
+
+MODEL, LIMIT = "stories260K", 256
+DROP = object()  # in a table: remove this field from the base body
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+COMP = {"model": MODEL, "prompt": "Once upon a time"}
+
+
+def body(base: dict, **changes) -> dict:
+    out = {**base, **changes}
+    return {k: v for k, v in out.items() if v is not DROP}
+
+
+def chat(**changes) -> ChatRequest:
+    return parse_chat(body(CHAT, **changes), model_id=MODEL, max_tokens_limit=LIMIT)
+
+
+def comp(**changes) -> CompletionRequest:
+    return parse_completion(body(COMP, **changes), model_id=MODEL, max_tokens_limit=LIMIT)
+
+
+def case_id(v) -> str:
+    try:
+        return repr(v)[:60]
+    except ValueError:  # an int past repr()'s digit limit
+        return "huge-int"
+
+
+def refused(parse, b) -> APIError:
+    with pytest.raises(APIError) as e:
+        parse(b, model_id=MODEL, max_tokens_limit=LIMIT)
+    err = e.value
+    assert err.body() == {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    assert str(err) == err.message and err.type == "invalid_request_error"
+    return err
+
+
+# ---- bad requests -------------------------------------------------------------------------------------
+
+# (changes to a valid body, status, param) — shared by both endpoints
+COMMON_BAD = [
+    (dict(model=DROP), 400, "model"),
+    (dict(model=None), 400, "model"),
+    (dict(model=3), 400, "model"),
+    (dict(model="gpt-4o"), 404, "model"),
+    (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(max_tokens=-1), 400, "max_tokens"),
+    (dict(max_tokens=LIMIT + 1), 400, "max_tokens"),
+    (dict(max_tokens=5.0), 400, "max_tokens"),
+    (dict(max_tokens="5"), 400, "max_tokens"),
+    (dict(max_tokens=True), 400, "max_tokens"),
+    (dict(temperature="hot"), 400, "temperature"),
+    (dict(temperature=True), 400, "temperature"),
+    (dict(temperature=-0.1), 400, "temperature"),
+    (dict(temperature=2.01), 400, "temperature"),
+    (dict(temperature=float("nan")), 400, "temperature"),
+    (dict(temperature=float("inf")), 400, "temperature"),
+    (dict(top_p=0), 400, "top_p"),
+    (dict(top_p=1.5), 400, "top_p"),
+    (dict(top_p=[1]), 400, "top_p"),
+    (dict(n=2), 400, "n"),
+    (dict(n=0), 400, "n"),
+    (dict(n=1.0), 400, "n"),
+    (dict(n=True), 400, "n"),
+    (dict(stop=""), 400, "stop"),
+    (dict(stop=[""]), 400, "stop"),
+    (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    (dict(stop=[1]), 400, "stop"),
+    (dict(stop=3), 400, "stop"),
+    (dict(stop={"a": 1}), 400, "stop"),
+    (dict(seed=1.5), 400, "seed"),
+    (dict(seed="1"), 400, "seed"),
+    (dict(seed=False), 400, "seed"),
+    (dict(frequency_penalty=2.5), 400, "frequency_penalty"),
+    (dict(frequency_penalty="0"), 400, "frequency_penalty"),
+    (dict(presence_penalty=-2.5), 400, "presence_penalty"),
+    (dict(logit_bias=[1]), 400, "logit_bias"),
+    (dict(logit_bias={"x": 1}), 400, "logit_bias"),
+    (dict(logit_bias={"-1": 1}), 400, "logit_bias"),
+    (dict(logit_bias={"1.5": 1}), 400, "logit_bias"),
+    (dict(logit_bias={"\u00b2": 1}), 400, "logit_bias"),  # isdigit() but not a token id
+    (dict(logit_bias={"9" * 5000: 1}), 400, "logit_bias"),  # past int()'s digit limit
+    (dict(logit_bias={str(INT32_MAX + 1): 1}), 400, "logit_bias"),  # refused by SamplingParams
+    (dict(logit_bias={"5": 101}), 400, "logit_bias"),
+    (dict(logit_bias={"5": "1"}), 400, "logit_bias"),
+    (dict(logit_bias={"5": True}), 400, "logit_bias"),
+    (dict(stream="yes"), 400, "stream"),
+    (dict(stream_options={"include_usage": True}), 400, "stream_options"),  # without stream
+    (dict(stream=True, stream_options={"include_usage": "yes"}), 400, "stream_options"),
+    (dict(stream=True, stream_options=[True]), 400, "stream_options"),
+    (dict(top_k=-1), 400, "top_k"),
+    (dict(top_k=3.0), 400, "top_k"),
+    (dict(top_k=INT32_MAX + 1), 400, "top_k"),
+    (dict(top_k=10**5000), 400, "top_k"),  # past repr()'s digit limit
+    (dict(min_p=1.5), 400, "min_p"),
+    (dict(typical_p=0), 400, "typical_p"),
+    (dict(repetition_penalty=0), 400, "repetition_penalty"),
+    (dict(repetition_penalty=10**400), 400, "repetition_penalty"),  # no float holds it
+    (dict(temperature=10**5000), 400, "temperature"),
+    (dict(ignore_eos="true"), 400, "ignore_eos"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (dict(functions=[{"name": "f"}]), 400, "functions"),
+    (dict(response_format={"type": "json_object"}), 400, "response_format"),
+]
+
+CHAT_BAD = COMMON_BAD + [
+    (dict(messages=DROP), 400, "messages"),
+    (dict(messages=[]), 400, "messages"),
+    (dict(messages="hi"), 400, "messages"),
+    (dict(messages=["hi"]), 400, "messages"),
+    (dict(messages=[{"role": "tool", "content": "42", "tool_call_id": "x"}]), 400, "messages"),
+    (dict(messages=[{"role": "function", "content": "42", "name": "f"}]), 400, "messages"),
+    (dict(messages=[{"role": "bot", "content": "hi"}]), 400, "messages"),
+    (dict(messages=[{"role": ["user"], "content": "hi"}]), 400, "messages"),
+    (dict(messages=[{"content": "hi"}]), 400, "messages"),
+    (dict(messages=[{"role": "user"}]), 400, "messages"),
+    (dict(messages=[{"role": "assistant", "content": None}]), 400, "messages"),
+    (dict(messages=[{"role": "user", "content": 3}]), 400, "messages"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "messages"),
+    (dict(messages=[{"role": "user", "content": [{"type": "text", "text": 3}]}]), 400, "messages"),
+    (dict(messages=[{"role": "user", "content": ["hi"]}]), 400, "messages"),
+    (dict(max_completion_tokens=0), 400, "max_completion_tokens"),
+    (dict(max_completion_tokens=LIMIT + 1, max_tokens=5), 400, "max_completion_tokens"),
+    (dict(max_completion_tokens=5, max_tokens=LIMIT + 1), 400, "max_tokens"),  # both present: both checked
+    (dict(logprobs=1), 400, "logprobs"),
+    (dict(logprobs="true"), 400, "logprobs"),
+    (dict(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=-1), 400, "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=2.0), 400, "top_logprobs"),
+    (dict(top_logprobs=2), 400, "top_logprobs"),  # without logprobs
+    (dict(logprobs=False, top_logprobs=0), 400, "top_logprobs"),
+]
+
+COMP_BAD = COMMON_BAD + [
+    (dict(prompt=DROP), 400, "prompt"),
+    (dict(prompt=""), 400, "prompt"),
+    (dict(prompt=[]), 400, "prompt"),
+    (dict(prompt=[""]), 400, "prompt"),
+    (dict(prompt=["a", "b"]), 400, "prompt"),
+    (dict(prompt=[1, -2]), 400, "prompt"),
+    (dict(prompt=[1, 2.0]), 400, "prompt"),
+    (dict(prompt=[1, True]), 400, "prompt"),
+    (dict(prompt=[[1, 2]]), 400, "prompt"),
+    (dict(prompt=3), 400, "prompt"),
+    (dict(logprobs=6), 400, "logprobs"),
+    (dict(logprobs=-1), 400, "logprobs"),
+    (dict(logprobs=True), 400, "logprobs"),
+    (dict(logprobs=2.0), 400, "logprobs"),
+]
+
+
+@pytest.mark.parametrize("changes,status,param", CHAT_BAD, ids=case_id)
+def test_bad_chat_bodies_are_refused_naming_the_field(changes, status, param):
+    err = refused(parse_chat, body(CHAT, **changes))
+    assert (err.status, err.param) == (status, param)
+    assert param in err.message or status == 404
+
+
+@pytest.mark.parametrize("changes,status,param", COMP_BAD, ids=case_id)
+def test_bad_completion_bodies_are_refused_naming_the_field(changes, status, param):
+    err = refused(parse_completion, body(COMP, **changes))
+    assert (err.status, err.param) == (status, param)
+    assert param in err.message or status == 404
+
+
+@pytest.mark.parametrize("parse", [parse_chat, parse_completion])
+@pytest.mark.parametrize("b", [None, [], "x", 3, [CHAT]])
+def test_a_body_that_is_not_an_object_is_a_400_without_param(parse, b):
+    err = refused(parse, b)
+    assert (err.status, err.param) == (400, None)
+
+
+def test_another_model_is_openai_s_404():
+    err = refused(parse_chat, body(CHAT, model="gpt-4o"))
+    assert err.body() == {"error": {"message": "The model 'gpt-4o' does not exist", "type": "invalid_request_error",
+                                    "param": "model", "code": "model_not_found"}}
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(temperature="hot"), "'hot'"),
+    (dict(max_tokens=LIMIT + 1), str(LIMIT)),  # says the limit
+    (dict(n=2), "only n=1 is supported"),
+    (dict(tools=[{}]), "not supported"),
+    (dict(messages=[{"role": "tool", "content": "x"}]), "'tool'"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "'image_url'"),
+    (dict(temperature="x" * 10_000), "..."),  # a huge value is cut short in the message
+])
+def test_messages_name_the_value(changes, needle):
+    err = refused(parse_chat, body(CHAT, **changes))
+    assert needle in err.message and len(err.message) < 400
+
+
+# ---- good requests ------------------------------------------------------------------------------------
+
+def test_absent_fields_take_edgeinfer_s_defaults_and_the_server_limit():
+    for r in (chat(), comp()):
+        assert r.options == GenerationOptions.from_kwargs(max_new_tokens=LIMIT)
+        assert r.options.sampling == SamplingParams()
+        assert (r.model, r.stream, r.include_usage) == (MODEL, False, False)
+    assert (chat().logprobs, chat().top_logprobs, comp().logprobs) == (False, 0, None)
+
+
+NULLABLE = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed", "frequency_penalty",
+            "presence_penalty", "logit_bias", "logprobs", "top_logprobs", "stream", "stream_options", "top_k",
+            "min_p", "typical_p", "repetition_penalty", "ignore_eos", "tools", "functions", "response_format"]
+
+
+def test_null_fields_count_as_absent():
+    nulls = dict.fromkeys(NULLABLE)
+    assert chat(**nulls) == chat()
+    assert comp(**nulls) == comp()
+
+
+def test_unknown_fields_are_ignored():
+    extra = dict(user="u1", metadata={"a": "b"}, store=False, tool_choice="none", parallel_tool_calls=False,
+                 service_tier="auto", whatever=[1, 2])
+    assert chat(**extra) == chat()
+    assert comp(**extra, suffix=None, best_of=None) == comp()
+
+
+def test_sampling_fields_reach_the_options():
+    r = chat(temperature=0, top_p=0.5, max_tokens=7, stop="\n", seed=-3, frequency_penalty=-2, presence_penalty=2,
+             logit_bias={"5": -100, "17": 2.5}, top_k=3, min_p=0.1, typical_p=0.9, repetition_penalty=1.3,
+             ignore_eos=True, n=1)
+    o = r.options
+    assert (o.max_new_tokens, o.stop, o.seed, o.ignore_eos) == (7, ("\n",), -3, True)
+    assert o.sampling == SamplingParams(temperature=0, top_p=0.5, top_k=3, min_p=0.1, typical_p=0.9,
+                                        repetition_penalty=1.3, frequency_penalty=-2, presence_penalty=2,
+                                        logit_bias={5: -100.0, 17: 2.5})
+    assert o.sampling.logit_bias_items == ((5, -100.0), (17, 2.5))
+    assert comp(stop=["a", "b", "c", "d"], temperature=2, top_p=1).options.stop == ("a", "b", "c", "d")
+    assert comp(stop=[]).options.stop == ()
+    assert comp(max_tokens=LIMIT).options.max_new_tokens == LIMIT
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert chat(max_tokens=9, max_completion_tokens=4).options.max_new_tokens == 4
+    assert chat(max_completion_tokens=4).options.max_new_tokens == 4
+    assert chat(max_tokens=9, max_completion_tokens=None).options.max_new_tokens == 9
+    # completions know only max_tokens: max_completion_tokens there is an unknown field
+    assert comp(max_completion_tokens=4).options.max_new_tokens == LIMIT
+
+
+def test_streaming_flags():
+    assert (chat(stream=True).stream, chat(stream=True).include_usage) == (True, False)
+    r = chat(stream=True, stream_options={"include_usage": True})
+    assert (r.stream, r.include_usage) == (True, True)
+    assert comp(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not comp(stream=True, stream_options={}).include_usage
+    assert not comp(stream=True, stream_options={"include_obfuscation": False}).include_usage
+    assert not chat(stream=False).stream
+
+
+def test_chat_logprobs():
+    assert (chat(logprobs=True).logprobs, chat(logprobs=True).top_logprobs) == (True, 0)
+    assert chat(logprobs=True, top_logprobs=20).top_logprobs == 20
+    assert comp(logprobs=0).logprobs == 0 and comp(logprobs=5).logprobs == 5
+
+
+def test_messages_are_normalised_for_the_chat_template():
+    parts = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
+    r = chat(messages=[{"role": "developer", "content": "Be brief."}, {"role": "system", "content": [], "name": "s"},
+                       {"role": "user", "content": parts}, {"role": "assistant", "content": "Hi", "refusal": None},
+                       {"role": "user", "content": ""}])
+    assert r.messages == ({"role": "system", "content": "Be brief."}, {"role": "system", "content": ""},
+                          {"role": "user", "content": "Hello, world"}, {"role": "assistant", "content": "Hi"},
+                          {"role": "user", "content": ""})
+    assert check_messages(r.messages) == list(r.messages)
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("abc", "abc"), (["abc"], "abc"), ([0, 1, 2], (0, 1, 2)), ([7], (7,)),
+])
+def test_completion_prompts(prompt, expected):
+    assert comp(prompt=prompt).prompt == expected
+
+
+# ---- responses ----------------------------------------------------------------------------------------
+
+openai = pytest.importorskip("openai")
+from openai.types import Completion, Model  # noqa: E402
+from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
+
+HEAD = dict(id="chatcmpl-1", created=1_700_000_000, model=MODEL)
+
+
+def test_finish_reasons():
+    assert [finish_reason(r) for r in ("eos", "stop", "length")] == ["stop", "stop", "length"]
+    with pytest.raises(ValueError):
+        finish_reason("tool_calls")
+
+
+def test_usage_validates_and_keeps_dropped_tokens():
+    u = openai.types.CompletionUsage.model_validate(usage(10, 5, cached_tokens=4, dropped_tokens=2))
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (10, 5, 15)
+    assert u.prompt_tokens_details.cached_tokens == 4
+    assert u.model_extra == {"dropped_tokens": 2}
+
+
+def test_token_logprob_shape():
+    e = token_logprob("é", -0.25, [("é", -0.25), (b"\xc3", -2.0), ("x", float("-inf"))])
+    assert e == {"token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9], "top_logprobs": [
+        {"token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9]},
+        {"token": "\ufffd", "logprob": -2.0, "bytes": [0xC3]},
+        {"token": "x", "logprob": -9999.0, "bytes": [120]}]}
+    json.dumps(e, allow_nan=False)  # no -inf reaches the wire
+
+
+def test_chat_response_validates():
+    lp = [token_logprob("Hi", -0.1, [("Hi", -0.1), ("Hello", -2.5)]), token_logprob("!", -0.2, [])]
+    d = chat_response(**HEAD, text="Hi!", finish_reason="eos", usage=usage(3, 2), logprobs=lp)
+    c = ChatCompletion.model_validate(d)
+    assert (c.id, c.object, c.created, c.model, c.system_fingerprint) == ("chatcmpl-1", "chat.completion",
+                                                                          1_700_000_000, MODEL, None)
+    ch = c.choices[0]
+    assert (ch.index, ch.finish_reason, ch.message.role, ch.message.content, ch.message.refusal) == (
+        0, "stop", "assistant", "Hi!", None)
+    assert [t.token for t in ch.logprobs.content] == ["Hi", "!"]
+    assert ch.logprobs.content[0].top_logprobs[1].token == "Hello" and ch.logprobs.refusal is None
+    assert c.usage.total_tokens == 5
+    assert c.model_extra == {} and ch.model_extra == {} and ch.message.model_extra == {}  # no stray fields
+    d = chat_response(**HEAD, text="", finish_reason="length", usage=usage(3, 0))
+    assert d["choices"][0]["logprobs"] is None
+    assert ChatCompletion.model_validate(d).choices[0].finish_reason == "length"
+
+
+def test_chat_chunks_validate():
+    first = ChatCompletionChunk.model_validate(chat_chunk(**HEAD, delta={"role": "assistant", "content": ""}))
+    assert (first.object, first.choices[0].delta.role, first.choices[0].finish_reason) == (
+        "chat.completion.chunk", "assistant", None)
+    mid = chat_chunk(**HEAD, delta={"content": "Hi"}, logprobs=[token_logprob("Hi", -0.1, [])])
+    m = ChatCompletionChunk.model_validate(mid)
+    assert m.choices[0].delta.content == "Hi" and m.choices[0].logprobs.content[0].logprob == -0.1
+    assert "usage" not in mid
+    last = ChatCompletionChunk.model_validate(chat_chunk(**HEAD, delta={}, finish_reason="stop"))
+    assert last.choices[0].finish_reason == "stop" and last.choices[0].delta.content is None
+    u = ChatCompletionChunk.model_validate(chat_chunk(**HEAD, delta={}, usage=usage(3, 2)))
+    assert u.choices == [] and u.usage.completion_tokens == 2
+    with pytest.raises(ValueError):
+        chat_chunk(**HEAD, delta={"content": "x"}, usage=usage(3, 2))
+    with pytest.raises(ValueError):
+        chat_chunk(**HEAD, delta={}, finish_reason="stop", usage=usage(3, 2))
+
+
+def test_completion_response_and_legacy_logprobs_validate():
+    entries = [token_logprob(" Tim", -0.5, [(" Tim", -0.5), (" Tom", -1.5)]), token_logprob(".", -0.1, [(".", -0.1)])]
+    lp = completion_logprobs(entries, text_offset=16)
+    assert lp == {"tokens": [" Tim", "."], "token_logprobs": [-0.5, -0.1],
+                  "top_logprobs": [{" Tim": -0.5, " Tom": -1.5}, {".": -0.1}], "text_offset": [16, 20]}
+    c = Completion.model_validate(completion_response(id="cmpl-1", created=1, model=MODEL, text=" Tim.",
+                                                      finish_reason="length", usage=usage(5, 2), logprobs=lp))
+    ch = c.choices[0]
+    assert (c.object, ch.text, ch.index, ch.finish_reason, c.usage.prompt_tokens) == (
+        "text_completion", " Tim.", 0, "length", 5)
+    assert ch.logprobs.tokens == [" Tim", "."] and ch.logprobs.text_offset == [16, 20]
+    assert ch.logprobs.top_logprobs[0] == {" Tim": -0.5, " Tom": -1.5}
+    d = completion_response(id="cmpl-1", created=1, model=MODEL, text="", finish_reason="eos", usage=usage(5, 0))
+    assert d["choices"][0]["logprobs"] is None and Completion.model_validate(d).choices[0].finish_reason == "stop"
+
+
+def test_completion_chunks():
+    mid = completion_chunk(id="cmpl-1", created=1, model=MODEL, text=" Tim")
+    assert mid["object"] == "text_completion" and mid["choices"] == [
+        {"text": " Tim", "index": 0, "logprobs": None, "finish_reason": None}]  # as OpenAI streams it
+    assert Completion.construct(**mid).choices[0].text == " Tim"  # the client builds stream chunks unvalidated
+    last = completion_chunk(id="cmpl-1", created=1, model=MODEL, text="", finish_reason="eos")
+    last = Completion.model_validate(last)
+    assert last.choices[0].finish_reason == "stop"
+    u = Completion.model_validate(completion_chunk(id="cmpl-1", created=1, model=MODEL, text="", usage=usage(5, 2)))
+    assert u.choices == [] and u.usage.total_tokens == 7
+    with pytest.raises(ValueError):
+        completion_chunk(id="cmpl-1", created=1, model=MODEL, text="x", usage=usage(5, 2))
+
+
+def test_models_list_validates():
+    d = models_list(MODEL, 123)
+    assert d["object"] == "list" and len(d["data"]) == 1
+    m = Model.model_validate(d["data"][0])
+    assert (m.id, m.object, m.created, m.owned_by) == (MODEL, "model", 123, "edgeinfer")
+
+
+# ---- the official client end to end, over an in-memory transport ---------------------------------------
+
+def fake_daemon(request):
+    """A few lines of what the daemon does: parse, answer with the builders, map APIError."""
+    import httpx
+
+    if request.url.path == "/v1/models":
+        return httpx.Response(200, json=models_list(MODEL, 1))
+    chat_path = request.url.path == "/v1/chat/completions"
+    try:
+        req = (parse_chat if chat_path else parse_completion)(json.loads(request.content), model_id=MODEL,
+                                                               max_tokens_limit=LIMIT)
+    except APIError as e:
+        return httpx.Response(e.status, json=e.body())
+    u = usage(4, 2)
+    if not req.stream:
+        build = chat_response if chat_path else completion_response
+        return httpx.Response(200, json=build(**HEAD, text="Hi!", finish_reason="length", usage=u))
+    if chat_path:
+        chunks = [chat_chunk(**HEAD, delta={"role": "assistant", "content": ""}),
+                  chat_chunk(**HEAD, delta={"content": "Hi"}), chat_chunk(**HEAD, delta={"content": "!"}),
+                  chat_chunk(**HEAD, delta={}, finish_reason="eos")]
+        chunks += [chat_chunk(**HEAD, delta={}, usage=u)] if req.include_usage else []
+    else:
+        chunks = [completion_chunk(**HEAD, text="Hi"), completion_chunk(**HEAD, text="!", finish_reason="eos")]
+        chunks += [completion_chunk(**HEAD, text="", usage=u)] if req.include_usage else []
+    sse = "".join(f"data: {json.dumps(c, allow_nan=False)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
+
+
+@pytest.fixture
+def client():
+    httpx = pytest.importorskip("httpx")
+    return openai.OpenAI(base_url="http://daemon/v1", api_key="none", max_retries=0,
+                         http_client=httpx.Client(transport=httpx.MockTransport(fake_daemon)))
+
+
+def test_official_client_round_trip(client):
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=8, temperature=0, seed=1,
+                                       stop=["\n"], logit_bias={"3": -100}, user="me")
+    assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.total_tokens) == ("Hi!", "length", 6)
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hi!"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    c = client.completions.create(model=MODEL, prompt="Once", max_tokens=8)
+    assert (c.choices[0].text, c.usage.prompt_tokens) == ("Hi!", 4)
+    parts = list(client.completions.create(model=MODEL, prompt=[1, 2, 3], stream=True))
+    assert "".join(p.choices[0].text for p in parts) == "Hi!" and parts[-1].choices[0].finish_reason == "stop"
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_official_client_sees_the_errors(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert (e.value.status_code, e.value.code, e.value.param) == (404, "model_not_found", "model")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+    assert (e.value.param, e.value.type) == ("n", "invalid_request_error") and "n=1" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=LIMIT + 1)
+    assert e.value.param == "max_tokens"
