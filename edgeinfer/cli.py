@@ -198,34 +198,39 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from edgeinfer.server.config import load_config
 
     flags = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in SERVE_FLAGS}
-    config = load_config(args.config, {**flags, "model": args.model, "log_prompts": args.log_prompts})
-    if args.print_systemd_unit:
+    flags.update(model=args.model, log_prompts=args.log_prompts)
+    if args.print_systemd_unit:  # the key is the service's (its environment file), not needed to print
+        config = load_config(args.config, {**flags, "host": None, "api_key": None, "api_key_file": None},
+                             use_env_key=False)
         return _print_systemd_unit(args, config)
     from edgeinfer.server.run import serve
 
-    return serve(config)
+    return serve(load_config(args.config, flags))
 
 
 def _print_systemd_unit(args: argparse.Namespace, config) -> int:
-    import shutil
-
     from edgeinfer.manifest import read_manifest
     from edgeinfer.model import default_model_path
     from edgeinfer.overflow import resolve_capacity
     from edgeinfer.server.systemd import systemd_unit
 
-    folder = Path(config.model) if config.model else default_model_path()
+    folder = (Path(config.model) if config.model else default_model_path()).resolve()
     manifest = read_manifest(folder)
     spec = manifest.arch
     capacity = resolve_capacity(manifest.default_capacity_tokens, spec.sliding_window, config.capacity)
     weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     footprint = weights + config.slots * spec.kv_bytes_per_token * (capacity + min(256, capacity))
-    argv = [shutil.which("edgeinfer") or "edgeinfer", "serve", "-m", str(folder.resolve())]
+    argv = [sys.executable, "-m", "edgeinfer", "serve", "-m", str(folder)]
+    if args.config:
+        argv += ["--config", str(Path(args.config).resolve())]
     for flag, name, _, _ in SERVE_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and name not in ("api_key", "api_key_file"):  # the key comes from the env file
             argv += [flag, str(value)]
-    print(systemd_unit(exec_start=argv, memory_max_bytes=footprint, grace_s=int(config.grace_s)), end="")
+    if args.log_prompts:
+        argv.append("--log-prompts")
+    print(systemd_unit(exec_start=argv, memory_max_bytes=footprint, grace_s=config.grace_s,
+                       writable_paths=[str(folder)]), end="")
     return 0
 
 

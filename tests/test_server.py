@@ -299,3 +299,22 @@ def test_concurrent_streams_equal_each_served_alone(srv):
     for t in ts:
         t.join(timeout=60)
     assert got == alone
+
+
+def test_print_systemd_unit_carries_config_and_no_key(tmp_path, capsys, monkeypatch):
+    import shlex
+
+    from edgeinfer.cli import main
+
+    monkeypatch.setenv("EDGEINFER_API_KEY", "secret-key-should-not-appear")
+    conf = tmp_path / "edgeinfer.toml"
+    conf.write_text('slots = 4\nmax-tokens-limit = 256\n')
+    assert main(["serve", "--print-systemd-unit", "--config", str(conf), "--host", "0.0.0.0", "--port", "9000"]) == 0
+    unit = capsys.readouterr().out
+    assert "secret-key" not in unit
+    line = next(x for x in unit.splitlines() if x.startswith("ExecStart="))
+    argv = shlex.split(line[len("ExecStart="):])
+    assert argv[1:4] == ["-m", "edgeinfer", "serve"] and argv[0].startswith("/")
+    assert ["--config", str(conf.resolve())] == argv[argv.index("--config"):argv.index("--config") + 2]
+    assert "--host" in argv and "0.0.0.0" in argv and "9000" in argv
+    assert any(x.startswith("ReadWritePaths=") for x in unit.splitlines())  # the verification stamp

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (JetPack 6): the same parser, from PyPI
+    import tomli as tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -116,7 +119,7 @@ def _read_key_file(path: str) -> str:
     return key
 
 
-def load_config(config_file: str | None, flags: dict) -> ServeConfig:
+def load_config(config_file: str | None, flags: dict, use_env_key: bool = True) -> ServeConfig:
     """Settings from `config_file` (TOML), then the flags given on the command line (None = not given),
     then the API key from --api-key, --api-key-file or EDGEINFER_API_KEY (at most one)."""
     settings = _from_toml(config_file) if config_file else {}
@@ -126,7 +129,7 @@ def load_config(config_file: str | None, flags: dict) -> ServeConfig:
         raise InvalidArgumentError("give the API key once: --api-key or --api-key-file, not both")
     if settings.get("api_key_file"):
         settings["api_key"] = _read_key_file(settings["api_key_file"])
-    elif not settings.get("api_key") and os.environ.get(API_KEY_ENV):
+    elif use_env_key and not settings.get("api_key") and os.environ.get(API_KEY_ENV):
         settings["api_key"] = os.environ[API_KEY_ENV].strip()
     try:
         return ServeConfig(**settings)

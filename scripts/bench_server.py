@@ -1,0 +1,166 @@
+"""The daemon's overhead and concurrency, measured against the same model in process (JSON out).
+
+    python scripts/bench_server.py [-m MODEL] [--threads 2] [--rounds 5] [--out FILE]
+
+Starts `edgeinfer serve` on a free loopback port (a separate process, as users run it) with 4 slots,
+and in this process loads the same model. Alternating rounds, medians:
+1. TTFT, non-streaming, a 512-token prompt, max_tokens 1: client wall time per request vs
+   `generate(max_new_tokens=1)` wall time in process.
+2. Streamed decode tokens/s (128 tokens, EOS ignored): tokens after the first over their time, at
+   the client vs `stream()` in process.
+3. Concurrency: aggregate tokens/s of 4 concurrent greedy streams vs 1, and whether each stream's
+   text equals the same request served alone.
+4. Prefix reuse: a chat with a 512-token system prompt; the 2nd turn's TTFT (streamed, first content
+   chunk) vs the 1st turn's, its cached_tokens, and whether its text equals a fresh server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+
+import edgeinfer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str | None, threads: int, slots: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "edgeinfer", "serve", "--port", str(port), "--slots", str(slots), "--queue", "8",
+           "--threads", str(threads), "--max-tokens-limit", "4096", "--capacity", "2048"]
+    if model:
+        cmd[4:4] = ["-m", model]
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("server did not start")
+
+
+def stream_completion(url: str, prompt, max_tokens: int, model_id: str, chat: bool = False) -> dict:
+    """One streamed request: TTFT (first content), token arrival times, text, usage."""
+    body = {"model": model_id, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    body.update({"messages": prompt} if chat else {"prompt": prompt})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    t0, stamps, text, usage = time.perf_counter(), [], [], None
+    with httpx.stream("POST", url + path, json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for ch in ev.get("choices", []):
+                piece = ch["delta"].get("content") if chat else ch.get("text")
+                if piece:
+                    stamps.append(time.perf_counter() - t0)
+                    text.append(piece)
+    return {"ttft_s": stamps[0] if stamps else None, "stamps": stamps, "text": "".join(text), "usage": usage}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    m = edgeinfer.load(args.model, threads=args.threads, capacity_tokens=2048)
+    model_id = m.folder.name
+    rng = np.random.default_rng(0)
+    prompt512 = [m.tokenizer.bos_id] + rng.integers(3, m.manifest.arch.vocab_size, 511).tolist()
+    proc, url = start_server(args.model, args.threads, slots=4)
+    report: dict = {"model": str(m.folder), "threads": args.threads, "rounds": args.rounds}
+    try:
+        ttft_srv, ttft_in, tps_srv, tps_in = [], [], [], []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            r = httpx.post(url + "/v1/completions", timeout=600,
+                           json={"model": model_id, "prompt": prompt512, "max_tokens": 1, "temperature": 0})
+            ttft_srv.append(time.perf_counter() - t0)
+            assert r.status_code == 200, r.text
+            t0 = time.perf_counter()
+            m.generate(prompt512, max_new_tokens=1, temperature=0)
+            ttft_in.append(time.perf_counter() - t0)
+            s = stream_completion(url, prompt512[:32], 128, model_id)["stamps"]
+            tps_srv.append((len(s) - 1) / (s[-1] - s[0]))
+            stamps, t0 = [], time.perf_counter()
+            for c in m.stream(prompt512[:32], max_new_tokens=128, temperature=0, ignore_eos=True):
+                if c.text:
+                    stamps.append(time.perf_counter() - t0)
+            tps_in.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+        report["ttft_512_ms"] = {"server": round(statistics.median(ttft_srv) * 1e3, 2),
+                                 "in_process": round(statistics.median(ttft_in) * 1e3, 2),
+                                 "ratio": round(statistics.median(ttft_srv) / statistics.median(ttft_in), 3)}
+        report["stream_decode_tok_s"] = {"server": round(statistics.median(tps_srv), 1),
+                                         "in_process": round(statistics.median(tps_in), 1),
+                                         "ratio": round(statistics.median(tps_srv) / statistics.median(tps_in), 3)}
+
+        prompts = [prompt512[:32 + 8 * i] for i in range(4)]
+        alone = [stream_completion(url, p, 128, model_id) for p in prompts]
+        agg1 = statistics.median(128 / a["stamps"][-1] for a in alone)
+        together: list = [None] * 4
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=lambda i=i: together.__setitem__(i, stream_completion(url, prompts[i], 128,
+                                                                                            model_id)))
+              for i in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        wall = time.perf_counter() - t0
+        report["concurrency_4_streams"] = {
+            "one_stream_tok_s": round(agg1, 1), "aggregate_tok_s": round(4 * 128 / wall, 1),
+            "ratio": round(4 * 128 / wall / agg1, 3),
+            "identical_to_alone": [a["text"] == b["text"] for a, b in zip(alone, together)]}
+
+        system = m.tokenizer.decode(prompt512[1:])
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Tell me a story."}]
+        first = stream_completion(url, msgs, 16, model_id, chat=True)
+        msgs2 = msgs + [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "And then?"}]
+        second = stream_completion(url, msgs2, 16, model_id, chat=True)
+        fresh_proc, fresh_url = start_server(args.model, args.threads, slots=1)
+        try:
+            fresh = stream_completion(fresh_url, msgs2, 16, model_id, chat=True)
+        finally:
+            fresh_proc.terminate()
+            fresh_proc.wait()
+        report["prefix_reuse"] = {
+            "turn1_ttft_ms": round(first["ttft_s"] * 1e3, 2), "turn2_ttft_ms": round(second["ttft_s"] * 1e3, 2),
+            "ratio": round(second["ttft_s"] / first["ttft_s"], 3),
+            "turn1_prompt_tokens": first["usage"]["prompt_tokens"],
+            "turn2_cached_tokens": second["usage"]["prompt_tokens_details"]["cached_tokens"],
+            "same_text_as_without_reuse": second["text"] == fresh["text"]}
+    finally:
+        proc.terminate()
+        proc.wait()
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

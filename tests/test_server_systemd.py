@@ -1,0 +1,120 @@
+"""The systemd unit `edgeinfer serve --print-systemd-unit` prints: its sections and keys, the key kept
+off it, ExecStart quoting, MemoryMax, and (where systemd-analyze exists) systemd's own verdict."""
+
+from __future__ import annotations
+
+import configparser
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.server.systemd import MEMORY_MARGIN_MIB, memory_max_mib, systemd_unit
+
+EXEC = ["/opt/edgeinfer/bin/edgeinfer", "serve", "-m", "/var/lib/edgeinfer/models/my model",
+        "--host", "0.0.0.0", "--slots", "2", "--api-key-file", "/etc/edgeinfer/key", "--stop", "a;b & c"]
+FOOTPRINT = 600_000_123
+
+
+def parse(text: str) -> configparser.ConfigParser:
+    cp = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    cp.optionxform = str  # systemd keys are case-sensitive
+    cp.read_string(text)
+    return cp
+
+
+def unit(**kw) -> str:
+    args = dict(exec_start=EXEC, memory_max_bytes=FOOTPRINT)
+    args.update(kw)
+    return systemd_unit(**args)
+
+
+def test_sections_and_keys():
+    cp = parse(unit(writable_paths=["/var/lib/edgeinfer/models"], grace_s=30, working_dir="/var/lib/edgeinfer"))
+    assert cp.sections() == ["Unit", "Service", "Install"]
+    u, s = cp["Unit"], cp["Service"]
+    assert u["After"] == "network-online.target" and u["Wants"] == "network-online.target"
+    assert u["Description"]
+    assert s["Type"] == "simple"
+    assert s["User"] == "edgeinfer" and s["Group"] == "edgeinfer"
+    assert s["EnvironmentFile"] == "-/etc/edgeinfer/edgeinfer.env"
+    assert s["WorkingDirectory"] == "/var/lib/edgeinfer"
+    assert s["Restart"] == "on-failure" and s["RestartSec"] == "5"
+    assert s["KillSignal"] == "SIGTERM" and int(s["TimeoutStopSec"]) > 30
+    assert s["NoNewPrivileges"] == "yes" and s["ProtectSystem"] == "strict"
+    assert s["ProtectHome"] == "yes" and s["PrivateTmp"] == "yes"
+    assert s["ReadWritePaths"] == "/var/lib/edgeinfer/models"
+    assert s["StandardOutput"] == "journal" and s["StandardError"] == "journal"
+    assert cp["Install"]["WantedBy"] == "multi-user.target"
+
+
+def test_optional_keys_absent_when_not_asked():
+    s = parse(unit())["Service"]
+    assert "ReadWritePaths" not in s and "WorkingDirectory" not in s
+
+
+def test_exec_start_round_trips_through_shlex():
+    s = parse(unit())["Service"]
+    assert shlex.split(s["ExecStart"]) == EXEC
+
+
+def test_memory_max_is_whole_mib_above_the_footprint():
+    s = parse(unit())["Service"]
+    value = s["MemoryMax"]
+    assert value.endswith("M") and value[:-1].isdigit()
+    mib = int(value[:-1])
+    assert mib * (1 << 20) >= FOOTPRINT + MEMORY_MARGIN_MIB * (1 << 20)
+    assert memory_max_mib(1) == 1 + 1 + MEMORY_MARGIN_MIB  # 1 byte rounds up to 1 MiB
+    assert memory_max_mib(1 << 30) == 1024 + 256 + MEMORY_MARGIN_MIB
+
+
+def test_timeout_stop_exceeds_the_grace_period():
+    for grace in (0, 1, 30, 29.2, 600):
+        assert int(parse(unit(grace_s=grace))["Service"]["TimeoutStopSec"]) > grace
+
+
+def test_key_never_in_the_unit():
+    key = "sk-very-secret-1234"
+    text = unit(exec_start=EXEC[:-2])
+    assert key not in text and "--api-key " not in text
+    for bad in ([*EXEC, "--api-key", key], [*EXEC, f"--api-key={key}"]):
+        with pytest.raises(InvalidArgumentError) as e:
+            unit(exec_start=bad)
+        assert key not in str(e.value)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(exec_start=[]),
+    dict(exec_start="/opt/edgeinfer/bin/edgeinfer serve"),
+    dict(exec_start=["edgeinfer", "serve"]),                      # not absolute
+    dict(exec_start=["/opt/e/bin/edgeinfer", "-m", "/models/100%"]),  # systemd specifier
+    dict(exec_start=["/opt/e/bin/edgeinfer", "-m", "$HOME/m"]),        # systemd variable
+    dict(exec_start=["/opt/e/bin/edgeinfer", "--stop", "it's"]),      # quote shlex and systemd disagree on
+    dict(exec_start=["/opt/e/bin/edgeinfer", "--stop", "a\nb"]),
+    dict(user="root"), dict(user="Bad User"), dict(user=""),
+    dict(env_file="relative.env"), dict(env_file="/etc/a b.env"),
+    dict(writable_paths="/var/lib/x"), dict(writable_paths=["var/lib"]),
+    dict(working_dir="~/x"),
+    dict(memory_max_bytes=0), dict(memory_max_bytes=1.5), dict(memory_max_bytes=True),
+    dict(grace_s=-1), dict(grace_s="30"),
+])
+def test_refuses_what_the_unit_cannot_carry(kw):
+    with pytest.raises(InvalidArgumentError):
+        unit(**kw)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_systemd_analyze_verify(tmp_path):
+    """systemd's own parser accepts every line (it exits 0 even for ignored settings, so its
+    stderr must not mention the file either). The program must exist: use this Python."""
+    path = tmp_path / "edgeinfer-test.service"
+    path.write_text(systemd_unit(exec_start=[sys.executable, "-m", "edgeinfer", "serve", "--host", "0.0.0.0"],
+                                 memory_max_bytes=FOOTPRINT, writable_paths=[str(tmp_path)],
+                                 working_dir=str(tmp_path)))
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    problems = [ln for ln in r.stderr.splitlines() if path.name in ln]
+    assert r.returncode == 0 and not problems, r.stderr
