@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-from edgeinfer.kv_cache import RingKVCache
+from edgeinfer.kv_cache import BatchedKV, RingKVCache
 from edgeinfer.kv_mode import SEQLENS_K, TOTAL_SEQUENCE_LENGTH
 from edgeinfer.session import DecoderSession
 
@@ -51,6 +51,7 @@ class Engine:
         self._seqlens = np.zeros(1, np.int32)
         self._total = np.zeros((), np.int32)
         self._bound: tuple | None = None  # (cache, S) the in-place binding was made for
+        self._batch_ids = self._batch_pos = self._batch_seqlens = None  # decode_batch's, sized on first use
         self.calls = 0
         self.lock = threading.Lock()
 
@@ -130,6 +131,47 @@ class Engine:
         for start in range(0, len(ids), chunk):
             logits = self.forward(cache, ids[start:start + chunk])
         return logits[0]
+
+    def decode_batch(self, kv: BatchedKV, tokens: dict[int, int]) -> None:
+        """One decode step for rows `tokens` (row -> token) of `kv`, in one graph call (modes that
+        append in place only: GroupQueryAttention takes a length per row). Every other row runs a
+        throwaway step: its new row lands just past its valid slots and is not committed, so it
+        changes nothing. Each stepped ring's logits land in its own buffer (`cache.logits`)."""
+        if not self.mode.in_place:
+            raise ValueError(f"batched decoding needs a mode that appends in place, not {self.mode.name}")
+        caches, b_all = kv.caches, len(kv.caches)
+        with self.lock:
+            if self._batch_ids is None or self._batch_ids.shape[0] != b_all:
+                self._batch_ids = np.zeros((b_all, 1), np.int64)
+                self._batch_pos = np.zeros((b_all, 1), np.int64)
+                self._batch_seqlens = np.zeros(b_all, np.int32)
+            for b, cache in enumerate(caches):
+                if b in tokens:
+                    cache.rebase_if_due(1)
+                self._batch_ids[b, 0] = tokens.get(b, 0)
+                self._batch_pos[b, 0] = cache.next_position
+                self._batch_seqlens[b] = cache.n_valid  # total - 1, total = valid slots + this token
+            self._total[()] = int(self._batch_seqlens.max()) + 1
+            self._index[0] = 0
+            io, dev = self._io, self._device
+            self._bound = None
+            io.bind_input(SEQLENS_K, "cpu", 0, np.int32, [b_all], self._batch_seqlens.ctypes.data)
+            io.bind_input(TOTAL_SEQUENCE_LENGTH, "cpu", 0, np.int32, [], self._total.ctypes.data)
+            shape = list(kv.k[0].shape)
+            for i, (k, v) in enumerate(zip(kv.k, kv.v)):
+                io.bind_input(self.names.past_key(i), dev, 0, np.float32, shape, k.ctypes.data)
+                io.bind_input(self.names.past_value(i), dev, 0, np.float32, shape, v.ctypes.data)
+                io.bind_output(self.names.present_key(i), dev, 0, np.float32, shape, k.ctypes.data)
+                io.bind_output(self.names.present_value(i), dev, 0, np.float32, shape, v.ctypes.data)
+            io.bind_input("input_ids", "cpu", 0, np.int64, [b_all, 1], self._batch_ids.ctypes.data)
+            io.bind_input("position_ids", "cpu", 0, np.int64, [b_all, 1], self._batch_pos.ctypes.data)
+            io.bind_input("logits_index", "cpu", 0, np.int64, [1], self._index.ctypes.data)
+            io.bind_output("logits", "cpu", 0, np.float32, [b_all, 1, self.spec.vocab_size], kv.logits.ctypes.data)
+            self.session.session.run_with_iobinding(io)
+            self.calls += 1
+            for b in tokens:
+                caches[b].commit(1)
+                caches[b].logits[0, 0] = kv.logits[b, 0]
 
     def decode_one(self, cache: RingKVCache, token: int) -> np.ndarray:
         """Feed one token; return the logits [V] for the next one."""

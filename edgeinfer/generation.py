@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from edgeinfer.batching import SoloStepper
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.detokenize import Detokenizer, StopFilter
 from edgeinfer.engine import Engine
@@ -79,10 +80,14 @@ class Generation:
 
     def __init__(self, engine: Engine, tok: Tokenizer, cache: RingKVCache, options: GenerationOptions, overflow: str,
                  *, begin: Callable[[], list[int]], end: Callable[["Generation"], None] | None = None,
-                 lock: ContextLock | None = None, load_ms: float = 0.0, logprobs: int | None = None):
-        """logprobs: None (off) or n >= 0: each chunk carries its token's logprob and the n best."""
+                 lock: ContextLock | None = None, load_ms: float = 0.0, logprobs: int | None = None,
+                 stepper=None):
+        """logprobs: None (off) or n >= 0: each chunk carries its token's logprob and the n best.
+        stepper: how decode steps run (`batching.SoloStepper`, the default, or a `DecodeBatcher`
+        that runs this conversation's steps together with others')."""
         self.engine, self.tok, self.cache, self.options, self.overflow = engine, tok, cache, options, overflow
         self.load_ms, self.logprobs = load_ms, logprobs
+        self.stepper = stepper if stepper is not None else SoloStepper(engine)
         self.completion: Completion | None = None
         self.unfed: tuple[int, ...] = ()
         self.cached_text = ""
@@ -122,53 +127,25 @@ class Generation:
         bad = [t for t in (opts.sampling.logit_bias or {}) if not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        eos = set() if opts.ignore_eos else set(tok.eos_ids)
         feed, dropped = fit_prompt(cache, prompt_ids, self.overflow, opts.max_new_tokens)
         self.prompt_dropped = dropped
         dropped_before = cache.dropped
-        sampler = Sampler(opts.sampling, opts.seed, feed)
         detok, stops = Detokenizer(tok, prompt_ids), StopFilter(opts.stop)
         generated: list[int] = []
-        finish, final = "length", None
         # (tokens fed, text length they make, no text pending, cache mark) of the last tokens, for stop strings
         marks: deque = deque(maxlen=STOP_MARKS if opts.stop else 1)
-        text_len = 0
 
         t0 = time.perf_counter()
         logits = engine.prefill(cache, feed)
         marks.append((0, 0, True, cache.mark()))
         t_prefill = time.perf_counter()
-        t_first = t_prefill
-        lp, top = None, ()
-        while True:
-            if self.logprobs is None:
-                token = sampler.sample(logits)
-            else:
-                r = sampler.sample_with_logprobs(logits, top_n=self.logprobs)
-                token, lp, top = r.token, r.logprob, r.top
-            if not generated:
-                t_first = time.perf_counter()
-            if token in eos:
-                finish = "eos"
-                break
-            generated.append(token)
-            sampler.accept(token)
-            piece = detok.add(token)
-            text = stops.feed(piece)
-            if stops.stopped:
-                finish, final = "stop", Chunk(text, token, lp, top)
-                break
-            if len(generated) >= opts.max_new_tokens or (cache.full and self.overflow != "shift"):
-                final = Chunk(text + stops.flush(), token, lp, top)
-                break
-            yield Chunk(text, token, lp, top)
-            logits = engine.decode_one(cache, token)
-            text_len += len(piece)
-            if opts.stop:
-                marks.append((len(generated), text_len, detok.read == len(detok.ids), cache.mark()))
-        if final is None:  # eos: what the stop filter held back
-            rest = stops.flush()
-            final = Chunk(rest, None) if rest else None
+        self.stepper.join(cache)
+        try:
+            finish, final, t_first = yield from self._decode(logits, Sampler(opts.sampling, opts.seed, feed), detok,
+                                                             stops, generated, marks)
+        finally:
+            self.stepper.leave(cache)
+        t_first = t_first or t_prefill
         t_end = time.perf_counter()
         self.unfed = tuple(generated[-1:]) if finish == "length" else ()
         self.cached_text = stops.text
@@ -186,3 +163,35 @@ class Generation:
                             decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0))
         if final is not None:
             yield final
+
+    def _decode(self, logits, sampler: Sampler, detok: Detokenizer, stops: StopFilter, generated: list[int],
+                marks: deque):
+        """Step 4: sample, yield, feed back, until a finish. Returns (finish_reason, the last chunk or
+        None, time of the first token); the last chunk is yielded by the caller once the completion is set."""
+        cache, opts = self.cache, self.options
+        eos = set() if opts.ignore_eos else set(self.tok.eos_ids)
+        lp, top, text_len, t_first = None, (), 0, None
+        while True:
+            if self.logprobs is None:
+                token = sampler.sample(logits)
+            else:
+                r = sampler.sample_with_logprobs(logits, top_n=self.logprobs)
+                token, lp, top = r.token, r.logprob, r.top
+            if t_first is None:
+                t_first = time.perf_counter()
+            if token in eos:
+                rest = stops.flush()  # what the stop filter held back
+                return "eos", (Chunk(rest, None) if rest else None), t_first
+            generated.append(token)
+            sampler.accept(token)
+            piece = detok.add(token)
+            text = stops.feed(piece)
+            if stops.stopped:
+                return "stop", Chunk(text, token, lp, top), t_first
+            if len(generated) >= opts.max_new_tokens or (cache.full and self.overflow != "shift"):
+                return "length", Chunk(text + stops.flush(), token, lp, top), t_first
+            yield Chunk(text, token, lp, top)
+            logits = self.stepper.step(cache, token)
+            text_len += len(piece)
+            if opts.stop:
+                marks.append((len(generated), text_len, detok.read == len(detok.ids), cache.mark()))

@@ -81,8 +81,10 @@ def rotate_keys(k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
 
 class RingKVCache:
     def __init__(self, spec: ArchSpec, capacity_tokens: int, n_sink: int = 4, max_chunk: int = 256,
-                 mode: KVMode = STANDARD, rebase_every_tokens: int | None = None):
-        self.check_geometry(spec, capacity_tokens, n_sink, max_chunk)
+                 mode: KVMode = STANDARD, rebase_every_tokens: int | None = None,
+                 storage: tuple[list[np.ndarray], list[np.ndarray]] | None = None):
+        """storage: per-layer K and V arrays to use (row b of a `BatchedKV`) instead of allocating."""
+        self.check_geometry(spec, capacity_tokens, n_sink, max_chunk, rings=0 if storage else 1)
         if not isinstance(mode, KVMode):
             raise TypeError(f"mode must be a KVMode, got {mode!r}")
         self.capacity = int(capacity_tokens)
@@ -91,8 +93,12 @@ class RingKVCache:
         self.mode = mode
         self.rows = rows = self.capacity + self.max_chunk
         shape = mode.cache_shape(rows, spec.num_kv_heads, spec.head_dim)
-        self.k = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]  # bound to the graph
-        self.v = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+        if storage is None:
+            storage = ([np.zeros(shape, np.float32) for _ in range(spec.num_layers)],
+                       [np.zeros(shape, np.float32) for _ in range(spec.num_layers)])
+        if any(a.shape != shape or a.dtype != np.float32 or not a.flags.c_contiguous for a in storage[0] + storage[1]):
+            raise ValueError(f"storage arrays must be float32, C-contiguous, of shape {shape}")
+        self.k, self.v = list(storage[0]), list(storage[1])  # bound to the graph
         self.ks = [mode.slot_major(a) for a in self.k]  # the same memory, [rows, Hkv, Dh]: the bookkeeping's view
         self.vs = [mode.slot_major(a) for a in self.v]
         self.positions = np.full(self.capacity, -1, np.int64)  # RoPE position held by each slot
@@ -106,10 +112,11 @@ class RingKVCache:
         self.reset()
 
     @staticmethod
-    def check_geometry(spec: ArchSpec, capacity_tokens: int, n_sink: int, max_chunk: int) -> None:
+    def check_geometry(spec: ArchSpec, capacity_tokens: int, n_sink: int, max_chunk: int, rings: int = 1) -> None:
         """The one validator of a ring's geometry (callers may run it before loading anything else):
-        capacity an int >= 2, sinks in [0, capacity), chunk >= 1, and the KV arrays (capacity +
-        max_chunk rows) no larger than the memory available now. InvalidArgumentError otherwise."""
+        capacity an int >= 2, sinks in [0, capacity), chunk >= 1, and the KV arrays of `rings` rings
+        (capacity + max_chunk rows each) no larger than the memory available now.
+        InvalidArgumentError otherwise."""
         for name, v, low in (("capacity_tokens", capacity_tokens, 2), ("n_sink", n_sink, 0), ("max_chunk", max_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {v!r}")
@@ -117,11 +124,13 @@ class RingKVCache:
             raise InvalidArgumentError(f"n_sink must be in [0, capacity_tokens), got {n_sink} for capacity "
                                        f"{capacity_tokens}")
         rows = capacity_tokens + max_chunk
-        need, free = spec.kv_bytes_per_token * rows, psutil.virtual_memory().available
+        need, free = rings * spec.kv_bytes_per_token * rows, psutil.virtual_memory().available
         if need > free:
+            times = f"{rings} rings x " if rings > 1 else ""
             raise InvalidArgumentError(
-                f"capacity_tokens={capacity_tokens} needs {need:,} bytes of KV cache ({spec.kv_bytes_per_token} bytes "
-                f"per token x {rows} rows) but only {free:,} bytes of memory are available: use a smaller capacity")
+                f"capacity_tokens={capacity_tokens} needs {need:,} bytes of KV cache ({times}{spec.kv_bytes_per_token} "
+                f"bytes per token x {rows} rows) but only {free:,} bytes of memory are available: use a smaller "
+                f"capacity")
 
     def reset(self) -> None:
         self.intact = True
@@ -234,3 +243,20 @@ class RingKVCache:
         self.positions[:n] = snap.positions
         self.n_valid, self.next_slot, self.next_position = n, snap.next_slot, snap.next_position
         self.dropped, self.rebased_tokens = snap.dropped, snap.rebased_tokens
+
+
+class BatchedKV:
+    """Several rings as rows of one array per layer ([B, ...] in the mode's layout; ring b's arrays
+    are views of row b), so that one graph call can run a decode step for all of them
+    (`Engine.decode_batch`). Each ring keeps its own bookkeeping, length and positions."""
+
+    def __init__(self, spec: ArchSpec, batch: int, capacity_tokens: int, n_sink: int, max_chunk: int, mode: KVMode):
+        RingKVCache.check_geometry(spec, capacity_tokens, n_sink, max_chunk, rings=batch)
+        rows = capacity_tokens + max_chunk
+        shape = (batch,) + mode.cache_shape(rows, spec.num_kv_heads, spec.head_dim)[1:]
+        self.k = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+        self.caches = [RingKVCache(spec, capacity_tokens, n_sink, max_chunk, mode,
+                                   storage=([k[b:b + 1] for k in self.k], [v[b:b + 1] for v in self.v]))
+                       for b in range(batch)]
+        self.logits = np.zeros((batch, 1, spec.vocab_size), np.float32)  # one batched step's output

@@ -1,9 +1,11 @@
 """Slots and the bounded queue: who generates now, who waits, who is turned away at once.
 
 A slot is a KV ring of its own over the one shared Model (weights, session, Engine). `slots`
-requests generate at once (their graph calls interleave on the Engine's lock, step by step, so no
-request waits for another's whole reply); up to `queue` more wait for a free slot; one more is
-refused at once (`QueueFull`, answered 429). Prefix reuse: each slot remembers the token ids its ring
+requests generate at once; up to `queue` more wait for a free slot; one more is refused at once
+(`QueueFull`, answered 429). When the model's KV mode appends in place (GroupQueryAttention), the
+slots are rows of one `BatchedKV` and their decode steps run as one graph call (`DecodeBatcher`:
+continuous batching, requests join and leave between steps); otherwise their graph calls
+interleave on the Engine's lock, step by step. Either way no request waits for another's whole reply. Prefix reuse: each slot remembers the token ids its ring
 holds; a request takes the free slot whose ids share the longest prefix with its prompt, keeps that
 prefix (`RingKVCache.keep_prefix`) and prefills only the rest (a chat that re-sends its history each
 turn prefills only the new turn).
@@ -19,8 +21,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from edgeinfer.batching import DecodeBatcher, SoloStepper
 from edgeinfer.generation import Chunk, Completion, Generation
-from edgeinfer.kv_cache import RingKVCache
+from edgeinfer.kv_cache import BatchedKV, RingKVCache
 from edgeinfer.options import GenerationOptions
 
 
@@ -51,8 +54,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Scheduler:
     def __init__(self, model, slots: int, queue: int):
         self.model = model
-        # slot 0 reuses the model's own ring (the server never calls generate/stream on the model)
-        self.slots = [Slot(0, model.cache)] + [Slot(i, model.new_cache()) for i in range(1, slots)]
+        engine = model.engine
+        if engine.mode.in_place and slots > 1:
+            kv = BatchedKV(model.manifest.arch, slots, model.capacity_tokens, model.n_sink, engine.max_chunk, engine.mode)
+            model.cache = kv.caches[0]  # the model's own ring is slot 0 (the server never uses it otherwise)
+            caches, self.stepper = kv.caches, DecodeBatcher(engine, kv)
+        else:  # slot 0 reuses the model's own ring
+            caches, self.stepper = [model.cache] + [model.new_cache() for _ in range(1, slots)], SoloStepper(engine)
+        self.slots = [Slot(i, c) for i, c in enumerate(caches)]
         self.queue_limit = queue
         self._free = list(self.slots)
         self._cond = threading.Condition()
@@ -149,7 +158,7 @@ class Job:
         slot.ids = None  # unknown while it runs
         gen = Generation(model.engine, model.tokenizer, slot.cache, self.options, model.overflow,
                          begin=lambda: prompt[cached:], end=self._remember(slot, cached), logprobs=self.logprobs,
-                         load_ms=model.load_ms)
+                         load_ms=model.load_ms, stepper=self.scheduler.stepper)
         for chunk in gen:
             if self.cancelled.is_set():
                 gen.close()
