@@ -20,16 +20,17 @@ call is made; the steps below run from the first `next()`:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from edgeinfer.batching import SoloStepper
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.detokenize import Detokenizer, StopFilter
 from edgeinfer.engine import Engine
-from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.options import GenerationOptions
 from edgeinfer.overflow import fit_prompt
@@ -72,6 +73,10 @@ class Chunk:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # with `logprobs` = n > 0: the n best (id, logprob)
 
 
+class GenerationCancelled(EdgeInferError):
+    """The caller cancelled the request (its `cancelled` event) before it finished."""
+
+
 class Generation:
     """Iterate for Chunks; `completion` is None until the request ends (and stays None if it was
     abandoned or failed). After it ends, for a conversation: `unfed` (the last sampled token, not yet
@@ -81,13 +86,17 @@ class Generation:
     def __init__(self, engine: Engine, tok: Tokenizer, cache: RingKVCache, options: GenerationOptions, overflow: str,
                  *, begin: Callable[[], list[int]], end: Callable[["Generation"], None] | None = None,
                  lock: ContextLock | None = None, load_ms: float = 0.0, logprobs: int | None = None,
-                 stepper=None):
+                 stepper=None, prefix: Sequence[int] = (), cancelled: threading.Event | None = None):
         """logprobs: None (off) or n >= 0: each chunk carries its token's logprob and the n best.
         stepper: how decode steps run (`batching.SoloStepper`, the default, or a `DecodeBatcher`
-        that runs this conversation's steps together with others')."""
+        that runs this conversation's steps together with others').
+        prefix: tokens the cache already holds just before this prompt (a reused prefix): the
+        penalties and the detokenizer see them as the prompt's start, as if it had been fed whole.
+        cancelled: when set, the request stops at the next prefill chunk or token (GenerationCancelled)."""
         self.engine, self.tok, self.cache, self.options, self.overflow = engine, tok, cache, options, overflow
         self.load_ms, self.logprobs = load_ms, logprobs
         self.stepper = stepper if stepper is not None else SoloStepper(engine)
+        self.prefix, self.cancelled = list(prefix), cancelled
         self.completion: Completion | None = None
         self.unfed: tuple[int, ...] = ()
         self.cached_text = ""
@@ -130,19 +139,21 @@ class Generation:
         feed, dropped = fit_prompt(cache, prompt_ids, self.overflow, opts.max_new_tokens)
         self.prompt_dropped = dropped
         dropped_before = cache.dropped
-        detok, stops = Detokenizer(tok, prompt_ids), StopFilter(opts.stop)
+        detok, stops = Detokenizer(tok, self.prefix + prompt_ids), StopFilter(opts.stop)
         generated: list[int] = []
         # (tokens fed, text length they make, no text pending, cache mark) of the last tokens, for stop strings
         marks: deque = deque(maxlen=STOP_MARKS if opts.stop else 1)
 
         t0 = time.perf_counter()
-        logits = engine.prefill(cache, feed)
+        for start in range(0, len(feed), engine.max_chunk):  # chunked prefill, cancellable between chunks
+            self._check_cancelled()
+            logits = engine.forward(cache, feed[start:start + engine.max_chunk])[0]
         marks.append((0, 0, True, cache.mark()))
         t_prefill = time.perf_counter()
         self.stepper.join(cache)
         try:
-            finish, final, t_first = yield from self._decode(logits, Sampler(opts.sampling, opts.seed, feed), detok,
-                                                             stops, generated, marks)
+            sampler = Sampler(opts.sampling, opts.seed, self.prefix + feed)  # keeps the last penalty_last_n
+            finish, final, t_first = yield from self._decode(logits, sampler, detok, stops, generated, marks)
         finally:
             self.stepper.leave(cache)
         t_first = t_first or t_prefill
@@ -163,6 +174,10 @@ class Generation:
                             decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0))
         if final is not None:
             yield final
+
+    def _check_cancelled(self) -> None:
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise GenerationCancelled("the request was cancelled")
 
     def _decode(self, logits, sampler: Sampler, detok: Detokenizer, stops: StopFilter, generated: list[int],
                 marks: deque):
@@ -191,6 +206,7 @@ class Generation:
             if len(generated) >= opts.max_new_tokens or (cache.full and self.overflow != "shift"):
                 return "length", Chunk(text + stops.flush(), token, lp, top), t_first
             yield Chunk(text, token, lp, top)
+            self._check_cancelled()
             logits = self.stepper.step(cache, token)
             text_len += len(piece)
             if opts.stop:

@@ -26,7 +26,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -36,14 +36,21 @@ from edgeinfer.server import protocol
 from edgeinfer.server.config import ServeConfig
 from edgeinfer.server.metrics import Metrics
 from edgeinfer.server.protocol import APIError
-from edgeinfer.server.scheduler import Job, QueueFull, Scheduler
+from edgeinfer.server.scheduler import Cancelled, Job, QueueFull, Scheduler
 
 log = logging.getLogger("edgeinfer.server")
 DROPPED_HEADER = "X-Edgeinfer-Dropped-Tokens"
 
 
+class JSON(JSONResponse):
+    """JSON with non-ASCII escaped: a lone surrogate echoed from a request cannot break the encoding."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(e: APIError, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return JSON(e.body(), status_code=e.status, headers=headers)
 
 
 class Server:
@@ -63,18 +70,17 @@ class Server:
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.metrics_route, methods=["GET"])]
-        middleware = [Middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
-                                 allow_headers=["*"])] if config.cors_origins else []
-        self.app = Starlette(routes=routes, middleware=middleware,
+        cors = [Middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])] if config.cors_origins else []
+        self.app = Starlette(routes=routes, middleware=cors + [Middleware(_Gate, server=self)],  # first = outermost
                              exception_handlers={HTTPException: self._http_error, Exception: self._bug})
-        self.app.add_middleware(_Gate, server=self)
 
     # ---- plumbing -------------------------------------------------------------------------------
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = f"{request.method} {request.url.path}: " + ("no such route" if exc.status_code == 404 else exc.detail)
-        return error_response(APIError(exc.status_code, msg, code=code))
+        return error_response(APIError(exc.status_code, msg, code=code), headers=exc.headers)  # 405: Allow
 
     async def _bug(self, request: Request, exc: Exception) -> Response:
         log.exception("internal error on %s %s", request.method, request.url.path)
@@ -83,9 +89,9 @@ class Server:
     def authorized(self, request: Request) -> bool:
         if self._key is None:
             return True
-        given = request.headers.get("authorization", "")
+        given = request.headers.get("authorization", "")  # decoded as latin-1: the raw bytes back below
         scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self._key)
 
     async def read_json(self, request: Request) -> dict:
         limit = self.config.max_body_bytes
@@ -93,23 +99,28 @@ class Server:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"request body of {declared} bytes is over the limit of {limit}", code="body_too_large")
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                raise APIError(413, f"request body is over the limit of {limit} bytes", code="body_too_large")
+        try:
+            async for part in request.stream():
+                body += part
+                if len(body) > limit:
+                    raise APIError(413, f"request body is over the limit of {limit} bytes", code="body_too_large")
+        except ClientDisconnect:  # nobody will read the answer; not a server error
+            raise APIError(400, "the client went away while sending its body", code="client_disconnected") from None
         try:
             return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise APIError(400, "the body is not valid JSON: nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's digit limit
+            raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
 
     # ---- routes -------------------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse(protocol.models_list(self.model_id, self.created))
+        return JSON(protocol.models_list(self.model_id, self.created))
 
     async def health(self, request: Request) -> Response:
         s = self.scheduler
-        return JSONResponse({"status": "draining" if self.draining else "ok", "model": self.model_id,
+        return JSON({"status": "draining" if self.draining else "ok", "model": self.model_id,
                              "slots_busy": s.busy, "slots_total": len(s.slots), "queue_depth": max(0, s.waiting)})
 
     async def metrics_route(self, request: Request) -> Response:
@@ -154,13 +165,18 @@ class Server:
         job = Job(self.scheduler, prompt, req.options, logprobs, asyncio.get_running_loop())
         self.pool.submit(job.run)
         reply = _Reply(self, req, chat, prompt, job, t0, endpoint)
-        first = await job.events.get()
-        if first[0] == "error":
-            return reply.failed(first[1])
-        if req.stream:
-            return StreamingResponse(reply.stream(first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await reply.whole(first, request)
+        watch = asyncio.ensure_future(_cancel_on_disconnect(request, job))
+        try:
+            first = await job.events.get()
+            if first[0] == "error":
+                return reply.failed(first[1])
+            if req.stream:  # from here Starlette's StreamingResponse watches the client
+                watch.cancel()
+                return StreamingResponse(reply.stream(first), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            return await reply.whole(first)
+        finally:
+            watch.cancel()
 
 
 class _Reply:
@@ -177,7 +193,10 @@ class _Reply:
         self._offset = len(req.prompt) if not chat and isinstance(req.prompt, str) else 0  # legacy text_offset
 
     def failed(self, exc: BaseException) -> Response:
-        if isinstance(exc, ContextOverflowError):
+        if isinstance(exc, Cancelled):  # the client left (nobody reads this) or the server is stopping
+            err = APIError(503, "the server is shutting down", type="server_error", code="shutting_down") \
+                if self.server.draining else APIError(499, "the client closed the request", code="client_closed")
+        elif isinstance(exc, ContextOverflowError):
             err = APIError(400, str(exc), param="messages" if self.chat else "prompt", code="context_length_exceeded")
         elif isinstance(exc, EdgeInferError):
             err = APIError(400, str(exc))
@@ -215,15 +234,13 @@ class _Reply:
         m.finished(completion, len(self.prompt), cached, self.ttft_s, time.perf_counter() - self.t0)
         self._log(status, completion.usage.completion_tokens)
 
-    async def whole(self, first, request: Request) -> Response:
+    async def whole(self, first) -> Response:
         chunks, event = [], first
         while event[0] == "chunk":
             if self.ttft_s is None:
                 self.ttft_s = time.perf_counter() - self.t0
             chunks.append(event[1])
-            event = await self._next_or_disconnect(request)
-            if event is None:
-                return Response(status_code=499)  # nobody is listening; the job was cancelled
+            event = await self.job.events.get()
         if event[0] == "error":
             return self.failed(event[1])
         _, completion, cached = event
@@ -238,19 +255,7 @@ class _Reply:
                                                 text=completion.text, finish_reason=reason, usage=usage,
                                                 logprobs=self._legacy_logprobs(chunks))
         self._finish_metrics(completion, cached)
-        return JSONResponse(body, headers={DROPPED_HEADER: str(completion.usage.dropped_tokens)})
-
-    async def _next_or_disconnect(self, request: Request):
-        """The job's next event, or None if the client disconnected first (the job is then cancelled)."""
-        get = asyncio.ensure_future(self.job.events.get())
-        while True:
-            done, _ = await asyncio.wait({get}, timeout=0.25)
-            if done:
-                return get.result()
-            if await request.is_disconnected():
-                get.cancel()
-                self.job.cancel()
-                return None
+        return JSON(body, headers={DROPPED_HEADER: str(completion.usage.dropped_tokens)})
 
     def _legacy_logprobs(self, chunks) -> dict | None:
         """Legacy completions' logprobs for these chunks; offsets count from the prompt's start, and
@@ -311,6 +316,13 @@ class _Reply:
                                        logprobs=self._token_logprobs(chunk) if self.req.logprobs else None)
         return protocol.completion_chunk(id=self.id, created=self.created, model=self.model_id, text=chunk.text,
                                          logprobs=self._legacy_logprobs([chunk]))
+
+
+async def _cancel_on_disconnect(request: Request, job: Job, every_s: float = 0.1) -> None:
+    """Cancel `job` as soon as the client disconnects (queued, prefilling or generating a whole reply)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(every_s)
+    job.cancel()
 
 
 def _sse(obj: dict) -> str:

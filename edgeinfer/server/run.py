@@ -29,18 +29,24 @@ class DrainingServer(uvicorn.Server):
         self._draining = False
 
     def handle_exit(self, sig, frame) -> None:  # not recorded, so uvicorn does not re-raise it: exit 0
-        if self._draining:
-            self.force_exit = self.should_exit = True
+        if self._draining:  # a second signal: stop every request now (503s go out), then close
+            self.app_server.scheduler.cancel_all()
+            threading.Thread(target=self._force, name="edgeinfer-stop", daemon=True).start()
             return
         self._draining = True
         self.app_server.draining = True
         log.info("signal %s: draining (%d in flight), then exiting", sig, self.app_server.scheduler.in_flight)
         threading.Thread(target=self._drain, name="edgeinfer-drain", daemon=True).start()
 
+    def _force(self, flush_s: float = 0.5) -> None:
+        time.sleep(flush_s)  # the cancelled requests' answers go out
+        self.force_exit = self.should_exit = True
+
     def _drain(self) -> None:
         deadline = time.monotonic() + self.grace_s
         while self.app_server.scheduler.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
+        self.app_server.scheduler.cancel_all()  # past the grace period: what is left stops at its next step
         self.should_exit = True
 
 
@@ -80,5 +86,6 @@ def serve(config: ServeConfig) -> int:
     print(f"edgeinfer serve: listening on http://{config.host}:{config.port} (OpenAI API at /v1)", file=sys.stderr,
           flush=True)
     uvicorn_server(server).run()
+    server.scheduler.cancel_all()  # worker threads end within one step: the process can exit
     server.pool.shutdown(wait=False, cancel_futures=True)
     return 0

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from edgeinfer.batching import DecodeBatcher, SoloStepper
-from edgeinfer.generation import Chunk, Completion, Generation
+from edgeinfer.generation import Chunk, Completion, Generation, GenerationCancelled
 from edgeinfer.kv_cache import BatchedKV, RingKVCache
 from edgeinfer.options import GenerationOptions
 
@@ -69,6 +69,7 @@ class Scheduler:
         self._clock = 0
         self.prefix_hits = 0  # requests that reused a cached prefix
         self.cached_tokens = 0  # prompt tokens not prefilled thanks to that
+        self.jobs: set[Job] = set()  # admitted and not finished (for cancel_all)
 
     @property
     def busy(self) -> int:
@@ -85,6 +86,13 @@ class Scheduler:
             if self.waiting - len(self._free) >= self.queue_limit:  # those beyond the free slots would queue
                 raise QueueFull
             self.waiting += 1
+
+    def cancel_all(self) -> None:
+        """Stop every request (shutdown): each stops at its next prefill chunk or token, or leaves the queue."""
+        with self._cond:
+            jobs = list(self.jobs)
+        for job in jobs:
+            job.cancel()
 
     def take(self, prompt: list[int], cancelled: threading.Event) -> tuple[Slot, int]:
         """Wait for a free slot (after `admit`); returns it and how many prompt tokens it already holds."""
@@ -105,6 +113,8 @@ class Scheduler:
             self._clock += 1
             best.last_used = self._clock
         reuse = min(best_n, len(prompt) - 1)  # at least one token is fed, for the next logits
+        if self.model.overflow == "truncate" and len(prompt) > best.cache.capacity // 2:
+            reuse = 0  # truncation must see the whole prompt to drop its oldest tokens, not its newest
         if reuse <= 0 or not best.cache.keep_prefix(reuse):
             reuse = 0
             best.cache.reset()
@@ -133,6 +143,8 @@ class Job:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        with scheduler._cond:
+            scheduler.jobs.add(self)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -142,27 +154,29 @@ class Job:
 
     def run(self) -> None:
         try:
-            slot, cached = self.scheduler.take(self.prompt, self.cancelled)
-        except Cancelled:
-            self._emit("error", Cancelled())
-            return
-        try:
-            self._generate(slot, cached)
-        except BaseException as e:  # noqa: BLE001 - reported to the request, the server goes on
-            self._emit("error", e)
+            try:
+                slot, cached = self.scheduler.take(self.prompt, self.cancelled)
+            except Cancelled:
+                self._emit("error", Cancelled())
+                return
+            try:
+                self._generate(slot, cached)
+            except BaseException as e:  # noqa: BLE001 - reported to the request, the server goes on
+                self._emit("error", Cancelled() if isinstance(e, GenerationCancelled) else e)
+            finally:
+                self.scheduler.give_back(slot)
         finally:
-            self.scheduler.give_back(slot)
+            with self.scheduler._cond:
+                self.scheduler.jobs.discard(self)
 
     def _generate(self, slot: Slot, cached: int) -> None:
         model, prompt = self.scheduler.model, self.prompt
         slot.ids = None  # unknown while it runs
         gen = Generation(model.engine, model.tokenizer, slot.cache, self.options, model.overflow,
                          begin=lambda: prompt[cached:], end=self._remember(slot, cached), logprobs=self.logprobs,
-                         load_ms=model.load_ms, stepper=self.scheduler.stepper)
+                         load_ms=model.load_ms, stepper=self.scheduler.stepper, prefix=prompt[:cached],
+                         cancelled=self.cancelled)
         for chunk in gen:
-            if self.cancelled.is_set():
-                gen.close()
-                return
             self._emit("chunk", chunk)
         self._emit("done", gen.completion, cached)
 

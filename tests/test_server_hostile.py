@@ -1,0 +1,394 @@
+"""Hostile tests for the daemon (`edgeinfer serve`): a careless or hostile client against a real
+server on a free loopback port (the `Running` helper of test_server.py).
+
+Each test reproduces one defect found by attacking the server, and passes once that defect is
+fixed; its docstring gives the expected and the actual behaviour. None is marked xfail.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+import edgeinfer
+from edgeinfer.server.config import ServeConfig
+from test_server import KEY, Running
+
+MODEL = "stories260K-int8"
+AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+
+def _shaped(resp: httpx.Response) -> bool:
+    """An OpenAI-shaped error body: {"error": {"message", "type", "param", "code"}}."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and set(body.get("error", {})) == {"message", "type", "param", "code"}
+
+
+def _raw(body: dict, path: str = "/v1/completions") -> bytes:
+    b = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(b)}\r\n\r\n").encode() + b
+
+
+def _health(r) -> dict:
+    return httpx.get(r.url + "/health", timeout=5).json()
+
+
+def _wait(pred, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return edgeinfer.load()
+
+
+@pytest.fixture(scope="module")
+def srv(model):
+    r = Running(ServeConfig(api_key=KEY, slots=2, queue=2, max_tokens_limit=64, max_body_bytes=20_000), model=model)
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def one_slot(model):
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=20_000), model=model)
+    yield r
+    r.stop()
+
+
+# --- bad input that reaches the 500 handler -----------------------------------------------------------
+
+def _settle() -> None:
+    """Let the server thread finish logging a traceback before this thread fails a test: Python
+    3.11's traceback formatting calls ast.parse, whose module state two threads must not share
+    (a race there is pytest's INTERNALERROR "AST constructor recursion depth mismatch")."""
+    time.sleep(0.3)
+
+
+def _assert_400_and_still_serving(srv, resp):
+    ok = httpx.post(srv.url + "/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    _settle()
+    assert resp.status_code == 400 and _shaped(resp), (resp.status_code, resp.text[:200])
+    assert ok.status_code == 200
+
+
+def test_deeply_nested_json_is_a_400_not_a_500(srv):
+    """A 10 kB body of nested arrays (or objects), far under max_body_bytes. Expected: 400 "not valid
+    JSON" like any other unparsable body. Actual: json.loads raises RecursionError, which read_json
+    does not catch: 500 "internal server error" and two tracebacks in the log per request."""
+    for body in (b"[" * 5000 + b"]" * 5000, b'{"a":' * 3000 + b"1" + b"}" * 3000):
+        resp = httpx.post(srv.url + "/v1/chat/completions", headers=AUTH, content=body)
+        _assert_400_and_still_serving(srv, resp)
+
+
+def test_integer_past_pythons_digit_limit_is_a_400_not_a_500(srv):
+    """`"seed": 999...9` with 5000 digits (5 kB). Expected: 400 (invalid JSON or seed out of range).
+    Actual: json.loads raises a plain ValueError ("Exceeds the limit (4300 digits) for integer string
+    conversion"), not a JSONDecodeError, so read_json lets it through: 500 and a traceback."""
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "x"}], "seed": %s}' % (MODEL, "9" * 5000))
+    resp = httpx.post(srv.url + "/v1/chat/completions", headers=AUTH, content=body.encode())
+    _assert_400_and_still_serving(srv, resp)
+
+
+@pytest.mark.parametrize("raw_model", [b'"\\ud800x"', b'"\xed\xa0\x80"'])
+def test_unknown_model_with_a_lone_surrogate_is_a_404_not_a_500(srv, raw_model):
+    """`"model": "\\ud800x"` (a JSON escape), or the same code point as raw bytes (json.loads decodes
+    bytes with surrogatepass). Expected: OpenAI's 404 model_not_found (or a 400). Actual: the 404's
+    message embeds the raw name, JSONResponse cannot encode the lone surrogate as UTF-8, and the
+    UnicodeEncodeError becomes a 500 "internal server error" with a traceback."""
+    body = b'{"model": ' + raw_model + b', "prompt": "hi", "max_tokens": 2}'
+    resp = httpx.post(srv.url + "/v1/completions", headers=AUTH, content=body)
+    _settle()
+    assert resp.status_code in (400, 404) and _shaped(resp), (resp.status_code, resp.text[:200])
+
+
+def test_405_carries_an_allow_header(srv):
+    """GET /v1/chat/completions. Expected: 405 with `Allow: POST` (RFC 9110 15.5.6: a 405 MUST carry
+    Allow; Starlette's own 405 does). Actual: the app's HTTPException handler rebuilds the response
+    and drops exc.headers, so there is no Allow header."""
+    resp = httpx.get(srv.url + "/v1/chat/completions", headers=AUTH)
+    assert resp.status_code == 405 and _shaped(resp)
+    assert "POST" in resp.headers.get("allow", ""), dict(resp.headers)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_client_gone_mid_body_is_not_logged_as_an_internal_error(srv):
+    """A client sends the headers (Content-Length: 400) and part of the body, then closes. Expected:
+    the request is dropped quietly (at most one info line / a 499 in the metrics). Actual:
+    starlette's ClientDisconnect escapes read_json, reaches the catch-all handler: "internal error"
+    with a traceback from edgeinfer.server plus "Exception in ASGI application" with another from
+    uvicorn, for every such connection (a cheap way to flood the log)."""
+    handler = _Records()
+    loggers = [logging.getLogger("edgeinfer.server"), logging.getLogger("uvicorn.error")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                      + b"\r\nContent-Type: application/json\r\nContent-Length: 400\r\n\r\n{\"model\": \"st")
+            time.sleep(0.05)
+            s.close()
+        time.sleep(1.5)  # every traceback logged (see _settle) before the verdict
+        assert not handler.records, [r.getMessage()[:100] for r in handler.records]
+        assert _health(srv)["slots_busy"] == 0
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+
+
+def test_cors_preflight_is_not_refused_for_want_of_an_api_key(model):
+    """A server with an API key and cors_origins (a browser app calling it). The browser's preflight
+    (OPTIONS with Origin and Access-Control-Request-Method, never an Authorization header) must be
+    answered by the CORS middleware. Actual: the _Gate middleware is added outside CORSMiddleware,
+    so the preflight is a 401 without any Access-Control-* header, and the browser never sends the
+    real request: CORS cannot work together with a key."""
+    r = Running(ServeConfig(api_key=KEY, slots=1, queue=1, cors_origins=("http://app.example",)), model=model)
+    try:
+        pre = httpx.options(r.url + "/v1/chat/completions",
+                            headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                                     "Access-Control-Request-Headers": "authorization,content-type"})
+        assert pre.status_code == 200, (pre.status_code, pre.text[:200])
+        assert pre.headers.get("access-control-allow-origin") == "http://app.example"
+    finally:
+        r.stop()
+
+
+# --- clients that go away: slots and queue places that are not freed ----------------------------------
+
+def test_non_streamed_request_is_cancelled_when_its_client_disconnects(one_slot):
+    """A non-streamed completion (max_tokens 10000, ignore_eos: ~7 s here) whose client closes
+    the connection after 0.3 s (what a client timeout does). Expected: the job is cancelled within
+    about one token and the slot freed (the module docstring and _next_or_disconnect promise it).
+    Actual: _next_or_disconnect checks request.is_disconnected() only when no token came for 0.25 s;
+    tokens come faster than that, so the check never runs and the slot stays busy until all 10000
+    tokens are generated for nobody (with a client that retries on timeout, ghosts pile up)."""
+    s = socket.create_connection(("127.0.0.1", one_slot.port))
+    s.sendall(_raw({"model": MODEL, "prompt": "Once", "max_tokens": 10_000, "ignore_eos": True}))
+    assert _wait(lambda: _health(one_slot)["slots_busy"] == 1, 5)
+    time.sleep(0.3)
+    s.close()
+    t0 = time.monotonic()
+    freed = _wait(lambda: _health(one_slot)["slots_busy"] == 0, 1.5)
+    assert freed, f"slot still busy {time.monotonic() - t0:.1f} s after the client left"
+
+
+def test_disconnect_while_queued_frees_the_queue_place(one_slot):
+    """slots=1, queue=1: A streams (long), B is queued, B's client closes. Expected: B leaves the
+    queue (queue_depth 0) and a new request C is queued rather than refused. Actual: while queued
+    the handler awaits the job's first event and watches nothing, and the scheduler's Cancelled path
+    is never triggered: B keeps its queue place until A ends (then prefills and generates a token for
+    nobody), /health shows queue_depth 1, and C gets 429 queue_full."""
+    a = socket.create_connection(("127.0.0.1", one_slot.port))
+    a.sendall(_raw({"model": MODEL, "prompt": "Once", "max_tokens": 20_000, "ignore_eos": True, "stream": True}))
+    a.recv(4096)
+    b = socket.create_connection(("127.0.0.1", one_slot.port))
+    b.sendall(_raw({"model": MODEL, "prompt": "Once", "max_tokens": 5, "stream": True}))
+    c = None
+    try:
+        assert _wait(lambda: _health(one_slot)["queue_depth"] == 1, 5)
+        b.close()
+        left = _wait(lambda: _health(one_slot)["queue_depth"] == 0, 1.5)
+        c = socket.create_connection(("127.0.0.1", one_slot.port))
+        c.settimeout(0.7)
+        c.sendall(_raw({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stream": True}))
+        try:
+            head = c.recv(4096)
+        except socket.timeout:
+            head = b""  # queued: no answer yet, as expected
+        assert left, f"queue place still held after its client left: {_health(one_slot)}"
+        assert not head.startswith(b"HTTP/1.1 429"), head[:200]
+    finally:
+        a.close()
+        if c is not None:
+            c.close()
+        _wait(lambda: _health(one_slot)["slots_busy"] == 0 and _health(one_slot)["queue_depth"] == 0, 10)
+
+
+def test_disconnect_during_a_long_prefill_frees_the_slot(one_slot):
+    """A streamed completion with a 60 000-token prompt (120 kB, under the 1 MiB body limit), whose
+    client closes once the slot is busy. Expected: the slot is freed promptly (the doc: "cancelled
+    within one token"). Actual: until the first token the handler watches nothing, and prefill never
+    looks at `cancelled`: the slot stays busy for the whole prefill (~8 s here for a 260K-parameter
+    model; a 1 MiB prompt held it 68 s, and on a real model on a Pi it would be hours), and the
+    request is only dropped after its first token."""
+    s = socket.create_connection(("127.0.0.1", one_slot.port))
+    s.sendall(_raw({"model": MODEL, "prompt": "a " * 60_000, "max_tokens": 5, "stream": True}))
+    assert _wait(lambda: _health(one_slot)["slots_busy"] == 1, 5)
+    s.close()
+    t0 = time.monotonic()
+    freed = _wait(lambda: _health(one_slot)["slots_busy"] == 0, 1.5)
+    assert freed, f"slot still busy {time.monotonic() - t0:.1f} s after the client left"
+
+
+# --- prefix reuse changes answers: a request's reply depends on what the slot held ---------------------
+
+@pytest.mark.parametrize("penalty", [{"repetition_penalty": 1.5}, {"frequency_penalty": 1.5},
+                                     {"presence_penalty": 1.5}])
+def test_same_request_twice_gives_the_same_greedy_reply_with_penalties(model, penalty):
+    """The same greedy request twice on a one-slot server, with a penalty. Expected: the same text both
+    times, equal to the in-process model's (the second only reports cached_tokens). Actual: the second
+    request reuses the slot's prefix, and Generation builds the Sampler's penalty history from the
+    fed suffix only (`Sampler(..., feed)`), so the penalties no longer see the prompt: another reply.
+    A reply thus depends on what an earlier request (anyone's) left in the slot."""
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=64), model=model)
+    prompt = ("Once upon a time there was a little girl named Lily. She liked to play with her ball in the "
+              "park. One day she saw a big dog. The dog ran")
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, **penalty}
+    try:
+        first = httpx.post(r.url + "/v1/completions", json=body, timeout=30).json()
+        second = httpx.post(r.url + "/v1/completions", json=body, timeout=30).json()
+    finally:
+        r.stop()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the path under test
+    want = edgeinfer.load().generate(prompt, max_new_tokens=40, temperature=0, ignore_eos=True, **penalty).text
+    assert first["choices"][0]["text"] == want
+    assert second["choices"][0]["text"] == want
+
+
+def test_truncate_with_a_reused_prefix_drops_the_oldest_tokens_not_the_newest():
+    """overflow=truncate, capacity 64, one slot. Request P (30 tokens, fits) leaves P in the slot; then X
+    = P + 29 more tokens, max_tokens 30 (does not fit: 25 tokens must go). Expected (docs: "the
+    oldest prompt tokens (after the sinks) are dropped"): the reply equals X served on a fresh slot.
+    Actual: fit_prompt runs on the suffix after the reused prefix, so the whole old prefix is kept
+    and the *newest* tokens are dropped (only the last 4 of the 29 new ones stay): a different reply,
+    continuing text the client meant to be forgotten."""
+    served = edgeinfer.load(capacity_tokens=64, overflow="truncate")
+    fresh = edgeinfer.load(capacity_tokens=64, overflow="truncate")
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=64, overflow="truncate"), model=served)
+    p = "Once upon a time there was a little girl named Lily. She liked to play with her ball in the park."
+    x = p + " One day she saw a big dog. The dog was very friendly and wagged its tail. Lily"
+    try:
+        httpx.post(r.url + "/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": p, "max_tokens": 1, "temperature": 0})
+        got = httpx.post(r.url + "/v1/completions", timeout=30,
+                         json={"model": MODEL, "prompt": x, "max_tokens": 30, "temperature": 0,
+                               "ignore_eos": True}).json()
+    finally:
+        r.stop()
+    want = fresh.generate(x, max_new_tokens=30, temperature=0, ignore_eos=True)
+    assert got["usage"]["dropped_tokens"] == want.usage.dropped_tokens
+    assert got["choices"][0]["text"] == want.text
+
+
+# --- shutdown -----------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_process(*extra: str):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "serve", "--port", str(port), "--slots", "1",
+                             "--queue", "2", "--max-tokens-limit", "20000", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, port, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
+        time.sleep(0.1)
+
+
+def test_second_sigterm_exits_promptly_even_during_a_long_prefill():
+    """`edgeinfer serve` busy prefilling a 150 000-token prompt; SIGTERM, then SIGTERM again.
+    Expected (run.py, docs: "a second signal stops at once"): the process exits within a second or
+    two. Actual: uvicorn stops, but the worker thread is in a prefill that never checks
+    `cancelled`, and the interpreter joins the ThreadPoolExecutor's threads at exit: the process
+    lives until the prefill ends (~20 s here; hours for a real model on a
+    Pi, until systemd's SIGKILL)."""
+    proc, port, url = _start_process("--grace-s", "1")
+    s = socket.create_connection(("127.0.0.1", port))
+    try:
+        s.sendall(_raw({"model": MODEL, "prompt": "a " * 150_000, "max_tokens": 5}))
+        assert _wait(lambda: httpx.get(url + "/health").json()["slots_busy"] == 1, 10)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            pass
+        assert proc.poll() is not None, f"still running {time.monotonic() - t0:.1f} s after the second SIGTERM"
+    finally:
+        s.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stderr.close()
+
+
+def test_second_sigterm_answers_queued_requests_openai_shaped():
+    """One request streams, one non-streamed request is queued; SIGTERM twice (stop at once). Expected:
+    the queued request gets an OpenAI-shaped error (503 shutting_down), or at worst its connection is
+    closed. Actual: uvicorn cancels the handler awaiting the job's first event; the CancelledError
+    escapes the app, uvicorn logs "Exception in ASGI application" with a traceback and answers its
+    own text/plain "500 Internal Server Error"."""
+    proc, port, url = _start_process("--grace-s", "30")
+    a = socket.create_connection(("127.0.0.1", port))
+    b = socket.create_connection(("127.0.0.1", port))
+    try:
+        a.sendall(_raw({"model": MODEL, "prompt": "Once", "max_tokens": 20_000, "ignore_eos": True, "stream": True}))
+        a.recv(4096)
+        b.sendall(_raw({"model": MODEL, "prompt": "Once", "max_tokens": 20}))
+        assert _wait(lambda: httpx.get(url + "/health").json()["queue_depth"] == 1, 5)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        b.settimeout(5)
+        data = b""
+        while True:
+            try:
+                d = b.recv(65536)
+            except (socket.timeout, ConnectionResetError):
+                break
+            if not d:
+                break
+            data += d
+        if data:
+            head, _, body = data.partition(b"\r\n\r\n")
+            status = head.split(b"\r\n", 1)[0]
+            assert b" 500 " not in status, data[:300]
+            err = json.loads(body)["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+        assert "Exception in ASGI application" not in proc.stderr.read()
+    finally:
+        a.close()
+        b.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stderr.close()
