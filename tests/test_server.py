@@ -318,3 +318,19 @@ def test_print_systemd_unit_carries_config_and_no_key(tmp_path, capsys, monkeypa
     assert ["--config", str(conf.resolve())] == argv[argv.index("--config"):argv.index("--config") + 2]
     assert "--host" in argv and "0.0.0.0" in argv and "9000" in argv
     assert any(x.startswith("ReadWritePaths=") for x in unit.splitlines())  # the verification stamp
+
+
+def test_a_client_that_falls_behind_gets_merged_events_with_the_same_text(srv):
+    """Tokens that pile up while the client is slow go out as one SSE event: fewer events, same text."""
+    body = {"model": "stories260K-int8", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0,
+            "ignore_eos": True}
+    whole = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}).json()
+    texts = []
+    with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                time.sleep(0.01)  # a slow reader
+                texts += [c["text"] for c in json.loads(line[6:])["choices"]]
+    assert "".join(texts) == whole["choices"][0]["text"]
+    assert len([t for t in texts if t]) < 64

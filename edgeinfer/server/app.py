@@ -275,12 +275,19 @@ class _Reply:
                 yield _sse(protocol.chat_chunk(id=self.id, created=self.created, model=self.model_id,
                                                delta={"role": "assistant", "content": ""}))
             while event[0] == "chunk":
-                chunk = event[1]
                 if self.ttft_s is None:
                     self.ttft_s = time.perf_counter() - self.t0
-                if chunk.text or chunk.logprob is not None:
-                    yield _sse(self._chunk_body(chunk))
-                event = await self.job.events.get()
+                chunks, event = [event[1]], None
+                while not self.job.events.empty():  # the client fell behind: send what is ready as one event
+                    event = self.job.events.get_nowait()
+                    if event[0] != "chunk":
+                        break
+                    chunks.append(event[1])
+                    event = None
+                if any(c.text or c.logprob is not None for c in chunks):
+                    yield _sse(self._chunk_body(chunks))
+                if event is None:
+                    event = await self.job.events.get()
             if event[0] == "error":
                 status = 500 if not isinstance(event[1], EdgeInferError) else 400
                 yield _sse(APIError(status, str(event[1]) or "generation failed", type="server_error").body())
@@ -309,13 +316,15 @@ class _Reply:
                 self.server.metrics.request(self.endpoint, 499 if status == 200 else status)
                 self._log(499 if status == 200 else status, 0)
 
-    def _chunk_body(self, chunk) -> dict:
+    def _chunk_body(self, chunks: list) -> dict:
+        """One SSE event for one or more consecutive chunks (their text joined, their logprobs in order)."""
+        text = "".join(c.text for c in chunks)
         if self.chat:
+            lps = [e for c in chunks for e in (self._token_logprobs(c) or [])] if self.req.logprobs else None
             return protocol.chat_chunk(id=self.id, created=self.created, model=self.model_id,
-                                       delta={"content": chunk.text},
-                                       logprobs=self._token_logprobs(chunk) if self.req.logprobs else None)
-        return protocol.completion_chunk(id=self.id, created=self.created, model=self.model_id, text=chunk.text,
-                                         logprobs=self._legacy_logprobs([chunk]))
+                                       delta={"content": text}, logprobs=lps)
+        return protocol.completion_chunk(id=self.id, created=self.created, model=self.model_id, text=text,
+                                         logprobs=self._legacy_logprobs(chunks))
 
 
 async def _cancel_on_disconnect(request: Request, job: Job, every_s: float = 0.1) -> None:
