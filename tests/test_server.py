@@ -115,18 +115,26 @@ def test_legacy_completion_logprobs(srv):
     assert all(len(t) == 2 for t in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
 
 
-def test_prefix_reuse_reports_cached_tokens_and_same_text(srv):
-    cl = srv.client()
-    system = "You are a story teller. " * 20
-    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Tell me about a cat."}]
-    first = cl.chat.completions.create(model="stories260K-int8", messages=msgs, max_tokens=10, temperature=0)
-    msgs2 = msgs + [{"role": "assistant", "content": first.choices[0].message.content},
-                    {"role": "user", "content": "And the dog?"}]
-    second = cl.chat.completions.create(model="stories260K-int8", messages=msgs2, max_tokens=10, temperature=0)
-    cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached > 100
-    fresh = edgeinfer.load().chat(msgs2, max_new_tokens=10, temperature=0)
-    assert second.choices[0].message.content == fresh.text
+def test_prefix_reuse_reports_cached_tokens_and_same_text(converted):
+    """fp32 (exact whatever the prefill chunking): the 2nd turn reuses the 1st's cache and says what
+    a fresh model says. (With int8 activations, accuracy_level 4, a near-tie may flip: see the docs.)"""
+    from conftest import STORIES_SRC
+
+    folder = converted(STORIES_SRC, "fp32")
+    r = Running(ServeConfig(slots=2, queue=1), model=edgeinfer.load(folder))
+    try:
+        cl, name = r.client(key=None), folder.name
+        system = "You are a story teller. " * 20
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Tell me about a cat."}]
+        first = cl.chat.completions.create(model=name, messages=msgs, max_tokens=10, temperature=0)
+        msgs2 = msgs + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "And the dog?"}]
+        second = cl.chat.completions.create(model=name, messages=msgs2, max_tokens=10, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens > 100
+        fresh = edgeinfer.load(folder).chat(msgs2, max_new_tokens=10, temperature=0)
+        assert second.choices[0].message.content == fresh.text
+    finally:
+        r.stop()
 
 
 @pytest.mark.parametrize("exc,call", [
@@ -320,17 +328,36 @@ def test_print_systemd_unit_carries_config_and_no_key(tmp_path, capsys, monkeypa
     assert any(x.startswith("ReadWritePaths=") for x in unit.splitlines())  # the verification stamp
 
 
-def test_a_client_that_falls_behind_gets_merged_events_with_the_same_text(srv):
-    """Tokens that pile up while the client is slow go out as one SSE event: fewer events, same text."""
-    body = {"model": "stories260K-int8", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0,
-            "ignore_eos": True}
-    whole = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}).json()
-    texts = []
-    with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True},
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                time.sleep(0.01)  # a slow reader
-                texts += [c["text"] for c in json.loads(line[6:])["choices"]]
-    assert "".join(texts) == whole["choices"][0]["text"]
-    assert len([t for t in texts if t]) < 64
+def test_chunks_that_pile_up_go_out_as_one_event(srv):
+    """A client that falls behind: the chunks already waiting are sent as one SSE event (fewer
+    events, the same text in order). Driven directly, with the job's events queued in advance."""
+    import asyncio
+
+    from edgeinfer.generation import Chunk
+    from edgeinfer.server import protocol
+    from edgeinfer.server.app import _Reply
+
+    class Job:
+        def __init__(self):
+            self.events = asyncio.Queue()
+
+        def cancel(self):
+            pass
+
+    async def run():
+        job = Job()
+        texts = ["Once", " upon", " a", " time"]
+        for i, t in enumerate(texts[1:]):
+            job.events.put_nowait(("chunk", Chunk(t, 10 + i)))
+        completion = srv.server.model.generate("Hi", max_new_tokens=4)
+        job.events.put_nowait(("done", completion, 0))
+        req = protocol.parse_completion({"model": "stories260K-int8", "prompt": "x", "stream": True},
+                                        model_id="stories260K-int8", max_tokens_limit=64)
+        reply = _Reply(srv.server, req, False, [1, 2], job, time.perf_counter(), "completions")
+        return [e async for e in reply.stream(("chunk", Chunk(texts[0], 9)))]
+
+    events = asyncio.run(run())
+    bodies = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    assert bodies[0]["choices"][0]["text"] == "Once upon a time"  # four ready chunks, one event
+    assert [b["choices"][0]["finish_reason"] for b in bodies[1:]] == ["length"]
+    assert events[-1] == "data: [DONE]\n\n"
