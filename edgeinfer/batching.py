@@ -27,12 +27,10 @@ class SoloStepper:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.step = engine.decode_one  # step(cache, token) -> logits [V]: the engine's own, no extra frame
 
     def join(self, cache: RingKVCache) -> None:
         pass
-
-    def step(self, cache: RingKVCache, token: int) -> np.ndarray:
-        return self.engine.decode_one(cache, token)
 
     def leave(self, cache: RingKVCache) -> None:
         pass

@@ -183,8 +183,9 @@ class Generation:
                 marks: deque):
         """Step 4: sample, yield, feed back, until a finish. Returns (finish_reason, the last chunk or
         None, time of the first token); the last chunk is yielded by the caller once the completion is set."""
-        cache, opts = self.cache, self.options
+        cache, opts, overflow = self.cache, self.options, self.overflow
         eos = set() if opts.ignore_eos else set(self.tok.eos_ids)
+        step, cancelled, max_new, want_marks = self.stepper.step, self.cancelled, opts.max_new_tokens, bool(opts.stop)
         lp, top, text_len, t_first = None, (), 0, None
         while True:
             if self.logprobs is None:
@@ -203,11 +204,12 @@ class Generation:
             text = stops.feed(piece)
             if stops.stopped:
                 return "stop", Chunk(text, token, lp, top), t_first
-            if len(generated) >= opts.max_new_tokens or (cache.full and self.overflow != "shift"):
+            if len(generated) >= max_new or (overflow != "shift" and cache.full):
                 return "length", Chunk(text + stops.flush(), token, lp, top), t_first
             yield Chunk(text, token, lp, top)
-            self._check_cancelled()
-            logits = self.stepper.step(cache, token)
-            text_len += len(piece)
-            if opts.stop:
+            if cancelled is not None and cancelled.is_set():
+                raise GenerationCancelled("the request was cancelled")
+            logits = step(cache, token)
+            if want_marks:
+                text_len += len(piece)
                 marks.append((len(generated), text_len, detok.read == len(detok.ids), cache.mark()))
