@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from edgeinfer.batching import SoloStepper
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.detokenize import Detokenizer, StopFilter
-from edgeinfer.engine import Engine
+from edgeinfer.engine import Engine, prefill_chunks
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.options import GenerationOptions
@@ -145,9 +145,9 @@ class Generation:
         marks: deque = deque(maxlen=STOP_MARKS if opts.stop else 1)
 
         t0 = time.perf_counter()
-        for start in range(0, len(feed), engine.max_chunk):  # chunked prefill, cancellable between chunks
+        for start, end in prefill_chunks(len(feed), engine.max_chunk):  # cancellable between chunks
             self._check_cancelled()
-            logits = engine.forward(cache, feed[start:start + engine.max_chunk])[0]
+            logits = engine.forward(cache, feed[start:end])[0]
         marks.append((0, 0, True, cache.mark()))
         t_prefill = time.perf_counter()
         self.stepper.join(cache)

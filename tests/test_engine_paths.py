@@ -51,3 +51,20 @@ def test_gqa_ring_matches_explicit_sliding_window(tmp_path):
     for t in (10, 23, 24, 25, 40, 64, 69, 89):
         lg, start, p0 = rows[t]
         assert np.abs(ring_reference(m.engine, ids, t, start, p0, 24, 2) - lg).max() < 1e-4, t
+
+
+def test_prefill_never_ends_on_a_one_token_call_so_chunking_does_not_change_logits():
+    """MatMulNBits' single-row path (int8 activations, accuracy_level 4) gives other logits than the
+    same row inside a larger call; prefill never ends on a one-token call, so where the chunks fall
+    does not matter: bit-identical logits (the bundled int8 model)."""
+    from edgeinfer.engine import prefill_chunks
+
+    m = edgeinfer.load(prefill_chunk=16)
+    ids = [1] + np.random.default_rng(0).integers(3, 512, 32).tolist()  # 33 tokens: 16 + 16 + 1 naively
+    assert prefill_chunks(33, 16) == [(0, 16), (16, 31), (31, 33)]
+    whole = m.engine.prefill(m.new_cache(), ids, chunk=64).copy()
+    assert np.array_equal(m.engine.prefill(m.new_cache(), ids, chunk=16), whole)
+    # what the old chunking did, for the record: a last one-token call moves the logits
+    c = m.new_cache()
+    m.engine.prefill(c, ids[:32], chunk=16)
+    assert not np.array_equal(m.engine.decode_one(c, ids[32]), whole)

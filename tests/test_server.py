@@ -115,6 +115,20 @@ def test_legacy_completion_logprobs(srv):
     assert all(len(t) == 2 for t in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
 
 
+def test_reused_prefix_gives_the_same_reply_on_the_int8_model(srv, model):
+    """Reuse leaves at least two tokens to prefill, so the int8 model's reply does not depend on it."""
+    cl = srv.client()
+    msgs = [{"role": "system", "content": "You tell short stories. " * 12},
+            {"role": "user", "content": "A story about a frog."}]
+    a = cl.chat.completions.create(model="stories260K-int8", messages=msgs, max_tokens=40, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    b = cl.chat.completions.create(model="stories260K-int8", messages=msgs, max_tokens=40, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert b.usage.prompt_tokens_details.cached_tokens == b.usage.prompt_tokens - 2
+    want = model.chat(msgs, max_new_tokens=40, temperature=0, ignore_eos=True).text
+    assert a.choices[0].message.content == b.choices[0].message.content == want
+
+
 def test_prefix_reuse_reports_cached_tokens_and_same_text(converted):
     """fp32 (exact whatever the prefill chunking): the 2nd turn reuses the 1st's cache and says what
     a fresh model says. (With int8 activations, accuracy_level 4, a near-tie may flip: see the docs.)"""

@@ -112,7 +112,9 @@ class Scheduler:
             self._free.remove(best)
             self._clock += 1
             best.last_used = self._clock
-        reuse = min(best_n, len(prompt) - 1)  # at least one token is fed, for the next logits
+        # at least two tokens are fed: a one-token call takes MatMulNBits' single-row path, whose int8
+        # activations give other logits (engine.prefill_chunks), and the reply would depend on the reuse
+        reuse = min(best_n, len(prompt) - 2)
         if self.model.overflow == "truncate" and len(prompt) > best.cache.capacity // 2:
             reuse = 0  # truncation must see the whole prompt to drop its oldest tokens, not its newest
         if reuse <= 0 or not best.cache.keep_prefix(reuse):
