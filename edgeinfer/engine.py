@@ -15,7 +15,7 @@ interleave safely. One cache must be driven by one caller at a time (its owner's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import threading
 
@@ -63,7 +63,6 @@ class Engine:
         self._seqlens = np.zeros(1, np.int32)
         self._total = np.zeros((), np.int32)
         self._bound: tuple | None = None  # (cache, S) the in-place binding was made for
-        self._batch_ids = self._batch_pos = self._batch_seqlens = None  # decode_batch's, sized on first use
         self.calls = 0
         self.lock = threading.Lock()
 
@@ -96,7 +95,6 @@ class Engine:
             self._ids[0, :s] = ids
             self._pos[0, :s] = np.arange(cache.next_position, cache.next_position + s)
             self._index[:n] = np.arange(s) if n > 1 else s - 1
-        io, dev = self._io, self._device
         if self.mode.in_place:  # the graph (GroupQueryAttention) appends in place: past and present are the ring
             self._seqlens[0] = t + s - 1
             self._total[()] = t + s
@@ -104,15 +102,10 @@ class Engine:
             if key == self._bound and n == 1:  # same buffers and shapes as the last call (every decode step)
                 return self._run(cache, s, logits)
             self._bound = key if n == 1 else None
-            io.bind_input(SEQLENS_K, "cpu", 0, np.int32, [1], self._seqlens.ctypes.data)
-            io.bind_input(TOTAL_SEQUENCE_LENGTH, "cpu", 0, np.int32, [], self._total.ctypes.data)
             shape = list(self.mode.cache_shape(cache.rows, self.spec.num_kv_heads, self.spec.head_dim))
-            for i, (k, v) in enumerate(zip(cache.k, cache.v)):
-                io.bind_input(self.names.past_key(i), dev, 0, np.float32, shape, k.ctypes.data)
-                io.bind_input(self.names.past_value(i), dev, 0, np.float32, shape, v.ctypes.data)
-                io.bind_output(self.names.present_key(i), dev, 0, np.float32, shape, k.ctypes.data)
-                io.bind_output(self.names.present_value(i), dev, 0, np.float32, shape, v.ctypes.data)
+            self._bind_ring(cache.k, cache.v, shape, self._seqlens)
         else:  # past = the valid block; the graph's new rows are bound right after it
+            io, dev = self._io, self._device
             kv_past, kv_new = self._past_dims, self._new_dims  # bind_input copies the dims
             kv_past[self._seq_axis], kv_new[self._seq_axis] = t, s
             for i, (k, v) in enumerate(zip(cache.k, cache.v)):
@@ -122,11 +115,28 @@ class Engine:
                                k.ctypes.data + off * self.row_bytes)
                 io.bind_output(self.names.present_value(i), dev, 0, np.float32, kv_new,
                                v.ctypes.data + off * self.row_bytes)
-        io.bind_input("input_ids", "cpu", 0, np.int64, [1, s], self._ids.ctypes.data)
-        io.bind_input("position_ids", "cpu", 0, np.int64, [1, s], self._pos.ctypes.data)
-        io.bind_input("logits_index", "cpu", 0, np.int64, [n], self._index.ctypes.data)
-        io.bind_output("logits", "cpu", 0, np.float32, [1, n, self.spec.vocab_size], logits.ctypes.data)
+        self._bind_tokens(self._ids, self._pos, [1, s], n, logits)
         return self._run(cache, s, logits)
+
+    def _bind_ring(self, ks: list[np.ndarray], vs: list[np.ndarray], shape: list[int], seqlens: np.ndarray) -> None:
+        """Bind a call that appends in place: past and present are the same arrays, `seqlens` the
+        valid slots per batch row (total - 1)."""
+        io, dev = self._io, self._device
+        io.bind_input(SEQLENS_K, "cpu", 0, np.int32, [seqlens.size], seqlens.ctypes.data)
+        io.bind_input(TOTAL_SEQUENCE_LENGTH, "cpu", 0, np.int32, [], self._total.ctypes.data)
+        for i, (k, v) in enumerate(zip(ks, vs)):
+            io.bind_input(self.names.past_key(i), dev, 0, np.float32, shape, k.ctypes.data)
+            io.bind_input(self.names.past_value(i), dev, 0, np.float32, shape, v.ctypes.data)
+            io.bind_output(self.names.present_key(i), dev, 0, np.float32, shape, k.ctypes.data)
+            io.bind_output(self.names.present_value(i), dev, 0, np.float32, shape, v.ctypes.data)
+
+    def _bind_tokens(self, ids: np.ndarray, pos: np.ndarray, dims: list[int], n: int, logits: np.ndarray) -> None:
+        """Bind the token ids and positions ([B, S] = dims), which n positions get logits, and where."""
+        io = self._io
+        io.bind_input("input_ids", "cpu", 0, np.int64, dims, ids.ctypes.data)
+        io.bind_input("position_ids", "cpu", 0, np.int64, dims, pos.ctypes.data)
+        io.bind_input("logits_index", "cpu", 0, np.int64, [n], self._index.ctypes.data)
+        io.bind_output("logits", "cpu", 0, np.float32, [dims[0], n, self.spec.vocab_size], logits.ctypes.data)
 
     def _run(self, cache: RingKVCache, s: int, logits: np.ndarray) -> np.ndarray:
         self.session.session.run_with_iobinding(self._io)
@@ -134,12 +144,16 @@ class Engine:
         self.calls += 1
         return logits[0]
 
-    def prefill(self, cache: RingKVCache, ids: Sequence[int], chunk: int | None = None) -> np.ndarray:
-        """Feed `ids` in chunks of at most `chunk` tokens; return the logits [V] after the last one."""
+    def prefill(self, cache: RingKVCache, ids: Sequence[int], chunk: int | None = None,
+                before_chunk: Callable[[], None] | None = None) -> np.ndarray:
+        """Feed `ids` in chunks of at most `chunk` tokens (`prefill_chunks`); return the logits [V]
+        after the last one. `before_chunk` runs before each call (a cancellation check may raise there)."""
         if not ids:
             raise ValueError("prefill needs at least one token")
         logits = None
         for start, end in prefill_chunks(len(ids), min(chunk or self.max_chunk, self.max_chunk)):
+            if before_chunk is not None:
+                before_chunk()
             logits = self.forward(cache, ids[start:end])
         return logits[0]
 
@@ -150,35 +164,22 @@ class Engine:
         changes nothing. Each stepped ring's logits land in its own buffer (`cache.logits`)."""
         if not self.mode.in_place:
             raise ValueError(f"batched decoding needs a mode that appends in place, not {self.mode.name}")
-        caches, b_all = kv.caches, len(kv.caches)
+        caches = kv.caches
         with self.lock:
-            if self._batch_ids is None or self._batch_ids.shape[0] != b_all:
-                self._batch_ids = np.zeros((b_all, 1), np.int64)
-                self._batch_pos = np.zeros((b_all, 1), np.int64)
-                self._batch_seqlens = np.zeros(b_all, np.int32)
             for b, cache in enumerate(caches):
                 if b in tokens:
                     cache.rebase_if_due(1)
-                self._batch_ids[b, 0] = tokens.get(b, 0)
-                self._batch_pos[b, 0] = cache.next_position
-                self._batch_seqlens[b] = cache.n_valid  # total - 1, total = valid slots + this token
-            self._total[()] = int(self._batch_seqlens.max()) + 1
+                kv.ids[b, 0] = tokens.get(b, 0)
+                kv.positions[b, 0] = cache.next_position
+                kv.seqlens[b] = cache.n_valid  # total - 1, total = valid slots + this token
+            self._total[()] = int(kv.seqlens.max()) + 1
             self._index[0] = 0
-            io, dev = self._io, self._device
-            self._bound = None
-            io.bind_input(SEQLENS_K, "cpu", 0, np.int32, [b_all], self._batch_seqlens.ctypes.data)
-            io.bind_input(TOTAL_SEQUENCE_LENGTH, "cpu", 0, np.int32, [], self._total.ctypes.data)
-            shape = list(kv.k[0].shape)
-            for i, (k, v) in enumerate(zip(kv.k, kv.v)):
-                io.bind_input(self.names.past_key(i), dev, 0, np.float32, shape, k.ctypes.data)
-                io.bind_input(self.names.past_value(i), dev, 0, np.float32, shape, v.ctypes.data)
-                io.bind_output(self.names.present_key(i), dev, 0, np.float32, shape, k.ctypes.data)
-                io.bind_output(self.names.present_value(i), dev, 0, np.float32, shape, v.ctypes.data)
-            io.bind_input("input_ids", "cpu", 0, np.int64, [b_all, 1], self._batch_ids.ctypes.data)
-            io.bind_input("position_ids", "cpu", 0, np.int64, [b_all, 1], self._batch_pos.ctypes.data)
-            io.bind_input("logits_index", "cpu", 0, np.int64, [1], self._index.ctypes.data)
-            io.bind_output("logits", "cpu", 0, np.float32, [b_all, 1, self.spec.vocab_size], kv.logits.ctypes.data)
-            self.session.session.run_with_iobinding(io)
+            key = (kv, "batch")  # holds kv: its buffers cannot be freed while still bound
+            if key != self._bound:  # every batched step after the first reuses the binding
+                self._bound = key
+                self._bind_ring(kv.k, kv.v, list(kv.k[0].shape), kv.seqlens)
+                self._bind_tokens(kv.ids, kv.positions, [len(caches), 1], 1, kv.logits)
+            self.session.session.run_with_iobinding(self._io)
             self.calls += 1
             for b in tokens:
                 caches[b].commit(1)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from edgeinfer.batching import SoloStepper
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.detokenize import Detokenizer, StopFilter
-from edgeinfer.engine import Engine, prefill_chunks
+from edgeinfer.engine import Engine
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.options import GenerationOptions
@@ -145,9 +145,7 @@ class Generation:
         marks: deque = deque(maxlen=STOP_MARKS if opts.stop else 1)
 
         t0 = time.perf_counter()
-        for start, end in prefill_chunks(len(feed), engine.max_chunk):  # cancellable between chunks
-            self._check_cancelled()
-            logits = engine.forward(cache, feed[start:end])[0]
+        logits = engine.prefill(cache, feed, before_chunk=self._check_cancelled)  # cancellable between chunks
         marks.append((0, 0, True, cache.mark()))
         t_prefill = time.perf_counter()
         self.stepper.join(cache)

@@ -259,4 +259,8 @@ class BatchedKV:
         self.caches = [RingKVCache(spec, capacity_tokens, n_sink, max_chunk, mode,
                                    storage=([k[b:b + 1] for k in self.k], [v[b:b + 1] for v in self.v]))
                        for b in range(batch)]
-        self.logits = np.zeros((batch, 1, spec.vocab_size), np.float32)  # one batched step's output
+        # one batched step's run state, allocated once: token, position and valid slots per row, logits
+        self.ids = np.zeros((batch, 1), np.int64)
+        self.positions = np.zeros((batch, 1), np.int64)
+        self.seqlens = np.zeros(batch, np.int32)
+        self.logits = np.zeros((batch, 1, spec.vocab_size), np.float32)
