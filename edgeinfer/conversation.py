@@ -26,7 +26,7 @@ from edgeinfer.context_lock import ContextLock
 from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError
 from edgeinfer.generation import Completion, Generation
 from edgeinfer.options import GenerationOptions, resolve
-from edgeinfer.overflow import truncate_reserve
+from edgeinfer.overflow import fits_beside
 
 if TYPE_CHECKING:
     from edgeinfer.model import Model
@@ -107,8 +107,7 @@ class Conversation:
         new_text = self._new_text(full)
         if new_text is not None:
             ids = self._unfed + m.tokenizer.encode(new_text, add_bos=False)
-            room = self.cache.capacity - self.cache.n_valid - truncate_reserve(self.cache.capacity, opts.max_new_tokens)
-            if m.overflow != "truncate" or len(ids) <= room:
+            if fits_beside(self.cache.n_valid, len(ids), self.cache.capacity, m.overflow, opts.max_new_tokens):
                 return ids
         self._forget()  # first turn, a template whose earlier turns render differently, or truncation
         return m.encode_rendered(full)

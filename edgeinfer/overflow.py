@@ -44,6 +44,15 @@ def truncate_reserve(capacity_tokens: int, max_new_tokens: int) -> int:
     return min(max_new_tokens, capacity_tokens // 2)
 
 
+def fits_beside(cached_tokens: int, new_tokens: int, capacity_tokens: int, overflow: str, max_new_tokens: int) -> bool:
+    """Whether `new_tokens` may be fed after `cached_tokens` the ring already holds (a conversation's
+    history, a reused prefix) without the policy having to see those: always, except under
+    `truncate` when they would not fit with the reply's reserve; then the caller must feed the whole
+    prompt from an empty ring, so that truncation drops its oldest tokens, not the new ones."""
+    return overflow != "truncate" or (
+        cached_tokens + new_tokens + truncate_reserve(capacity_tokens, max_new_tokens) <= capacity_tokens)
+
+
 def fit_prompt(cache, ids: list[int], overflow: str, max_new_tokens: int) -> tuple[list[int], int]:
     """Apply the overflow policy to a prompt about to enter `cache`; returns (ids to feed, dropped count).
 

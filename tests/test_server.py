@@ -375,3 +375,26 @@ def test_chunks_that_pile_up_go_out_as_one_event(srv):
     assert bodies[0]["choices"][0]["text"] == "Once upon a time"  # four ready chunks, one event
     assert [b["choices"][0]["finish_reason"] for b in bodies[1:]] == ["length"]
     assert events[-1] == "data: [DONE]\n\n"
+
+
+def test_the_slot_is_free_before_the_client_hears_the_end(srv):
+    """A chat's next turn is sent the moment the last one ends: the slot (and its cached prefix) must
+    already be back, or the turn lands in another slot and re-prefills everything."""
+    from edgeinfer.server.scheduler import Job
+
+    sched = srv.server.scheduler
+    seen = []
+    real = Job._emit
+
+    def emit(self, *event):
+        if event[0] in ("done", "error"):
+            seen.append(sched.busy)
+        real(self, *event)
+
+    Job._emit = emit
+    try:
+        for _ in range(5):
+            srv.client().completions.create(model="stories260K-int8", prompt="Once upon a time", max_tokens=3)
+    finally:
+        Job._emit = real
+    assert seen == [0] * 5

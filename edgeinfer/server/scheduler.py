@@ -25,6 +25,7 @@ from edgeinfer.batching import DecodeBatcher, SoloStepper
 from edgeinfer.generation import Chunk, Completion, Generation, GenerationCancelled
 from edgeinfer.kv_cache import BatchedKV, RingKVCache
 from edgeinfer.options import GenerationOptions
+from edgeinfer.overflow import fits_beside
 
 
 class QueueFull(Exception):
@@ -94,7 +95,7 @@ class Scheduler:
         for job in jobs:
             job.cancel()
 
-    def take(self, prompt: list[int], cancelled: threading.Event) -> tuple[Slot, int]:
+    def take(self, prompt: list[int], cancelled: threading.Event, max_new_tokens: int) -> tuple[Slot, int]:
         """Wait for a free slot (after `admit`); returns it and how many prompt tokens it already holds."""
         with self._cond:
             while not self._free:
@@ -115,7 +116,7 @@ class Scheduler:
         # at least two tokens are fed: a one-token call takes MatMulNBits' single-row path, whose int8
         # activations give other logits (engine.prefill_chunks), and the reply would depend on the reuse
         reuse = min(best_n, len(prompt) - 2)
-        if self.model.overflow == "truncate" and len(prompt) > best.cache.capacity // 2:
+        if not fits_beside(reuse, len(prompt) - reuse, best.cache.capacity, self.model.overflow, max_new_tokens):
             reuse = 0  # truncation must see the whole prompt to drop its oldest tokens, not its newest
         if reuse <= 0 or not best.cache.keep_prefix(reuse):
             reuse = 0
@@ -155,23 +156,26 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
     def run(self) -> None:
-        try:
+        end = None  # the last event, sent once the slot is free again: a client that sends its next
+        try:        # request on hearing the end (a chat's next turn) finds the slot and its prefix
             try:
-                slot, cached = self.scheduler.take(self.prompt, self.cancelled)
+                slot, cached = self.scheduler.take(self.prompt, self.cancelled, self.options.max_new_tokens)
             except Cancelled:
-                self._emit("error", Cancelled())
+                end = ("error", Cancelled())
                 return
             try:
-                self._generate(slot, cached)
+                end = ("done", self._generate(slot, cached), cached)
             except BaseException as e:  # noqa: BLE001 - reported to the request, the server goes on
-                self._emit("error", Cancelled() if isinstance(e, GenerationCancelled) else e)
+                end = ("error", Cancelled() if isinstance(e, GenerationCancelled) else e)
             finally:
                 self.scheduler.give_back(slot)
         finally:
             with self.scheduler._cond:
                 self.scheduler.jobs.discard(self)
+            if end is not None:
+                self._emit(*end)
 
-    def _generate(self, slot: Slot, cached: int) -> None:
+    def _generate(self, slot: Slot, cached: int) -> Completion:
         model, prompt = self.scheduler.model, self.prompt
         slot.ids = None  # unknown while it runs
         gen = Generation(model.engine, model.tokenizer, slot.cache, self.options, model.overflow,
@@ -180,7 +184,7 @@ class Job:
                          cancelled=self.cancelled)
         for chunk in gen:
             self._emit("chunk", chunk)
-        self._emit("done", gen.completion, cached)
+        return gen.completion
 
     def _remember(self, slot: Slot, cached: int) -> Callable[[Generation], None]:
         """After the request: which tokens the slot's ring now holds, if that is known exactly."""
