@@ -56,14 +56,14 @@ class Conversation:
             self._forget()
 
     def say(self, content: str, options: GenerationOptions | None = None, **overrides) -> Completion:
-        return _fold(self.stream_say(content, options, **overrides))
+        return self.stream_say(content, options, **overrides).run_to_end()
 
     def stream_say(self, content: str, options: GenerationOptions | None = None, **overrides) -> Generation:
         """Options are checked now; the turn runs (and holds the conversation) from the first next()."""
         return self._turn(None, _user_text(content), resolve(options, overrides))
 
     def reply(self, messages: Sequence[dict], options: GenerationOptions | None = None, **overrides) -> Completion:
-        return _fold(self._turn(check_messages(messages), None, resolve(options, overrides)))
+        return self._turn(check_messages(messages), None, resolve(options, overrides)).run_to_end()
 
     def _turn(self, messages: list[dict] | None, content: str | None, opts: GenerationOptions) -> Generation:
         """One turn: messages given (reply) or the history plus a user message (say). It commits when
@@ -132,8 +132,3 @@ def _user_text(content) -> str:
         raise InvalidArgumentTypeError(f"content must be a string, got {type(content).__name__}")
     return content
 
-
-def _fold(gen: Generation) -> Completion:
-    for _ in gen:
-        pass
-    return gen.completion

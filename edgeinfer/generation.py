@@ -110,6 +110,12 @@ class Generation:
     def __next__(self) -> Chunk:
         return next(self._steps)
 
+    def run_to_end(self) -> Completion | None:
+        """Consume every chunk; the completion (the fold `generate`, `chat` and `say` are)."""
+        for _ in self:
+            pass
+        return self.completion
+
     def close(self) -> None:
         """Abandon the request now (what a dropped Generation does when it is collected)."""
         self._steps.close()

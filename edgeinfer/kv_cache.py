@@ -108,7 +108,7 @@ class RingKVCache:
         if self.rebase_every_tokens < 1:
             raise InvalidArgumentError(f"rebase_every_tokens must be >= 1, got {rebase_every_tokens}")
         self.logits = np.zeros((1, 1, spec.vocab_size), np.float32)  # the engine writes the last token's here
-        self.bytes = 2 * spec.num_layers * rows * spec.num_kv_heads * spec.head_dim * 4
+        self.bytes = spec.kv_bytes_per_token * rows
         self.reset()
 
     @staticmethod

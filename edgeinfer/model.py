@@ -171,10 +171,7 @@ class Model:
     def generate(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
                  **overrides) -> Completion:
         """Generate a completion of `prompt` (temperature 0: greedy); options as for `stream`."""
-        gen = self.stream(prompt, options, **overrides)
-        for _ in gen:
-            pass
-        return gen.completion
+        return self.stream(prompt, options, **overrides).run_to_end()
 
     def chat(self, messages: Sequence[dict], options: GenerationOptions | None = None, **overrides) -> Completion:
         """One reply to `messages` with the model's chat template (stateless: a fresh conversation)."""
