@@ -7,6 +7,8 @@ Each round runs every interpreter once, in turn, on two cases:
   valid32:   capacity 4,096, 31 prompt tokens, 200 decode steps (32 valid slots: cost set by valid tokens)
   full_ring: capacity 256, a 256-token prompt, then 1,000 decode steps with the ring full and wrapping
              (so any periodic work, e.g. re-basing positions, falls inside the timed steps)
+  generate:  `Model.generate` of 300 tokens (EOS ignored), wall time per token: the whole loop
+             (sampler, detokenizer, ring) around the steps, median of 5 calls
 A step is one `Engine.decode_one` call (graph run + ring bookkeeping), timed with perf_counter.
 Reports, per install and case, the median over rounds of the per-run median and mean step (ms); the
 mean includes occasional slow steps that the median hides. JSON out; ratios B/A.
@@ -42,6 +44,16 @@ for case, cap, prompt, steps in (("valid32", 4096, 31, 200), ("full_ring", 256, 
         times.append((time.perf_counter() - t0) * 1e3)
     out[case] = {"median_ms": statistics.median(times), "mean_ms": statistics.fmean(times),
                  "max_ms": max(times), "dropped": cache.dropped}
+m = edgeinfer.load(model, threads=threads, capacity_tokens=512)  # the whole generate loop, per token
+ids = [1] + np.random.default_rng(1).integers(3, m.manifest.arch.vocab_size, 4).tolist()
+m.generate(ids, max_new_tokens=50, ignore_eos=True, seed=1)
+per_token = []
+for _ in range(5):
+    t0 = time.perf_counter()
+    m.generate(ids, max_new_tokens=300, ignore_eos=True, seed=1)
+    per_token.append((time.perf_counter() - t0) / 300 * 1e3)
+out["generate"] = {"median_ms": statistics.median(per_token), "mean_ms": statistics.fmean(per_token),
+                   "max_ms": max(per_token)}
 print(json.dumps(out))
 """
 
