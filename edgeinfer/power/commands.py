@@ -1,0 +1,124 @@
+"""Running the small status commands the sensor readers use (`vcgencmd`, `nvpmodel`, `pmset`, ...).
+
+A `CommandRunner` is `(argv, timeout_s) -> stdout or None`. It never raises: None stands for "no
+answer" (the program is missing, exited nonzero, timed out, or printed something that is not UTF-8).
+
+- `run_command`: the live runner (subprocess, the child killed on timeout).
+- `RecordedCommands`: a runner for tests that answers from a dict of recorded outputs.
+- `CommandGate`: what the readers call. It wraps a runner with two rules: a command that gave no
+  answer is not run again for `retry_after_s` (so a hanging `vcgencmd` costs at most one timeout a
+  minute), and a slow command's answer may be reused for `cache_s` seconds (`nvpmodel -q`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from typing import Callable, Mapping, Optional, Sequence
+
+CommandRunner = Callable[[Sequence[str], float], Optional[str]]
+
+HANG = "<hang>"  # a RecordedCommands value meaning: the command hangs until its timeout
+RETRY_AFTER_S = 60.0
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """The key a command is recorded and remembered under: its words joined by one space."""
+    return " ".join(argv)
+
+
+def run_command(argv: Sequence[str], timeout_s: float) -> str | None:
+    """Run `argv` (no shell, stdin closed) and return its stdout, or None when the program is
+    missing or not executable, exits nonzero, runs past `timeout_s` (the child is killed), or prints
+    non-UTF-8. Never raises."""
+    try:
+        done = subprocess.run(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:  # subprocess.run has killed and reaped the child
+        return None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    try:
+        return done.stdout.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+class RecordedCommands:
+    """A `CommandRunner` for tests: answers from `outputs`, {command line: stdout}.
+
+    A value of None, or a command line not in `outputs`, means "not installed" (returns None).
+    The value `"<hang>"` means the command hangs: the call is recorded in `timed_out` and returns
+    None at once, without sleeping. Every call is recorded in `calls` as (command line, timeout_s).
+    """
+
+    def __init__(self, outputs: Mapping[str, str | None]):
+        self.outputs = dict(outputs)
+        self.calls: list[tuple[str, float]] = []
+        self.timed_out: list[str] = []
+
+    def __call__(self, argv: Sequence[str], timeout_s: float) -> str | None:
+        line = command_line(argv)
+        self.calls.append((line, timeout_s))
+        out = self.outputs.get(line)
+        if out == HANG:
+            self.timed_out.append(line)
+            return None
+        return out
+
+    def count(self, line: str) -> int:
+        """How many times the command `line` was run."""
+        return sum(1 for called, _ in self.calls if called == line)
+
+
+class CommandGate:
+    """The readers' way to run a command: `run(argv, timeout_s, cache_s)`.
+
+    - A command that answered None is not run again for `retry_after_s`; until then `run` returns
+      None at once. `fail(argv)` puts a command that answered something useless (e.g. "Permission
+      Denial") under the same rule.
+    - An answer is reused, without running the command, for `cache_s` seconds after it came.
+    `retry_in_s(argv)` says how long a failed command still waits (for the warning line).
+    """
+
+    def __init__(self, runner: CommandRunner, clock: Callable[[], float] = time.monotonic,
+                 retry_after_s: float = RETRY_AFTER_S):
+        self.runner = runner
+        self.clock = clock
+        self.retry_after_s = retry_after_s
+        self._failed_at: dict[str, float] = {}
+        self._cached: dict[str, tuple[float, str]] = {}
+
+    def run(self, argv: Sequence[str], timeout_s: float, cache_s: float = 0.0) -> str | None:
+        line, now = command_line(argv), self.clock()
+        failed_at = self._failed_at.get(line)
+        if failed_at is not None and now - failed_at < self.retry_after_s:
+            return None
+        cached = self._cached.get(line)
+        if cached is not None and now - cached[0] < cache_s:
+            return cached[1]
+        try:
+            out = self.runner(argv, timeout_s)
+        except Exception:  # a runner must not raise; a broken one is treated as "no answer"
+            out = None
+        if out is None:
+            self.fail(argv)
+            return None
+        self._failed_at.pop(line, None)
+        self._cached[line] = (now, out)
+        return out
+
+    def fail(self, argv: Sequence[str]) -> None:
+        """Do not run `argv` again for `retry_after_s` (and forget its cached answer)."""
+        line = command_line(argv)
+        self._failed_at[line] = self.clock()
+        self._cached.pop(line, None)
+
+    def retry_in_s(self, argv: Sequence[str]) -> float:
+        """Seconds until a failed command may run again (0 when it may run now)."""
+        failed_at = self._failed_at.get(command_line(argv))
+        if failed_at is None:
+            return 0.0
+        return max(0.0, self.retry_after_s - (self.clock() - failed_at))
