@@ -88,7 +88,7 @@ class Conversation:
                 self._forget()
 
         return Generation(m.engine, m.tokenizer, self.cache, opts, m.overflow, begin=begin, end=end, lock=self.lock,
-                          load_ms=m.load_ms)
+                          load_ms=m.load_ms, power=m.power)
 
     def _commit(self, msgs: list[dict], full: str, gen: Generation) -> None:
         """The turn finished: the history gains the reply; the bookkeeping says what the cache holds

@@ -8,9 +8,9 @@ call is made; the steps below run from the first `next()`:
    its cache; a Conversation renders its history and finds what its cache has not seen).
 2. Fit the prompt to the ring by the overflow policy (`overflow.fit_prompt`).
 3. Prefill the prompt in chunks; sample the first token (time to first token ends here).
-4. Decode one token at a time: sample, let the sampler accept it (its penalty history), detokenize
-   incrementally, hold back text that may be the start of a stop string; stop on EOS / a stop
-   string / max_new_tokens / a full ring that may not shift.
+4. Decode one token at a time (paced by the power plan, if any): sample, let the sampler accept
+   it (its penalty history), detokenize incrementally, hold back text that may be the start of a
+   stop string; stop on EOS / a stop string / max_new_tokens / a full ring that may not shift.
 5. Set `completion` and what a conversation needs next (`unfed`, `cached_text`, `cache_stale`),
    taking a stop string's tokens back out of the cache; then yield the last chunk (so a caller that
    stops right after it has the whole completion).
@@ -53,7 +53,8 @@ class Timings:
     ttft_ms: float
     tpot_ms: float
     prefill_tok_s: float
-    decode_tok_s: float
+    decode_tok_s: float  # wall-clock: includes time paced
+    paced_ms: float = 0.0  # time the power plan's pacing slept between tokens
 
 
 @dataclass(frozen=True)
@@ -86,17 +87,21 @@ class Generation:
     def __init__(self, engine: Engine, tok: Tokenizer, cache: RingKVCache, options: GenerationOptions, overflow: str,
                  *, begin: Callable[[], list[int]], end: Callable[["Generation"], None] | None = None,
                  lock: ContextLock | None = None, load_ms: float = 0.0, logprobs: int | None = None,
-                 stepper=None, prefix: Sequence[int] = (), cancelled: threading.Event | None = None):
+                 stepper=None, prefix: Sequence[int] = (), cancelled: threading.Event | None = None,
+                 power=None):
         """logprobs: None (off) or n >= 0: each chunk carries its token's logprob and the n best.
         stepper: how decode steps run (`batching.SoloStepper`, the default, or a `DecodeBatcher`
         that runs this conversation's steps together with others').
         prefix: tokens the cache already holds just before this prompt (a reused prefix): the
         penalties and the detokenizer see them as the prompt's start, as if it had been fed whole.
-        cancelled: when set, the request stops at the next prefill chunk or token (GenerationCancelled)."""
+        cancelled: when set, the request stops at the next prefill chunk or token (GenerationCancelled).
+        power: the Model's `PowerController` (None: off): its plan paces decode steps, sets the
+        prefill chunk and the cores in force (`power.controller.Pacer`)."""
         self.engine, self.tok, self.cache, self.options, self.overflow = engine, tok, cache, options, overflow
         self.load_ms, self.logprobs = load_ms, logprobs
         self.stepper = stepper if stepper is not None else SoloStepper(engine)
         self.prefix, self.cancelled = list(prefix), cancelled
+        self.pacer = power.pacer(cancelled) if power is not None else None
         self.completion: Completion | None = None
         self.unfed: tuple[int, ...] = ()
         self.cached_text = ""
@@ -151,7 +156,8 @@ class Generation:
         marks: deque = deque(maxlen=STOP_MARKS if opts.stop else 1)
 
         t0 = time.perf_counter()
-        logits = engine.prefill(cache, feed, before_chunk=self._check_cancelled)  # cancellable between chunks
+        chunk = self.pacer.prefill_chunk if self.pacer is not None else None
+        logits = engine.prefill(cache, feed, chunk, before_chunk=self._check_cancelled)  # cancellable between chunks
         marks.append((0, 0, True, cache.mark()))
         t_prefill = time.perf_counter()
         self.stepper.join(cache)
@@ -175,7 +181,8 @@ class Generation:
             timings=Timings(load_ms=self.load_ms, ttft_ms=(t_first - t0) * 1e3,
                             tpot_ms=decode_s * 1e3 / (n - 1) if n > 1 else 0.0,
                             prefill_tok_s=len(feed) / max(t_prefill - t0, 1e-9),
-                            decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0))
+                            decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+                            paced_ms=self.pacer.paced_s * 1e3 if self.pacer is not None else 0.0))
         if final is not None:
             yield final
 
@@ -190,6 +197,7 @@ class Generation:
         cache, opts, overflow = self.cache, self.options, self.overflow
         eos = set() if opts.ignore_eos else set(self.tok.eos_ids)
         step, cancelled, max_new, want_marks = self.stepper.step, self.cancelled, opts.max_new_tokens, bool(opts.stop)
+        pace = self.pacer.pace if self.pacer is not None else None
         lp, top, text_len, t_first = None, (), 0, None
         while True:
             if self.logprobs is None:
@@ -211,6 +219,8 @@ class Generation:
             if len(generated) >= max_new or (overflow != "shift" and cache.full):
                 return "length", Chunk(text + stops.flush(), token, lp, top), t_first
             yield Chunk(text, token, lp, top)
+            if pace is not None:
+                pace()
             if cancelled is not None and cancelled.is_set():
                 raise GenerationCancelled("the request was cancelled")
             logits = step(cache, token)

@@ -31,6 +31,10 @@ from edgeinfer.generation import Completion, Generation
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.overflow import check_policy, resolve_capacity
+from edgeinfer.power.controller import PowerController, PowerState
+from edgeinfer.power.policy import resolve_policy
+from edgeinfer.power.sensors import Sensors
+from edgeinfer.power.threads import SPIN_DURATION_US
 from edgeinfer.manifest import read_manifest
 from edgeinfer.session import DecoderSession, check_threads
 from edgeinfer.tokenizer import Tokenizer
@@ -45,24 +49,27 @@ def default_model_path() -> Path:
 
 def load(path: str | Path | None = None, *, provider: str = "auto", threads: int | None = None,
          capacity_tokens: int | None = None, n_sink: int = 4, overflow: str = "shift",
-         prefill_chunk: int = 256, verbose: bool = False) -> "Model":
+         prefill_chunk: int = 256, verbose: bool = False, power=None) -> "Model":
     """Load an edgeinfer model folder (None: the bundled default model).
 
     provider: "auto" | "cpu" | "cuda"; threads: None (onnxruntime's default) or a positive int;
     capacity_tokens: the KV ring's size, an int >= 2 (default: the manifest's, capped at the model's
     sliding window); n_sink: first tokens the ring never overwrites, in [0, capacity_tokens);
     overflow: "shift" | "truncate" | "error"; prefill_chunk: a positive int (tokens per prefill call).
+    power: None (off), "performance" | "balanced" | "battery" | "thermal-guard", or a
+    `power.Policy` with limits: a controller samples this device's sensors twice a second and paces
+    decoding, limits the cores and refuses background work as the policy says (docs/power.md).
     The KV memory is allocated here, once, and printed to stderr when `verbose`; a capacity whose KV
     cache needs more bytes than the memory available now is refused before allocating.
     A bad argument raises `InvalidArgumentError` (a ValueError) or `InvalidArgumentTypeError` (a
     TypeError), both `EdgeInferError`s; a bad folder raises `ModelFormatError`.
     """
     return Model(path, provider=provider, threads=threads, capacity_tokens=capacity_tokens, n_sink=n_sink,
-                 overflow=overflow, prefill_chunk=prefill_chunk, verbose=verbose)
+                 overflow=overflow, prefill_chunk=prefill_chunk, verbose=verbose, power=power)
 
 
 class Model:
-    def __init__(self, path, *, provider, threads, capacity_tokens, n_sink, overflow, prefill_chunk, verbose):
+    def __init__(self, path, *, provider, threads, capacity_tokens, n_sink, overflow, prefill_chunk, verbose, power):
         t0 = time.perf_counter()
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise InvalidArgumentTypeError(f"path must be a folder path (str or os.PathLike) or None, "
@@ -70,6 +77,7 @@ class Model:
         folder = Path(path) if path is not None else default_model_path()
         check_policy(overflow)
         check_threads(threads)
+        policy = resolve_policy(power)
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise InvalidArgumentError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.manifest = read_manifest(folder)
@@ -80,13 +88,15 @@ class Model:
         self.overflow = overflow
         self.capacity_tokens, self.n_sink = capacity, n_sink
         self.tokenizer = Tokenizer(folder, self.manifest.tokenizer)
-        self.session = DecoderSession(folder, threads=threads, provider=provider, manifest=self.manifest)
+        self.session = DecoderSession(folder, threads=threads, provider=provider, manifest=self.manifest,
+                                      spin_duration_us=SPIN_DURATION_US if policy is not None else None)
         self.engine = Engine(self.session, max_chunk=min(prefill_chunk, capacity))
         self.cache = self.new_cache()
         self.lock = ContextLock("the model's default context (generate/stream)")
         tk = self.manifest.tokenizer
         self.template = ChatTemplate(tk.chat_template, self._piece(tk.bos_token_id),
                                      self._piece((tk.eos_token_ids or (None,))[0]))
+        self.power = PowerController(policy, Sensors()).start() if policy is not None else None
         self.load_ms = (time.perf_counter() - t0) * 1e3
         if verbose:
             print(f"edgeinfer: loaded {folder} in {self.load_ms:.0f} ms; KV cache {self.cache.bytes / 2**20:.2f} MiB "
@@ -166,7 +176,7 @@ class Model:
             return ids
 
         return Generation(self.engine, self.tokenizer, self.cache, opts, self.overflow, begin=begin, lock=self.lock,
-                          load_ms=self.load_ms)
+                          load_ms=self.load_ms, power=self.power)
 
     def generate(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
                  **overrides) -> Completion:
@@ -176,6 +186,10 @@ class Model:
     def chat(self, messages: Sequence[dict], options: GenerationOptions | None = None, **overrides) -> Completion:
         """One reply to `messages` with the model's chat template (stateless: a fresh conversation)."""
         return self.conversation().reply(messages, options, **overrides)
+
+    def power_state(self) -> PowerState | None:
+        """The power controller's last readings and plan (None when loaded with power=None)."""
+        return self.power.state() if self.power is not None else None
 
     def conversation(self) -> Conversation:
         """A new conversation with its own KV cache (allocated now, the same size as the default)."""

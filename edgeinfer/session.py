@@ -37,22 +37,26 @@ def check_threads(threads: int | None) -> None:
         raise InvalidArgumentError(f"threads must be a positive integer or None (the default), got {threads!r}")
 
 
-def session_options(threads: int | None) -> ort.SessionOptions:
+def session_options(threads: int | None, spin_duration_us: int | None = None) -> ort.SessionOptions:
     """Options for one decoder session: full graph optimization, `threads` intra-op threads (None:
-    onnxruntime's default; else a positive int, see `check_threads`), one inter-op thread."""
+    onnxruntime's default; else a positive int, see `check_threads`), one inter-op thread; with
+    `spin_duration_us`, the pool's workers spin that long for work before sleeping (power control
+    sets it short, see `power.threads`)."""
     check_threads(threads)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads is not None:
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    if spin_duration_us is not None:
+        so.add_session_config_entry("session.intra_op.spin_duration_us", str(int(spin_duration_us)))
     so.log_severity_level = 3
     return so
 
 
 class DecoderSession:
     def __init__(self, folder: Path | str, *, threads: int | None = None, provider: str = "auto",
-                 manifest: Manifest | None = None):
+                 manifest: Manifest | None = None, spin_duration_us: int | None = None):
         self.folder = Path(folder)
         self.manifest = manifest or read_manifest(self.folder)
         verify(self.folder, self.manifest.files)  # every loader (Model, eval) runs checked weights
@@ -60,7 +64,7 @@ class DecoderSession:
         self.names = io_names(spec.num_layers)
         self.provider = resolve_provider(provider)
         try:
-            self.session = ort.InferenceSession(str(self.folder / MODEL_FILE), session_options(threads),
+            self.session = ort.InferenceSession(str(self.folder / MODEL_FILE), session_options(threads, spin_duration_us),
                                                 providers=[PROVIDERS[self.provider]])
         except Exception as e:  # onnxruntime raises its own exception types for bad files
             raise ModelFormatError(f"cannot load {self.folder / MODEL_FILE}: {str(e).splitlines()[0][:300]}") from None

@@ -181,7 +181,7 @@ class Job:
         gen = Generation(model.engine, model.tokenizer, slot.cache, self.options, model.overflow,
                          begin=lambda: prompt[cached:], end=self._remember(slot, cached), logprobs=self.logprobs,
                          load_ms=model.load_ms, stepper=self.scheduler.stepper, prefix=prompt[:cached],
-                         cancelled=self.cancelled)
+                         cancelled=self.cancelled, power=model.power)
         for chunk in gen:
             self._emit("chunk", chunk)
         return gen.completion

@@ -1,0 +1,187 @@
+"""`PowerController`: samples the sensors off the token path, decides, and applies the plan between
+tokens; `Pacer`: one generation's side of it.
+
+Lifetimes: a controller lives as long as its Model. Its sampling thread (a daemon, 2 Hz by
+default) reads the sensors, calls `decide` and stores the Plan; the token path only reads that one
+attribute. A Pacer lives for one generation and runs once before each decode step:
+1. Apply the plan's core count if it differs from the one in force (`CoreLimit.apply`: effective
+   from this step).
+2. Sleep until this step's release time under the plan's cap (release_k >= release_(k-1) + 1/cap;
+   the schedule is kept exact unless a step ran a whole period late), at most 1 s, waking at once
+   if the request is cancelled.
+3. Report the previous step's compute time (release to this call, sleeps excluded), from which the
+   controller knows the unpaced rate that `decide` needs.
+
+Failure: a sensor read or a policy that raises gives `safe_plan` and one logged warning per distinct
+message; nothing on the token path can raise from here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+from edgeinfer.power.policy import MIN_TOKENS_PER_S, Load, Plan, Policy, decide, safe_plan
+from edgeinfer.power.readings import Readings
+from edgeinfer.power.threads import CoreLimit
+
+log = logging.getLogger("edgeinfer.power")
+
+DEFAULT_INTERVAL_S = 0.5
+MAX_SLEEP_S = 1.0 / MIN_TOKENS_PER_S
+
+
+@dataclass(frozen=True)
+class PowerState:
+    """`Model.power_state()`: the last readings and plan, the policy, and what is in force."""
+    policy: Policy
+    readings: Readings | None
+    plan: Plan | None
+    threads_applied: int
+    paced_s_total: float  # seconds the pacers have slept, all generations together
+
+    def as_dict(self) -> dict:
+        return {"policy": self.policy.name, "readings": self.readings.as_dict() if self.readings else None,
+                "plan": self.plan.as_dict() if self.plan else None, "threads_applied": self.threads_applied,
+                "paced_s_total": round(self.paced_s_total, 3)}
+
+
+class PowerController:
+    def __init__(self, policy: Policy, sensors, cores: CoreLimit | None = None, *,
+                 interval_s: float = DEFAULT_INTERVAL_S, clock=time.monotonic, sleep=time.sleep):
+        """sensors: anything with `read() -> Readings` (`power.sensors.Sensors`, or a simulation's)."""
+        self.policy, self.sensors = policy, sensors
+        self.cores = cores if cores is not None else CoreLimit()
+        self.interval_s, self.clock, self.sleep = float(interval_s), clock, sleep
+        self.readings: Readings | None = None
+        self.plan: Plan | None = None
+        self.paced_s_total = 0.0
+        self._lock = threading.Lock()  # the step statistics
+        self._steps, self._compute_s, self._window_start = 0, 0.0, clock()
+        self._warned: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- the sampling side (off the token path) ---
+    def tick(self) -> Plan:
+        """Read the sensors, decide, store and apply the plan; return it. Never raises."""
+        now = self.clock()
+        with self._lock:
+            steps, compute_s, span = self._steps, self._compute_s, max(now - self._window_start, 1e-9)
+            self._steps, self._compute_s, self._window_start = 0, 0.0, now
+        load = Load(max_threads=self.cores.max_threads,
+                    tokens_per_s=steps / span if steps else None,
+                    unpaced_tokens_per_s=steps / compute_s if steps and compute_s > 0 else None)
+        try:
+            readings = self.sensors.read()
+            for w in readings.warnings:
+                self._warn(f"sensor: {w}")
+            plan = decide(readings, self.policy, load, self.plan)
+        except Exception as e:  # a reader or the policy failed: run safe, say it once
+            self._warn(f"power control failed ({type(e).__name__}: {e}); running the safe plan")
+            readings, plan = self.readings, safe_plan(load, f"power control failed: {type(e).__name__}")
+        self.readings, self.plan = readings, plan
+        if plan.threads != self.cores.applied:
+            self.cores.apply(plan.threads)
+        return plan
+
+    def set_policy(self, policy: Policy) -> Plan:
+        """Switch policy now (e.g. the user changed a limit); the next plan is decided at once."""
+        if not isinstance(policy, Policy):
+            raise TypeError(f"set_policy takes a Policy, got {type(policy).__name__}")
+        self.policy, self.plan = policy, None
+        return self.tick()
+
+    def _warn(self, message: str) -> None:
+        if message not in self._warned and len(self._warned) < 100:
+            self._warned.add(message)
+            log.warning("edgeinfer power: %s", message)
+
+    def start(self) -> "PowerController":
+        """Take a first reading now, then sample every interval_s on a daemon thread."""
+        self.tick()
+        ref, stop, interval = weakref.ref(self), self._stop, self.interval_s
+
+        def loop() -> None:  # holds the controller only while ticking, so a dropped Model ends it
+            while not stop.wait(interval):
+                c = ref()
+                if c is None:
+                    return
+                c.tick()
+                del c
+
+        self._thread = threading.Thread(target=loop, name="edgeinfer-power", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self.cores.apply(self.cores.max_threads)
+
+    def __del__(self):
+        self._stop.set()
+
+    def state(self) -> PowerState:
+        return PowerState(self.policy, self.readings, self.plan, self.cores.applied, self.paced_s_total)
+
+    def admits_background(self) -> bool:
+        plan = self.plan
+        return plan is None or plan.admit_background
+
+    # --- the token side ---
+    def record_step(self, compute_s: float) -> None:
+        with self._lock:
+            self._steps += 1
+            self._compute_s += compute_s
+
+    def pacer(self, cancelled: threading.Event | None = None) -> "Pacer":
+        return Pacer(self, cancelled)
+
+
+class Pacer:
+    """One generation's pacing (see the module doc). `paced_s`: the seconds it slept."""
+
+    def __init__(self, controller: PowerController, cancelled: threading.Event | None = None):
+        self.c, self.cancelled = controller, cancelled
+        self.paced_s = 0.0
+        self._release: float | None = None  # when the previous step was released (the schedule)
+        self._started: float | None = None  # when it actually started
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        plan = self.c.plan
+        return plan.prefill_chunk if plan is not None else None
+
+    def pace(self) -> None:
+        """Run right before each decode step."""
+        c = self.c
+        plan = c.plan
+        if plan is not None and plan.threads != c.cores.applied:
+            c.cores.apply(plan.threads)
+        clock = c.clock
+        now = clock()
+        if self._started is not None:
+            c.record_step(now - self._started)
+        cap = plan.max_tokens_per_s if plan is not None else None
+        if cap and self._release is not None:
+            period = 1.0 / cap
+            target = self._release + period
+            wait = min(target - now, MAX_SLEEP_S)
+            if wait > 0:
+                if self.cancelled is not None:
+                    self.cancelled.wait(wait)
+                else:
+                    c.sleep(wait)
+                after = clock()
+                self.paced_s += after - now
+                c.paced_s_total += after - now
+                now = after
+            self._release = target if now - target < period else now
+        else:
+            self._release = now
+        self._started = now

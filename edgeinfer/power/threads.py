@@ -1,0 +1,71 @@
+"""Changing how many cores the runtime computes on, between two tokens, without a second session.
+
+ONNX Runtime fixes a session's intra-op thread pool when it is created, and a second session with
+another thread count would hold its own prepacked copy of the weights (measured: +118 MB on a
+319 MB process for the 135M-shaped int4 model). So the pool keeps its threads and `CoreLimit`
+confines the whole process (every thread: the pool's workers, the caller, a server's threads) to
+the first k cores it was allowed at start, with `sched_setaffinity` (Linux and Android; elsewhere
+`supported` is False and the limit is reported, not applied). Work that a confined worker cannot
+run is taken by the running threads (the pool's loops steal blocks and revoke queued ones), so the
+output is bit-identical and the change is effective from the next graph call.
+
+A pool worker that spins waiting for work would take its core's time from the thread doing the
+work, so a session built for power control spins only briefly (`SPIN_DURATION_US`; measured: no
+loss on all cores, half the slowdown of the default on fewer cores, docs/power.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger("edgeinfer.power")
+
+SPIN_DURATION_US = 20
+
+
+def allowed_cores() -> list[int]:
+    """The cores this process may run on now (all online CPUs where affinity is not supported)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+class CoreLimit:
+    """Confine the process to `k` of the cores it had when this was made."""
+
+    def __init__(self, cores: list[int] | None = None, task_dir: str = "/proc/self/task"):
+        self.cores = list(cores) if cores is not None else allowed_cores()
+        self.task_dir = task_dir
+        self.supported = hasattr(os, "sched_setaffinity") and os.path.isdir(task_dir)
+        self.applied = len(self.cores)  # cores the process is confined to now
+        self._lock = threading.Lock()
+
+    @property
+    def max_threads(self) -> int:
+        return len(self.cores)
+
+    def apply(self, k: int) -> int:
+        """Confine every thread of the process to the first k cores (1 <= k <= max_threads, clamped);
+        return the count now in force. Threads that exit meanwhile are skipped; never raises."""
+        k = max(1, min(int(k), len(self.cores)))
+        with self._lock:
+            if not self.supported:  # reported only
+                self.applied = k
+                return k
+            if k == self.applied:
+                return k
+            target = set(self.cores[:k])
+            try:
+                tids = [int(t) for t in os.listdir(self.task_dir)]
+            except OSError as e:
+                log.warning("edgeinfer power: cannot list threads (%s); core limit not applied", e)
+                return self.applied
+            for tid in tids:
+                try:
+                    os.sched_setaffinity(tid, target)
+                except OSError:  # the thread ended, or we may not touch it
+                    pass
+            self.applied = k
+            return k

@@ -1,0 +1,292 @@
+"""The pure policy (`decide`), hysteresis and hold, pacing on a fake clock, the controller's failure
+paths and configuration errors. The per-device table over recorded fixtures is in
+test_power_table.py."""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import replace
+
+import pytest
+
+from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.power.controller import MAX_SLEEP_S, PowerController
+from edgeinfer.power.policy import (HOT_PREFILL_CHUNK, MIN_TOKENS_PER_S, Load, Plan, Policy, decide,
+                                    resolve_policy, thermal_level)
+from edgeinfer.power.readings import PiThrottle, Readings
+from edgeinfer.power.threads import CoreLimit
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+        self.slept = []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        assert 0 <= s <= MAX_SLEEP_S + 1e-9
+        self.slept.append(s)
+        self.t += s
+
+
+class Script:
+    """Sensors reading a list of Readings in turn (the last one repeats)."""
+    def __init__(self, *readings):
+        self.readings = list(readings)
+
+    def read(self) -> Readings:
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+
+class Boom:
+    def read(self):
+        raise OSError("sensor bus gone")
+
+
+def cores(n=4) -> CoreLimit:
+    c = CoreLimit(list(range(n)))
+    c.supported = False  # tests never change this process's affinity unless they mean to
+    return c
+
+
+LOAD = Load(max_threads=4, tokens_per_s=20.0, unpaced_tokens_per_s=20.0)
+
+
+# --- configuration ---
+
+@pytest.mark.parametrize("kwargs", [
+    {"name": "turbo"}, {"name": ""}, {"max_temp_c": -5}, {"max_temp_c": float("nan")}, {"max_temp_c": 500},
+    {"min_battery_pct": 101}, {"power_budget_w": 0}, {"power_budget_w": -3}, {"max_tokens_per_s": 0},
+    {"max_tokens_per_s": "fast"}, {"hysteresis_c": 10, "warm_band_c": 5}, {"hold_s": -1}, {"max_temp_c": True},
+    {"name": "performance", "min_battery_pct": 30},
+])
+def test_bad_policies_are_refused_at_configuration(kwargs):
+    with pytest.raises(InvalidArgumentError):
+        Policy(**kwargs)
+
+
+def test_resolve_policy():
+    assert resolve_policy(None) is None
+    assert resolve_policy("battery") == Policy("battery")
+    p = Policy("thermal-guard", max_temp_c=70)
+    assert resolve_policy(p) is p
+    for bad in ("fast", 3, ["balanced"], True):
+        with pytest.raises(InvalidArgumentError):
+            resolve_policy(bad)
+
+
+# --- decide: hand-computed cases ---
+
+def test_cool_device_runs_flat_out_under_every_policy():
+    r = Readings(temp_c=45.0, throttle_temp_c=80.0, on_ac=True, battery_pct=90.0)
+    for name in ("performance", "balanced", "battery", "thermal-guard"):
+        plan = decide(r, Policy(name), LOAD)
+        assert (plan.threads, plan.max_tokens_per_s, plan.prefill_chunk, plan.admit_background, plan.level) == \
+            (4, None, None, True, "cool"), name
+
+
+def test_limits_come_from_the_device_less_the_margin():
+    r = Readings(temp_c=50.0, throttle_temp_c=85.0)
+    assert Policy("balanced").temperature_limit_c(r) == 83.0
+    assert Policy("thermal-guard").temperature_limit_c(r) == 80.0
+    assert Policy("thermal-guard", max_temp_c=70).temperature_limit_c(r) == 70.0
+    assert Policy("balanced").temperature_limit_c(Readings(temp_c=50.0)) == 78.0  # 80 default less 2
+
+
+def test_hot_paces_down_refuses_background_and_chunks_prefill():
+    r = Readings(temp_c=84.0, throttle_temp_c=85.0, time_s=10.0)
+    plan = decide(r, Policy("balanced"), LOAD)
+    assert plan.level == "hot" and not plan.admit_background and plan.prefill_chunk == HOT_PREFILL_CHUNK
+    assert plan.max_tokens_per_s == pytest.approx(20.0 * 0.8)
+    # a hold period later, still hot: down again from the previous cap
+    later = decide(replace(r, time_s=15.0), Policy("balanced"), LOAD, plan)
+    assert later.max_tokens_per_s == pytest.approx(20.0 * 0.8 * 0.8)
+    # performance never paces for heat and never refuses work
+    perf = decide(r, Policy("performance"), LOAD)
+    assert perf.max_tokens_per_s is None and perf.admit_background
+
+
+def test_cooling_lifts_the_cap_step_by_step():
+    pol = Policy("balanced")
+    prev = Plan(threads=4, max_tokens_per_s=10.0, prefill_chunk=None, admit_background=True, reason="",
+                level="cool", heat_cap=10.0, since_s=0.0)
+    p1 = decide(Readings(temp_c=50.0, throttle_temp_c=85.0, time_s=5.0), pol, LOAD, prev)
+    assert p1.max_tokens_per_s == pytest.approx(11.5)
+    fast = Load(max_threads=4, tokens_per_s=11.0, unpaced_tokens_per_s=12.0)
+    p2 = decide(Readings(temp_c=50.0, throttle_temp_c=85.0, time_s=10.0), pol, fast, p1)
+    assert p2.max_tokens_per_s is None  # 11.5 * 1.15 no longer binds at an unpaced 12 tok/s
+
+
+def test_user_cap_always_applies():
+    r = Readings(temp_c=40.0)
+    assert decide(r, Policy("performance", max_tokens_per_s=7), LOAD).max_tokens_per_s == 7
+    hot = decide(Readings(temp_c=90.0), Policy("balanced", max_tokens_per_s=30), LOAD)
+    assert hot.max_tokens_per_s == pytest.approx(16.0)  # the heat cap is lower
+
+
+def test_devices_that_say_they_throttle_are_hot_at_any_temperature():
+    pol = Policy("balanced")
+    assert thermal_level(Readings(temp_c=60.0, pi_throttle=PiThrottle.from_mask(0x2)), pol, None)[0] == "hot"
+    assert thermal_level(Readings(temp_c=60.0, pi_throttle=PiThrottle.from_mask(0x50000)), pol, None)[0] == "cool"
+    assert thermal_level(Readings(thermal_status="severe"), pol, None)[0] == "hot"
+    assert thermal_level(Readings(thermal_status="moderate"), pol, None)[0] == "cool"
+    assert thermal_level(Readings(cpu_speed_limit_pct=70.0), pol, None)[0] == "hot"
+
+
+def test_battery_policy_halves_cores_and_guards_the_charge():
+    pol = Policy("battery")
+    on_batt = Readings(battery_pct=60.0, on_ac=False)
+    low = Readings(battery_pct=35.0, on_ac=False)
+    assert decide(on_batt, pol, LOAD).threads == 2 and decide(on_batt, pol, LOAD).admit_background
+    assert not decide(low, pol, LOAD).admit_background  # battery's floor is 50 %
+    assert decide(low, Policy("balanced"), LOAD).admit_background  # balanced's is 20 %
+    assert not decide(Readings(battery_pct=15.0, on_ac=False), Policy("balanced"), LOAD).admit_background
+    assert decide(Readings(battery_pct=15.0, on_ac=True), pol, LOAD).admit_background  # charging: fine
+    assert decide(Readings(battery_pct=60.0, on_ac=True), pol, LOAD).threads == 4
+
+
+def test_thermal_guard_refuses_background_already_when_warm():
+    r = Readings(temp_c=74.0, throttle_temp_c=85.0)  # limit 80, warm from 72
+    assert not decide(r, Policy("thermal-guard"), LOAD).admit_background
+    assert decide(r, Policy("balanced"), LOAD).admit_background
+
+
+def test_power_budget_moves_the_cap_toward_the_budget():
+    pol = Policy("balanced", power_budget_w=5.0)
+    over = decide(Readings(power_w=10.0, time_s=0), pol, LOAD)
+    assert over.max_tokens_per_s == pytest.approx(20.0 * math.sqrt(0.5))
+    under = decide(Readings(power_w=4.0, time_s=10), pol, LOAD, over)
+    assert under.max_tokens_per_s == pytest.approx(over.max_tokens_per_s * math.sqrt(5 / 4))
+
+
+def test_a_missing_temperature_keeps_the_level():
+    pol = Policy("balanced")
+    hot = decide(Readings(temp_c=90.0, time_s=0), pol, LOAD)
+    still = decide(Readings(temp_c=None, time_s=10), pol, LOAD, hot)
+    assert still.level == "hot" and not still.admit_background
+
+
+# --- hysteresis and hold ---
+
+def test_oscillating_reading_changes_the_plan_at_most_once_per_hold():
+    pol = Policy("balanced", hold_s=5.0)  # limit 83 on an 85 °C device
+    plan, changes = None, []
+    for i in range(240):  # two minutes at 2 Hz, ±1 °C around the limit
+        t = i * 0.5
+        r = Readings(time_s=t, temp_c=83.0 + (1 if i % 2 else -1), throttle_temp_c=85.0)
+        new = decide(r, pol, LOAD, plan)
+        if plan is None or new.since_s != plan.since_s:
+            changes.append((t, new.level))
+        plan = new
+    # warm at 82 °C, hot at once at 84 °C (a safety change), then the band keeps it hot (82 °C is
+    # not 3 below the limit) and the cap steps down once per hold period, never faster
+    assert [lv for _, lv in changes[:2]] == ["warm", "hot"] and all(lv == "hot" for _, lv in changes[1:])
+    times = [t for t, _ in changes[1:]]
+    assert all(b - a >= 5.0 for a, b in zip(times, times[1:])), changes
+
+
+def test_oscillating_around_warm_flips_the_level_once():
+    pol = Policy("thermal-guard", hold_s=0.0)  # limit 80, warm from 72, hysteresis 3
+    plan, levels = None, []
+    for i in range(100):
+        r = Readings(time_s=i * 0.5, temp_c=72.0 + (1 if i % 2 else -1), throttle_temp_c=85.0)
+        plan = decide(r, pol, LOAD, plan)
+        levels.append(plan.level)
+    flips = sum(a != b for a, b in zip(levels, levels[1:]))
+    assert flips == 1 and levels[-1] == "warm"
+
+
+def test_getting_hot_applies_at_once_despite_hold():
+    pol = Policy("balanced", hold_s=60.0)
+    cool = decide(Readings(time_s=0, temp_c=50.0, throttle_temp_c=85.0), pol, LOAD)
+    hot = decide(Readings(time_s=1, temp_c=86.0, throttle_temp_c=85.0), pol, LOAD, cool)
+    assert hot.level == "hot" and hot.max_tokens_per_s is not None and not hot.admit_background
+    relax = decide(Readings(time_s=2, temp_c=40.0, throttle_temp_c=85.0), pol, LOAD, hot)
+    assert relax.level == "hot" and relax.since_s == hot.since_s  # relaxing waits for the hold
+
+
+# --- the controller and its pacer ---
+
+def test_pacer_holds_the_cap_on_a_fake_clock():
+    clock = FakeClock()
+    ctl = PowerController(Policy("performance", max_tokens_per_s=100.0), Script(Readings()), cores(),
+                          clock=clock, sleep=clock.sleep)
+    ctl.tick()
+    pacer = ctl.pacer()
+    releases = []
+    for _ in range(200):
+        pacer.pace()
+        releases.append(clock.t)
+        clock.t += 0.002 if len(releases) % 7 else 0.013  # 2 ms steps, every 7th one 13 ms (late)
+    rate = (len(releases) - 1) / (releases[-1] - releases[0])
+    assert rate == pytest.approx(100.0, rel=0.01)
+    assert pacer.paced_s == pytest.approx(sum(clock.slept))
+    ctl.tick()  # the controller saw the unpaced compute time
+    assert ctl.plan is not None
+
+
+def test_pacer_without_a_cap_never_sleeps():
+    clock = FakeClock()
+    ctl = PowerController(Policy("performance"), Script(Readings()), cores(), clock=clock, sleep=clock.sleep)
+    ctl.tick()
+    p = ctl.pacer()
+    for _ in range(50):
+        p.pace()
+        clock.t += 0.001
+    assert clock.slept == [] and p.paced_s == 0.0
+
+
+def test_pacer_wakes_when_cancelled():
+    ctl = PowerController(Policy("performance", max_tokens_per_s=1.0), Script(Readings()), cores())
+    ctl.tick()
+    ev = threading.Event()
+    p = ctl.pacer(ev)
+    p.pace()
+    threading.Timer(0.05, ev.set).start()
+    import time
+    t0 = time.monotonic()
+    p.pace()  # would sleep 1 s
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_failing_sensors_give_the_safe_plan_and_one_warning(caplog):
+    ctl = PowerController(Policy("balanced"), Boom(), cores())
+    with caplog.at_level("WARNING", logger="edgeinfer.power"):
+        for _ in range(5):
+            plan = ctl.tick()
+    assert plan.threads == 1 and not plan.admit_background and "failed" in plan.reason
+    assert sum("sensor bus gone" in r.message for r in caplog.records) == 1
+
+
+def test_sensor_warnings_are_logged_once(caplog):
+    r = Readings(temp_c=None, warnings=("thermal_zone0/temp: garbage 'abc'",))
+    ctl = PowerController(Policy("balanced"), Script(r), cores())
+    with caplog.at_level("WARNING", logger="edgeinfer.power"):
+        for _ in range(3):
+            ctl.tick()
+    assert sum("garbage" in rec.message for rec in caplog.records) == 1
+
+
+def test_controller_thread_stops_and_model_drop_ends_it():
+    ctl = PowerController(Policy("balanced"), Script(Readings(temp_c=40.0)), cores(), interval_s=0.01).start()
+    t = ctl._thread
+    ctl.stop()
+    t.join(1)
+    assert not t.is_alive()
+    ctl2 = PowerController(Policy("balanced"), Script(Readings(temp_c=40.0)), cores(), interval_s=0.01).start()
+    t2 = ctl2._thread
+    del ctl2
+    import gc
+    gc.collect()
+    t2.join(2)
+    assert not t2.is_alive()
+
+
+def test_set_policy_checks_its_argument():
+    ctl = PowerController(Policy("balanced"), Script(Readings()), cores())
+    with pytest.raises(TypeError):
+        ctl.set_policy("battery")
+    assert ctl.set_policy(Policy("battery")).reason is not None and ctl.policy.name == "battery"
