@@ -1,4 +1,4 @@
-"""The `edgeinfer` command line: convert, eval, inspect, generate, chat, bench.
+"""The `edgeinfer` command line: convert, eval, inspect, generate, chat, bench, serve, power.
 
 User errors (`EdgeInferError`: bad arguments, a missing model, a prompt that does not fit or is
 not valid UTF-8) print one line `edgeinfer: error: ...` and exit 1; Ctrl-C prints
@@ -67,6 +67,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=OVERFLOW_POLICIES[0],
                    help="when the context is full: shift (forget the oldest, go on), truncate, error")
     p.add_argument("-v", "--verbose", action="store_true", help="print load details (KV memory) to stderr")
+    p.add_argument("--power", choices=("performance", "balanced", "battery", "thermal-guard"), default=None,
+                   help="pace decoding by this device's sensors (default: off)")
 
 
 # generation flags: (flag, option name, type, help); defaults come from edgeinfer.options, declared once
@@ -106,7 +108,7 @@ def _load(args: argparse.Namespace):
     import edgeinfer
 
     return edgeinfer.load(args.model, threads=args.threads, capacity_tokens=args.capacity,
-                          overflow=args.overflow, verbose=args.verbose)
+                          overflow=args.overflow, verbose=args.verbose, power=args.power)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -182,6 +184,11 @@ SERVE_FLAGS = (
     ("--max-tokens-limit", "max_tokens_limit", int, "most tokens one request may generate (default 512)"),
     ("--log-format", "log_format", str, "text | json (default text)"),
     ("--grace-s", "grace_s", float, "on SIGTERM, how long requests in flight may finish (default 30)"),
+    ("--power", "power", str, "performance | balanced | battery | thermal-guard | off (default balanced)"),
+    ("--max-temp-c", "max_temp_c", float, "power: stay under this temperature"),
+    ("--min-battery-pct", "min_battery_pct", float, "power: on battery under this, refuse background requests"),
+    ("--power-budget-w", "power_budget_w", float, "power: hold the device's draw under this many watts"),
+    ("--max-tokens-per-s", "max_tokens_per_s", float, "power: never decode faster than this"),
 )
 
 
@@ -261,6 +268,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_power(args: argparse.Namespace) -> int:
+    import time
+
+    from edgeinfer.power.report import format_report, report
+    from edgeinfer.power.sensors import Sensors, sensors_from_fixture
+
+    if args.root is not None and not (args.root / "root").is_dir() and not (args.root / "platform.txt").is_file():
+        raise EdgeInferError(f"{args.root} is not a recorded device (a folder with root/ and platform.txt)")
+    sensors = sensors_from_fixture(args.root) if args.root is not None else Sensors()
+    while True:
+        data = report(sensors.read())
+        print(json.dumps(data) if args.json else format_report(data), flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(args.interval_s)
+        if not args.json:
+            print()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from edgeinfer import __version__
 
@@ -331,6 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(ch)
     _sampling_args(ch)
     ch.set_defaults(func=_cmd_chat)
+
+    pw = sub.add_parser("power", help="what this device's sensors read and the plan each power policy would choose")
+    pw.add_argument("--watch", action="store_true", help="print again every --interval-s until Ctrl-C")
+    pw.add_argument("--interval-s", type=float, default=1.0)
+    pw.add_argument("--json", action="store_true", help="one JSON object per reading")
+    pw.add_argument("--root", type=Path, default=None, help="read a recorded device folder instead (tests/fixtures/power/...)")
+    pw.set_defaults(func=_cmd_power)
 
     i = sub.add_parser("inspect", help="describe an edgeinfer model folder")
     i.add_argument("model", type=Path)

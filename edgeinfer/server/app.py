@@ -3,7 +3,8 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
 Every error is OpenAI-shaped ({"error": {"message", "type", "param", "code"}}) with its status:
 400 bad request, 401 bad or missing key, 404 unknown route or model, 405, 413 body too large,
-429 queue full (with Retry-After), 503 shutting down, 500 a bug (logged, the server goes on).
+429 queue full (with Retry-After), 503 shutting down or a background request (header
+x-edgeinfer-priority) the power plan refuses (with Retry-After), 500 a bug (logged, the server goes on).
 
 Request path: the body is read (at most max_body_bytes) and parsed (`protocol`), the prompt is
 tokenized, a place is reserved (`Scheduler.admit`, else 429 at once), and a `Job` runs in a worker
@@ -53,6 +54,9 @@ def error_response(e: APIError, headers: dict | None = None) -> JSONResponse:
     return JSON(e.body(), status_code=e.status, headers=headers)
 
 
+PRIORITY_HEADER = "x-edgeinfer-priority"  # interactive (default) | background
+
+
 class Server:
     """The app's state: model, scheduler, metrics, settings; `app` is the ASGI application."""
 
@@ -61,7 +65,7 @@ class Server:
         self.model_id = model.folder.name
         self.created = int(time.time())
         self.scheduler = Scheduler(model, config.slots, config.queue)
-        self.metrics = Metrics(self.scheduler)
+        self.metrics = Metrics(self.scheduler, model.power)
         self.pool = ThreadPoolExecutor(max_workers=config.slots + config.queue, thread_name_prefix="edgeinfer-job")
         self.draining = False
         self._key = config.api_key.encode() if config.api_key else None
@@ -113,15 +117,30 @@ class Server:
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's digit limit
             raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
 
+    def _check_priority(self, request: Request) -> None:
+        """A request marked background (PRIORITY_HEADER) is refused with 503 and Retry-After while the
+        power plan admits no background work; interactive requests (the default) always run, paced."""
+        value = request.headers.get(PRIORITY_HEADER, "interactive").strip().lower()
+        if value not in ("interactive", "background"):
+            raise APIError(400, f"{PRIORITY_HEADER} must be interactive or background, got {value[:40]!r}",
+                           param=PRIORITY_HEADER)
+        power = self.model.power
+        if value == "background" and power is not None and not power.admits_background():
+            plan = power.plan
+            raise APIError(503, f"background work is refused now by the power plan: {plan.reason}; retry later",
+                           type="server_error", code="power_background_refused",
+                           retry_after_s=max(5, int(power.policy.hold_s * 2)))
+
     # ---- routes -------------------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
         return JSON(protocol.models_list(self.model_id, self.created))
 
     async def health(self, request: Request) -> Response:
-        s = self.scheduler
+        s, power = self.scheduler, self.model.power_state()
         return JSON({"status": "draining" if self.draining else "ok", "model": self.model_id,
-                             "slots_busy": s.busy, "slots_total": len(s.slots), "queue_depth": max(0, s.waiting)})
+                     "slots_busy": s.busy, "slots_total": len(s.slots), "queue_depth": max(0, s.waiting),
+                     "power": power.as_dict() if power is not None else None})
 
     async def metrics_route(self, request: Request) -> Response:
         body, content_type = self.metrics.render()
@@ -137,6 +156,7 @@ class Server:
         t0 = time.perf_counter()
         endpoint = "chat" if chat else "completions"
         try:
+            self._check_priority(request)
             body = await self.read_json(request)
             limit = self.config.max_tokens_limit
             if chat:
@@ -155,7 +175,7 @@ class Server:
                                code="queue_full") from None
         except APIError as e:
             self.metrics.request(endpoint, e.status)
-            headers = {"Retry-After": "1"} if e.status == 429 else None
+            headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None
             return error_response(e, headers)
         except EdgeInferError as e:  # the prompt itself (vocabulary, empty, template)
             self.metrics.request(endpoint, 400)

@@ -42,6 +42,19 @@ class ServeConfig:
     log_format: str = "text"
     log_prompts: bool = False
     cors_origins: tuple[str, ...] = ()
+    power: str = "balanced"  # performance | balanced | battery | thermal-guard | off (docs/power.md)
+    max_temp_c: float | None = None  # power policy limits (None: the policy's default)
+    min_battery_pct: float | None = None
+    power_budget_w: float | None = None
+    max_tokens_per_s: float | None = None
+
+    def power_policy(self):
+        """The power Policy these settings give (None for power = "off"); checked in __post_init__."""
+        from edgeinfer.power.policy import Policy
+        if self.power == "off":
+            return None
+        return Policy(self.power, max_temp_c=self.max_temp_c, min_battery_pct=self.min_battery_pct,
+                      power_budget_w=self.power_budget_w, max_tokens_per_s=self.max_tokens_per_s)
 
     def __post_init__(self) -> None:
         for name in ("host", "overflow", "log_format"):
@@ -71,6 +84,13 @@ class ServeConfig:
             raise InvalidArgumentError(f"grace-s must be a number >= 0, got {self.grace_s!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 8):
             raise InvalidArgumentError("the API key must be a string of at least 8 characters")
+        if not isinstance(self.power, str):
+            raise InvalidArgumentError(f"power must be a string, got {self.power!r}")
+        if self.power == "off" and any(v is not None for v in (self.max_temp_c, self.min_battery_pct,
+                                                                self.power_budget_w, self.max_tokens_per_s)):
+            raise InvalidArgumentError("power = off contradicts the power limits given (max-temp-c, min-battery-pct, "
+                                       "power-budget-w, max-tokens-per-s): choose a policy or drop the limits")
+        self.power_policy()  # an unknown policy or a bad limit is refused here, with its name
         if not is_loopback(self.host) and not self.api_key:
             raise InvalidArgumentError(
                 f"refusing to listen on {self.host} without an API key: anyone on the network could use the "

@@ -9,7 +9,8 @@ TOKEN_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5
 
 
 class Metrics:
-    def __init__(self, scheduler):
+    def __init__(self, scheduler, power=None):
+        """power: the Model's PowerController (None: off): its readings and plan become gauges."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter("edgeinfer_requests", "HTTP requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=r)
@@ -29,6 +30,38 @@ class Metrics:
             lambda: max(0, scheduler.waiting))
         Gauge("edgeinfer_slots_busy", "slots generating now", registry=r).set_function(lambda: scheduler.busy)
         Gauge("edgeinfer_slots_total", "slots", registry=r).set(len(scheduler.slots))
+        if power is not None:
+            self._power_gauges(power)
+
+    def _power_gauges(self, power) -> None:
+        """One gauge per reading and plan field; a reading the device lacks is NaN (absent in PromQL)."""
+        r = self.registry
+        nan = float("nan")
+
+        def reading(field: str):
+            return lambda: nan if power.readings is None or getattr(power.readings, field) is None \
+                else float(getattr(power.readings, field))
+
+        def plan(fn):
+            return lambda: nan if power.plan is None else fn(power.plan)
+
+        for name, field, doc in (("temperature_celsius", "temp_c", "hottest CPU/SoC temperature"),
+                                 ("battery_percent", "battery_pct", "battery charge"),
+                                 ("power_watts", "power_w", "the device's power draw"),
+                                 ("cpu_frequency_mhz", "cpu_freq_mhz", "mean CPU frequency")):
+            Gauge(f"edgeinfer_power_{name}", doc, registry=r).set_function(reading(field))
+        Gauge("edgeinfer_power_on_battery", "1 when running from battery", registry=r).set_function(
+            lambda: nan if power.readings is None else float(power.readings.on_battery))
+        Gauge("edgeinfer_power_plan_threads", "cores the plan runs on", registry=r).set_function(
+            plan(lambda p: p.threads))
+        Gauge("edgeinfer_power_plan_max_tokens_per_second", "the plan's pacing cap (0: unpaced)",
+              registry=r).set_function(plan(lambda p: p.max_tokens_per_s or 0.0))
+        Gauge("edgeinfer_power_plan_admit_background", "1 when background requests are admitted",
+              registry=r).set_function(plan(lambda p: float(p.admit_background)))
+        Gauge("edgeinfer_power_plan_hot", "1 when the plan was made hot", registry=r).set_function(
+            plan(lambda p: float(p.level == "hot")))
+        Gauge("edgeinfer_power_paced_seconds", "seconds decoding has slept for pacing, in all", registry=r
+              ).set_function(lambda: power.paced_s_total)
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

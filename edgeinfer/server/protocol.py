@@ -46,9 +46,11 @@ class APIError(Exception):
     """An OpenAI-shaped error: HTTP status + body {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None):
+        """retry_after_s: sent as the Retry-After header (429 defaults to 1 s)."""
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after_s = retry_after_s if retry_after_s is not None else (1 if status == 429 else None)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -64,7 +64,7 @@ def build(config: ServeConfig, model=None) -> Server:
 
     if model is None:
         model = edgeinfer.load(config.model, threads=config.threads, capacity_tokens=config.capacity,
-                               overflow=config.overflow)
+                               overflow=config.overflow, power=config.power_policy())
     return Server(model, config)
 
 
