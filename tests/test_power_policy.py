@@ -12,8 +12,8 @@ import pytest
 
 from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.power.controller import MAX_SLEEP_S, PowerController
-from edgeinfer.power.policy import (HOT_PREFILL_CHUNK, MIN_TOKENS_PER_S, Load, Plan, Policy, decide,
-                                    resolve_policy, thermal_level)
+from edgeinfer.power.policy import (HOT_PREFILL_CHUNK, KI_PER_C_S, KP_PER_C, MIN_TOKENS_PER_S, Load, Plan, Policy,
+                                    decide, resolve_policy, thermal_level)
 from edgeinfer.power.readings import PiThrottle, Readings
 from edgeinfer.power.threads import CoreLimit
 
@@ -90,41 +90,47 @@ def test_cool_device_runs_flat_out_under_every_policy():
 
 def test_limits_come_from_the_device_less_the_margin():
     r = Readings(temp_c=50.0, throttle_temp_c=85.0)
-    assert Policy("balanced").temperature_limit_c(r) == 83.0
-    assert Policy("thermal-guard").temperature_limit_c(r) == 80.0
+    assert Policy("balanced").temperature_limit_c(r) == 84.0
+    assert Policy("thermal-guard").temperature_limit_c(r) == 83.0
     assert Policy("thermal-guard", max_temp_c=70).temperature_limit_c(r) == 70.0
-    assert Policy("balanced").temperature_limit_c(Readings(temp_c=50.0)) == 78.0  # 80 default less 2
+    assert Policy("balanced").temperature_limit_c(Readings(temp_c=50.0)) == 79.0  # 80 default less 1
 
 
 def test_hot_paces_down_refuses_background_and_chunks_prefill():
+    # balanced on an 85 °C device: limit 84, target 83.5; at 84 °C the error is -0.5
     r = Readings(temp_c=84.0, throttle_temp_c=85.0, time_s=10.0)
     plan = decide(r, Policy("balanced"), LOAD)
     assert plan.level == "hot" and not plan.admit_background and plan.prefill_chunk == HOT_PREFILL_CHUNK
-    assert plan.max_tokens_per_s == pytest.approx(20.0 * 0.8)
-    # a hold period later, still hot: down again from the previous cap
+    # engaging: I = log(20 tok/s), cap = exp(I + KP * e)
+    assert plan.thermal_i == pytest.approx(math.log(20.0))
+    assert plan.max_tokens_per_s == pytest.approx(20.0 * math.exp(KP_PER_C * -0.5))
+    # a hold period (5 s) later at the same temperature, the integral has moved by KI * e * 5
     later = decide(replace(r, time_s=15.0), Policy("balanced"), LOAD, plan)
-    assert later.max_tokens_per_s == pytest.approx(20.0 * 0.8 * 0.8)
-    # performance never paces for heat and never refuses work
+    assert later.thermal_i == pytest.approx(math.log(20.0) + KI_PER_C_S * -0.5 * 5.0)
+    assert later.max_tokens_per_s == pytest.approx(math.exp(later.thermal_i + KP_PER_C * -0.5))
+    # performance never paces for heat (no critical point known) and never refuses work
     perf = decide(r, Policy("performance"), LOAD)
     assert perf.max_tokens_per_s is None and perf.admit_background
+    # ... but guards the critical point
+    near = decide(replace(r, temp_c=100.0, critical_temp_c=104.0), Policy("performance"), LOAD)
+    assert near.max_tokens_per_s == pytest.approx(20.0 * math.exp(KP_PER_C * (99.0 - 100.0)))
 
 
-def test_cooling_lifts_the_cap_step_by_step():
-    pol = Policy("balanced")
+def test_the_controller_keeps_the_rate_that_held_the_target_and_lets_go_when_cool():
+    pol = Policy("balanced")  # target 83.5 on an 85 °C device
     prev = Plan(threads=4, max_tokens_per_s=10.0, prefill_chunk=None, admit_background=True, reason="",
-                level="cool", heat_cap=10.0, since_s=0.0)
-    p1 = decide(Readings(temp_c=50.0, throttle_temp_c=85.0, time_s=5.0), pol, LOAD, prev)
-    assert p1.max_tokens_per_s == pytest.approx(11.5)
-    fast = Load(max_threads=4, tokens_per_s=11.0, unpaced_tokens_per_s=12.0)
-    p2 = decide(Readings(temp_c=50.0, throttle_temp_c=85.0, time_s=10.0), pol, fast, p1)
-    assert p2.max_tokens_per_s is None  # 11.5 * 1.15 no longer binds at an unpaced 12 tok/s
+                level="warm", heat_cap=10.0, since_s=0.0, thermal_cap=10.0, thermal_i=math.log(10.0))
+    near = decide(Readings(temp_c=83.0, throttle_temp_c=85.0, time_s=5.0), pol, LOAD, prev)
+    assert near.max_tokens_per_s == pytest.approx(10.0 * math.exp(KI_PER_C_S * 0.5 * 5 + KP_PER_C * 0.5))
+    cool = decide(Readings(temp_c=50.0, throttle_temp_c=85.0, time_s=5.0), pol, LOAD, prev)
+    assert cool.max_tokens_per_s is None and cool.thermal_i is None  # far under target, cap above the rate
 
 
 def test_user_cap_always_applies():
     r = Readings(temp_c=40.0)
     assert decide(r, Policy("performance", max_tokens_per_s=7), LOAD).max_tokens_per_s == 7
     hot = decide(Readings(temp_c=90.0), Policy("balanced", max_tokens_per_s=30), LOAD)
-    assert hot.max_tokens_per_s == pytest.approx(16.0)  # the heat cap is lower
+    assert hot.max_tokens_per_s == MIN_TOKENS_PER_S  # 20 * exp(0.3 * (78.5 - 90)) = 0.63: floored, under 30
 
 
 def test_devices_that_say_they_throttle_are_hot_at_any_temperature():
@@ -149,7 +155,7 @@ def test_battery_policy_halves_cores_and_guards_the_charge():
 
 
 def test_thermal_guard_refuses_background_already_when_warm():
-    r = Readings(temp_c=74.0, throttle_temp_c=85.0)  # limit 80, warm from 72
+    r = Readings(temp_c=76.0, throttle_temp_c=85.0)  # limit 83, warm from 75
     assert not decide(r, Policy("thermal-guard"), LOAD).admit_background
     assert decide(r, Policy("balanced"), LOAD).admit_background
 
@@ -160,6 +166,8 @@ def test_power_budget_moves_the_cap_toward_the_budget():
     assert over.max_tokens_per_s == pytest.approx(20.0 * math.sqrt(0.5))
     under = decide(Readings(power_w=4.0, time_s=10), pol, LOAD, over)
     assert under.max_tokens_per_s == pytest.approx(over.max_tokens_per_s * math.sqrt(5 / 4))
+    blind = decide(Readings(power_w=None, time_s=20), pol, LOAD, under)
+    assert blind.max_tokens_per_s == under.max_tokens_per_s and "no power reading" in blind.reason
 
 
 def test_a_missing_temperature_keeps_the_level():
@@ -172,27 +180,27 @@ def test_a_missing_temperature_keeps_the_level():
 # --- hysteresis and hold ---
 
 def test_oscillating_reading_changes_the_plan_at_most_once_per_hold():
-    pol = Policy("balanced", hold_s=5.0)  # limit 83 on an 85 °C device
+    pol = Policy("balanced", hold_s=5.0)  # limit 84 on an 85 °C device
     plan, changes = None, []
     for i in range(240):  # two minutes at 2 Hz, ±1 °C around the limit
         t = i * 0.5
-        r = Readings(time_s=t, temp_c=83.0 + (1 if i % 2 else -1), throttle_temp_c=85.0)
+        r = Readings(time_s=t, temp_c=84.0 + (1 if i % 2 else -1), throttle_temp_c=85.0)
         new = decide(r, pol, LOAD, plan)
         if plan is None or new.since_s != plan.since_s:
             changes.append((t, new.level))
         plan = new
-    # warm at 82 °C, hot at once at 84 °C (a safety change), then the band keeps it hot (82 °C is
-    # not 3 below the limit) and the cap steps down once per hold period, never faster
+    # warm at 83 °C, hot at once at 85 °C (a safety change), then the band keeps it hot (83 °C is
+    # not 3 below the limit) and the cap moves once per hold period, never faster
     assert [lv for _, lv in changes[:2]] == ["warm", "hot"] and all(lv == "hot" for _, lv in changes[1:])
     times = [t for t, _ in changes[1:]]
     assert all(b - a >= 5.0 for a, b in zip(times, times[1:])), changes
 
 
 def test_oscillating_around_warm_flips_the_level_once():
-    pol = Policy("thermal-guard", hold_s=0.0)  # limit 80, warm from 72, hysteresis 3
+    pol = Policy("thermal-guard", hold_s=0.0)  # limit 83, warm from 75, hysteresis 3
     plan, levels = None, []
     for i in range(100):
-        r = Readings(time_s=i * 0.5, temp_c=72.0 + (1 if i % 2 else -1), throttle_temp_c=85.0)
+        r = Readings(time_s=i * 0.5, temp_c=75.0 + (1 if i % 2 else -1), throttle_temp_c=85.0)
         plan = decide(r, pol, LOAD, plan)
         levels.append(plan.level)
     flips = sum(a != b for a, b in zip(levels, levels[1:]))

@@ -6,7 +6,8 @@ default) reads the sensors, calls `decide` and stores the Plan; the token path o
 attribute. A Pacer lives for one generation and runs once before each decode step:
 1. Apply the plan's core count if it differs from the one in force (`CoreLimit.apply`: effective
    from this step).
-2. Sleep until this step's release time under the plan's cap (release_k >= release_(k-1) + 1/cap;
+2. Sleep until this step's release time under the plan's cap (release_k >= release_(k-1) + 1/cap,
+   release 0 being the first call, right after the first token;
    the schedule is kept exact unless a step ran a whole period late), at most 1 s, waking at once
    if the request is cancelled.
 3. Report the previous step's compute time (release to this call, sleeps excluded), from which the
@@ -22,7 +23,7 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from edgeinfer.power.policy import MIN_TOKENS_PER_S, Load, Plan, Policy, decide, safe_plan
 from edgeinfer.power.readings import Readings
@@ -54,7 +55,7 @@ class PowerController:
                  interval_s: float = DEFAULT_INTERVAL_S, clock=time.monotonic, sleep=time.sleep):
         """sensors: anything with `read() -> Readings` (`power.sensors.Sensors`, or a simulation's)."""
         self.policy, self.sensors = policy, sensors
-        self.cores = cores if cores is not None else CoreLimit()
+        self.cores = cores if cores is not None else CoreLimit.shared()
         self.interval_s, self.clock, self.sleep = float(interval_s), clock, sleep
         self.readings: Readings | None = None
         self.plan: Plan | None = None
@@ -76,7 +77,7 @@ class PowerController:
                     tokens_per_s=steps / span if steps else None,
                     unpaced_tokens_per_s=steps / compute_s if steps and compute_s > 0 else None)
         try:
-            readings = self.sensors.read()
+            readings = replace(self.sensors.read(), time_s=now)  # one clock for plans and pacing
             for w in readings.warnings:
                 self._warn(f"sensor: {w}")
             plan = decide(readings, self.policy, load, self.plan)
@@ -123,8 +124,12 @@ class PowerController:
             self._thread.join(timeout=5)
         self.cores.apply(self.cores.max_threads)
 
-    def __del__(self):
+    def __del__(self):  # a dropped Model: stop sampling, give the process its cores back
         self._stop.set()
+        try:
+            self.cores.apply(self.cores.max_threads)
+        except Exception:
+            pass
 
     def state(self) -> PowerState:
         return PowerState(self.policy, self.readings, self.plan, self.cores.applied, self.paced_s_total)
@@ -168,7 +173,9 @@ class Pacer:
         if self._started is not None:
             c.record_step(now - self._started)
         cap = plan.max_tokens_per_s if plan is not None else None
-        if cap and self._release is not None:
+        if self._release is None:  # the first decode step: the token before it (prefill's) is release 0
+            self._release = now
+        if cap:
             period = 1.0 / cap
             target = self._release + period
             wait = min(target - now, MAX_SLEEP_S)

@@ -13,11 +13,12 @@ The steps of `decide`:
    counts as hot whatever the temperature, and so does a Pi reporting under-voltage (less load,
    less current: it also halves the cores). A temperature that cannot be read keeps the previous
    level (never relaxes on a missing sensor).
-2. Pace: while hot, the token cap shrinks by `step_down` every hold period (multiplicative
-   decrease; performance paces only within 5 °C of the critical point); while cool or warm with a
-   cap that heat set, it grows by `step_up` and is lifted once it no longer binds. With
-   `power_budget_w` and a power reading, the cap follows the budget instead: cap *= sqrt(budget /
-   watts) per hold period. The user's `max_tokens_per_s` always applies on top.
+2. Pace: near the policy's limit a PI controller holds the temperature TARGET_BELOW_C under it by
+   the token cap (log cap = I + KP * error; I integrates the error, so the plan remembers the rate
+   that held the target instead of cycling between flat out and over-cut); performance only guards
+   the critical point. With `power_budget_w` and a power reading the cap also follows the budget
+   (cap *= sqrt(budget / watts) per plan); the lower cap wins; the user's `max_tokens_per_s`
+   always applies on top.
 3. Threads, prefill and admission from the policy's table (docs/power.md):
    battery halves the cores on battery; hot runs prefill in small chunks; background work is refused
    when hot (thermal-guard: warm too) or on battery under `min_battery_pct`.
@@ -37,6 +38,13 @@ POLICY_NAMES = ("performance", "balanced", "battery", "thermal-guard")
 DEFAULT_LIMIT_C = 80.0  # when neither the policy nor the device gives a throttle point
 MIN_TOKENS_PER_S = 1.0  # the lowest cap a plan sets: pacing never sleeps more than 1 s a token
 HOT_PREFILL_CHUNK = 32
+# the temperature controller (step 2): PI on log(cap); tuned on the simulated Pi (tau 120 s) for a
+# damped response (no overshoot past the throttle point) at 80 % duty (scripts/thermal_sim.py, docs/power.md)
+TARGET_BELOW_C = 0.5  # hold this far under the policy's limit
+ENGAGE_C = 3.0  # engage within this of the target
+KP_PER_C = 0.3
+KI_PER_C_S = 0.005
+CRITICAL_GUARD_C = 5.0
 
 
 @dataclass(frozen=True)
@@ -47,12 +55,10 @@ class Policy:
     min_battery_pct: float | None = None  # on battery below this, refuse background work (default 20; battery: 50)
     power_budget_w: float | None = None  # hold the device's draw (power_w) at or under this
     max_tokens_per_s: float | None = None  # never decode faster than this
-    margin_c: float | None = None  # below the device's throttle point (default 2; thermal-guard 5)
+    margin_c: float | None = None  # below the device's throttle point (default: balanced 1, thermal-guard 2)
     hysteresis_c: float = 3.0
     hold_s: float = 5.0  # a plan changes at most once per hold_s (except to get safer when hot)
     warm_band_c: float = 8.0  # "warm" starts this far below the limit
-    step_down: float = 0.8  # the cap's factor per hold period while hot
-    step_up: float = 1.15  # and while cool again
 
     def __post_init__(self):
         if self.name not in POLICY_NAMES:
@@ -60,7 +66,7 @@ class Policy:
         for field, lo, hi in (("max_temp_c", 30.0, 125.0), ("min_battery_pct", 0.0, 100.0),
                               ("power_budget_w", 0.1, 1000.0), ("max_tokens_per_s", MIN_TOKENS_PER_S, 1e6),
                               ("margin_c", 0.0, 30.0), ("hysteresis_c", 0.0, 20.0), ("hold_s", 0.0, 3600.0),
-                              ("warm_band_c", 0.5, 40.0), ("step_down", 0.1, 0.99), ("step_up", 1.01, 3.0)):
+                              ("warm_band_c", 0.5, 40.0)):
             v = getattr(self, field)
             if v is None:
                 continue
@@ -77,7 +83,7 @@ class Policy:
         """The temperature to stay under: max_temp_c, else the device's throttle point less the margin."""
         if self.max_temp_c is not None:
             return float(self.max_temp_c)
-        margin = self.margin_c if self.margin_c is not None else (5.0 if self.name == "thermal-guard" else 2.0)
+        margin = self.margin_c if self.margin_c is not None else (2.0 if self.name == "thermal-guard" else 1.0)
         base = readings.throttle_temp_c if readings.throttle_temp_c is not None else DEFAULT_LIMIT_C
         return base - margin
 
@@ -114,6 +120,9 @@ class Plan:
     level: str = "cool"  # the thermal level the plan was made at (for hysteresis)
     heat_cap: float | None = None  # the part of the cap that heat or the power budget set (before the user's)
     since_s: float = 0.0  # readings.time_s when this plan took effect
+    thermal_cap: float | None = None  # the temperature controller's cap, and its integral (log tok/s)
+    thermal_i: float | None = None
+    budget_cap: float | None = None  # the power budget's cap
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -157,38 +166,68 @@ def thermal_level(r: Readings, policy: Policy, previous: Plan | None) -> tuple[s
     return "cool", f"{t:.1f} °C"
 
 
-def _heat_cap(r: Readings, policy: Policy, load: Load, level: str, previous: Plan | None) -> tuple[float | None, str]:
-    """Step 2: the cap heat or the power budget sets (None: none), and why."""
-    prev_cap = previous.heat_cap if previous is not None else None
-    rate = load.tokens_per_s or load.unpaced_tokens_per_s
-    if policy.power_budget_w is not None and r.power_w is not None:
-        base = prev_cap or load.unpaced_tokens_per_s or rate
-        if base is None:
-            return prev_cap, f"power {r.power_w:.2f} W, budget {policy.power_budget_w:g} W (idle)"
-        gain = (policy.power_budget_w / max(r.power_w, 0.01)) ** 0.5  # damped: half the step in log space
-        cap = base * min(max(gain, 0.5), 1.5)
-        if load.unpaced_tokens_per_s and cap >= load.unpaced_tokens_per_s * 1.5 and r.power_w < policy.power_budget_w:
-            return None, f"power {r.power_w:.2f} W under budget {policy.power_budget_w:g} W"
-        return max(cap, MIN_TOKENS_PER_S), f"power {r.power_w:.2f} W, budget {policy.power_budget_w:g} W"
-    near_shutdown = r.temp_c is not None and r.critical_temp_c is not None and r.temp_c >= r.critical_temp_c - 5
-    if level == "hot" and (policy.name != "performance" or near_shutdown):
-        base = prev_cap or rate
-        if base is None:
-            return prev_cap, "hot, idle"
-        return max(base * policy.step_down, MIN_TOKENS_PER_S), "hot: pacing down"
-    if prev_cap is not None and level == "cool":
-        cap = prev_cap * policy.step_up
-        if load.unpaced_tokens_per_s is not None and cap >= load.unpaced_tokens_per_s:
-            return None, "cool again: pacing lifted"
-        return cap, "cooling: pacing up"
-    return prev_cap, "holding pace" if prev_cap is not None else ""
+def _budget_cap(r: Readings, policy: Policy, load: Load, previous: Plan | None) -> tuple[float | None, str]:
+    """With power_budget_w and a power reading: the cap moves by sqrt(budget / watts) per plan
+    (half the correction in log space: damped), lifted once it is far above the unpaced rate."""
+    prev = previous.budget_cap if previous is not None else None
+    if policy.power_budget_w is None:
+        return None, ""
+    if r.power_w is None:
+        return prev, "power budget set but no power reading: cap kept" if prev else "power budget: no power reading"
+    base = prev or load.unpaced_tokens_per_s or load.tokens_per_s
+    if base is None:
+        return prev, f"power {r.power_w:.2f} W, budget {policy.power_budget_w:g} W (idle)"
+    cap = base * min(max((policy.power_budget_w / max(r.power_w, 0.01)) ** 0.5, 0.5), 1.5)
+    if load.unpaced_tokens_per_s and cap >= load.unpaced_tokens_per_s * 1.5 and r.power_w < policy.power_budget_w:
+        return None, f"power {r.power_w:.2f} W under budget {policy.power_budget_w:g} W"
+    return max(cap, MIN_TOKENS_PER_S), f"power {r.power_w:.2f} W, budget {policy.power_budget_w:g} W"
+
+
+def _thermal_target_c(r: Readings, policy: Policy) -> float | None:
+    """The temperature the pacing holds: TARGET_BELOW_C under the policy's limit; performance only
+    guards the critical point (CRITICAL_GUARD_C under it), when the device reports one."""
+    if policy.name == "performance":
+        return None if r.critical_temp_c is None else r.critical_temp_c - CRITICAL_GUARD_C
+    return policy.temperature_limit_c(r) - TARGET_BELOW_C
+
+
+def _thermal_cap(r: Readings, policy: Policy, load: Load, previous: Plan | None
+                 ) -> tuple[float | None, float | None, str]:
+    """PI control of log(cap) on the error e = target - temperature: log cap = I + KP * e, with
+    I += KI * e * dt per plan. It engages when the temperature comes within ENGAGE_C of the target
+    (I starting at the rate it runs at now), keeps I (the rate that held the target) while it runs,
+    and lets go once the cap is well above the unpaced rate and the device is cool again.
+    Returns (cap, I, why)."""
+    prev_i = previous.thermal_i if previous is not None else None
+    prev_cap = previous.thermal_cap if previous is not None else None
+    target, t = _thermal_target_c(r, policy), r.temp_c
+    if target is None or t is None:
+        return prev_cap, prev_i, ""
+    rate = load.unpaced_tokens_per_s or load.tokens_per_s
+    e = target - t
+    if prev_i is None:
+        if e > ENGAGE_C or rate is None:
+            return None, None, ""
+        prev_i, dt = math.log(rate), 0.0
+    else:
+        dt = min(max(r.time_s - previous.since_s, 0.0), 30.0)
+    i = prev_i + KI_PER_C_S * e * dt
+    if rate is not None:
+        i = min(i, math.log(rate * 1.5))  # anti-windup: never bank more than the device can use
+    cap = math.exp(i + KP_PER_C * e)
+    if rate is not None and cap >= rate * 1.1 and e > ENGAGE_C:
+        return None, None, "cool again: pacing lifted"
+    return max(cap, MIN_TOKENS_PER_S), i, f"holding {target:.1f} °C at {max(cap, MIN_TOKENS_PER_S):.1f} tok/s"
 
 
 def decide(readings: Readings, policy: Policy, load: Load, previous: Plan | None = None) -> Plan:
     """The plan for `readings` under `policy` (see the module doc's steps)."""
     n = max(1, int(load.max_threads))
     level, why = thermal_level(readings, policy, previous)
-    heat_cap, cap_why = _heat_cap(readings, policy, load, level, previous)
+    budget_cap, budget_why = _budget_cap(readings, policy, load, previous)
+    thermal_cap, thermal_i, thermal_why = _thermal_cap(readings, policy, load, previous)
+    heat_cap = min((c for c in (budget_cap, thermal_cap) if c is not None), default=None)
+    cap_why = "; ".join(w for w in (thermal_why, budget_why) if w)
     cap = heat_cap
     if policy.max_tokens_per_s is not None:
         cap = policy.max_tokens_per_s if cap is None else min(cap, policy.max_tokens_per_s)
@@ -210,7 +249,8 @@ def decide(readings: Readings, policy: Policy, load: Load, previous: Plan | None
             reasons.append(f"background refused: battery {readings.battery_pct:g}% < {policy.battery_floor_pct():g}%")
     prefill = HOT_PREFILL_CHUNK if level == "hot" else None
     plan = Plan(threads=threads, max_tokens_per_s=cap, prefill_chunk=prefill, admit_background=admit,
-                reason="; ".join(r for r in reasons if r), level=level, heat_cap=heat_cap, since_s=readings.time_s)
+                reason="; ".join(r for r in reasons if r), level=level, heat_cap=heat_cap, since_s=readings.time_s, thermal_cap=thermal_cap,
+                thermal_i=thermal_i, budget_cap=budget_cap)
     return _hold(plan, previous, policy, readings.time_s)
 
 

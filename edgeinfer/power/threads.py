@@ -33,7 +33,19 @@ def allowed_cores() -> list[int]:
 
 
 class CoreLimit:
-    """Confine the process to `k` of the cores it had when this was made."""
+    """Confine the process to `k` of the cores it had when this was made. Affinity is the process's,
+    so every controller of a live process shares one (`shared()`): with two Models under power
+    control the last plan applied wins."""
+
+    _shared: "CoreLimit | None" = None
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> "CoreLimit":
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
 
     def __init__(self, cores: list[int] | None = None, task_dir: str = "/proc/self/task"):
         self.cores = list(cores) if cores is not None else allowed_cores()

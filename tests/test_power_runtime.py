@@ -1,0 +1,122 @@
+"""Power control in the runtime: configuration errors, pacing caps the decode rate and is reported,
+a core-count change mid-generation applies at the next token with identical greedy output."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import replace
+
+import pytest
+
+import edgeinfer
+from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.power.policy import Policy
+from edgeinfer.power.readings import Readings
+
+
+class Switch:
+    def __init__(self, readings: Readings):
+        self.now = readings
+
+    def read(self) -> Readings:
+        return self.now
+
+
+AC = Readings(battery_pct=80.0, on_ac=True)
+BATTERY = Readings(battery_pct=80.0, on_ac=False)
+
+
+@pytest.mark.parametrize("bad", ["turbo", "", 3, ["battery"], {"name": "battery"}])
+def test_unknown_power_settings_are_refused_at_load(bad):
+    with pytest.raises(InvalidArgumentError):
+        edgeinfer.load(power=bad)
+
+
+def test_no_power_control_by_default():
+    m = edgeinfer.load()
+    assert m.power is None and m.power_state() is None
+    assert m.generate("Once", max_new_tokens=4).timings.paced_ms == 0.0
+
+
+def test_pacing_caps_the_decode_rate_and_reports_the_time():
+    m = edgeinfer.load(power=Policy("performance", max_tokens_per_s=100.0))
+    c = m.generate("Once upon a time", max_new_tokens=25, temperature=0, ignore_eos=True)
+    assert c.timings.decode_tok_s <= 100.0 * 1.02  # the schedule never releases faster than the cap
+    assert c.timings.paced_ms > 0  # stories260K decodes far faster than 100 tok/s here
+    free = edgeinfer.load().generate("Once upon a time", max_new_tokens=25, temperature=0, ignore_eos=True)
+    assert c.token_ids == free.token_ids  # pacing changes when, never what
+    st = m.power_state()
+    assert st.plan.max_tokens_per_s == 100.0 and st.paced_s_total > 0
+
+
+def test_cancelling_a_paced_stream_is_prompt():
+    m = edgeinfer.load(power=Policy("performance", max_tokens_per_s=2.0))
+    ev = threading.Event()
+    gen = edgeinfer.Generation(m.engine, m.tokenizer, m.new_cache(), edgeinfer.GenerationOptions(),
+                               "shift", begin=lambda: m.encode_prompt("Once"), power=m.power, cancelled=ev)
+    next(gen)  # first token: no wait yet
+    threading.Timer(0.1, ev.set).start()
+    import time
+    t0 = time.monotonic()
+    with pytest.raises(edgeinfer.generation.GenerationCancelled):
+        for _ in gen:
+            pass
+    assert time.monotonic() - t0 < 0.45  # the 0.5 s pacing sleep was cut short
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux CPU affinity and two cores")
+def test_core_change_mid_generation_applies_at_the_next_token_and_keeps_the_output():
+    m = edgeinfer.load(power=Policy("battery", hold_s=0.0))
+    sensors = Switch(AC)
+    m.power.sensors = sensors
+    m.power.tick()
+    n_all = m.power.cores.max_threads
+    want = m.generate("Once upon a time", max_new_tokens=60, temperature=0, ignore_eos=True).token_ids
+    cores_seen, ids = [], []
+    gen = m.stream("Once upon a time", max_new_tokens=60, temperature=0, ignore_eos=True)
+    try:
+        for i, chunk in enumerate(gen):
+            if chunk.token_id is None:
+                continue
+            ids.append(chunk.token_id)
+            cores_seen.append(len(os.sched_getaffinity(0)))
+            if i == 19:
+                sensors.now = BATTERY  # the battery policy halves the cores on battery
+                m.power.tick()
+            elif i == 39:
+                sensors.now = AC
+                m.power.tick()
+    finally:
+        m.power.stop()
+    assert tuple(ids) == want
+    assert cores_seen[19] == n_all and cores_seen[20] == max(1, n_all // 2) and cores_seen[39] == max(1, n_all // 2)
+    assert cores_seen[40] == n_all and cores_seen[-1] == n_all
+    assert len(os.sched_getaffinity(0)) == n_all
+
+
+def test_a_broken_sensor_mid_run_keeps_generating():
+    m = edgeinfer.load(power=Policy("balanced", hold_s=0.0))
+
+    class Dies:
+        calls = 0
+
+        def read(self):
+            self.calls += 1
+            if self.calls > 1:
+                raise FileNotFoundError("/sys/class/thermal/thermal_zone0/temp vanished")
+            return replace(AC, temp_c=50.0)
+
+    m.power.sensors = Dies()
+    m.power.tick()
+    gen = m.stream("Once", max_new_tokens=30, temperature=0, ignore_eos=True)
+    out = []
+    for i, chunk in enumerate(gen):
+        out.append(chunk)
+        if i == 5:
+            m.power.tick()  # the sensor is gone now: a warning and the safe plan
+    assert gen.completion.usage.completion_tokens == 30
+    assert "failed" in m.power.plan.reason
+    m.power.stop()
+    assert len(os.sched_getaffinity(0)) == m.power.cores.max_threads
