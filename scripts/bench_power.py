@@ -1,7 +1,7 @@
 """Issue 11's runtime figures, measured on this machine (JSON out):
 
 - pacing: the unpaced decode rate, then a cap at half of it: delivered tokens/s against the cap and
-  the process's CPU seconds per wall second (psutil), A/B alternated, medians.
+  the process's CPU seconds per wall second while decoding (psutil), A/B alternated, medians.
 - threads: one greedy generation whose plan goes 2 -> 1 -> 2 cores mid-way (a scripted battery
   timeline under the battery policy): the cores in force at each token, the output against an
   unchanged run, resident memory before and after.
@@ -27,12 +27,16 @@ from edgeinfer.power.readings import Readings
 
 
 def timed(model, ids, n):
+    """Generate n tokens; the CPU seconds per wall second of the decode part (first token to end)."""
     proc = psutil.Process()
+    gen = model.stream(ids, max_new_tokens=n, temperature=0, ignore_eos=True)
+    next(gen)  # prefill and the first token
     c0, w0 = proc.cpu_times(), time.perf_counter()
-    c = model.generate(ids, max_new_tokens=n, temperature=0, ignore_eos=True)
+    for _ in gen:
+        pass
     c1, w1 = proc.cpu_times(), time.perf_counter()
     cpu = (c1.user - c0.user + c1.system - c0.system) / (w1 - w0)
-    return c, cpu
+    return gen.completion, cpu
 
 
 class Timeline:
