@@ -269,11 +269,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_power(args: argparse.Namespace) -> int:
+    import math
     import time
 
     from edgeinfer.power.report import format_report, report
     from edgeinfer.power.sensors import Sensors, sensors_from_fixture
 
+    if args.watch and not (math.isfinite(args.interval_s) and args.interval_s > 0):
+        raise EdgeInferError(f"--interval-s must be a positive number of seconds, got {args.interval_s}")
     if args.root is not None and not (args.root / "root").is_dir() and not (args.root / "platform.txt").is_file():
         raise EdgeInferError(f"{args.root} is not a recorded device (a folder with root/ and platform.txt)")
     sensors = sensors_from_fixture(args.root) if args.root is not None else Sensors()

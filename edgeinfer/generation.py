@@ -131,6 +131,7 @@ class Generation:
         try:
             yield from self._run(begin())
         finally:
+            self.pacer = None  # a kept, finished Generation must not keep the Model's power control alive
             try:
                 if end is not None:
                     end(self)

@@ -69,7 +69,8 @@ def test_background_is_admitted_when_cool(hot_srv):
 
 def test_health_and_metrics_show_readings_and_plan(hot_srv):
     _set(hot_srv, HOT)
-    h = httpx.get(hot_srv.url + "/health").json()
+    h = httpx.get(hot_srv.url + "/health", headers={"authorization": f"Bearer {KEY}"}).json()
+    assert httpx.get(hot_srv.url + "/health").json()["power"] is None  # no key: no device details
     assert h["power"]["policy"] == "balanced" and h["power"]["readings"]["temp_c"] == 90.0
     assert h["power"]["plan"]["admit_background"] is False and h["power"]["plan"]["level"] == "hot"
     m = httpx.get(hot_srv.url + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text

@@ -63,18 +63,22 @@ def parse_termux_battery(text: str, report: Report) -> dict:
         return out
     pct, temp = data.get("percentage"), data.get("temperature")
     if isinstance(pct, (int, float)) and not isinstance(pct, bool):
-        out["battery_pct"] = in_range(float(pct), 0, 100, "termux-battery-status percentage",
-                                      report)
+        try:
+            out["battery_pct"] = in_range(float(pct), 0, 100, "termux-battery-status percentage", report)
+        except OverflowError:  # an integer too long for a float
+            report.warn("termux-battery-status: percentage absurd, dropped")
     elif pct is not None:
         report.warn(f"termux-battery-status: percentage not a number: {str(pct)[:24]!r}")
     status, plugged = data.get("status"), data.get("plugged")
     out["charging"] = {"CHARGING": True, "FULL": True, "DISCHARGING": False,
-                       "NOT_CHARGING": False}.get(status)
+                       "NOT_CHARGING": False}.get(status) if isinstance(status, str) else None
     if isinstance(plugged, str) and (plugged == "UNPLUGGED" or plugged.startswith("PLUGGED_")):
         out["on_ac"] = plugged != "UNPLUGGED"
     if isinstance(temp, (int, float)) and not isinstance(temp, bool):
-        out["temp_c"] = in_range(float(temp), *TEMP_RANGE_C, "termux-battery-status temperature",
-                                 report)
+        try:
+            out["temp_c"] = in_range(float(temp), *TEMP_RANGE_C, "termux-battery-status temperature", report)
+        except OverflowError:
+            report.warn("termux-battery-status: temperature absurd, dropped")
     return out
 
 

@@ -83,7 +83,8 @@ class PowerController:
             plan = decide(readings, self.policy, load, self.plan)
         except Exception as e:  # a reader or the policy failed: run safe, say it once
             self._warn(f"power control failed ({type(e).__name__}: {e}); running the safe plan")
-            readings, plan = self.readings, safe_plan(load, f"power control failed: {type(e).__name__}")
+            readings, plan = self.readings, safe_plan(load, f"power control failed: {type(e).__name__}",
+                                                       self.policy, self.plan)
         self.readings, self.plan = readings, plan
         if plan.threads != self.cores.applied:
             self.cores.apply(plan.threads)
@@ -186,7 +187,8 @@ class Pacer:
                     c.sleep(wait)
                 after = clock()
                 self.paced_s += after - now
-                c.paced_s_total += after - now
+                with c._lock:
+                    c.paced_s_total += after - now
                 now = after
             self._release = target if now - target < period else now
         else:

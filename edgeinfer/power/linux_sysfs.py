@@ -20,7 +20,8 @@ whose lowercased name (zone type, or "hwmon name/label") contains one of `CPU_WO
 Zones that are not temperatures at all are skipped: Qualcomm's battery monitors "soc"/"socd"
 (state of charge) and "*ibat*"/"*vbat*"/"*vph*" (current, voltage).
 `temp_c` is the hottest such sensor; `throttle_temp_c` the lowest "passive" trip point of such a
-zone, `critical_temp_c` the lowest "critical" one (trip points <= 0 are disabled ones, ignored).
+zone, `critical_temp_c` the lowest "critical" one (trip points <= 0 are disabled ones, ignored;
+one under 30 °C is absurd: a value written in °C instead of m°C).
 Names and trip points are read when the files are listed, temperatures at every read.
 
 Battery: `battery_pct` the mean capacity; `charging` True for status Charging/Full, False for
@@ -35,11 +36,14 @@ it fed and a line in `warnings`; a vanished file also makes the next read list t
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 TEMP_RANGE_C = (-40.0, 150.0)
+TRIP_RANGE_C = (30.0, 150.0)  # a throttle point under 30 °C is a trip point written in °C, not m°C
 POWER_MAX_W = 1000.0
 FREQ_MAX_MHZ = 20000.0
 
@@ -111,6 +115,9 @@ class SysfsTree:
         """The file's text, stripped of whitespace and NULs; None (and a warning) when it vanished,
         is unreadable or empty."""
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or device would block the read
+                report.warn(f"{self.rel(path)}: not a regular file, skipped")
+                return None
             with open(path, "rb") as f:
                 data = f.read(65536)
         except FileNotFoundError:
@@ -136,7 +143,7 @@ class SysfsTree:
             return None
         try:
             return float(int(text)) if re.fullmatch(r"[+-]?\d+", text) else float(text)
-        except ValueError:
+        except (ValueError, OverflowError):  # garbage, or an integer too long for a float
             report.warn(f"{self.rel(path)}: not a number: {text[:24]!r}")
             return None
 
@@ -154,8 +161,11 @@ def numbered(folder: Path, glob: str) -> list[Path]:
     return sorted(folder.glob(glob), key=key)
 
 
+MAX_CPUS = 4096  # the kernel's usual NR_CPUS ceiling: more is garbage
+
+
 def parse_cpu_list(text: str) -> int | None:
-    """How many CPUs a kernel CPU list names ("0-3,6" -> 5); None for garbage."""
+    """How many CPUs a kernel CPU list names ("0-3,6" -> 5); None for garbage or over MAX_CPUS."""
     count = 0
     for part in text.strip().split(","):
         m = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
@@ -163,7 +173,7 @@ def parse_cpu_list(text: str) -> int | None:
         if hi < lo:
             return None
         count += hi - lo + 1
-    return count
+    return count if count <= MAX_CPUS else None
 
 
 @dataclass
@@ -205,7 +215,7 @@ class LinuxSysfs(SysfsTree):
                 temp_c = self.number(temp_file, report)
                 if temp_c is None or temp_c <= 0:
                     continue
-                temp_c = in_range(temp_c / 1000, *TEMP_RANGE_C, self.rel(temp_file), report)
+                temp_c = in_range(temp_c / 1000, *TRIP_RANGE_C, self.rel(temp_file), report)
                 if temp_c is not None:
                     (sensor.passive_c if kind == "passive" else sensor.critical_c).append(temp_c)
             self.sensors.append(sensor)

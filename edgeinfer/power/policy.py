@@ -45,6 +45,7 @@ ENGAGE_C = 3.0  # engage within this of the target
 KP_PER_C = 0.3
 KI_PER_C_S = 0.005
 CRITICAL_GUARD_C = 5.0
+LOG_MAX_CAP = math.log(1e6)
 
 
 @dataclass(frozen=True)
@@ -75,9 +76,11 @@ class Policy:
         if self.hysteresis_c >= self.warm_band_c:
             raise InvalidArgumentError(f"hysteresis_c ({self.hysteresis_c}) must be less than warm_band_c "
                                        f"({self.warm_band_c}): the warm level would never be left")
-        if self.name == "performance" and self.min_battery_pct is not None:
-            raise InvalidArgumentError("min_battery_pct contradicts the performance policy (it never refuses work); "
-                                       "use balanced or battery")
+        if self.name == "performance":
+            given = [f for f in ("min_battery_pct", "max_temp_c", "margin_c") if getattr(self, f) is not None]
+            if given:
+                raise InvalidArgumentError(f"{', '.join(given)} contradicts the performance policy (it never paces "
+                                           "for heat nor refuses work); use balanced, battery or thermal-guard")
 
     def temperature_limit_c(self, readings: Readings) -> float:
         """The temperature to stay under: max_temp_c, else the device's throttle point less the margin."""
@@ -128,10 +131,13 @@ class Plan:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def safe_plan(load: Load, reason: str) -> Plan:
-    """What to run when sensors or the policy fail: one core, slow, no background work."""
-    return Plan(threads=1, max_tokens_per_s=None, prefill_chunk=HOT_PREFILL_CHUNK, admit_background=False,
-                reason=reason, level="hot")
+def safe_plan(load: Load, reason: str, policy: Policy | None = None, previous: Plan | None = None) -> Plan:
+    """What to run when sensors or the policy fail: one core, small prefill chunks, no background
+    work, the user's token cap; the thermal level stays what it was (a failure is not a reading)."""
+    return Plan(threads=1, max_tokens_per_s=policy.max_tokens_per_s if policy is not None else None,
+                prefill_chunk=HOT_PREFILL_CHUNK, admit_background=False, reason=reason,
+                level=previous.level if previous is not None else "cool",
+                since_s=previous.since_s if previous is not None else 0.0)
 
 
 def _device_says_hot(r: Readings) -> str | None:
@@ -174,13 +180,15 @@ def _budget_cap(r: Readings, policy: Policy, load: Load, previous: Plan | None) 
         return None, ""
     if r.power_w is None:
         return prev, "power budget set but no power reading: cap kept" if prev else "power budget: no power reading"
-    base = prev or load.unpaced_tokens_per_s or load.tokens_per_s
-    if base is None:
+    rate = load.unpaced_tokens_per_s or load.tokens_per_s
+    if rate is None:  # idle: the power says nothing about the cap (moving it would wind it up)
         return prev, f"power {r.power_w:.2f} W, budget {policy.power_budget_w:g} W (idle)"
+    base = prev or rate
     cap = base * min(max((policy.power_budget_w / max(r.power_w, 0.01)) ** 0.5, 0.5), 1.5)
-    if load.unpaced_tokens_per_s and cap >= load.unpaced_tokens_per_s * 1.5 and r.power_w < policy.power_budget_w:
+    if cap >= rate * 1.5 and r.power_w < policy.power_budget_w:
         return None, f"power {r.power_w:.2f} W under budget {policy.power_budget_w:g} W"
-    return max(cap, MIN_TOKENS_PER_S), f"power {r.power_w:.2f} W, budget {policy.power_budget_w:g} W"
+    cap = min(max(cap, MIN_TOKENS_PER_S), rate * 1.5)
+    return cap, f"power {r.power_w:.2f} W, budget {policy.power_budget_w:g} W"
 
 
 def _thermal_target_c(r: Readings, policy: Policy) -> float | None:
@@ -209,19 +217,37 @@ def _thermal_cap(r: Readings, policy: Policy, load: Load, previous: Plan | None
         if e > ENGAGE_C or rate is None:
             return None, None, ""
         prev_i, dt = math.log(rate), 0.0
+    elif rate is None:  # idle: nothing to learn about the rate; let go once cool
+        if e > ENGAGE_C:
+            return None, None, "cool again: pacing lifted"
+        return prev_cap, prev_i, f"holding {target:.1f} °C (idle)"
     else:
         dt = min(max(r.time_s - previous.since_s, 0.0), 30.0)
     i = prev_i + KI_PER_C_S * e * dt
-    if rate is not None:
-        i = min(i, math.log(rate * 1.5))  # anti-windup: never bank more than the device can use
-    cap = math.exp(i + KP_PER_C * e)
+    # anti-windup: never bank more than the device can use, nor less than the floor
+    i = min(max(i, math.log(MIN_TOKENS_PER_S)), math.log(rate * 1.5))
+    cap = math.exp(min(i + KP_PER_C * e, LOG_MAX_CAP))
     if rate is not None and cap >= rate * 1.1 and e > ENGAGE_C:
         return None, None, "cool again: pacing lifted"
     return max(cap, MIN_TOKENS_PER_S), i, f"holding {target:.1f} °C at {max(cap, MIN_TOKENS_PER_S):.1f} tok/s"
 
 
+_FLOAT_FIELDS = ("temp_c", "throttle_temp_c", "critical_temp_c", "battery_pct", "power_w", "cpu_speed_limit_pct")
+
+
+def finite_readings(r: Readings) -> tuple[Readings, list[str]]:
+    """`r` with every non-finite number (NaN, inf) and negative power as None, and what was dropped."""
+    bad = {f: None for f in _FLOAT_FIELDS if isinstance(getattr(r, f), float) and not math.isfinite(getattr(r, f))}
+    if isinstance(r.power_w, (int, float)) and r.power_w < 0:
+        bad["power_w"] = None
+    if not isinstance(r.time_s, (int, float)) or not math.isfinite(r.time_s):
+        bad["time_s"] = 0.0
+    return (replace(r, **bad) if bad else r), sorted(bad)
+
+
 def decide(readings: Readings, policy: Policy, load: Load, previous: Plan | None = None) -> Plan:
     """The plan for `readings` under `policy` (see the module doc's steps)."""
+    readings, dropped = finite_readings(readings)
     n = max(1, int(load.max_threads))
     level, why = thermal_level(readings, policy, previous)
     budget_cap, budget_why = _budget_cap(readings, policy, load, previous)
@@ -232,6 +258,8 @@ def decide(readings: Readings, policy: Policy, load: Load, previous: Plan | None
     if policy.max_tokens_per_s is not None:
         cap = policy.max_tokens_per_s if cap is None else min(cap, policy.max_tokens_per_s)
     threads, admit, reasons = n, True, [why] + ([cap_why] if cap_why else [])
+    if dropped:
+        reasons.append(f"ignored non-finite {', '.join(dropped)}")
     low_battery = readings.on_battery and readings.battery_pct is not None \
         and readings.battery_pct < policy.battery_floor_pct()
     if policy.name == "battery" and readings.on_battery:
@@ -272,7 +300,7 @@ def _hold(plan: Plan, previous: Plan | None, policy: Policy, now: float) -> Plan
         return plan
     if _same(plan, previous):
         return replace(previous, reason=plan.reason)
-    if now - previous.since_s >= policy.hold_s:
+    if now - previous.since_s >= policy.hold_s or now < previous.since_s:  # held long enough, or the clock jumped back
         return plan
     if plan.level == "hot" and _safer(plan, previous) and (previous.level != "hot" or previous.heat_cap is None):
         return plan  # getting hot (or busy while hot): act now

@@ -71,7 +71,7 @@ class Readings:
     def as_dict(self) -> dict:
         """A JSON-ready dict (for `edgeinfer power --json`, /health and the simulation's log)."""
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["zones"] = dict(self.zones)
+        d["zones"] = [list(z) for z in self.zones]  # pairs: two sensors may share a name (acpitz)
         d["rails"] = dict(self.rails)
         d["pi_throttle"] = None if self.pi_throttle is None else {
             k: getattr(self.pi_throttle, k) for k in self.pi_throttle.__dataclass_fields__}

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from edgeinfer.errors import InvalidArgumentError
+
 from .android import Android
 from .commands import CommandGate, CommandRunner, RecordedCommands, run_command
 from .jetson import Jetson
@@ -122,10 +124,16 @@ class Sensors:
 
 def sensors_from_fixture(folder: Path | str,
                          clock: Callable[[], float] = time.monotonic) -> Sensors:
-    """Sensors reading a recorded device folder: `root/`, `commands.json`, `platform.txt`."""
+    """Sensors reading a recorded device folder: `root/`, `commands.json` ({command line: output or
+    null}), `platform.txt`. A malformed folder raises InvalidArgumentError naming the file."""
     folder = Path(folder)
-    commands_file = folder / "commands.json"
-    outputs = json.loads(commands_file.read_text()) if commands_file.is_file() else {}
-    platform_file = folder / "platform.txt"
-    platform = platform_file.read_text().strip() if platform_file.is_file() else "linux"
+    commands_file, platform_file = folder / "commands.json", folder / "platform.txt"
+    try:
+        outputs = json.loads(commands_file.read_text(encoding="utf-8")) if commands_file.is_file() else {}
+        platform = platform_file.read_text(encoding="utf-8").strip() if platform_file.is_file() else "linux"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InvalidArgumentError(f"{folder} is not a readable recorded device: {str(e)[:200]}") from None
+    if not isinstance(outputs, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
+                                                for k, v in outputs.items()):
+        raise InvalidArgumentError(f"{commands_file} must be a JSON object of command line -> output (or null)")
     return Sensors(folder / "root", run=RecordedCommands(outputs), platform=platform, clock=clock)

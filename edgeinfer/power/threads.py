@@ -74,6 +74,7 @@ class CoreLimit:
             except OSError as e:
                 log.warning("edgeinfer power: cannot list threads (%s); core limit not applied", e)
                 return self.applied
+            self.applied = -1  # unknown until every thread is moved (an interruption leaves it so)
             for tid in tids:
                 try:
                     os.sched_setaffinity(tid, target)

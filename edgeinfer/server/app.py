@@ -140,7 +140,8 @@ class Server:
         s, power = self.scheduler, self.model.power_state()
         return JSON({"status": "draining" if self.draining else "ok", "model": self.model_id,
                      "slots_busy": s.busy, "slots_total": len(s.slots), "queue_depth": max(0, s.waiting),
-                     "power": power.as_dict() if power is not None else None})
+                     # the readings describe the device: only for callers holding the key (when one is set)
+                     "power": power.as_dict() if power is not None and self.authorized(request) else None})
 
     async def metrics_route(self, request: Request) -> Response:
         body, content_type = self.metrics.render()

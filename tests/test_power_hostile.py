@@ -1,0 +1,696 @@
+"""Hostile tests of power-aware scheduling (issue 11): garbage sensors, non-finite readings reaching
+`decide`, long runs of the controllers, contradictory limits, interrupts and dropped objects, odd
+daemon headers and CLI arguments.
+
+What a user may expect, and what these tests assert: a clear error at configuration time; at run time
+a warning and a safe plan, never a crash, never an unbounded sleep or read, never NaN or inf in a
+plan, never a limit the user set that is silently not applied."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import threading
+import time
+import weakref
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import edgeinfer
+from edgeinfer.cli import main
+from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.power.commands import RecordedCommands
+from edgeinfer.power.controller import PowerController
+from edgeinfer.power.policy import MIN_TOKENS_PER_S, Load, Plan, Policy, decide
+from edgeinfer.power.readings import Readings
+from edgeinfer.power.sensors import Sensors
+from edgeinfer.power.threads import CoreLimit
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "power"
+ZONE = "sys/class/thermal/thermal_zone0/"
+BAT = "sys/class/power_supply/BAT0/"
+INA = "sys/class/hwmon/hwmon1/"
+LOAD = Load(max_threads=2, tokens_per_s=100.0, unpaced_tokens_per_s=100.0)
+IDLE = Load(max_threads=2)
+AFFINITY = hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
+needs_affinity = pytest.mark.skipif(not AFFINITY, reason="needs Linux CPU affinity and two cores")
+
+
+class Switch:
+    def __init__(self, readings):
+        self.now = readings
+
+    def read(self) -> Readings:
+        if isinstance(self.now, Exception):
+            raise self.now
+        return self.now
+
+
+class Script:
+    """Sensors reading a list of Readings (or exceptions to raise) in turn; the last one repeats."""
+
+    def __init__(self, *items):
+        self.items = list(items)
+
+    def read(self) -> Readings:
+        item = self.items.pop(0) if len(self.items) > 1 else self.items[0]
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def fake_cores(n: int = 2) -> CoreLimit:
+    c = CoreLimit(list(range(n)))
+    c.supported = False  # never touch this process's affinity
+    return c
+
+
+def make_tree(root: Path, files: dict) -> Path:
+    for rel, content in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return root
+
+
+def sensors(tmp_path, files, commands=None, platform="linux") -> Sensors:
+    return Sensors(make_tree(tmp_path / "root", files), run=RecordedCommands(commands or {}),
+                   platform=platform, battery_fn=None, clock=Clock())
+
+
+def finite_or_none(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isfinite(x)) or isinstance(x, int)
+
+
+def sane(plan: Plan) -> bool:
+    """A plan a runtime can follow: no NaN or inf anywhere, a cap of at least MIN_TOKENS_PER_S."""
+    cap = plan.max_tokens_per_s
+    return (all(finite_or_none(getattr(plan, f)) for f in ("max_tokens_per_s", "heat_cap", "thermal_cap",
+                                                             "thermal_i", "budget_cap"))
+            and (cap is None or cap >= MIN_TOKENS_PER_S) and plan.threads >= 1)
+
+
+@pytest.fixture
+def restore_affinity():
+    """Tests that change this process's CPU affinity leave every thread on the cores it had."""
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    yield
+    gc.collect()
+    if before is None:
+        return
+    shared = CoreLimit.shared()
+    shared.applied = -1  # force: the state may have been left inconsistent by a failing test
+    shared.apply(shared.max_threads)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), before)
+        except OSError:
+            pass
+
+
+# --- decide: non-finite readings --------------------------------------------------------------
+
+HOT = Readings(time_s=0.0, temp_c=90.0, throttle_temp_c=80.0)
+
+
+@pytest.mark.parametrize("field,value", [("temp_c", math.nan), ("temp_c", math.inf), ("temp_c", -math.inf),
+                                         ("throttle_temp_c", math.nan), ("throttle_temp_c", math.inf),
+                                         ("critical_temp_c", math.nan)],
+                         ids=lambda v: str(v))
+def test_non_finite_temperatures_never_poison_the_plan(field, value):
+    """A non-finite temperature is no reading: the plan stays sane while it lasts and afterwards
+    (today NaN/inf reach the PI integral: NaN caps forever, or thermal_i = -inf pinning 1 tok/s)."""
+    for policy in (Policy("balanced"), Policy("performance")):
+        hot = replace(HOT, critical_temp_c=100.0)
+        p = decide(hot, policy, LOAD)  # engaged, hot
+        for t in (10.0, 20.0, 30.0):
+            p = decide(replace(hot, time_s=t, **{field: value}), policy, LOAD, p)
+            assert sane(p), p
+        for t in range(40, 400, 5):  # sane readings again, cool: pacing must be lifted eventually
+            p = decide(Readings(time_s=float(t), temp_c=40.0, throttle_temp_c=80.0, critical_temp_c=100.0),
+                       policy, LOAD, p)
+            assert sane(p), p
+        assert p.max_tokens_per_s is None, p
+
+
+def test_nan_temperature_after_hot_keeps_the_level():
+    """docs/power.md: 'A temperature that cannot be read keeps the previous level'. A NaN is unreadable;
+    today it compares false everywhere and relaxes hot to cool (background admitted again)."""
+    p = decide(HOT, Policy("balanced"), LOAD)
+    assert p.level == "hot" and not p.admit_background
+    p = decide(replace(HOT, time_s=100.0, temp_c=math.nan), Policy("balanced"), LOAD, p)
+    assert p.level == "hot" and not p.admit_background, p
+
+
+@pytest.mark.parametrize("watts", [math.nan, math.inf, -5.0], ids=str)
+def test_non_finite_or_negative_power_reading_never_poisons_the_budget(watts):
+    pol = Policy("balanced", power_budget_w=5.0)
+    p = decide(Readings(time_s=0.0, temp_c=50.0, power_w=8.0), pol, LOAD)
+    p = decide(Readings(time_s=10.0, temp_c=50.0, power_w=watts), pol, LOAD, p)
+    assert sane(p), p
+    p = decide(Readings(time_s=20.0, temp_c=50.0, power_w=8.0), pol, LOAD, p)  # over budget again
+    assert sane(p) and p.max_tokens_per_s is not None and p.max_tokens_per_s < 100.0, p
+
+
+def test_absurd_battery_values_do_not_crash_decide():
+    for pct in (1e9, -1e9, math.nan, math.inf):
+        for name in ("balanced", "battery", "thermal-guard"):
+            p = decide(Readings(time_s=0.0, temp_c=50.0, battery_pct=pct, on_ac=False), Policy(name), LOAD)
+            assert sane(p)
+
+
+def test_time_going_backwards_does_not_freeze_the_plan():
+    """A Readings clock that jumps back (a restarted simulation clock, hand-built Readings) must not
+    hold the previous plan for as long as the jump: today a hot plan at t=1000 followed by cool
+    readings from t=10 stays hot (background refused, 1 tok/s) until t=1005."""
+    pol = Policy("balanced")
+    p = decide(Readings(time_s=1000.0, temp_c=95.0, throttle_temp_c=80.0), pol, LOAD)
+    assert p.level == "hot"
+    for t in range(10, 40):
+        p = decide(Readings(time_s=float(t), temp_c=40.0, throttle_temp_c=80.0), pol, LOAD, p)
+    assert p.admit_background and p.level == "cool", p
+
+
+# --- decide: long runs --------------------------------------------------------------------------
+
+def test_long_sawtooth_run_stays_bounded():
+    """20,000 plans (2.8 h at 2 Hz) of a sawtooth 60..95 °C under load: the cap is always in
+    [1, 4 x the unpaced rate] or None, the integral finite, the level follows the temperature."""
+    for name in ("balanced", "thermal-guard", "battery"):
+        pol, p = Policy(name), None
+        for k in range(20_000):
+            t = k * 0.5
+            temp = 60.0 + 35.0 * ((t % 200.0) / 200.0)
+            p = decide(Readings(time_s=t, temp_c=temp, throttle_temp_c=80.0), pol, LOAD, p)
+            assert sane(p), (k, p)
+            assert p.max_tokens_per_s is None or p.max_tokens_per_s <= 4 * LOAD.unpaced_tokens_per_s
+
+
+def test_thermal_integral_does_not_wind_up_while_idle():
+    """Pacing engaged near the limit, then the runtime goes idle on a cool device: with no rate the
+    integral has no anti-windup bound and grows each plan. Today the cap reaches 1e308 tok/s after
+    ~40 simulated minutes and then `math.exp` raises OverflowError inside the 'pure, never raising'
+    decide (the controller turns that into the one-core safe plan and a 'power control failed' warning)."""
+    pol, p = Policy("balanced"), None
+    for k in range(200):  # engaged: 79 °C against a 78.5 °C target
+        p = decide(Readings(time_s=k * 0.5, temp_c=79.0, throttle_temp_c=80.0), pol, LOAD, p)
+    assert p.thermal_i is not None
+    for k in range(1, 12_000):  # 100 idle minutes at 25 °C
+        p = decide(Readings(time_s=100.0 + k * 0.5, temp_c=25.0, throttle_temp_c=80.0), pol, IDLE, p)
+        assert sane(p), (k, p)
+
+
+def _watts(cap):  # a toy device: 2 W idle, 7 W at its unpaced 100 tok/s
+    return 2.0 + 5.0 * min(cap or 100.0, 100.0) / 100.0
+
+
+@pytest.mark.parametrize("idle_minutes", [5, 180])
+def test_power_budget_is_enforced_again_soon_after_an_idle_spell(idle_minutes):
+    """While idle under budget the budget cap grows 1.5x per plan and is never lifted (the lift needs
+    an unpaced rate). Today, after 5 idle minutes the next generation runs over budget for ~9
+    minutes; after 3 hours the cap is inf and the budget is never enforced again."""
+    pol, p, t = Policy("balanced", power_budget_w=4.5), None, 0.0
+    for _ in range(240):  # converge: about 50 tok/s holds 4.5 W
+        t += 0.5
+        p = decide(Readings(time_s=t, temp_c=50.0, power_w=_watts(p and p.max_tokens_per_s)), pol, LOAD, p)
+    held = p.max_tokens_per_s
+    assert held is not None and 40 < held < 60
+    for _ in range(idle_minutes * 120):
+        t += 0.5
+        p = decide(Readings(time_s=t, temp_c=45.0, power_w=2.0), pol, IDLE, p)
+        assert sane(p), p
+    start = t
+    while t - start < 60.0:  # a minute of generation over budget
+        t += 0.5
+        p = decide(Readings(time_s=t, temp_c=50.0, power_w=_watts(p.max_tokens_per_s)), pol, LOAD, p)
+        assert sane(p), p
+    assert p.max_tokens_per_s is not None and p.max_tokens_per_s <= 1.5 * held, p
+
+
+# --- configuration ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("limits", [{"max_temp_c": 70.0}, {"margin_c": 20.0}], ids=str)
+def test_performance_with_a_temperature_limit_is_refused_or_honoured(limits):
+    """min_battery_pct with performance is refused as a contradiction, but max_temp_c / margin_c
+    with performance are accepted and then ignored: at 85 °C against a 70 °C limit nothing is paced
+    (performance only guards the critical point, and this device reports none)."""
+    try:
+        pol = Policy("performance", **limits)
+    except InvalidArgumentError:
+        return
+    p = None
+    for t in range(0, 60):
+        p = decide(Readings(time_s=float(t), temp_c=85.0, throttle_temp_c=90.0), pol, LOAD, p)
+    assert p.max_tokens_per_s is not None, p
+
+
+@pytest.mark.parametrize("bad", [Policy, b"balanced", "Balanced", " balanced", 1.5, object()],
+                         ids=["Policy-class", "bytes", "Balanced", "leading-space", "float", "object"])
+def test_wrong_power_arguments_are_refused_before_loading(bad):
+    with pytest.raises(InvalidArgumentError):
+        edgeinfer.load("/nonexistent/model/folder", power=bad)  # refused before the folder is read
+
+
+# --- the controller's failure path -------------------------------------------------------------
+
+def test_safe_plan_keeps_the_users_token_cap():
+    """docs/power.md: 'max_tokens_per_s is always applied on top'. When the sensors fail the safe
+    plan has max_tokens_per_s=None: a user who capped decoding at 5 tok/s gets it unpaced."""
+    c = PowerController(Policy("balanced", max_tokens_per_s=5.0), Switch(OSError("bus gone")), fake_cores(),
+                        clock=Clock())
+    plan = c.tick()
+    assert "failed" in plan.reason
+    assert plan.max_tokens_per_s is not None and plan.max_tokens_per_s <= 5.0, plan
+
+
+def test_a_transient_failure_does_not_leave_a_device_without_thermometer_hot_forever():
+    """The safe plan is labelled level 'hot'; on a device that has no temperature reading (macOS, most
+    VMs, Android without access) 'no temperature keeps the previous level' then keeps that placeholder
+    for ever: background work refused and prefill chunked for the life of the process."""
+    ok = Readings(battery_pct=80.0, on_ac=True)
+    c = PowerController(Policy("balanced"), Script(ok, OSError("transient"), ok), fake_cores(), clock=Clock())
+    assert c.tick().admit_background
+    assert "failed" in c.tick().reason
+    for k in range(3):
+        c.clock.t += 10.0  # past hold_s
+        plan = c.tick()
+    assert plan.admit_background and plan.level != "hot", plan
+
+
+def test_controller_survives_readings_of_every_wrong_kind(caplog):
+    bad = [Readings(temp_c="85"), None, object(), Readings(time_s=math.nan, temp_c=math.nan),
+           Readings(temp_c=90.0, throttle_temp_c=80.0, power_w=math.nan), OSError("x"), ValueError("y")]
+    c = PowerController(Policy("balanced", power_budget_w=5.0), Script(*bad, Readings(temp_c=50.0)),
+                        fake_cores(), clock=Clock())
+    for _ in range(len(bad) + 2):
+        c.clock.t += 1.0
+        plan = c.tick()  # never raises
+        assert plan.threads >= 1
+
+
+# --- sensors: garbage in the files and commands -------------------------------------------------
+
+def test_trip_point_written_in_degrees_is_absurd_not_a_throttle_point(tmp_path):
+    """The ABI is millidegrees; a driver (or a hand-edited tree) writing '85' gives a throttle point of
+    0.085 °C that passes the range check, and every policy then holds a 45 °C device 'hot' at 1 tok/s
+    with background refused. A throttle point under 30 °C (the lowest max_temp_c a Policy accepts) is absurd."""
+    r = sensors(tmp_path, {ZONE + "type": "cpu-thermal\n", ZONE + "temp": "45000\n",
+                           ZONE + "trip_point_0_type": "passive\n", ZONE + "trip_point_0_temp": "85\n"}).read()
+    assert r.temp_c == 45.0
+    assert r.throttle_temp_c is None or r.throttle_temp_c >= 30.0, r
+    p = decide(r, Policy("balanced"), LOAD)
+    assert p.level == "cool" and p.max_tokens_per_s is None and p.admit_background, p
+
+
+CUR_FREQ = "sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq"
+
+
+@pytest.mark.parametrize("bad_file", [ZONE + "temp", BAT + "capacity", CUR_FREQ])
+def test_a_huge_integer_in_one_file_costs_only_that_file(tmp_path, bad_file):
+    """'1' followed by 400 zeros passes the integer regex; float(int(text)) then raises OverflowError,
+    which SysfsTree.number does not catch: the whole LinuxSysfs reader is lost for that read
+    (temperature, battery, frequency), with only an 'internal error' warning that names no file."""
+    files = {ZONE + "type": "cpu-thermal\n", ZONE + "temp": "45000\n", BAT + "type": "Battery\n",
+             BAT + "capacity": "50\n", BAT + "status": "Discharging\n", CUR_FREQ: "1500000\n"}
+    files[bad_file] = "1" + "0" * 400 + "\n"
+    r = sensors(tmp_path, files).read()
+    assert not any("internal error" in w for w in r.warnings), r.warnings
+    want = {"temp_c": 45.0, "battery_pct": 50.0, "cpu_freq_mhz": 1500.0}
+    want[{ZONE + "temp": "temp_c", BAT + "capacity": "battery_pct", CUR_FREQ: "cpu_freq_mhz"}[bad_file]] = None
+    assert {k: getattr(r, k) for k in want} == want, r.warnings
+
+
+def test_a_huge_integer_in_a_jetson_rail_costs_only_that_rail(tmp_path):
+    r = sensors(tmp_path, {"proc/device-tree/model": "NVIDIA Jetson Orin Nano\0", INA + "name": "ina3221\n",
+                           INA + "in1_label": "VDD_IN\n", INA + "in1_input": "9" * 400 + "\n",
+                           INA + "curr1_input": "1000\n",
+                           INA + "in2_label": "VDD_SOC\n", INA + "in2_input": "5000\n",
+                           INA + "curr2_input": "400\n"},
+                commands={"nvpmodel -q": "NV Power Mode: 15W\n0\n"}).read()
+    assert r.power_mode == "15W" and dict(r.rails).get("VDD_SOC") == pytest.approx(2.0), r
+
+
+@pytest.mark.parametrize("battery", [
+    json.dumps({"percentage": 50, "status": ["DISCHARGING"], "plugged": "UNPLUGGED"}),
+    '{"percentage": ' + "1" * 400 + ', "status": "DISCHARGING", "plugged": "UNPLUGGED"}',
+    json.dumps({"percentage": 50, "status": {"x": 1}, "plugged": "UNPLUGGED"}),
+], ids=["status-list", "huge-percentage", "status-dict"])
+def test_garbage_termux_battery_does_not_hide_the_thermal_status(tmp_path, battery):
+    """Garbage in termux-battery-status raises (TypeError: unhashable, OverflowError) inside the
+    Android reader: the whole reader is lost, including dumpsys's 'severe' thermal status, so a
+    phone that says it is throttling is planned as cool."""
+    r = sensors(tmp_path, {"system/build.prop": "ro.product.model=Pixel 7\nro.product.manufacturer=Google\n"},
+                commands={"termux-battery-status": battery, "dumpsys thermalservice": "Thermal Status: 3\n"}).read()
+    assert r.thermal_status == "severe", r.warnings
+    assert not any("internal error" in w for w in r.warnings), r.warnings
+    assert decide(r, Policy("balanced"), LOAD).level == "hot"
+
+
+def test_command_outputs_of_the_wrong_type_never_raise(tmp_path):
+    for platform, files, commands in (
+            ("linux", {"proc/device-tree/model": "Raspberry Pi 5 Model B\0"}, {"vcgencmd get_throttled": 5}),
+            ("linux", {"proc/device-tree/model": "NVIDIA Jetson Orin\0"}, {"nvpmodel -q": ["15W"]}),
+            ("darwin", {}, {"pmset -g batt": b"\xff", "pmset -g therm": {"CPU_Speed_Limit": 50}}),
+            ("darwin", {}, {"pmset -g batt": "", "pmset -g therm": "Thermal warning level = " + "9" * 5000}),
+            ("linux", {"system/build.prop": "ro.product.model=X\n"}, {"termux-battery-status": 3,
+                                                                       "dumpsys thermalservice": None})):
+        r = sensors(tmp_path / platform / str(len(commands)), files, commands, platform).read()
+        assert isinstance(r, Readings)
+
+
+def test_a_blocking_sensor_file_does_not_hang_the_read(tmp_path):
+    """A sensor file whose read blocks (here a FIFO; on hardware a wedged I2C hwmon) hangs
+    Sensors.read for ever: the sampling thread stops deciding and, since PowerController.start()
+    ticks synchronously, `edgeinfer.load(power=...)` and `edgeinfer power` hang. Commands have
+    timeouts; file reads have none."""
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("needs mkfifo")
+    root = make_tree(tmp_path / "root", {"sys/class/hwmon/hwmon0/name": "coretemp\n",
+                                         ZONE + "type": "cpu-thermal\n", ZONE + "temp": "45000\n"})
+    fifo = root / "sys/class/hwmon/hwmon0/temp1_input"
+    os.mkfifo(fifo)
+    s = Sensors(root, run=RecordedCommands({}), platform="linux", battery_fn=None, clock=Clock())
+    out = []
+    t = threading.Thread(target=lambda: out.append(s.read()), daemon=True)
+    t.start()
+    t.join(5.0)
+    finished = not t.is_alive()
+    if not finished:  # unblock the reader so the thread ends
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5.0)
+    assert finished, "Sensors.read blocked on a sensor file for more than 5 s"
+    assert out[0].temp_c == 45.0
+
+
+def test_duplicate_zone_names_are_all_reported(tmp_path):
+    """Two ACPI zones are both named 'acpitz' on many laptops; as_dict (the CLI's --json, /health)
+    turns zones into a dict and silently drops all but the last."""
+    r = sensors(tmp_path, {ZONE + "type": "acpitz\n", ZONE + "temp": "45000\n",
+                           "sys/class/thermal/thermal_zone1/type": "acpitz\n",
+                           "sys/class/thermal/thermal_zone1/temp": "60000\n"}).read()
+    assert len(r.zones) == 2
+    d = r.as_dict()
+    assert sorted(json.dumps(d["zones"]).count(x) for x in ("45.0", "60.0")) == [1, 1], d["zones"]
+
+
+# --- CLI ----------------------------------------------------------------------------------------
+
+def _one_error_line(err: str) -> None:
+    err = err.strip()
+    assert err.startswith("edgeinfer: error: ") and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("interval", ["-1", "0", "nan", "inf", "-inf", "-0.5"])
+def test_power_watch_with_a_bad_interval_is_a_user_error(capsys, monkeypatch, interval):
+    """`--watch --interval-s 0` prints as fast as it can (75,000 reports in 3 s here, a core at 100 %);
+    negative, nan and inf end in a traceback from time.sleep."""
+    calls = []
+    real_sleep = time.sleep
+
+    def sleep(s):
+        calls.append(s)
+        if len(calls) >= 3:
+            raise KeyboardInterrupt  # bound a busy loop
+        real_sleep(s)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    rc = main(["power", "--root", str(FIX / "pi5-cool"), "--watch", f"--interval-s={interval}", "--json"])
+    assert rc == 1 and calls == []
+    _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("files", [
+    {"platform.txt": "linux\n", "commands.json": "{not json"},
+    {"platform.txt": "linux\n", "commands.json": "[1, 2]"},
+    {"platform.txt": b"\xff\xfe", "root/x": ""},
+    {"platform.txt": "linux\n", "commands.json": b"\xff\xfe"},
+], ids=["bad-json", "json-list", "platform-not-utf8", "commands-not-utf8"])
+def test_power_root_malformed_folder_is_a_user_error(tmp_path, capsys, files):
+    folder = make_tree(tmp_path / "dev", files)
+    (folder / "root").mkdir(exist_ok=True)
+    assert main(["power", "--root", str(folder)]) == 1
+    _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("where", ["missing", "file"])
+def test_power_root_missing_or_a_file_is_one_error_line(tmp_path, capsys, where):
+    path = tmp_path / "nothing"
+    if where == "file":
+        path.write_text("x")
+    assert main(["power", "--root", str(path)]) == 1
+    _one_error_line(capsys.readouterr().err)
+
+
+def test_power_root_with_garbage_everywhere_still_reports(tmp_path, capsys):
+    files = {"platform.txt": "linux\n", "commands.json": json.dumps({"vcgencmd get_throttled": "throttled=zz"}),
+             "root/proc/device-tree/model": "Raspberry Pi 5 Model B\0",
+             "root/" + ZONE + "type": "cpu-thermal", "root/" + ZONE + "temp": "hot",
+             "root/" + ZONE + "trip_point_0_type": "passive", "root/" + ZONE + "trip_point_0_temp": "-5",
+             "root/" + BAT + "type": "Battery", "root/" + BAT + "capacity": "101",
+             "root/" + BAT + "status": "\x00\x00", "root/sys/devices/system/cpu/online": "3-1"}
+    folder = make_tree(tmp_path / "dev", files)
+    assert main(["power", "--root", str(folder), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["readings"]["temp_c"] is None and data["readings"]["battery_pct"] is None
+    assert len(data["readings"]["warnings"]) >= 4
+
+
+# --- runtime: interrupts, drops, threads, two models ---------------------------------------------
+
+BATTERY = Readings(battery_pct=80.0, on_ac=False, temp_c=50.0)
+
+
+@needs_affinity
+def test_ctrl_c_during_a_pacing_sleep_releases_the_context_and_the_cores(restore_affinity):
+    before = os.sched_getaffinity(0)
+    m = edgeinfer.load(power=Policy("battery", hold_s=0.0, max_tokens_per_s=50.0))
+    m.power.sensors = Switch(BATTERY)
+    m.power.tick()
+    assert len(os.sched_getaffinity(0)) == max(1, len(before) // 2)
+    naps = []
+
+    def sleep(s):
+        naps.append(s)
+        if len(naps) == 2:
+            raise KeyboardInterrupt
+        time.sleep(s)
+
+    m.power.sleep = sleep
+    try:
+        m.generate("Once", max_new_tokens=20, ignore_eos=True)
+        raise AssertionError("not interrupted")
+    except KeyboardInterrupt:
+        pass
+    m.power.sleep = time.sleep
+    assert m.generate("Once", max_new_tokens=3, ignore_eos=True).usage.completion_tokens == 3  # lock released
+    ref = weakref.ref(m.power)
+    del m
+    gc.collect()
+    assert ref() is None
+    assert os.sched_getaffinity(0) == before
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            assert os.sched_getaffinity(int(tid)) == before
+        except ProcessLookupError:
+            pass
+
+
+@needs_affinity
+def test_dropping_the_model_gives_the_cores_back(restore_affinity):
+    before = os.sched_getaffinity(0)
+    m = edgeinfer.load(power=Policy("battery", hold_s=0.0))
+    m.power.sensors = Switch(BATTERY)
+    m.power.tick()
+    g = m.stream("Once", max_new_tokens=30, ignore_eos=True)
+    for i, _ in enumerate(g):  # a generator dropped half-way while confined
+        if i == 3:
+            break
+    ref = weakref.ref(m.power)
+    del g, m
+    gc.collect()
+    assert ref() is None
+    assert os.sched_getaffinity(0) == before
+
+
+@needs_affinity
+def test_a_kept_finished_generation_does_not_keep_a_dropped_models_power_control(restore_affinity):
+    """`gen = model.stream(...); for c in gen: ...; print(gen.completion)` keeps the Generation, whose
+    Pacer holds the PowerController: after `del model` the controller lives on, its thread keeps
+    sampling and the process stays confined to the plan's cores (architecture.md: the controller
+    lives as long as the Model)."""
+    before = os.sched_getaffinity(0)
+    m = edgeinfer.load(power=Policy("battery", hold_s=0.0))
+    m.power.sensors = Switch(BATTERY)
+    m.power.tick()
+    gen = m.stream("Once", max_new_tokens=4, ignore_eos=True)
+    gen.run_to_end()
+    assert gen.completion is not None
+    ref = weakref.ref(m.power)
+    del m
+    gc.collect()
+    try:
+        assert ref() is None, "the dropped Model's PowerController is still alive"
+        assert os.sched_getaffinity(0) == before
+    finally:
+        del gen
+        gc.collect()
+
+
+def test_core_limit_interrupted_mid_apply_is_applied_again(tmp_path, monkeypatch):
+    """Ctrl-C (or any exception) between two sched_setaffinity calls leaves some threads confined while
+    `applied` still says all cores: the next apply(all) then returns early and those threads stay
+    on one core for the life of the process."""
+    for tid in ("101", "102", "103"):
+        (tmp_path / tid).write_text("")
+    masks: dict[int, set] = {}
+    state = {"interrupt": True}
+
+    def setaffinity(tid, cores):
+        masks[tid] = set(cores)
+        if state["interrupt"]:
+            state["interrupt"] = False
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "sched_setaffinity", setaffinity)
+    limit = CoreLimit([0, 1], task_dir=str(tmp_path))
+    assert limit.supported and limit.applied == 2
+    with pytest.raises(KeyboardInterrupt):
+        limit.apply(1)
+    assert limit.apply(2) == 2
+    assert all(masks.get(int(t)) == {0, 1} for t in ("101", "102", "103")), masks
+
+
+def test_threads_generating_at_once_under_one_paced_model():
+    m = edgeinfer.load(power=Policy("performance", max_tokens_per_s=300.0))
+    want = edgeinfer.load().generate("Once upon a time", max_new_tokens=30, temperature=0, ignore_eos=True).token_ids
+    out, errors = [], []
+
+    def run(conversation: bool):
+        try:
+            if conversation:
+                c = m.conversation().reply([{"role": "user", "content": "Hi"}], max_new_tokens=10)
+                out.append(c.usage.completion_tokens)
+            else:
+                out.append(m.generate("Once upon a time", max_new_tokens=30, temperature=0,
+                                      ignore_eos=True).token_ids)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(i % 2 == 1,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors and len(out) == 4
+    assert [o for o in out if isinstance(o, tuple)] == [want, want]
+    assert m.power_state().paced_s_total > 0
+    m.power.stop()
+
+
+@needs_affinity
+def test_two_power_controlled_models_in_one_process(restore_affinity):
+    before = os.sched_getaffinity(0)
+    want = edgeinfer.load().generate("Once upon a time", max_new_tokens=40, temperature=0, ignore_eos=True).token_ids
+    a = edgeinfer.load(power=Policy("battery", hold_s=0.0))
+    a.power.sensors = Switch(BATTERY)
+    a.power.tick()
+    b = edgeinfer.load(power=Policy("performance", hold_s=0.0, max_tokens_per_s=500.0))
+    b.power.sensors = Switch(BATTERY)
+    b.power.tick()
+    res = {}
+
+    def run(name, model):
+        res[name] = model.generate("Once upon a time", max_new_tokens=40, temperature=0, ignore_eos=True).token_ids
+
+    ts = [threading.Thread(target=run, args=item) for item in (("a", a), ("b", b))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert res == {"a": want, "b": want}  # affinity flips between tokens never change the output
+    del a
+    gc.collect()
+    b.power.tick()
+    assert os.sched_getaffinity(0) == before  # b's plan: every core
+    del b
+    gc.collect()
+    assert os.sched_getaffinity(0) == before
+
+
+# --- the daemon ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def srv():
+    from test_server import KEY, Running
+    from edgeinfer.server.config import ServeConfig
+
+    model = edgeinfer.load(power=Policy("balanced", hold_s=0.0))
+    sensors = Switch(OSError("no sensors at all"))
+    model.power.sensors = sensors
+    model.power.readings = None
+    model.power.tick()  # readings None, the safe plan
+    r = Running(ServeConfig(api_key=KEY, slots=1, queue=1, max_tokens_limit=16), model)
+    r.sensors, r.key = sensors, KEY
+    yield r
+    r.stop()
+    model.power.stop()
+
+
+def test_health_and_metrics_without_any_reading(srv):
+    import httpx
+
+    srv.sensors.now = OSError("no sensors at all")
+    srv.server.model.power.tick()
+    h = httpx.get(srv.url + "/health", headers={"authorization": f"Bearer {srv.key}"})
+    assert h.status_code == 200
+    power = json.loads(h.text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))["power"]
+    assert power["readings"] is None and power["plan"]["admit_background"] is False
+    m = httpx.get(srv.url + "/metrics", headers={"authorization": f"Bearer {srv.key}"})
+    assert m.status_code == 200 and "edgeinfer_power_temperature_celsius NaN" in m.text
+    srv.sensors.now = Readings()  # every field None
+    srv.server.model.power.tick()
+    assert httpx.get(srv.url + "/health").status_code == 200
+    m = httpx.get(srv.url + "/metrics", headers={"authorization": f"Bearer {srv.key}"})
+    assert m.status_code == 200 and "edgeinfer_power_battery_percent NaN" in m.text
+
+
+@pytest.mark.parametrize("value,status", [
+    ("BACKGROUND", 503), ("Background", 503), ("INTERACTIVE", 200),
+    ("x" * 4000, 400), ("b\xe4ckground".encode("latin-1"), 400), ("background, interactive", 400),
+    ("", 400), ("background\xc2\xa0".encode("latin-1"), 400),
+], ids=lambda v: repr(v)[:20])
+def test_odd_priority_header_values(srv, value, status):
+    import httpx
+
+    srv.sensors.now = Readings(temp_c=95.0, throttle_temp_c=80.0)
+    srv.server.model.power.tick()
+    assert not srv.server.model.power.admits_background()
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "stories260K-int8", "prompt": "Once", "max_tokens": 2},
+                   headers={"authorization": f"Bearer {srv.key}", "x-edgeinfer-priority": value}, timeout=30)
+    assert r.status_code == status, r.text
+    if status == 503:
+        assert int(r.headers["retry-after"]) >= 5
+    if status == 400:
+        assert len(r.json()["error"]["message"]) < 200  # a long header is not echoed whole
+
+
+def test_background_refused_without_key_is_a_401_not_a_plan_leak(srv):
+    import httpx
+
+    srv.sensors.now = Readings(temp_c=95.0, throttle_temp_c=80.0)
+    srv.server.model.power.tick()
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Once"},
+                   headers={"x-edgeinfer-priority": "background"})
+    assert r.status_code == 401 and "power plan" not in r.text
