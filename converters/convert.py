@@ -15,6 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from edgeinfer import __version__
@@ -22,15 +23,21 @@ from edgeinfer.converters.decoder import ATTENTION_CHOICES, build_decoder, choos
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter
+from edgeinfer.converters.portable import build_portable
 from edgeinfer.integrity import sha256_file
 from edgeinfer.converters.quantize import QuantScheme
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
-from edgeinfer.manifest import MANIFEST_FILE, MODEL_FILE, Manifest, TokenizerInfo, graph_interface
+from edgeinfer.kv_mode import PORTABLE
+from edgeinfer.manifest import MANIFEST_FILE, MODEL_FILE, Manifest, TokenizerInfo, graph_interface, portable_interface
+from edgeinfer.portable import MAX_DIM, PORTABLE_TARGETS, PortableInfo
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
-TARGETS = ("cpu", "cuda")
+TARGETS = ("cpu", "cuda", "coreml", "nnapi")
+PORTABLE_WEIGHTS = {"coreml": ("fp16", "fp32"), "nnapi": ("int8", "fp16", "fp32")}  # first: the default
+DEFAULT_PORTABLE_CAPACITY = 512
+DEFAULT_PREFILL_TOKENS = 64
 MAX_DEFAULT_CAPACITY = 4096
 
 
@@ -114,13 +121,16 @@ def _os_error(e: OSError, dst: Path) -> ConvertError:
     return ConvertError(f"cannot convert into {dst}: {e.strerror or e}{where}")
 
 
-def convert(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size: int = 32, target: str = "cpu",
+def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block_size: int = 32, target: str = "cpu",
             force: bool = False, scheme: QuantScheme | None = None, attention: str = "auto",
+            capacity_tokens: int | None = None, prefill_tokens: int | None = None,
             log=lambda msg: None) -> Manifest:
     """Convert `src` (Hugging Face folder) into `dst` (edgeinfer folder). Returns the manifest written.
 
     Every refusal (see `_check_destination`) happens before any work; every failure, OSError
     included, raises ConvertError and leaves no temporary folder and an existing `dst` untouched.
+    quant: None is int4 for cpu/cuda and the portable target's default (coreml fp16, nnapi int8).
+    capacity_tokens / prefill_tokens: the portable graphs' fixed ring and prefill chunk.
     """
     # one normalised destination for the checks and the writing: "missing/../x" or "link/.." must not
     # be checked as one folder and replaced as another
@@ -129,17 +139,47 @@ def convert(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size
         raise ConvertError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
     if attention not in ATTENTION_CHOICES:
         raise ConvertError(f"unknown attention {attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
+    portable = _check_portable(target, quant, capacity_tokens, prefill_tokens, attention, scheme)
+    quant = quant or (portable.weights if portable else "int4")
     try:
         _check_source(src)
         _check_destination(src, dst, force)
-        return _convert(src, dst, scheme or default_scheme(quant, block_size), target, attention, log)
+        return _convert(src, dst, scheme or default_scheme(quant, block_size), target, attention, log, portable)
     except OSError as e:
         raise _os_error(e, dst) from None
 
 
-def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: str, log) -> Manifest:
+def _check_portable(target: str, quant: str | None, capacity_tokens, prefill_tokens, attention: str,
+                    scheme) -> PortableInfo | None:
+    """The portable geometry for a coreml/nnapi target (None for cpu/cuda), every refusal before any work."""
+    if target not in PORTABLE_TARGETS:
+        if capacity_tokens is not None or prefill_tokens is not None:
+            raise ConvertError("--capacity and --prefill-tokens fix the portable graphs' shapes: they go with "
+                               "--target coreml or nnapi (cpu and cuda graphs take any capacity at load)")
+        return None
+    allowed = PORTABLE_WEIGHTS[target]
+    weights = quant or allowed[0]
+    if weights not in allowed:
+        why = {"coreml": "CoreML's EP has no DequantizeLinear or MatMulNBits", "nnapi": "NNAPI has no 4-bit types"}
+        raise ConvertError(f"--target {target} stores weights as {' or '.join(allowed)}, not {weights} ({why[target]})")
+    if scheme is not None or attention != "auto":
+        raise ConvertError(f"--target {target} builds the portable graph: quantization schemes and --attention "
+                           "apply to the cpu/cuda graph")
+    cap = DEFAULT_PORTABLE_CAPACITY if capacity_tokens is None else capacity_tokens
+    pre = DEFAULT_PREFILL_TOKENS if prefill_tokens is None else prefill_tokens
+    for name, v in (("--capacity", cap), ("--prefill-tokens", pre)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+            raise ConvertError(f"{name} must be an integer >= 2, got {v!r}")
+    if cap + 2 * pre > MAX_DIM:
+        raise ConvertError(f"--capacity {cap} with --prefill-tokens {pre} makes attention rows of {cap + 2 * pre} "
+                           f"columns, over CoreML's limit of {MAX_DIM}: use a smaller capacity")
+    return PortableInfo(capacity_tokens=cap, prefill_tokens=pre, weights=weights)
+
+
+def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: str, log,
+             portable: PortableInfo | None = None) -> Manifest:
     spec = spec_from_config(read_config(src))
-    mode = choose_kv_mode(spec, attention)
+    mode = choose_kv_mode(spec, attention) if portable is None else PORTABLE
     ckpt = Checkpoint(src)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -150,23 +190,35 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: 
     try:
         t0 = time.perf_counter()
         writer = WeightWriter(tmp)
-        model = build_decoder(spec, ckpt, scheme, writer, mode)
-        writer.close()
-        onnx.save_model(model, tmp / MODEL_FILE)
-        del model
+        graphs = [MODEL_FILE]
+        if portable is None:
+            model = build_decoder(spec, ckpt, scheme, writer, mode)
+            writer.close()
+            onnx.save_model(model, tmp / MODEL_FILE)
+            del model
+        else:
+            decode, prefill, emb = build_portable(spec, ckpt, portable.weights, writer, portable)
+            writer.close()
+            onnx.save_model(decode, tmp / MODEL_FILE)
+            onnx.save_model(prefill, tmp / portable.prefill_file)
+            np.save(tmp / portable.embeddings_file, emb.astype(np.float32 if portable.weights == "fp32" else np.float16))
+            graphs += [portable.prefill_file, portable.embeddings_file]
+            del decode, prefill, emb
         log(f"graph built and weights written in {time.perf_counter() - t0:.1f} s")
         for name in TOKENIZER_FILES:
             if (src / name).exists():
                 shutil.copyfile(src / name, tmp / name)
-        outputs = [MODEL_FILE, DATA_FILE] + [n for n in TOKENIZER_FILES if (tmp / n).exists()]
+        outputs = [*graphs, DATA_FILE] + [n for n in TOKENIZER_FILES if (tmp / n).exists()]
         files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in outputs}
         sources = ["config.json", *[f.name for f in ckpt.files], *[n for n in TOKENIZER_FILES if (src / n).exists()]]
         if (src / "model.safetensors.index.json").exists():
             sources.append("model.safetensors.index.json")
         manifest = Manifest(
-            arch=spec, quantization=scheme, target=target, flavour="fused",
-            interface=graph_interface(spec, mode), tokenizer=_tokenizer_info(src, spec),
-            default_capacity_tokens=min(spec.max_position_embeddings, MAX_DEFAULT_CAPACITY),
+            arch=spec, quantization=scheme, target=target, flavour="fused" if portable is None else "portable",
+            interface=graph_interface(spec, mode) if portable is None else portable_interface(spec, portable),
+            tokenizer=_tokenizer_info(src, spec), portable=portable,
+            default_capacity_tokens=min(spec.max_position_embeddings, MAX_DEFAULT_CAPACITY,
+                                        portable.capacity_tokens if portable else MAX_DEFAULT_CAPACITY),
             files=files, source={n: sha256_file(src / n) for n in sources}, converter_version=__version__,
         )
         manifest.write(tmp)

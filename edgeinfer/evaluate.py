@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeinfer.engine import Engine
+from edgeinfer.portable_engine import open_engine
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.session import DecoderSession
@@ -76,7 +77,7 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int = 51
     stories = _read_stories(Path(text_path))
     session = session or DecoderSession(model_dir, threads=threads)
     tok = Tokenizer(session.folder, session.manifest.tokenizer)
-    engine = Engine(session, max_chunk=window)
+    engine = open_engine(session, max_chunk=window)
     cache = engine.new_cache(window, 0)
     t0 = time.perf_counter()
     total, count, windows = 0.0, 0, 0
@@ -104,7 +105,7 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
     stories = _read_stories(Path(text_path))
     session = DecoderSession(model_dir, threads=threads)
     tok = Tokenizer(session.folder, session.manifest.tokenizer)
-    engine = Engine(session, max_chunk=min(chunk, capacity))
+    engine = open_engine(session, max_chunk=min(chunk, capacity))
     cache = engine.new_cache(capacity, sinks)
     t0 = time.perf_counter()
     total, count = 0.0, 0

@@ -82,8 +82,9 @@ def rotate_keys(k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
 class RingKVCache:
     def __init__(self, spec: ArchSpec, capacity_tokens: int, n_sink: int = 4, max_chunk: int = 256,
                  mode: KVMode = STANDARD, rebase_every_tokens: int | None = None,
-                 storage: tuple[list[np.ndarray], list[np.ndarray]] | None = None):
-        """storage: per-layer K and V arrays to use (row b of a `BatchedKV`) instead of allocating."""
+                 storage: tuple[list[np.ndarray], list[np.ndarray]] | None = None, rows: int | None = None):
+        """storage: per-layer K and V arrays to use (row b of a `BatchedKV`) instead of allocating.
+        rows: allocate this many rows (at least capacity + max_chunk; a portable graph's fixed R)."""
         self.check_geometry(spec, capacity_tokens, n_sink, max_chunk, rings=0 if storage else 1)
         if not isinstance(mode, KVMode):
             raise TypeError(f"mode must be a KVMode, got {mode!r}")
@@ -91,7 +92,7 @@ class RingKVCache:
         self.n_sink = int(n_sink)
         self.max_chunk = int(max_chunk)
         self.mode = mode
-        self.rows = rows = self.capacity + self.max_chunk
+        self.rows = rows = max(self.capacity + self.max_chunk, int(rows or 0))
         shape = mode.cache_shape(rows, spec.num_kv_heads, spec.head_dim)
         if storage is None:
             storage = ([np.zeros(shape, np.float32) for _ in range(spec.num_layers)],

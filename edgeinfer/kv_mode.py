@@ -16,12 +16,14 @@ that knows the modes' names (and the names older manifests used); everything els
                     rows, which the runtime binds right after them
     head_multiple   the head size must be a multiple of this (ONNX Runtime's CPU GroupQueryAttention: 16)
 
-The two modes:
+The modes:
 
     gqa        GroupQueryAttention reads and appends in place: past = present = the ring buffer
                [1, Hkv, C + S_max, Dh]; head size a multiple of 16
     standard   standard ONNX ops: past = the valid slots [1, T, Hkv, Dh], present = this call's S
                rows [1, S, Hkv, Dh]; any head size
+    portable   the portable flavour's (converters/portable.py): past = the whole ring [1, Hkv, R, Dh]
+               with a fixed R, present = this call's rows [1, Hkv, S, Dh], copied in by the runtime
 
 `MODES` is the converter's order of preference (`--attention auto` takes the first whose head
 rule the model meets). `from_interface` reads a manifest's interface section: `kv_mode` by name,
@@ -57,12 +59,13 @@ class KVMode:
     past_sequence: str = "past_sequence"  # symbolic name of the past's sequence dim
     present_sequence: str = "sequence"  # symbolic name of the present's sequence dim
     description: str = ""  # one line for `edgeinfer inspect`
+    host_writes: bool = False  # the runtime copies the graph's new rows into the ring (portable graphs)
 
     def __post_init__(self) -> None:
         if sorted(self.layout) != sorted(KV_AXES) or self.layout[0] != "B":
             raise ValueError(f"KV mode {self.name}: layout {self.layout!r} is not a permutation of {KV_AXES} "
                              "with the batch first")
-        if not self.in_place and self.seq_axis != 1:
+        if not self.in_place and not self.host_writes and self.seq_axis != 1:
             # the runtime binds the first T rows and the S rows after them as blocks of one array
             raise ValueError(f"KV mode {self.name}: a mode that is not in place needs the sequence axis first "
                              "after the batch")
@@ -106,9 +109,14 @@ STANDARD = KVMode(
     name="standard", layout="BSNH", in_place=False,
     description="standard ops over the valid KV slots")
 
-MODES = (GQA, STANDARD)  # order of preference for `--attention auto`
+PORTABLE = KVMode(
+    name="portable", layout="BNSH", in_place=False, host_writes=True,
+    past_sequence="ring_rows", present_sequence="sequence",
+    description="standard ops over the whole fixed-size ring; the runtime writes the new rows")
+
+MODES = (GQA, STANDARD)  # order of preference for `--attention auto` (the fused flavour's modes)
 NAMES = tuple(m.name for m in MODES)
-_BY_NAME = {m.name: m for m in MODES}
+_BY_NAME = {m.name: m for m in (*MODES, PORTABLE)}
 _LEGACY_KV_IO = {"shared_buffer": GQA, "runtime_append": STANDARD}  # manifests before `kv_mode`
 
 

@@ -33,7 +33,8 @@ from types import MappingProxyType
 from edgeinfer.arch import ArchSpec
 from edgeinfer.fields import FieldError, json_fields
 from edgeinfer.errors import ModelFormatError
-from edgeinfer.kv_mode import LEGACY_KEYS, KVMode, from_interface
+from edgeinfer.kv_mode import LEGACY_KEYS, PORTABLE, KVMode, from_interface
+from edgeinfer.portable import PortableInfo, logit_chunks
 from edgeinfer.quant_scheme import QuantScheme
 
 FORMAT_VERSION = 1
@@ -97,9 +98,11 @@ class Interface:
                 "outputs": {k: t.to_json() for k, t in self.outputs.items()}}
 
     @classmethod
-    def from_json(cls, d: dict, spec: ArchSpec, where: str = "interface") -> "Interface":
+    def from_json(cls, d: dict, spec: ArchSpec, where: str = "interface",
+                  portable: PortableInfo | None = None) -> "Interface":
         """Checked against what this runtime binds for `spec` in the mode it names (FieldError naming
-        the first field that differs). Reads older manifests' `kv_io`/`kv_layout` (see the module doc)."""
+        the first field that differs; the portable mode against `portable`'s geometry). Reads older
+        manifests' `kv_io`/`kv_layout` (see the module doc)."""
         if not isinstance(d, dict):
             raise FieldError(where, f"expected an object, got {d!r}")
         try:
@@ -113,7 +116,10 @@ class Interface:
                              f"{INTERFACE_VERSION}{newer}")
         if kw["kv_dtype"] != KV_DTYPE:
             raise FieldError(f"{where}.kv_dtype", f"{kw['kv_dtype']!r}: this edgeinfer's KV cache is {KV_DTYPE}")
-        want = graph_interface(spec, mode)
+        if (mode is PORTABLE) != (portable is not None):
+            raise FieldError(f"{where}.kv_mode", f"{mode.name!r} does not match the flavour (portable graphs have "
+                             "the portable KV mode and a portable section, fused ones neither)")
+        want = graph_interface(spec, mode) if portable is None else portable_interface(spec, portable)
         for part in ("inputs", "outputs"):
             got, expected = d.get(part), getattr(want, part)
             if not isinstance(got, dict):
@@ -181,6 +187,28 @@ def graph_interface(spec: ArchSpec, mode: KVMode) -> Interface:
     return Interface(INTERFACE_VERSION, mode, KV_DTYPE, MappingProxyType(inputs), MappingProxyType(outputs))
 
 
+def portable_interface(spec: ArchSpec, info: PortableInfo) -> Interface:
+    """The interface of the portable decode graph (converters/portable.py; the prefill graph is the
+    same with P for 1): static shapes, host-computed inputs, the logits in chunks."""
+    n, Hkv, Dh, R = io_names(spec.num_layers), spec.num_kv_heads, spec.head_dim, info.ring_rows
+    g = spec.num_heads // Hkv
+
+    def layer(name: str) -> str:
+        return name.replace(".0.", ".{i}.")
+
+    inputs = {"inputs_embeds": TensorDesc("float32", (1, 1, spec.hidden_size)),
+              "rope_cos": TensorDesc("float32", (1, 1, 1, Dh)), "rope_sin": TensorDesc("float32", (1, 1, 1, Dh)),
+              "attention_mask": TensorDesc("float32", (1, 1, g, R + 1)),
+              "logits_select": TensorDesc("float32", (1, 1, 1)),
+              "past_key": TensorDesc(KV_DTYPE, (1, Hkv, R, Dh), layer(n.past_key(0))),
+              "past_value": TensorDesc(KV_DTYPE, (1, Hkv, R, Dh), layer(n.past_value(0)))}
+    outputs = {f"logits.{c}": TensorDesc("float32", (1, 1, hi - lo))
+               for c, (lo, hi) in enumerate(logit_chunks(spec.vocab_size))}
+    outputs.update(present_key=TensorDesc(KV_DTYPE, (1, Hkv, 1, Dh), layer(n.present_key(0))),
+                   present_value=TensorDesc(KV_DTYPE, (1, Hkv, 1, Dh), layer(n.present_value(0))))
+    return Interface(INTERFACE_VERSION, PORTABLE, KV_DTYPE, MappingProxyType(inputs), MappingProxyType(outputs))
+
+
 @dataclass(frozen=True)
 class Manifest:
     arch: ArchSpec
@@ -194,9 +222,10 @@ class Manifest:
     source: dict = field(default_factory=dict)  # inputs: name -> sha256
     converter_version: str = ""
     format_version: int = FORMAT_VERSION
+    portable: PortableInfo | None = None  # the portable flavour's geometry and files
 
     def to_json(self) -> dict:
-        return {
+        return {**({"portable": self.portable.to_json()} if self.portable is not None else {}),
             "format_version": self.format_version,
             "converter_version": self.converter_version,
             "target": self.target,
@@ -228,8 +257,9 @@ class Manifest:
             top[key] = v
         if top["default_capacity_tokens"] < 2:
             raise FieldError("default_capacity_tokens", f"must be at least 2, got {top['default_capacity_tokens']}")
+        portable = PortableInfo.from_json(section("portable")) if top["flavour"] == "portable" else None
         return cls(arch=arch, quantization=QuantScheme.from_json(section("quantization")),
-                   interface=Interface.from_json(section("interface"), arch),
+                   interface=Interface.from_json(section("interface"), arch, portable=portable), portable=portable,
                    tokenizer=TokenizerInfo.from_json(section("tokenizer")),
                    files=d.get("files", {}), source=d.get("source", {}), **top)
 

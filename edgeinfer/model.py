@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeinfer.chat import ChatTemplate
-from edgeinfer.engine import Engine
+from edgeinfer.portable_engine import open_engine
 from edgeinfer.errors import InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.conversation import Conversation
@@ -83,6 +83,10 @@ class Model:
         self.manifest = read_manifest(folder)
         spec = self.manifest.arch
         capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec.sliding_window, capacity_tokens)
+        built = self.manifest.portable.capacity_tokens if self.manifest.portable is not None else None
+        if built is not None and capacity > built:  # before the slow loading
+            raise InvalidArgumentError(f"capacity_tokens={capacity} is over the {built} this portable model was built "
+                                       f"for: use a capacity up to {built}, or convert again with --capacity")
         RingKVCache.check_geometry(spec, capacity, n_sink, min(prefill_chunk, capacity))  # before the slow loading
         self.folder = folder
         self.overflow = overflow
@@ -90,7 +94,8 @@ class Model:
         self.tokenizer = Tokenizer(folder, self.manifest.tokenizer)
         self.session = DecoderSession(folder, threads=threads, provider=provider, manifest=self.manifest,
                                       spin_duration_us=SPIN_DURATION_US if policy is not None else None)
-        self.engine = Engine(self.session, max_chunk=min(prefill_chunk, capacity))
+        self.engine = open_engine(self.session, min(prefill_chunk, capacity), threads,
+                                  SPIN_DURATION_US if policy is not None else None)
         self.cache = self.new_cache()
         self.lock = ContextLock("the model's default context (generate/stream)")
         tk = self.manifest.tokenizer

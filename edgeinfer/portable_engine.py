@@ -1,0 +1,126 @@
+"""`PortableEngine`: the Engine's `prefill` / `decode_one` / `forward` over the portable graphs
+(converters/portable.py), with the same ring-buffer contract (sinks, overflow, re-basing, constant
+memory). Here the graphs run on ONNX Runtime's CPU EP; on a phone or a Mac the same two files run
+under NNAPI or CoreML (docs/platforms.md).
+
+One call (s tokens, s <= P):
+1. Re-base the ring if due; the new rows go at `cache.write_offset(s)` as for the fused graph.
+2. On the host: the embedding rows (the table is `embeddings.npy`), the RoPE cos/sin of the
+   positions, the additive attention mask over the ring's R rows and the s new ones, and the
+   one-hot row that picks the last position's logits.
+3. Run the decode graph (s = 1) or the prefill graph (s > 1, padded to P).
+4. Write the s new K/V rows (keys roped) into the ring and `commit`; join the logits chunks into
+   the cache's logits buffer.
+
+The ring is [1, Hkv, R, Dh] per layer (the portable KV mode, heads outermost), bound whole;
+R is fixed by the graphs, so a ring of smaller capacity uses the same R rows and a larger one is
+refused at load. Thread-safe across caches like Engine (one lock around each graph call).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from edgeinfer.engine import prefill_chunks
+from edgeinfer.errors import InvalidArgumentError, ModelFormatError
+from edgeinfer.kv_cache import RingKVCache
+from edgeinfer.kv_mode import PORTABLE
+from edgeinfer.portable import attention_mask, logit_chunks, rope_inputs
+from edgeinfer.session import PROVIDERS, DecoderSession, session_options
+
+
+class PortableEngine:
+    def __init__(self, session: DecoderSession, threads: int | None = None, spin_duration_us: int | None = None):
+        m = session.manifest
+        self.session, self.spec, self.info = session, m.arch, m.portable
+        self.mode = PORTABLE
+        self.max_chunk = self.info.prefill_tokens
+        folder = session.folder
+        try:
+            self.prefill_session = ort.InferenceSession(str(folder / self.info.prefill_file),
+                                                        session_options(threads, spin_duration_us),
+                                                        providers=[PROVIDERS[session.provider]])
+            self.embeddings = np.load(folder / self.info.embeddings_file, mmap_mode="r")
+        except Exception as e:
+            raise ModelFormatError(f"cannot load the portable graphs of {folder}: {str(e).splitlines()[0][:300]}"
+                                   ) from None
+        if self.embeddings.shape != (self.spec.vocab_size, self.spec.hidden_size):
+            raise ModelFormatError(f"{folder / self.info.embeddings_file} has shape {self.embeddings.shape}, "
+                                   f"expected {(self.spec.vocab_size, self.spec.hidden_size)}")
+        self.names = session.names
+        self.groups = self.spec.num_heads // self.spec.num_kv_heads
+        self.chunks = logit_chunks(self.spec.vocab_size)
+        self.inv_freq = self.spec.rope.inv_freq(self.spec.head_dim)
+        self.lock = threading.Lock()
+        self.calls = 0
+
+    def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
+        if capacity_tokens > self.info.capacity_tokens:
+            raise InvalidArgumentError(
+                f"capacity_tokens={capacity_tokens} is over the {self.info.capacity_tokens} this portable model was "
+                f"built for: use a capacity up to {self.info.capacity_tokens}, or convert again with --capacity")
+        return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, PORTABLE, rows=self.info.ring_rows)
+
+    def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """As `Engine.forward`: logits [N, V] for the s = len(ids) new tokens (N = s with all_logits,
+        else 1). The graphs give one position's logits per call, so all_logits runs token by token."""
+        s = len(ids)
+        if not 0 < s <= (self.spec.max_position_embeddings if all_logits else self.max_chunk):
+            raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {s}")
+        if all_logits and s > 1:
+            return np.stack([self.forward(cache, ids[j:j + 1])[0] for j in range(s)])
+        with self.lock:
+            return self._forward(cache, list(ids), s)
+
+    def _forward(self, cache: RingKVCache, ids: list[int], s: int) -> np.ndarray:
+        cache.rebase_if_due(s)
+        t, off = cache.n_valid, cache.write_offset(s)
+        s_graph = 1 if s == 1 else self.max_chunk
+        embeds = np.zeros((1, s_graph, self.spec.hidden_size), np.float32)
+        embeds[0, :s] = self.embeddings[ids]
+        pos = cache.next_position + np.arange(s_graph)
+        cos, sin = rope_inputs(pos, self.inv_freq)
+        select = np.zeros((1, 1, s_graph), np.float32)
+        select[0, 0, s - 1] = 1.0
+        feeds = {"inputs_embeds": embeds, "rope_cos": cos, "rope_sin": sin, "logits_select": select,
+                 "attention_mask": attention_mask(t, s, s_graph, cache.rows, self.groups)}
+        for i, (k, v) in enumerate(zip(cache.k, cache.v)):
+            feeds[self.names.past_key(i)], feeds[self.names.past_value(i)] = k, v
+        sess = self.session.session if s_graph == 1 else self.prefill_session
+        out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+        for i, (k, v) in enumerate(zip(cache.k, cache.v)):
+            k[0, :, off:off + s] = out[self.names.present_key(i)][0, :, :s]
+            v[0, :, off:off + s] = out[self.names.present_value(i)][0, :, :s]
+        cache.commit(s)
+        self.calls += 1
+        for c, (lo, hi) in enumerate(self.chunks):
+            cache.logits[0, 0, lo:hi] = out[f"logits.{c}"][0, 0]
+        return cache.logits[0]
+
+    def prefill(self, cache: RingKVCache, ids: Sequence[int], chunk: int | None = None,
+                before_chunk: Callable[[], None] | None = None) -> np.ndarray:
+        """As `Engine.prefill`: chunks of at most P tokens; the logits [V] after the last."""
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        logits = None
+        for start, end in prefill_chunks(len(ids), min(chunk or self.max_chunk, self.max_chunk)):
+            if before_chunk is not None:
+                before_chunk()
+            logits = self.forward(cache, ids[start:end])
+        return logits[0]
+
+    def decode_one(self, cache: RingKVCache, token: int) -> np.ndarray:
+        return self.forward(cache, (token,))[0]
+
+
+def open_engine(session: DecoderSession, max_chunk: int, threads: int | None = None,
+                spin_duration_us: int | None = None):
+    """The engine for a model folder's flavour: `Engine` (fused) or `PortableEngine` (portable)."""
+    if session.manifest.portable is not None:
+        return PortableEngine(session, threads, spin_duration_us)
+    from edgeinfer.engine import Engine
+    return Engine(session, max_chunk=max_chunk)
