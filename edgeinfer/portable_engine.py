@@ -72,7 +72,7 @@ class PortableEngine:
         if not 0 < s <= (self.spec.max_position_embeddings if all_logits else self.max_chunk):
             raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {s}")
         if all_logits and s > 1:
-            return np.stack([self.forward(cache, ids[j:j + 1])[0] for j in range(s)])
+            return np.stack([self.forward(cache, ids[j:j + 1])[0].copy() for j in range(s)])
         with self.lock:
             return self._forward(cache, list(ids), s)
 

@@ -1,0 +1,179 @@
+"""The portable flavour (`convert --target coreml|nnapi`): ONNX Runtime's mobile checker takes every
+node of both graphs in one partition; on the CPU EP the graphs reproduce stories260K's golden greedy
+ids and the fused graph's perplexity; the ring contract holds; bad targets and capacities are refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from conftest import STORIES_FIX, STORIES_SRC, TINY
+from edgeinfer.converters import convert, default_scheme
+from edgeinfer.converters.mobile_check import mobile_usability
+from edgeinfer.errors import ConvertError, InvalidArgumentError
+from edgeinfer.evaluate import perplexity, stream_perplexity
+from edgeinfer.manifest import read_manifest
+from edgeinfer.portable import MAX_DIM, attention_mask, logit_chunks
+from edgeinfer.portable_engine import PortableEngine, open_engine
+from edgeinfer.session import DecoderSession
+
+GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
+EVAL_TXT = STORIES_FIX / "eval.txt"
+FUSED_STREAM_REF = 5.7636  # transformers' exact sliding window, capacity 128 + 4 sinks (docs/architecture.md)
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory):
+    """portable(src, target, quant=None, **kw) -> folder, each converted once per module."""
+    made: dict = {}
+
+    def get(src, target, quant=None, **kw):
+        key = (str(src), target, quant, tuple(sorted(kw.items())))
+        if key not in made:
+            dst = tmp_path_factory.mktemp("portable") / f"{src.name}-{target}-{quant}"
+            convert(src, dst, target=target, quant=quant, **kw)
+            made[key] = dst
+        return made[key]
+
+    return get
+
+
+# --- ONNX Runtime's checker ---
+
+@pytest.mark.parametrize("target", ["coreml", "nnapi"])
+@pytest.mark.parametrize("graph", ["model.onnx", "prefill.onnx"])
+def test_checker_takes_every_node_in_one_partition(portable, target, graph):
+    report = mobile_usability(portable(STORIES_SRC, target) / graph)
+    eps = ["NNAPI", "CoreML MLProgram"] if target == "coreml" else ["NNAPI"]  # int8 DQ is NNAPI's
+    for ep in eps:
+        r = report[ep]
+        assert (r["partitions"], r["supported_nodes"], r["verdict"]) == (1, r["nodes"], "YES"), (ep, r)
+
+
+def test_checker_on_a_gqa_model_with_biases(portable):
+    folder = portable(TINY / "qwen2_bias_tied", "coreml")
+    for graph in ("model.onnx", "prefill.onnx"):
+        for ep, r in mobile_usability(folder / graph).items():
+            assert (r["partitions"], r["supported_nodes"], r["verdict"]) == (1, r["nodes"], "YES"), (ep, r)
+
+
+# --- numbers on the CPU EP ---
+
+def _greedy(folder, prompt: list[int], n: int) -> list[int]:
+    eng = open_engine(DecoderSession(folder), 64)
+    cache = eng.new_cache(512, 0)
+    out = [int(eng.prefill(cache, prompt).argmax())]
+    while len(out) < n:
+        out.append(int(eng.decode_one(cache, out[-1]).argmax()))
+    return out
+
+
+def test_fp32_portable_reproduces_all_golden_sequences(portable):
+    folder = portable(STORIES_SRC, "coreml", "fp32")
+    assert isinstance(open_engine(DecoderSession(folder), 64), PortableEngine)
+    for case in GOLDEN["cases"]:
+        assert _greedy(folder, case["prompt_ids"], 64) == case["greedy_ids"], case["prompt"]
+
+
+@pytest.mark.parametrize("target,quant", [("coreml", "fp16"), ("nnapi", "int8")])
+def test_perplexity_within_1pct_of_the_fused_graph(portable, converted, target, quant):
+    mine = perplexity(portable(STORIES_SRC, target, quant), EVAL_TXT).perplexity
+    fused = perplexity(converted(STORIES_SRC, quant), EVAL_TXT).perplexity
+    assert abs(mine / fused - 1) < 0.01, (mine, fused)
+
+
+def test_streamed_perplexity_through_the_ring(portable):
+    r = stream_perplexity(portable(STORIES_SRC, "coreml", "fp32"), EVAL_TXT, capacity=128, sinks=4)
+    assert abs(r.perplexity / FUSED_STREAM_REF - 1) < 0.01, r.perplexity
+
+
+def test_ring_wraps_like_the_fused_graph(portable, converted):
+    """A built capacity of 64 with 16-token prefill chunks; 200 greedy tokens shift the ring ~4 times."""
+    a = edgeinfer.load(portable(STORIES_SRC, "coreml", "fp32", capacity_tokens=64, prefill_tokens=16))
+    b = edgeinfer.load(converted(STORIES_SRC, "fp32"), capacity_tokens=64, prefill_chunk=16)
+    prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside."
+    x = a.generate(prompt, max_new_tokens=200, temperature=0, ignore_eos=True)
+    y = b.generate(prompt, max_new_tokens=200, temperature=0, ignore_eos=True)
+    assert x.token_ids == y.token_ids and x.usage.dropped_tokens == y.usage.dropped_tokens > 0
+
+
+@pytest.mark.parametrize("family", ["llama2_gqa_tied", "mistral_gqa_untied_fp16", "qwen2_bias_tied"])
+def test_logits_match_the_fused_graph(portable, converted, family):
+    src = TINY / family
+    pe = open_engine(DecoderSession(portable(src, "coreml", "fp32")), 64)
+    fe = open_engine(DecoderSession(converted(src, "fp32")), 64)
+    ids = [1, 5, 9, 2, 7, 3, 8, 4, 6, 11, 13]
+    pc, fc = pe.new_cache(64, 2), fe.new_cache(64, 2)
+    np.testing.assert_allclose(pe.prefill(pc, ids), fe.prefill(fc, ids), atol=2e-4)
+    for t in (3, 5, 7):
+        np.testing.assert_allclose(pe.decode_one(pc, t), fe.decode_one(fc, t), atol=2e-4)
+
+
+# --- host-side inputs ---
+
+def test_logit_chunks_cover_the_vocabulary_in_chunks_under_the_limit():
+    for v in (512, 16384, 16385, 32000, 49152, 151936):
+        chunks = logit_chunks(v)
+        assert chunks[0][0] == 0 and chunks[-1][1] == v and all(hi - lo <= MAX_DIM for lo, hi in chunks)
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+
+
+def test_attention_mask_by_hand():
+    m = attention_mask(n_valid=2, s=2, s_graph=3, ring_rows=4, groups=2)[0, 0]
+    see = (m == 0).astype(int)
+    #            ring 0..3  new 0..2
+    want_row = [[1, 1, 0, 0, 1, 0, 0],   # query 0: valid slots and itself
+                [1, 1, 0, 0, 1, 1, 0],   # query 1: and query 0
+                [0, 0, 0, 0, 0, 0, 1]]   # padding: only itself
+    assert see.tolist() == want_row * 2  # the same rows for each query head of a KV head
+
+
+# --- refusals ---
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"target": "tpu"}, "unknown target"),
+    ({"target": "nnapi", "quant": "int4"}, "4-bit"),
+    ({"target": "coreml", "quant": "int8"}, "DequantizeLinear"),
+    ({"target": "cpu", "capacity_tokens": 128}, "--target coreml or nnapi"),
+    ({"target": "coreml", "capacity_tokens": 1}, "--capacity"),
+    ({"target": "coreml", "capacity_tokens": 16300}, "CoreML's limit"),
+    ({"target": "coreml", "scheme": default_scheme("int4")}, "quantization schemes"),
+    ({"target": "nnapi", "attention": "gqa"}, "--attention"),
+])
+def test_bad_targets_are_refused_before_any_work(tmp_path, kwargs, words):
+    with pytest.raises(ConvertError, match=words):
+        convert(STORIES_SRC, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_family_the_portable_graph_cannot_express_is_refused(tmp_path):
+    with pytest.raises(ConvertError, match="Qwen3"):
+        convert(TINY / "qwen3_qknorm_tied", tmp_path / "out", target="coreml")
+    assert not (tmp_path / "out").exists()
+
+
+def test_capacity_above_the_built_one_is_refused_at_load(portable):
+    folder = portable(STORIES_SRC, "coreml", "fp32", capacity_tokens=64, prefill_tokens=16)
+    assert read_manifest(folder).portable.capacity_tokens == 64
+    with pytest.raises(InvalidArgumentError, match="built for"):
+        edgeinfer.load(folder, capacity_tokens=65)
+    m = edgeinfer.load(folder, capacity_tokens=32)  # smaller is fine: the same fixed rows, fewer in the ring
+    assert m.generate("Once", max_new_tokens=40, ignore_eos=True).usage.completion_tokens == 40
+
+
+def test_manifest_records_the_flavour_and_both_graphs(portable, tmp_path):
+    import shutil
+    folder = tmp_path / "copy"
+    shutil.copytree(portable(STORIES_SRC, "nnapi"), folder)
+    m = read_manifest(folder)
+    assert (m.flavour, m.target, m.interface.kv_mode.name, m.portable.weights) == ("portable", "nnapi", "portable",
+                                                                                    "int8")
+    assert {"model.onnx", "prefill.onnx", "embeddings.npy", "model.onnx.data"} <= set(m.files)
+    raw = json.loads((folder / "edgeinfer.json").read_text())
+    raw["interface"]["inputs"]["attention_mask"]["shape"][3] += 1  # a graph of another ring
+    (folder / "edgeinfer.json").write_text(json.dumps(raw))
+    with pytest.raises(Exception, match="attention_mask"):
+        read_manifest(folder)
