@@ -23,6 +23,7 @@ from edgeinfer.converters.decoder import ATTENTION_CHOICES, build_decoder, choos
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter
+from edgeinfer.converters.ort_format import write_ort_format
 from edgeinfer.converters.portable import build_portable
 from edgeinfer.integrity import sha256_file
 from edgeinfer.converters.quantize import QuantScheme
@@ -123,14 +124,15 @@ def _os_error(e: OSError, dst: Path) -> ConvertError:
 
 def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block_size: int = 32, target: str = "cpu",
             force: bool = False, scheme: QuantScheme | None = None, attention: str = "auto",
-            capacity_tokens: int | None = None, prefill_tokens: int | None = None,
+            capacity_tokens: int | None = None, prefill_tokens: int | None = None, ort_format: bool = False,
             log=lambda msg: None) -> Manifest:
     """Convert `src` (Hugging Face folder) into `dst` (edgeinfer folder). Returns the manifest written.
 
     Every refusal (see `_check_destination`) happens before any work; every failure, OSError
     included, raises ConvertError and leaves no temporary folder and an existing `dst` untouched.
     quant: None is int4 for cpu/cuda and the portable target's default (coreml fp16, nnapi int8).
-    capacity_tokens / prefill_tokens: the portable graphs' fixed ring and prefill chunk.
+    capacity_tokens / prefill_tokens: the portable graphs' fixed ring and prefill chunk; ort_format:
+    also write them as .ort files (ONNX Runtime Mobile's format).
     """
     # one normalised destination for the checks and the writing: "missing/../x" or "link/.." must not
     # be checked as one folder and replaced as another
@@ -140,11 +142,15 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
     if attention not in ATTENTION_CHOICES:
         raise ConvertError(f"unknown attention {attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
     portable = _check_portable(target, quant, capacity_tokens, prefill_tokens, attention, scheme)
+    if ort_format and portable is None:
+        raise ConvertError("--ort-format writes the portable graphs for ONNX Runtime Mobile: it goes with --target "
+                           "coreml or nnapi")
     quant = quant or (portable.weights if portable else "int4")
     try:
         _check_source(src)
         _check_destination(src, dst, force)
-        return _convert(src, dst, scheme or default_scheme(quant, block_size), target, attention, log, portable)
+        return _convert(src, dst, scheme or default_scheme(quant, block_size), target, attention, log, portable,
+                        ort_format)
     except OSError as e:
         raise _os_error(e, dst) from None
 
@@ -177,7 +183,7 @@ def _check_portable(target: str, quant: str | None, capacity_tokens, prefill_tok
 
 
 def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: str, log,
-             portable: PortableInfo | None = None) -> Manifest:
+             portable: PortableInfo | None = None, ort_format: bool = False) -> Manifest:
     spec = spec_from_config(read_config(src))
     mode = choose_kv_mode(spec, attention) if portable is None else PORTABLE
     ckpt = Checkpoint(src)
@@ -204,6 +210,8 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: 
             np.save(tmp / portable.embeddings_file, emb.astype(np.float32 if portable.weights == "fp32" else np.float16))
             graphs += [portable.prefill_file, portable.embeddings_file]
             del decode, prefill, emb
+            if ort_format:
+                graphs += write_ort_format(tmp, [MODEL_FILE, portable.prefill_file])
         log(f"graph built and weights written in {time.perf_counter() - t0:.1f} s")
         for name in TOKENIZER_FILES:
             if (src / name).exists():

@@ -142,6 +142,7 @@ def test_attention_mask_by_hand():
     ({"target": "coreml", "capacity_tokens": 16300}, "CoreML's limit"),
     ({"target": "coreml", "scheme": default_scheme("int4")}, "quantization schemes"),
     ({"target": "nnapi", "attention": "gqa"}, "--attention"),
+    ({"target": "cpu", "ort_format": True}, "--ort-format"),
 ])
 def test_bad_targets_are_refused_before_any_work(tmp_path, kwargs, words):
     with pytest.raises(ConvertError, match=words):
@@ -177,3 +178,15 @@ def test_manifest_records_the_flavour_and_both_graphs(portable, tmp_path):
     (folder / "edgeinfer.json").write_text(json.dumps(raw))
     with pytest.raises(Exception, match="attention_mask"):
         read_manifest(folder)
+
+
+def test_ort_format_files_load_and_match_the_onnx_graphs(portable):
+    import onnxruntime as ort
+    folder = portable(STORIES_SRC, "coreml", "fp32", ort_format=True)
+    assert {"model.ort", "prefill.ort"} <= set(read_manifest(folder).files)
+    onnx_s = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    ort_s = ort.InferenceSession(str(folder / "model.ort"), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) * 0.1 for i in onnx_s.get_inputs()}
+    for a, b in zip(onnx_s.run(None, feeds), ort_s.run(None, feeds)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
