@@ -23,6 +23,7 @@ from edgeinfer.converters.decoder import ATTENTION_CHOICES, build_decoder, choos
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter
+from edgeinfer.converters import cuda_graph
 from edgeinfer.converters.ort_format import write_ort_format
 from edgeinfer.converters.portable import build_portable
 from edgeinfer.integrity import sha256_file
@@ -197,10 +198,15 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: 
         t0 = time.perf_counter()
         writer = WeightWriter(tmp)
         graphs = [MODEL_FILE]
+        kv_dtype = "float16" if target == "cuda" else "float32"
         if portable is None:
             model = build_decoder(spec, ckpt, scheme, writer, mode)
             writer.close()
-            onnx.save_model(model, tmp / MODEL_FILE)
+            if target == "cuda":  # fp16 activations and KV (converters/cuda_graph.py)
+                model = cuda_graph.to_fp16(model, tmp, DATA_FILE)
+                cuda_graph.save(model, tmp / MODEL_FILE, DATA_FILE)
+            else:
+                onnx.save_model(model, tmp / MODEL_FILE)
             del model
         else:
             decode, prefill, emb = build_portable(spec, ckpt, portable.weights, writer, portable)
@@ -223,7 +229,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: 
             sources.append("model.safetensors.index.json")
         manifest = Manifest(
             arch=spec, quantization=scheme, target=target, flavour="fused" if portable is None else "portable",
-            interface=graph_interface(spec, mode) if portable is None else portable_interface(spec, portable),
+            interface=graph_interface(spec, mode, kv_dtype) if portable is None else portable_interface(spec, portable),
             tokenizer=_tokenizer_info(src, spec), portable=portable,
             default_capacity_tokens=min(spec.max_position_embeddings, MAX_DEFAULT_CAPACITY,
                                         portable.capacity_tokens if portable else MAX_DEFAULT_CAPACITY),

@@ -46,7 +46,8 @@ class Engine:
         self.max_chunk = int(max_chunk)
         self.names = session.names
         self.mode = session.manifest.interface.kv_mode
-        self.row_bytes = spec.num_kv_heads * spec.head_dim * 4  # one slot of one layer's K or V
+        self.kv_dtype = np.dtype(session.manifest.interface.kv_dtype)  # float32, or float16 (the cuda target)
+        self.row_bytes = spec.num_kv_heads * spec.head_dim * self.kv_dtype.itemsize  # one slot of one layer's K or V
         # the bound KV shapes (a mode that is not in place has its slots outermost after the batch: the
         # first T rows are one block, the S new rows the next); only the sequence dim changes per call
         self._seq_axis = self.mode.seq_axis
@@ -67,7 +68,7 @@ class Engine:
         self.lock = threading.Lock()
 
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
-        return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, self.mode)
+        return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, self.mode, dtype=self.kv_dtype)
 
     def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Run up to `max_chunk` new tokens at the cache's next positions; return logits [N, V].
@@ -105,30 +106,28 @@ class Engine:
             shape = list(self.mode.cache_shape(cache.rows, self.spec.num_kv_heads, self.spec.head_dim))
             self._bind_ring(cache.k, cache.v, shape, self._seqlens)
         else:  # past = the valid block; the graph's new rows are bound right after it
-            io, dev = self._io, self._device
+            io, dev, kvt = self._io, self._device, self.kv_dtype.type
             kv_past, kv_new = self._past_dims, self._new_dims  # bind_input copies the dims
             kv_past[self._seq_axis], kv_new[self._seq_axis] = t, s
             for i, (k, v) in enumerate(zip(cache.k, cache.v)):
-                io.bind_input(self.names.past_key(i), dev, 0, np.float32, kv_past, k.ctypes.data)
-                io.bind_input(self.names.past_value(i), dev, 0, np.float32, kv_past, v.ctypes.data)
-                io.bind_output(self.names.present_key(i), dev, 0, np.float32, kv_new,
-                               k.ctypes.data + off * self.row_bytes)
-                io.bind_output(self.names.present_value(i), dev, 0, np.float32, kv_new,
-                               v.ctypes.data + off * self.row_bytes)
+                io.bind_input(self.names.past_key(i), dev, 0, kvt, kv_past, k.ctypes.data)
+                io.bind_input(self.names.past_value(i), dev, 0, kvt, kv_past, v.ctypes.data)
+                io.bind_output(self.names.present_key(i), dev, 0, kvt, kv_new, k.ctypes.data + off * self.row_bytes)
+                io.bind_output(self.names.present_value(i), dev, 0, kvt, kv_new, v.ctypes.data + off * self.row_bytes)
         self._bind_tokens(self._ids, self._pos, [1, s], n, logits)
         return self._run(cache, s, logits)
 
     def _bind_ring(self, ks: list[np.ndarray], vs: list[np.ndarray], shape: list[int], seqlens: np.ndarray) -> None:
         """Bind a call that appends in place: past and present are the same arrays, `seqlens` the
         valid slots per batch row (total - 1)."""
-        io, dev = self._io, self._device
+        io, dev, kvt = self._io, self._device, self.kv_dtype.type
         io.bind_input(SEQLENS_K, "cpu", 0, np.int32, [seqlens.size], seqlens.ctypes.data)
         io.bind_input(TOTAL_SEQUENCE_LENGTH, "cpu", 0, np.int32, [], self._total.ctypes.data)
         for i, (k, v) in enumerate(zip(ks, vs)):
-            io.bind_input(self.names.past_key(i), dev, 0, np.float32, shape, k.ctypes.data)
-            io.bind_input(self.names.past_value(i), dev, 0, np.float32, shape, v.ctypes.data)
-            io.bind_output(self.names.present_key(i), dev, 0, np.float32, shape, k.ctypes.data)
-            io.bind_output(self.names.present_value(i), dev, 0, np.float32, shape, v.ctypes.data)
+            io.bind_input(self.names.past_key(i), dev, 0, kvt, shape, k.ctypes.data)
+            io.bind_input(self.names.past_value(i), dev, 0, kvt, shape, v.ctypes.data)
+            io.bind_output(self.names.present_key(i), dev, 0, kvt, shape, k.ctypes.data)
+            io.bind_output(self.names.present_value(i), dev, 0, kvt, shape, v.ctypes.data)
 
     def _bind_tokens(self, ids: np.ndarray, pos: np.ndarray, dims: list[int], n: int, logits: np.ndarray) -> None:
         """Bind the token ids and positions ([B, S] = dims), which n positions get logits, and where."""

@@ -82,9 +82,11 @@ def rotate_keys(k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
 class RingKVCache:
     def __init__(self, spec: ArchSpec, capacity_tokens: int, n_sink: int = 4, max_chunk: int = 256,
                  mode: KVMode = STANDARD, rebase_every_tokens: int | None = None,
-                 storage: tuple[list[np.ndarray], list[np.ndarray]] | None = None, rows: int | None = None):
+                 storage: tuple[list[np.ndarray], list[np.ndarray]] | None = None, rows: int | None = None,
+                 dtype=np.float32):
         """storage: per-layer K and V arrays to use (row b of a `BatchedKV`) instead of allocating.
-        rows: allocate this many rows (at least capacity + max_chunk; a portable graph's fixed R)."""
+        rows: allocate this many rows (at least capacity + max_chunk; a portable graph's fixed R).
+        dtype: the element type (float16 for the cuda target's graph)."""
         self.check_geometry(spec, capacity_tokens, n_sink, max_chunk, rings=0 if storage else 1)
         if not isinstance(mode, KVMode):
             raise TypeError(f"mode must be a KVMode, got {mode!r}")
@@ -92,13 +94,14 @@ class RingKVCache:
         self.n_sink = int(n_sink)
         self.max_chunk = int(max_chunk)
         self.mode = mode
+        self.dtype = np.dtype(dtype)
         self.rows = rows = max(self.capacity + self.max_chunk, int(rows or 0))
         shape = mode.cache_shape(rows, spec.num_kv_heads, spec.head_dim)
         if storage is None:
-            storage = ([np.zeros(shape, np.float32) for _ in range(spec.num_layers)],
-                       [np.zeros(shape, np.float32) for _ in range(spec.num_layers)])
-        if any(a.shape != shape or a.dtype != np.float32 or not a.flags.c_contiguous for a in storage[0] + storage[1]):
-            raise ValueError(f"storage arrays must be float32, C-contiguous, of shape {shape}")
+            storage = ([np.zeros(shape, self.dtype) for _ in range(spec.num_layers)],
+                       [np.zeros(shape, self.dtype) for _ in range(spec.num_layers)])
+        if any(a.shape != shape or a.dtype != self.dtype or not a.flags.c_contiguous for a in storage[0] + storage[1]):
+            raise ValueError(f"storage arrays must be {self.dtype}, C-contiguous, of shape {shape}")
         self.k, self.v = list(storage[0]), list(storage[1])  # bound to the graph
         self.ks = [mode.slot_major(a) for a in self.k]  # the same memory, [rows, Hkv, Dh]: the bookkeeping's view
         self.vs = [mode.slot_major(a) for a in self.v]
@@ -109,7 +112,7 @@ class RingKVCache:
         if self.rebase_every_tokens < 1:
             raise InvalidArgumentError(f"rebase_every_tokens must be >= 1, got {rebase_every_tokens}")
         self.logits = np.zeros((1, 1, spec.vocab_size), np.float32)  # the engine writes the last token's here
-        self.bytes = spec.kv_bytes_per_token * rows
+        self.bytes = spec.kv_bytes_per_token * rows * self.dtype.itemsize // 4
         self.reset()
 
     @staticmethod
@@ -251,13 +254,14 @@ class BatchedKV:
     are views of row b), so that one graph call can run a decode step for all of them
     (`Engine.decode_batch`). Each ring keeps its own bookkeeping, length and positions."""
 
-    def __init__(self, spec: ArchSpec, batch: int, capacity_tokens: int, n_sink: int, max_chunk: int, mode: KVMode):
+    def __init__(self, spec: ArchSpec, batch: int, capacity_tokens: int, n_sink: int, max_chunk: int, mode: KVMode,
+                 dtype=np.float32):
         RingKVCache.check_geometry(spec, capacity_tokens, n_sink, max_chunk, rings=batch)
         rows = capacity_tokens + max_chunk
         shape = (batch,) + mode.cache_shape(rows, spec.num_kv_heads, spec.head_dim)[1:]
-        self.k = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
-        self.v = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
-        self.caches = [RingKVCache(spec, capacity_tokens, n_sink, max_chunk, mode,
+        self.k = [np.zeros(shape, dtype) for _ in range(spec.num_layers)]
+        self.v = [np.zeros(shape, dtype) for _ in range(spec.num_layers)]
+        self.caches = [RingKVCache(spec, capacity_tokens, n_sink, max_chunk, mode, dtype=dtype,
                                    storage=([k[b:b + 1] for k in self.k], [v[b:b + 1] for v in self.v]))
                        for b in range(batch)]
         # one batched step's run state, allocated once: token, position and valid slots per row, logits

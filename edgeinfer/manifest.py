@@ -39,7 +39,8 @@ from edgeinfer.quant_scheme import QuantScheme
 
 FORMAT_VERSION = 1
 INTERFACE_VERSION = 1
-KV_DTYPE = "float32"  # the ring's element type
+KV_DTYPE = "float32"  # the ring's element type (the fused and portable graphs)
+KV_DTYPES = ("float32", "float16")  # float16: the cuda target's graph (fp16 activations)
 TOKENIZER_KINDS = ("sentencepiece", "hf_tokenizers")
 MANIFEST_FILE = "edgeinfer.json"
 MODEL_FILE = "model.onnx"
@@ -114,12 +115,13 @@ class Interface:
             newer = ": upgrade edgeinfer" if kw["version"] > INTERFACE_VERSION else ""
             raise FieldError(f"{where}.version", f"{kw['version']}: this edgeinfer runs interface version "
                              f"{INTERFACE_VERSION}{newer}")
-        if kw["kv_dtype"] != KV_DTYPE:
-            raise FieldError(f"{where}.kv_dtype", f"{kw['kv_dtype']!r}: this edgeinfer's KV cache is {KV_DTYPE}")
+        if kw["kv_dtype"] not in KV_DTYPES or (portable is not None and kw["kv_dtype"] != KV_DTYPE):
+            raise FieldError(f"{where}.kv_dtype", f"{kw['kv_dtype']!r}: this edgeinfer's KV cache is one of "
+                             f"{', '.join(KV_DTYPES)} (portable graphs: {KV_DTYPE})")
         if (mode is PORTABLE) != (portable is not None):
             raise FieldError(f"{where}.kv_mode", f"{mode.name!r} does not match the flavour (portable graphs have "
                              "the portable KV mode and a portable section, fused ones neither)")
-        want = graph_interface(spec, mode) if portable is None else portable_interface(spec, portable)
+        want = graph_interface(spec, mode, kw["kv_dtype"]) if portable is None else portable_interface(spec, portable)
         for part in ("inputs", "outputs"):
             got, expected = d.get(part), getattr(want, part)
             if not isinstance(got, dict):
@@ -160,7 +162,7 @@ class TokenizerInfo:
         return info
 
 
-def graph_interface(spec: ArchSpec, mode: KVMode) -> Interface:
+def graph_interface(spec: ArchSpec, mode: KVMode, kv_dtype: str = KV_DTYPE) -> Interface:
     """The interface of the graph `build_decoder` makes for `spec` in KV mode `mode` (docs/architecture.md,
     "Graph interface"): ids, positions and logits_index in, logits out, the mode's extra inputs, and
     per layer the past and present K/V in the mode's dims."""
@@ -176,15 +178,15 @@ def graph_interface(spec: ArchSpec, mode: KVMode) -> Interface:
         "position_ids": TensorDesc("int64", ("batch", "sequence")),
         "logits_index": TensorDesc("int64", ("num_logits",)),
         **{e.name: TensorDesc(e.dtype, tuple(e.dims)) for e in mode.extra_inputs},
-        "past_key": TensorDesc(KV_DTYPE, past, layer(n.past_key(0))),
-        "past_value": TensorDesc(KV_DTYPE, past, layer(n.past_value(0))),
+        "past_key": TensorDesc(kv_dtype, past, layer(n.past_key(0))),
+        "past_value": TensorDesc(kv_dtype, past, layer(n.past_value(0))),
     }
     outputs = {
         "logits": TensorDesc("float32", ("batch", "num_logits", spec.vocab_size)),
-        "present_key": TensorDesc(KV_DTYPE, new, layer(n.present_key(0))),
-        "present_value": TensorDesc(KV_DTYPE, new, layer(n.present_value(0))),
+        "present_key": TensorDesc(kv_dtype, new, layer(n.present_key(0))),
+        "present_value": TensorDesc(kv_dtype, new, layer(n.present_value(0))),
     }
-    return Interface(INTERFACE_VERSION, mode, KV_DTYPE, MappingProxyType(inputs), MappingProxyType(outputs))
+    return Interface(INTERFACE_VERSION, mode, kv_dtype, MappingProxyType(inputs), MappingProxyType(outputs))
 
 
 def portable_interface(spec: ArchSpec, info: PortableInfo) -> Interface:

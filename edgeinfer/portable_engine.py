@@ -38,6 +38,7 @@ class PortableEngine:
         m = session.manifest
         self.session, self.spec, self.info = session, m.arch, m.portable
         self.mode = PORTABLE
+        self.kv_dtype = np.dtype(np.float32)
         self.max_chunk = self.info.prefill_tokens
         folder = session.folder
         try:

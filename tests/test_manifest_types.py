@@ -78,7 +78,7 @@ def _set(path, value):
     (("architecture", "rope", "type"), "yarn", "architecture.rope.type"),
     (("interface", "kv_mode"), "flash", "interface.kv_mode: unknown KV mode 'flash'"),
     (("interface", "kv_mode"), "gqa", "interface.inputs.seqlens_k: missing"),
-    (("interface", "kv_dtype"), "float16", "interface.kv_dtype"),
+    (("interface", "kv_dtype"), "bfloat16", "interface.kv_dtype"),
     (("interface", "version"), 2, "interface.version"),
     (("interface", "inputs", "past_key", "shape"), ["batch", "past_sequence", 4, 16], "interface.inputs.past_key"),
     (("interface", "outputs", "extra"), {"dtype": "float32", "shape": []}, "interface.outputs.extra"),

@@ -57,7 +57,8 @@ class Scheduler:
         self.model = model
         engine = model.engine
         if engine.mode.in_place and slots > 1:
-            kv = BatchedKV(model.manifest.arch, slots, model.capacity_tokens, model.n_sink, engine.max_chunk, engine.mode)
+            kv = BatchedKV(model.manifest.arch, slots, model.capacity_tokens, model.n_sink, engine.max_chunk, engine.mode,
+                           dtype=engine.kv_dtype)
             model.cache = kv.caches[0]  # the model's own ring is slot 0 (the server never uses it otherwise)
             caches, self.stepper = kv.caches, DecodeBatcher(engine, kv)
         else:  # slot 0 reuses the model's own ring

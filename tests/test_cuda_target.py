@@ -1,0 +1,86 @@
+"""`convert --target cuda`: fp16 activations and KV with int4 MatMulNBits and GroupQueryAttention.
+Without a GPU here, the graph is checked structurally (ops, I/O types) and run on ONNX Runtime's
+CPU EP against the CPU graph at the same quantization; with the CUDA build, also on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import edgeinfer
+from conftest import STORIES_FIX, STORIES_SRC, TINY
+from edgeinfer.converters import convert
+from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.evaluate import perplexity
+from edgeinfer.manifest import read_manifest
+from edgeinfer.portable_engine import open_engine
+from edgeinfer.session import DecoderSession
+
+F16, F32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+IDS = [1, 5, 9, 12, 40, 33, 7, 8, 100, 200, 150, 3, 4, 5, 6, 77, 88, 99, 111, 222]
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    made = {}
+
+    def get(src, target):
+        if (src, target) not in made:
+            made[(src, target)] = tmp_path_factory.mktemp("cuda") / f"{src.name}-{target}"
+            convert(src, made[(src, target)], quant="int4", target=target)
+        return made[(src, target)]
+
+    return get
+
+
+def test_graph_structure(folders):
+    folder = folders(TINY / "llama2_gqa_tied", "cuda")
+    assert read_manifest(folder).interface.kv_dtype == "float16"
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    ops = {n.op_type for n in model.graph.node}
+    assert {"MatMulNBits", "GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops
+    types = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)}
+    assert types["logits"] == F32
+    assert all(t == F16 for name, t in types.items() if "key" in name or "value" in name)
+    inits = {i.name: i.data_type for i in model.graph.initializer}
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and all(inits[n.input[2]] == F16 for n in nbits)  # fp16 scales: fp16 activations
+    assert all(inits[n.input[1]] == onnx.TensorProto.UINT8 for n in nbits)  # the packed int4 weights
+    rope = [n for n in model.graph.node if n.name.startswith("/model/rotary/") and n.op_type in ("Cos", "Sin")]
+    assert rope  # positions x frequencies stay float32 (then cast): exact angles at long positions
+
+
+@pytest.mark.parametrize("src", [STORIES_SRC, TINY / "llama2_gqa_tied"], ids=["stories260K", "gqa"])
+def test_runs_on_the_cpu_ep_within_fp16_tolerance(folders, src):
+    a = open_engine(DecoderSession(folders(src, "cuda"), provider="cpu"), 64)
+    b = open_engine(DecoderSession(folders(src, "cpu")), 64)
+    ca, cb = a.new_cache(128, 0), b.new_cache(128, 0)
+    assert ca.k[0].dtype == np.float16 and ca.bytes * 2 == cb.bytes
+    la, lb = a.forward(ca, IDS, all_logits=True), b.forward(cb, IDS, all_logits=True)
+    assert np.abs(la - lb).max() <= 0.03 * np.abs(lb).max()  # measured: 1.5 % (stories260K), 1.7 % (gqa)
+    assert (la.argmax(-1) == lb.argmax(-1)).mean() >= 0.9  # teacher-forced next-token choice
+
+
+def test_perplexity_beside_the_cpu_graph(folders):
+    text = STORIES_FIX / "eval.txt"
+    cuda_on_cpu = perplexity(folders(STORIES_SRC, "cuda"), text).perplexity
+    cpu = perplexity(folders(STORIES_SRC, "cpu"), text).perplexity
+    assert abs(cuda_on_cpu / cpu - 1) < 0.01, (cuda_on_cpu, cpu)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this onnxruntime build has CUDA")
+def test_cuda_provider_without_the_cuda_build_is_a_clear_error(folders):
+    with pytest.raises(InvalidArgumentError, match="not available"):
+        edgeinfer.load(folders(STORIES_SRC, "cuda"), provider="cuda")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs onnxruntime-gpu and a GPU")
+def test_on_the_gpu(folders):  # pragma: no cover - run where a GPU is lent
+    m = edgeinfer.load(folders(TINY / "llama2_gqa_tied", "cuda"), provider="cuda")
+    ref = edgeinfer.load(folders(TINY / "llama2_gqa_tied", "cpu"), provider="cpu")
+    x = m.generate(IDS, max_new_tokens=16, temperature=0, ignore_eos=True)
+    y = ref.generate(IDS, max_new_tokens=16, temperature=0, ignore_eos=True)
+    assert x.token_ids[:4] == y.token_ids[:4]
