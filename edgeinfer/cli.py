@@ -52,12 +52,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from edgeinfer.inspect import describe, verify
-
-    if args.verify:
-        return 0 if verify(args.model, out=lambda line: print(line, flush=True)) else 1
-    print(describe(args.model, as_json=args.json))
-    return 0
+    from edgeinfer.inspect import run  # --platform: the device profile (edgeinfer.platform_report)
+    return run(args.model, args.json, args.verify, args.platform, args.root, out=lambda line: print(line, flush=True))
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -368,12 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--root", type=Path, default=None, help="read a recorded device folder instead (tests/fixtures/power/...)")
     pw.set_defaults(func=_cmd_power)
 
-    i = sub.add_parser("inspect", help="describe an edgeinfer model folder")
-    i.add_argument("model", type=Path)
+    i = sub.add_parser("inspect", help="describe an edgeinfer model folder, or with --platform this device")
+    i.add_argument("model", type=Path, nargs="?", help="the model folder (none with --platform)")
+    i.add_argument("--platform", action="store_true", help="the device profile detected here: its fields and why")
+    i.add_argument("--root", type=Path, help="with --platform: a recorded device folder (tests/fixtures/platforms/*)")
     mode = i.add_mutually_exclusive_group()
     mode.add_argument("--json", action="store_true")
-    mode.add_argument("--verify", action="store_true",
-                      help="hash every file against edgeinfer.json; one line per file, exit 1 on a mismatch")
+    mode.add_argument("--verify", action="store_true", help="hash every file against edgeinfer.json; exit 1 on a mismatch")
     i.set_defaults(func=_cmd_inspect)
     return ap
 

@@ -1,4 +1,5 @@
-"""`edgeinfer inspect`: a model folder's manifest in words (or as JSON)."""
+"""`edgeinfer inspect`: a model folder's manifest in words (or as JSON), its files' hashes
+(`--verify`), or with `--platform` this device's profile (`edgeinfer.platform_report`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 from pathlib import Path
 
 from edgeinfer.arch import ArchSpec
-from edgeinfer.errors import ModelFormatError
+from edgeinfer.errors import InvalidArgumentError, ModelFormatError
 from edgeinfer.integrity import STAMP_FILE, check
 from edgeinfer.manifest import MANIFEST_FILE, Manifest, read_manifest
 
@@ -78,3 +79,22 @@ def verify(folder: Path | str, out=print) -> bool:
         ok = ok and problem is None
         out(f"ok        {name}" if problem is None else f"MISMATCH  {name}: {problem}")
     return ok
+
+
+def run(model: Path | None, as_json: bool = False, verify_files: bool = False, platform: bool = False,
+        root: Path | None = None, out=print) -> int:
+    """`edgeinfer inspect`: with `platform`, the device profile report (`root`: a recorded device);
+    else `verify` or `describe` the model folder. Returns the exit status; a missing model folder
+    without `platform`, or `root` without it, is an InvalidArgumentError."""
+    if platform:
+        from edgeinfer.platform_report import inspect_platform
+
+        return inspect_platform(model, root, verify_files, as_json, out)
+    if root is not None:
+        raise InvalidArgumentError("--root names a recorded device: it goes with --platform")
+    if model is None:
+        raise InvalidArgumentError("inspect needs a model folder (or --platform for this device's profile)")
+    if verify_files:
+        return 0 if verify(model, out=out) else 1
+    out(describe(model, as_json=as_json))
+    return 0
