@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def write_ort_format(folder: Path, graphs: list[str]) -> list[str]:
     """Convert each of `graphs` (file names in `folder`) to `<stem>.ort` beside it; the new names."""
     from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
 
+    logging.getLogger("ort_format_model.utils").setLevel(logging.WARNING)  # its "created config" lines
     out, old = [], os.environ.get("ORT_CONVERT_ONNX_MODELS_TO_ORT_OPTIMIZATION_LEVEL")
     os.environ["ORT_CONVERT_ONNX_MODELS_TO_ORT_OPTIMIZATION_LEVEL"] = "basic"
     try:

@@ -19,21 +19,6 @@ from edgeinfer.errors import EdgeInferError
 from edgeinfer.overflow import OVERFLOW_POLICIES
 
 
-def _cmd_convert(args: argparse.Namespace) -> int:
-    from edgeinfer.converters import convert, default_scheme
-    from edgeinfer.inspect import describe
-
-    scheme = default_scheme(args.quant, args.block_size, accuracy_level=args.accuracy_level,
-                            embedding=args.embedding, symmetric=not args.asymmetric,
-                            int8_tensors=tuple(args.int8_tensors or ()))
-    log = (lambda msg: print(msg, file=sys.stderr)) if not args.quiet else (lambda msg: None)
-    convert(args.src, args.output, quant=args.quant, block_size=args.block_size, target=args.target,
-            force=args.force, scheme=scheme, attention=args.attention, log=log)
-    if not args.quiet:
-        print(describe(args.output))
-    return 0
-
-
 def _cmd_eval(args: argparse.Namespace) -> int:
     from edgeinfer.evaluate import perplexity, stream_perplexity
 
@@ -293,31 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"edgeinfer {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("convert", help="convert a Hugging Face model folder to an edgeinfer model folder")
-    c.add_argument("src", type=Path, help="Hugging Face folder (config.json, *.safetensors, tokenizer files)")
-    c.add_argument("-o", "--output", type=Path, required=True,
-                   help="destination folder (must not exist, or with --force be an edgeinfer model folder)")
-    c.add_argument("--quant", choices=("fp32", "fp16", "int8", "int4"), default="int4")
-    c.add_argument("--block-size", type=int, choices=(16, 32, 64, 128), default=32)
-    c.add_argument("--target", choices=("cpu", "cuda"), default="cpu")
-    c.add_argument("--embedding", choices=("fp32", "fp16", "int8", "int4"), default=None,
-                   help="precision of the token embedding and lm_head (default: measured per --quant)")
-    c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
-                   help="MatMulNBits accuracy_level (0: fp32 math; 4: int8 activations)")
-    c.add_argument("--asymmetric", action="store_true", help="int4/int8 with zero points")
-    c.add_argument("--int8-tensors", nargs="*", metavar="NAME",
-                   help="with --quant int4, keep these projections at int8 (e.g. qkv_proj down_proj)")
-    from edgeinfer.kv_mode import MODES as KV_MODES
+    from edgeinfer.cli_convert import add_convert_parser
 
-    c.add_argument("--attention", choices=("auto", *(m.name for m in KV_MODES)), default="auto",
-                   help="the KV mode: " + "; ".join(
-                       f"{m.name}: {m.description}" + (f" (head size a multiple of {m.head_multiple})"
-                                                       if m.head_multiple > 1 else "") for m in KV_MODES)
-                   + "; auto: the first of these the model's head size allows")
-    c.add_argument("--force", action="store_true",
-                   help="replace an existing edgeinfer model folder (never one holding SRC or the current folder)")
-    c.add_argument("-q", "--quiet", action="store_true")
-    c.set_defaults(func=_cmd_convert)
+    add_convert_parser(sub)
 
     e = sub.add_parser("eval", help="perplexity of a model on a text file (one story per line)")
     e.add_argument("-m", "--model", type=Path, required=True)

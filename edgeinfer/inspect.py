@@ -38,6 +38,7 @@ def _summary(folder: Path, m: Manifest) -> dict:
         "default_capacity_tokens": m.default_capacity_tokens,
         "kv_bytes_at_default_capacity": a.kv_bytes_per_token * m.default_capacity_tokens,
         "tokenizer": m.tokenizer.kind, "format_version": m.format_version, "converter_version": m.converter_version,
+        "kv_dtype": m.interface.kv_dtype, "portable": m.portable.to_json() if m.portable is not None else None,
     }
 
 
@@ -55,12 +56,21 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         f"  architecture  {s['family']}: {s['parameters'] / 1e6:.2f} M parameters, {s['layers']} layers, "
         f"hidden {s['hidden_size']}, {s['heads']} heads / {s['kv_heads']} KV heads x {s['head_dim']}, "
         f"vocab {s['vocab_size']}{', tied embeddings' if s['tied_embeddings'] else ''}",
-        f"  quantization  weights {q.weights}{blocks}; embedding {q.embedding}, lm_head {q.lm_head}",
+        f"  quantization  weights {q.weights}{blocks}; embedding {q.embedding}, lm_head {q.lm_head}"
+        if m.portable is None else
+        f"  quantization  weights {m.portable.weights}"
+        f"{' per output channel (DequantizeLinear)' if m.portable.weights == 'int8' else ''}; embedding rows on "
+        f"the host ({m.portable.embeddings_file})",
+        *([f"  graphs        model.onnx (1 token) and {m.portable.prefill_file} ({m.portable.prefill_tokens} tokens), "
+           f"ring fixed at {m.portable.capacity_tokens} tokens (+{m.portable.prefill_tokens} overflow rows)"]
+          if m.portable is not None else []),
         f"  graph         {s['flavour']} flavour for {s['target']}, format v{s['format_version']}; attention: "
         f"{s['attention']} (KV mode {s['kv_mode']})",
         f"  size on disk  {s['size_on_disk_bytes'] / 1e6:.2f} MB",
-        f"  KV cache      {s['kv_bytes_per_token']} bytes per token; "
-        f"{s['kv_bytes_at_default_capacity'] / 1e6:.2f} MB at the default capacity of {s['default_capacity_tokens']}",
+        f"  KV cache      {s['kv_bytes_per_token'] * (2 if s['kv_dtype'] == 'float16' else 4) // 4} bytes per token "
+        f"({s['kv_dtype']}); "
+        f"{s['kv_bytes_at_default_capacity'] * (2 if s['kv_dtype'] == 'float16' else 4) // 4 / 1e6:.2f} MB at the "
+        f"default capacity of {s['default_capacity_tokens']}",
         f"  tokenizer     {s['tokenizer']}",
     ])
 

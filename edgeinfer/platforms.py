@@ -34,7 +34,7 @@ import json
 import os
 import platform as _platform
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Mapping
@@ -205,6 +205,14 @@ def available_providers() -> list[str]:
 
     by_ort_name = {v: k for k, v in ORT_PROVIDERS.items()}
     return [by_ort_name.get(p, p) for p in onnxruntime.get_available_providers()]
+
+
+def auto_provider(target: str, profile: "Profile", available: list[str], runnable: tuple[str, ...]) -> str:
+    """`load(provider="auto")`: the first of the profile's providers that this ONNX Runtime build has,
+    that this runtime can drive (`runnable`) and that suits a folder converted for `target` (its
+    own provider, or the CPU, which runs every flavour)."""
+    suits = [p for p in profile.providers if p in (target, "cpu") and p in runnable]
+    return preferred_provider(replace(profile, providers=tuple(suits) or ("cpu",)), available)
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,15 @@ from edgeinfer.manifest import MODEL_FILE, Manifest, io_names, read_manifest
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
-def resolve_provider(provider: str) -> str:
-    """"auto" -> "cuda" when this onnxruntime build has the CUDA provider, else "cpu"; "cpu" and
-    "cuda" as given. An unknown or unavailable provider raises InvalidArgumentError."""
+def resolve_provider(provider: str, target: str = "cpu") -> str:
+    """"auto" -> the detected device profile's first provider that this onnxruntime build has and that
+    suits a folder converted for `target` (`platforms.auto_provider`; a cuda folder on a Jetson with
+    the CUDA build: "cuda"; else "cpu"); "cpu" and "cuda" as given. An unknown or unavailable
+    provider raises InvalidArgumentError."""
     if provider == "auto":
-        return "cuda" if PROVIDERS["cuda"] in ort.get_available_providers() else "cpu"
+        from edgeinfer.platforms import auto_provider, available_providers, detect
+
+        return auto_provider(target, detect().profile, available_providers(), tuple(PROVIDERS))
     if not isinstance(provider, str) or provider not in PROVIDERS:
         raise InvalidArgumentError(f"unknown provider {provider!r} (choose from auto, {', '.join(PROVIDERS)})")
     if PROVIDERS[provider] not in ort.get_available_providers():
@@ -62,7 +66,7 @@ class DecoderSession:
         verify(self.folder, self.manifest.files)  # every loader (Model, eval) runs checked weights
         spec = self.manifest.arch
         self.names = io_names(spec.num_layers)
-        self.provider = resolve_provider(provider)
+        self.provider = resolve_provider(provider, self.manifest.target)
         try:
             self.session = ort.InferenceSession(str(self.folder / MODEL_FILE), session_options(threads, spin_duration_us),
                                                 providers=[PROVIDERS[self.provider]])

@@ -348,3 +348,29 @@ def test_cli_inspect_model_unchanged(capsys):
     assert capsys.readouterr().out.startswith(f"{bundled}\n  architecture  llama")
     assert main(["inspect", str(bundled), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["family"] == "llama"
+
+
+def test_auto_provider_follows_the_profile_and_the_folder():
+    from edgeinfer.platforms import auto_provider, load_profiles
+
+    p = load_profiles()
+    jetson, pi = p["jetson-orin-nano"], p["raspberry-pi-5"]
+    assert auto_provider("cuda", jetson, ["cuda", "cpu"], ("cpu", "cuda")) == "cuda"
+    assert auto_provider("cuda", jetson, ["cpu"], ("cpu", "cuda")) == "cpu"  # no CUDA build: the CPU
+    assert auto_provider("cpu", jetson, ["cuda", "cpu"], ("cpu", "cuda")) == "cpu"  # a cpu folder stays on the CPU
+    assert auto_provider("coreml", p["apple-silicon-mac"], ["coreml", "cpu"], ("cpu", "cuda")) == "cpu"
+    assert auto_provider("cpu", pi, ["cpu"], ("cpu", "cuda")) == "cpu"
+
+
+def test_serve_takes_slots_and_power_from_the_profile_unless_set(tmp_path, monkeypatch):
+    import edgeinfer.platforms as P
+    from edgeinfer.server.config import load_config
+
+    pi = P.load_profiles()["raspberry-pi-4"]
+    monkeypatch.setattr(P, "detect", lambda *a, **k: P.Detection(profile=pi, evidence=("test",), note=None))
+    c = load_config(None, {})
+    assert (c.slots, c.power) == (pi.daemon_slots, pi.power_policy)
+    f = tmp_path / "s.toml"
+    f.write_text("slots = 3\n")
+    c = load_config(str(f), {"power": "off"})
+    assert (c.slots, c.power) == (3, "off")

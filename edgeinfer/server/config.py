@@ -141,9 +141,16 @@ def _read_key_file(path: str) -> str:
 
 def load_config(config_file: str | None, flags: dict, use_env_key: bool = True) -> ServeConfig:
     """Settings from `config_file` (TOML), then the flags given on the command line (None = not given),
+    then, for `slots` and `power` still unset, the detected device profile's (`platforms.detect`),
     then the API key from --api-key, --api-key-file or EDGEINFER_API_KEY (at most one)."""
     settings = _from_toml(config_file) if config_file else {}
     settings.update({k: v for k, v in flags.items() if v is not None})
+    if "slots" not in settings or "power" not in settings:  # what neither the file nor a flag set: the device's
+        from edgeinfer.platforms import detect
+
+        profile = detect().profile
+        settings.setdefault("slots", profile.daemon_slots)
+        settings.setdefault("power", profile.power_policy)
     given = [k for k in ("api_key", "api_key_file") if settings.get(k)]
     if len(given) > 1:
         raise InvalidArgumentError("give the API key once: --api-key or --api-key-file, not both")

@@ -1,0 +1,62 @@
+"""`edgeinfer convert`: its flags and its handler (the converter itself is `edgeinfer.converters`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+TARGET_HELP = ("cpu (default): the fused graph; cuda: the fused graph with fp16 activations and KV; coreml / "
+               "nnapi: the portable decode and prefill graphs with static shapes (docs/platforms.md)")
+
+
+def add_convert_parser(sub) -> None:
+    from edgeinfer.kv_mode import MODES as KV_MODES
+
+    c = sub.add_parser("convert", help="convert a Hugging Face model folder to an edgeinfer model folder")
+    c.add_argument("src", type=Path, help="Hugging Face folder (config.json, *.safetensors, tokenizer files)")
+    c.add_argument("-o", "--output", type=Path, required=True,
+                   help="destination folder (must not exist, or with --force be an edgeinfer model folder)")
+    c.add_argument("--target", choices=("cpu", "cuda", "coreml", "nnapi"), default="cpu", help=TARGET_HELP)
+    c.add_argument("--quant", choices=("fp32", "fp16", "int8", "int4"), default=None,
+                   help="weights (default: int4; coreml fp16; nnapi int8)")
+    c.add_argument("--block-size", type=int, choices=(16, 32, 64, 128), default=32)
+    c.add_argument("--embedding", choices=("fp32", "fp16", "int8", "int4"), default=None,
+                   help="precision of the token embedding and lm_head (default: measured per --quant)")
+    c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
+                   help="MatMulNBits accuracy_level (0: fp32 math; 4: int8 activations)")
+    c.add_argument("--asymmetric", action="store_true", help="int4/int8 with zero points")
+    c.add_argument("--int8-tensors", nargs="*", metavar="NAME",
+                   help="with --quant int4, keep these projections at int8 (e.g. qkv_proj down_proj)")
+    c.add_argument("--attention", choices=("auto", *(m.name for m in KV_MODES)), default="auto",
+                   help="the KV mode: " + "; ".join(
+                       f"{m.name}: {m.description}" + (f" (head size a multiple of {m.head_multiple})"
+                                                       if m.head_multiple > 1 else "") for m in KV_MODES)
+                   + "; auto: the first of these the model's head size allows")
+    c.add_argument("--capacity", type=int, default=None,
+                   help="coreml/nnapi: the KV ring the graphs are built for (default 512; a smaller one loads)")
+    c.add_argument("--prefill-tokens", type=int, default=None, help="coreml/nnapi: the prefill graph's chunk (64)")
+    c.add_argument("--ort-format", action="store_true", help="coreml/nnapi: also write .ort files for ORT Mobile")
+    c.add_argument("--force", action="store_true",
+                   help="replace an existing edgeinfer model folder (never one holding SRC or the current folder)")
+    c.add_argument("-q", "--quiet", action="store_true")
+    c.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from edgeinfer.converters import convert, default_scheme
+    from edgeinfer.inspect import describe
+    from edgeinfer.portable import PORTABLE_TARGETS
+
+    scheme = None
+    if args.target not in PORTABLE_TARGETS:  # the portable graphs take only --quant (fp32, fp16, int8)
+        scheme = default_scheme(args.quant or "int4", args.block_size, accuracy_level=args.accuracy_level,
+                                embedding=args.embedding, symmetric=not args.asymmetric,
+                                int8_tensors=tuple(args.int8_tensors or ()))
+    log = (lambda msg: print(msg, file=sys.stderr)) if not args.quiet else (lambda msg: None)
+    convert(args.src, args.output, quant=args.quant, block_size=args.block_size, target=args.target,
+            force=args.force, scheme=scheme, attention=args.attention, capacity_tokens=args.capacity,
+            prefill_tokens=args.prefill_tokens, ort_format=args.ort_format, log=log)
+    if not args.quiet:
+        print(describe(args.output))
+    return 0
