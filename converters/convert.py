@@ -40,6 +40,7 @@ TARGETS = ("cpu", "cuda", "coreml", "nnapi")
 PORTABLE_WEIGHTS = {"coreml": ("fp16", "fp32"), "nnapi": ("int8", "fp16", "fp32")}  # first: the default
 DEFAULT_PORTABLE_CAPACITY = 512
 DEFAULT_PREFILL_TOKENS = 64
+MIN_PORTABLE_CAPACITY = 8
 MAX_DEFAULT_CAPACITY = 4096
 
 
@@ -174,12 +175,13 @@ def _check_portable(target: str, quant: str | None, capacity_tokens, prefill_tok
                            "apply to the cpu/cuda graph")
     cap = DEFAULT_PORTABLE_CAPACITY if capacity_tokens is None else capacity_tokens
     pre = DEFAULT_PREFILL_TOKENS if prefill_tokens is None else prefill_tokens
-    for name, v in (("--capacity", cap), ("--prefill-tokens", pre)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 2:
-            raise ConvertError(f"{name} must be an integer >= 2, got {v!r}")
+    for name, v, low in (("--capacity", cap, MIN_PORTABLE_CAPACITY), ("--prefill-tokens", pre, 2)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            why = " (room for load's 4 attention sinks and new tokens)" if name == "--capacity" else ""
+            raise ConvertError(f"{name} must be an integer >= {low}{why}, got {v!r}")
     if cap + 2 * pre > MAX_DIM:
         raise ConvertError(f"--capacity {cap} with --prefill-tokens {pre} makes attention rows of {cap + 2 * pre} "
-                           f"columns, over CoreML's limit of {MAX_DIM}: use a smaller capacity")
+                           f"columns, over CoreML's limit of {MAX_DIM}: lower --capacity or --prefill-tokens")
     return PortableInfo(capacity_tokens=cap, prefill_tokens=pre, weights=weights)
 
 

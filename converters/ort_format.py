@@ -30,8 +30,14 @@ def write_ort_format(folder: Path, graphs: list[str]) -> list[str]:
         for name in graphs:
             stem = Path(name).stem
             with contextlib.redirect_stdout(io.StringIO()) as log:
-                convert_onnx_models_to_ort(Path(folder) / name, output_dir=Path(folder),
-                                           optimization_styles=[OptimizationStyle.Fixed])
+                try:
+                    convert_onnx_models_to_ort(Path(folder) / name, output_dir=Path(folder),
+                                               optimization_styles=[OptimizationStyle.Fixed])
+                except OSError:
+                    raise  # convert() words these (a full disk, a read-only folder)
+                except Exception as e:  # ONNX Runtime's own Fail, e.g. when it cannot write the file
+                    raise ConvertError(f"ONNX Runtime could not write {stem}.ort (is the disk full?): "
+                                       f"{str(e).splitlines()[0][:200]}") from None
             made, target = Path(folder) / f"{stem}.basic.ort", Path(folder) / f"{stem}.ort"
             if not made.is_file():
                 raise ConvertError(f"ONNX Runtime could not write {name} in ORT format: {log.getvalue()[-300:]}")

@@ -108,7 +108,8 @@ def build_portable(spec: ArchSpec, ckpt: Checkpoint, weights: str, writer, info:
     src = TensorSource(ckpt)
     D, H, Hkv, Dh, I = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     Gq, eps, names = H // Hkv, spec.rms_norm_eps, io_names(spec.num_layers)
-    for dim, what in ((D, "hidden size"), (I, "intermediate size"), (info.ring_rows + info.prefill_tokens, "ring")):
+    for dim, what in ((D, "hidden size"), (I, "intermediate size"), (info.ring_rows + info.prefill_tokens, "ring"),
+                      (Gq * info.prefill_tokens, "grouped query rows (query heads per KV head x prefill tokens)")):
         if dim > MAX_DIM:
             raise ConvertError(f"the {what} {dim} is over {MAX_DIM}, the largest dimension CoreML takes")
     emb = src.get("model.embed_tokens.weight", (spec.vocab_size, D))

@@ -20,7 +20,7 @@ def add_convert_parser(sub) -> None:
     c.add_argument("--target", choices=("cpu", "cuda", "coreml", "nnapi"), default="cpu", help=TARGET_HELP)
     c.add_argument("--quant", choices=("fp32", "fp16", "int8", "int4"), default=None,
                    help="weights (default: int4; coreml fp16; nnapi int8)")
-    c.add_argument("--block-size", type=int, choices=(16, 32, 64, 128), default=32)
+    c.add_argument("--block-size", type=int, choices=(16, 32, 64, 128), default=None, help="int4/int8 blocks (32)")
     c.add_argument("--embedding", choices=("fp32", "fp16", "int8", "int4"), default=None,
                    help="precision of the token embedding and lm_head (default: measured per --quant)")
     c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
@@ -45,16 +45,24 @@ def add_convert_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from edgeinfer.converters import convert, default_scheme
+    from edgeinfer.errors import EdgeInferError
     from edgeinfer.inspect import describe
     from edgeinfer.portable import PORTABLE_TARGETS
 
     scheme = None
-    if args.target not in PORTABLE_TARGETS:  # the portable graphs take only --quant (fp32, fp16, int8)
-        scheme = default_scheme(args.quant or "int4", args.block_size, accuracy_level=args.accuracy_level,
+    if args.target in PORTABLE_TARGETS:  # the portable graphs take only --quant (fp32, fp16, int8)
+        given = [flag for flag, v in (("--block-size", args.block_size), ("--embedding", args.embedding),
+                                      ("--accuracy-level", args.accuracy_level), ("--asymmetric", args.asymmetric),
+                                      ("--int8-tensors", args.int8_tensors)) if v is not None and v is not False]
+        if given:
+            raise EdgeInferError(f"{', '.join(given)}: --target {args.target} stores weights per output channel "
+                                 "(--quant only); these flags are for the cpu and cuda graphs")
+    else:
+        scheme = default_scheme(args.quant or "int4", args.block_size or 32, accuracy_level=args.accuracy_level,
                                 embedding=args.embedding, symmetric=not args.asymmetric,
                                 int8_tensors=tuple(args.int8_tensors or ()))
     log = (lambda msg: print(msg, file=sys.stderr)) if not args.quiet else (lambda msg: None)
-    convert(args.src, args.output, quant=args.quant, block_size=args.block_size, target=args.target,
+    convert(args.src, args.output, quant=args.quant, block_size=args.block_size or 32, target=args.target,
             force=args.force, scheme=scheme, attention=args.attention, capacity_tokens=args.capacity,
             prefill_tokens=args.prefill_tokens, ort_format=args.ort_format, log=log)
     if not args.quiet:

@@ -76,6 +76,10 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int = 51
         raise EdgeInferError(f"--window must be at least 2, got {window}")
     stories = _read_stories(Path(text_path))
     session = session or DecoderSession(model_dir, threads=threads)
+    built = session.manifest.portable.capacity_tokens if session.manifest.portable is not None else None
+    if built is not None and window > built:
+        raise EdgeInferError(f"--window {window} is over the {built} tokens this portable model holds: "
+                             f"use --window {built} or less")
     tok = Tokenizer(session.folder, session.manifest.tokenizer)
     engine = open_engine(session, max_chunk=window)
     cache = engine.new_cache(window, 0)

@@ -259,6 +259,12 @@ class Manifest:
             top[key] = v
         if top["default_capacity_tokens"] < 2:
             raise FieldError("default_capacity_tokens", f"must be at least 2, got {top['default_capacity_tokens']}")
+        flavours = {"cpu": "fused", "cuda": "fused", "coreml": "portable", "nnapi": "portable"}
+        if top["target"] not in flavours:
+            raise FieldError("target", f"unknown {top['target']!r} (one of {', '.join(flavours)})")
+        if top["flavour"] != flavours[top["target"]]:
+            raise FieldError("flavour", f"{top['flavour']!r} does not go with target {top['target']!r} "
+                             f"({flavours[top['target']]})")
         portable = PortableInfo.from_json(section("portable")) if top["flavour"] == "portable" else None
         return cls(arch=arch, quantization=QuantScheme.from_json(section("quantization")),
                    interface=Interface.from_json(section("interface"), arch, portable=portable), portable=portable,

@@ -105,8 +105,9 @@ class Model:
         self.load_ms = (time.perf_counter() - t0) * 1e3
         if verbose:
             print(f"edgeinfer: loaded {folder} in {self.load_ms:.0f} ms; KV cache {self.cache.bytes / 2**20:.2f} MiB "
-                  f"({spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads x ({capacity} + "
-                  f"{self.engine.max_chunk}) slots x {spec.head_dim} x 4 bytes), {n_sink} sinks, overflow={overflow}",
+                  f"({spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads x {self.cache.rows} rows x "
+                  f"{spec.head_dim} x {self.cache.dtype.itemsize} bytes; a ring of {capacity}), {n_sink} sinks, "
+                  f"overflow={overflow}",
                   file=sys.stderr)
 
     def _piece(self, token_id) -> str:

@@ -34,6 +34,7 @@ import json
 import os
 import platform as _platform
 import sys
+import stat
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -145,6 +146,8 @@ def load_profile(path: Path | str) -> Profile:
     ProfileError naming the file and the field."""
     path = Path(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read
+            raise ProfileError(f"{path}: not a regular file")
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ProfileError(f"{path}: not a readable TOML profile: {str(e)[:200]}") from None
@@ -252,7 +255,8 @@ def detect_from_fixture(folder: Path | str, profiles: dict[str, Profile] | None 
     strings), `platform.txt` (sys.platform, default "linux"), `machine.txt` (platform.machine(),
     default ""). A malformed folder raises InvalidArgumentError naming the file."""
     folder = Path(folder)
-    if not folder.is_dir():
+    if not folder.is_dir() or not ((folder / "root").is_dir() or any((folder / n).is_file() for n in
+                                                                       ("platform.txt", "env.json", "machine.txt"))):
         raise InvalidArgumentError(f"{folder} is not a recorded device folder (root/, env.json, platform.txt, machine.txt)")
 
     def text(name: str, default: str) -> str:

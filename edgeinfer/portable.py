@@ -51,6 +51,10 @@ class PortableInfo:
             raise FieldError(where, "capacity_tokens and prefill_tokens must be at least 2")
         if info.weights not in ("fp32", "fp16", "int8"):
             raise FieldError(f"{where}.weights", f"unknown {info.weights!r}")
+        for key in ("prefill_file", "embeddings_file"):
+            name = getattr(info, key)
+            if not name or name != name.strip() or "/" in name or "\\" in name or name in (".", "..", "model.onnx"):
+                raise FieldError(f"{where}.{key}", f"{name!r} is not a plain file name in the folder")
         return info
 
 

@@ -34,12 +34,14 @@ from edgeinfer.session import PROVIDERS, DecoderSession, session_options
 
 
 class PortableEngine:
-    def __init__(self, session: DecoderSession, threads: int | None = None, spin_duration_us: int | None = None):
+    def __init__(self, session: DecoderSession, max_chunk: int | None = None, threads: int | None = None,
+                 spin_duration_us: int | None = None):
+        """max_chunk: tokens per call at most (a smaller prefill chunk than the graph's P is padded to P)."""
         m = session.manifest
         self.session, self.spec, self.info = session, m.arch, m.portable
         self.mode = PORTABLE
         self.kv_dtype = np.dtype(np.float32)
-        self.max_chunk = self.info.prefill_tokens
+        self.max_chunk = min(int(max_chunk or self.info.prefill_tokens), self.info.prefill_tokens)
         folder = session.folder
         try:
             self.prefill_session = ort.InferenceSession(str(folder / self.info.prefill_file),
@@ -49,15 +51,30 @@ class PortableEngine:
         except Exception as e:
             raise ModelFormatError(f"cannot load the portable graphs of {folder}: {str(e).splitlines()[0][:300]}"
                                    ) from None
-        if self.embeddings.shape != (self.spec.vocab_size, self.spec.hidden_size):
-            raise ModelFormatError(f"{folder / self.info.embeddings_file} has shape {self.embeddings.shape}, "
-                                   f"expected {(self.spec.vocab_size, self.spec.hidden_size)}")
+        if self.embeddings.shape != (self.spec.vocab_size, self.spec.hidden_size) or \
+                self.embeddings.dtype not in (np.float16, np.float32):
+            raise ModelFormatError(f"{folder / self.info.embeddings_file} is {self.embeddings.dtype} "
+                                   f"{self.embeddings.shape}, expected float16 or float32 "
+                                   f"{(self.spec.vocab_size, self.spec.hidden_size)}")
+        self._check_graph(session.session, 1, folder / "model.onnx")
+        self._check_graph(self.prefill_session, self.info.prefill_tokens, folder / self.info.prefill_file)
         self.names = session.names
         self.groups = self.spec.num_heads // self.spec.num_kv_heads
         self.chunks = logit_chunks(self.spec.vocab_size)
         self.inv_freq = self.spec.rope.inv_freq(self.spec.head_dim)
         self.lock = threading.Lock()
         self.calls = 0
+
+    def _check_graph(self, sess, s: int, path) -> None:
+        """The graph's static shapes are the manifest's geometry (a swapped or re-split file is refused)."""
+        spec, R = self.spec, self.info.ring_rows
+        want = {"inputs_embeds": [1, s, spec.hidden_size],
+                self.session.names.past_key(0): [1, spec.num_kv_heads, R, spec.head_dim]}
+        got = {i.name: list(i.shape) for i in sess.get_inputs()}
+        for name, shape in want.items():
+            if got.get(name) != shape:
+                raise ModelFormatError(f"{path}: input {name} is {got.get(name)}, the manifest's geometry needs "
+                                       f"{shape}: the folder's graphs and edgeinfer.json disagree")
 
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
         if capacity_tokens > self.info.capacity_tokens:
@@ -80,7 +97,7 @@ class PortableEngine:
     def _forward(self, cache: RingKVCache, ids: list[int], s: int) -> np.ndarray:
         cache.rebase_if_due(s)
         t, off = cache.n_valid, cache.write_offset(s)
-        s_graph = 1 if s == 1 else self.max_chunk
+        s_graph = 1 if s == 1 else self.info.prefill_tokens  # the prefill graph's static chunk
         embeds = np.zeros((1, s_graph, self.spec.hidden_size), np.float32)
         embeds[0, :s] = self.embeddings[ids]
         pos = cache.next_position + np.arange(s_graph)
@@ -122,6 +139,6 @@ def open_engine(session: DecoderSession, max_chunk: int, threads: int | None = N
                 spin_duration_us: int | None = None):
     """The engine for a model folder's flavour: `Engine` (fused) or `PortableEngine` (portable)."""
     if session.manifest.portable is not None:
-        return PortableEngine(session, threads, spin_duration_us)
+        return PortableEngine(session, max_chunk, threads, spin_duration_us)
     from edgeinfer.engine import Engine
     return Engine(session, max_chunk=max_chunk)
