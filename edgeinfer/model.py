@@ -52,7 +52,8 @@ def load(path: str | Path | None = None, *, provider: str = "auto", threads: int
          prefill_chunk: int = 256, verbose: bool = False, power=None) -> "Model":
     """Load an edgeinfer model folder (None: the bundled default model).
 
-    provider: "auto" | "cpu" | "cuda"; threads: None (onnxruntime's default) or a positive int;
+    provider: "auto" (the detected device profile's, `platforms.detect`) | "cpu" | "cuda"; threads: None
+    (the device profile's count, or onnxruntime's default where the profile says "auto") or a positive int;
     capacity_tokens: the KV ring's size, an int >= 2 (default: the manifest's, capped at the model's
     sliding window); n_sink: first tokens the ring never overwrites, in [0, capacity_tokens);
     overflow: "shift" | "truncate" | "error"; prefill_chunk: a positive int (tokens per prefill call).
@@ -77,6 +78,9 @@ class Model:
         folder = Path(path) if path is not None else default_model_path()
         check_policy(overflow)
         check_threads(threads)
+        if threads is None:  # the device profile's thread count ("auto" leaves ONNX Runtime's choice)
+            from edgeinfer.platforms import detect
+            threads = detect().profile.session_threads
         policy = resolve_policy(power)
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise InvalidArgumentError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")

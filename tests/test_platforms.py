@@ -374,3 +374,14 @@ def test_serve_takes_slots_and_power_from_the_profile_unless_set(tmp_path, monke
     f.write_text("slots = 3\n")
     c = load_config(str(f), {"power": "off"})
     assert (c.slots, c.power) == (3, "off")
+
+
+def test_load_takes_the_profiles_thread_count_unless_given(monkeypatch):
+    import edgeinfer
+    import edgeinfer.platforms as P
+
+    pi = P.load_profiles()["raspberry-pi-4"]
+    monkeypatch.setattr(P, "detect", lambda *a, **k: P.Detection(profile=pi, evidence=("test",), note=None))
+    threads = lambda m: m.session.session.get_session_options().intra_op_num_threads  # noqa: E731
+    assert threads(edgeinfer.load()) == pi.session_threads
+    assert threads(edgeinfer.load(threads=1)) == 1
