@@ -87,7 +87,8 @@ class RingKVCache:
         """storage: per-layer K and V arrays to use (row b of a `BatchedKV`) instead of allocating.
         rows: allocate this many rows (at least capacity + max_chunk; a portable graph's fixed R).
         dtype: the element type (float16 for the cuda target's graph)."""
-        self.check_geometry(spec, capacity_tokens, n_sink, max_chunk, rings=0 if storage else 1)
+        self.check_geometry(spec, capacity_tokens, n_sink, max_chunk, rings=0 if storage else 1, rows=rows,
+                            itemsize=np.dtype(dtype).itemsize)
         if not isinstance(mode, KVMode):
             raise TypeError(f"mode must be a KVMode, got {mode!r}")
         self.capacity = int(capacity_tokens)
@@ -116,23 +117,25 @@ class RingKVCache:
         self.reset()
 
     @staticmethod
-    def check_geometry(spec: ArchSpec, capacity_tokens: int, n_sink: int, max_chunk: int, rings: int = 1) -> None:
+    def check_geometry(spec: ArchSpec, capacity_tokens: int, n_sink: int, max_chunk: int, rings: int = 1,
+                       rows: int | None = None, itemsize: int = 4) -> None:
         """The one validator of a ring's geometry (callers may run it before loading anything else):
         capacity an int >= 2, sinks in [0, capacity), chunk >= 1, and the KV arrays of `rings` rings
-        (capacity + max_chunk rows each) no larger than the memory available now.
-        InvalidArgumentError otherwise."""
+        (max(capacity + max_chunk, rows) rows each, of `itemsize`-byte elements) no larger than the
+        memory available now. InvalidArgumentError otherwise."""
         for name, v, low in (("capacity_tokens", capacity_tokens, 2), ("n_sink", n_sink, 0), ("max_chunk", max_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {v!r}")
         if n_sink >= capacity_tokens:
             raise InvalidArgumentError(f"n_sink must be in [0, capacity_tokens), got {n_sink} for capacity "
                                        f"{capacity_tokens}")
-        rows = capacity_tokens + max_chunk
-        need, free = rings * spec.kv_bytes_per_token * rows, psutil.virtual_memory().available
+        rows = max(capacity_tokens + max_chunk, rows or 0)
+        per_row = spec.kv_bytes_per_token * itemsize // 4  # kv_bytes_per_token counts 4-byte elements
+        need, free = rings * per_row * rows, psutil.virtual_memory().available
         if need > free:
             times = f"{rings} rings x " if rings > 1 else ""
             raise InvalidArgumentError(
-                f"capacity_tokens={capacity_tokens} needs {need:,} bytes of KV cache ({times}{spec.kv_bytes_per_token} "
+                f"capacity_tokens={capacity_tokens} needs {need:,} bytes of KV cache ({times}{per_row} "
                 f"bytes per token x {rows} rows) but only {free:,} bytes of memory are available: use a smaller "
                 f"capacity")
 
@@ -256,7 +259,8 @@ class BatchedKV:
 
     def __init__(self, spec: ArchSpec, batch: int, capacity_tokens: int, n_sink: int, max_chunk: int, mode: KVMode,
                  dtype=np.float32):
-        RingKVCache.check_geometry(spec, capacity_tokens, n_sink, max_chunk, rings=batch)
+        RingKVCache.check_geometry(spec, capacity_tokens, n_sink, max_chunk, rings=batch,
+                                   itemsize=np.dtype(dtype).itemsize)
         rows = capacity_tokens + max_chunk
         shape = (batch,) + mode.cache_shape(rows, spec.num_kv_heads, spec.head_dim)[1:]
         self.k = [np.zeros(shape, dtype) for _ in range(spec.num_layers)]

@@ -91,7 +91,10 @@ class Model:
         if built is not None and capacity > built:  # before the slow loading
             raise InvalidArgumentError(f"capacity_tokens={capacity} is over the {built} this portable model was built "
                                        f"for: use a capacity up to {built}, or convert again with --capacity")
-        RingKVCache.check_geometry(spec, capacity, n_sink, min(prefill_chunk, capacity))  # before the slow loading
+        portable = self.manifest.portable
+        RingKVCache.check_geometry(spec, capacity, n_sink, min(prefill_chunk, capacity),  # before the slow loading
+                                   rows=portable.ring_rows if portable is not None else None,
+                                   itemsize=2 if self.manifest.interface.kv_dtype == "float16" else 4)
         self.folder = folder
         self.overflow = overflow
         self.capacity_tokens, self.n_sink = capacity, n_sink

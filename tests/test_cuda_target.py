@@ -84,3 +84,20 @@ def test_on_the_gpu(folders):  # pragma: no cover - run where a GPU is lent
     x = m.generate(IDS, max_new_tokens=16, temperature=0, ignore_eos=True)
     y = ref.generate(IDS, max_new_tokens=16, temperature=0, ignore_eos=True)
     assert x.token_ids[:4] == y.token_ids[:4]
+
+
+def test_memory_check_counts_fp16_elements_and_portable_rows(monkeypatch):
+    """The ring's memory check before allocating: 2-byte elements for fp16 KV, R rows for portable graphs."""
+    import types
+
+    import edgeinfer.kv_cache as K
+    from edgeinfer.manifest import read_manifest
+
+    spec = read_manifest(edgeinfer.model.default_model_path()).arch
+    need32 = spec.kv_bytes_per_token * (1000 + 8)
+    monkeypatch.setattr(K.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=need32 * 3 // 4))
+    with pytest.raises(InvalidArgumentError, match="memory"):
+        K.RingKVCache.check_geometry(spec, 1000, 4, 8)
+    K.RingKVCache.check_geometry(spec, 1000, 4, 8, itemsize=2)  # half the bytes: fits
+    with pytest.raises(InvalidArgumentError, match="memory"):
+        K.RingKVCache.check_geometry(spec, 1000, 4, 8, rows=4000, itemsize=2)  # a portable graph's fixed rows

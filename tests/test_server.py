@@ -398,3 +398,44 @@ def test_the_slot_is_free_before_the_client_hears_the_end(srv):
     finally:
         Job._emit = real
     assert seen == [0] * 5
+
+
+def test_a_stream_cut_by_the_end_of_the_grace_period_says_so():
+    """SIGTERM with --grace-s 0: the stream in flight ends with an error that names the shutdown."""
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "serve", "--port", str(port), "--slots", "1",
+                             "--grace-s", "0", "--max-tokens-limit", "20000"], stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        got = {}
+
+        def stream():
+            with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                              json={"model": "stories260K-int8", "prompt": "Once", "max_tokens": 20000,
+                                    "ignore_eos": True, "stream": True}) as r:
+                got["raw"] = "".join(r.iter_text())
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while httpx.get(url + "/health").json()["slots_busy"] == 0:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        t.join(timeout=60)
+        assert "the server shut down before this request finished" in got["raw"] and "shutting_down" in got["raw"]
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

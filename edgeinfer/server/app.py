@@ -310,8 +310,12 @@ class _Reply:
                 if event is None:
                     event = await self.job.events.get()
             if event[0] == "error":
-                status = 500 if not isinstance(event[1], EdgeInferError) else 400
-                yield _sse(APIError(status, str(event[1]) or "generation failed", type="server_error").body())
+                if isinstance(event[1], Cancelled):  # the grace period ended (or the client left: nobody reads)
+                    err = APIError(503, str(event[1]), type="server_error", code="shutting_down")
+                else:
+                    status = 500 if not isinstance(event[1], EdgeInferError) else 400
+                    err = APIError(status, str(event[1]) or "generation failed", type="server_error")
+                yield _sse(err.body())
                 yield "data: [DONE]\n\n"
                 return
             _, completion, cached = event

@@ -33,7 +33,7 @@ class QueueFull(Exception):
 
 
 class Cancelled(Exception):
-    """The request was cancelled while it waited for a slot."""
+    """The request was cancelled (its client went away, or the server is shutting down); the message says which."""
 
 
 @dataclass
@@ -72,6 +72,7 @@ class Scheduler:
         self.prefix_hits = 0  # requests that reused a cached prefix
         self.cached_tokens = 0  # prompt tokens not prefilled thanks to that
         self.jobs: set[Job] = set()  # admitted and not finished (for cancel_all)
+        self.cancel_reason = "the request was cancelled"  # what a cancelled job's error says
 
     @property
     def busy(self) -> int:
@@ -91,6 +92,7 @@ class Scheduler:
 
     def cancel_all(self) -> None:
         """Stop every request (shutdown): each stops at its next prefill chunk or token, or leaves the queue."""
+        self.cancel_reason = "the server shut down before this request finished"
         with self._cond:
             jobs = list(self.jobs)
         for job in jobs:
@@ -103,7 +105,7 @@ class Scheduler:
                 if cancelled.is_set():
                     self.waiting -= 1
                     self._cond.notify_all()
-                    raise Cancelled
+                    raise Cancelled(self.cancel_reason)
                 self._cond.wait(timeout=0.1)
             self.waiting -= 1
             best, best_n = None, -1
@@ -162,12 +164,12 @@ class Job:
             try:
                 slot, cached = self.scheduler.take(self.prompt, self.cancelled, self.options.max_new_tokens)
             except Cancelled:
-                end = ("error", Cancelled())
+                end = ("error", Cancelled(self.scheduler.cancel_reason))
                 return
             try:
                 end = ("done", self._generate(slot, cached), cached)
             except BaseException as e:  # noqa: BLE001 - reported to the request, the server goes on
-                end = ("error", Cancelled() if isinstance(e, GenerationCancelled) else e)
+                end = ("error", Cancelled(self.scheduler.cancel_reason) if isinstance(e, GenerationCancelled) else e)
             finally:
                 self.scheduler.give_back(slot)
         finally:
