@@ -28,7 +28,7 @@
 #      optional=True in setup.py, so a failed compile would otherwise pass silently);
 #   8. runs the README's test command, `python -m pytest` (arguments given to this script are
 #      passed on to pytest, e.g. `scripts/check_arm64.sh tests/test_sampling.py`).
-# Takes (2 x86-64 cores, measured 2026-11-30): first run ~7 min before the tests (debootstrap
+# Takes (2 x86-64 cores, measured 2026-11-30): first run 5-7 min before the tests (debootstrap
 #        ~1.5 min, apt-get in the root ~2.5 min, venv and pip ~2.5 min), a re-run ~1 min before the
 #        tests; the whole suite then ~20 min (qemu-user translates every instruction: ~13x slower
 #        than natively).
