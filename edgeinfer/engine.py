@@ -38,7 +38,34 @@ def prefill_chunks(n: int, chunk: int) -> list[tuple[int, int]]:
     return bounds
 
 
-class Engine:
+class ChunkedSteps:
+    """`prefill` and `decode_one` over an engine's `forward(cache, ids)` and `max_chunk`: shared by
+    `Engine` and `portable_engine.PortableEngine`."""
+
+    max_chunk: int
+
+    def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        raise NotImplementedError
+
+    def prefill(self, cache: RingKVCache, ids: Sequence[int], chunk: int | None = None,
+                before_chunk: Callable[[], None] | None = None) -> np.ndarray:
+        """Feed `ids` in chunks of at most `chunk` tokens (`prefill_chunks`); return the logits [V]
+        after the last one. `before_chunk` runs before each call (a cancellation check may raise there)."""
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        logits = None
+        for start, end in prefill_chunks(len(ids), min(chunk or self.max_chunk, self.max_chunk)):
+            if before_chunk is not None:
+                before_chunk()
+            logits = self.forward(cache, ids[start:end])
+        return logits[0]
+
+    def decode_one(self, cache: RingKVCache, token: int) -> np.ndarray:
+        """Feed one token; return the logits [V] for the next one."""
+        return self.forward(cache, (token,))[0]
+
+
+class Engine(ChunkedSteps):
     def __init__(self, session: DecoderSession, max_chunk: int = 256):
         self.session = session
         spec = session.manifest.arch
@@ -143,19 +170,6 @@ class Engine:
         self.calls += 1
         return logits[0]
 
-    def prefill(self, cache: RingKVCache, ids: Sequence[int], chunk: int | None = None,
-                before_chunk: Callable[[], None] | None = None) -> np.ndarray:
-        """Feed `ids` in chunks of at most `chunk` tokens (`prefill_chunks`); return the logits [V]
-        after the last one. `before_chunk` runs before each call (a cancellation check may raise there)."""
-        if not ids:
-            raise ValueError("prefill needs at least one token")
-        logits = None
-        for start, end in prefill_chunks(len(ids), min(chunk or self.max_chunk, self.max_chunk)):
-            if before_chunk is not None:
-                before_chunk()
-            logits = self.forward(cache, ids[start:end])
-        return logits[0]
-
     def decode_batch(self, kv: BatchedKV, tokens: dict[int, int]) -> None:
         """One decode step for rows `tokens` (row -> token) of `kv`, in one graph call (modes that
         append in place only: GroupQueryAttention takes a length per row). Every other row runs a
@@ -183,7 +197,3 @@ class Engine:
             for b in tokens:
                 caches[b].commit(1)
                 caches[b].logits[0, 0] = kv.logits[b, 0]
-
-    def decode_one(self, cache: RingKVCache, token: int) -> np.ndarray:
-        """Feed one token; return the logits [V] for the next one."""
-        return self.forward(cache, (token,))[0]

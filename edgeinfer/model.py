@@ -87,11 +87,9 @@ class Model:
         self.manifest = read_manifest(folder)
         spec = self.manifest.arch
         capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec.sliding_window, capacity_tokens)
-        built = self.manifest.portable.capacity_tokens if self.manifest.portable is not None else None
-        if built is not None and capacity > built:  # before the slow loading
-            raise InvalidArgumentError(f"capacity_tokens={capacity} is over the {built} this portable model was built "
-                                       f"for: use a capacity up to {built}, or convert again with --capacity")
         portable = self.manifest.portable
+        if portable is not None:
+            portable.check_capacity(capacity)  # before the slow loading
         RingKVCache.check_geometry(spec, capacity, n_sink, min(prefill_chunk, capacity),  # before the slow loading
                                    rows=portable.ring_rows if portable is not None else None,
                                    itemsize=2 if self.manifest.interface.kv_dtype == "float16" else 4)

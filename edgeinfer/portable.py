@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.fields import FieldError, json_fields
 
 MAX_DIM = 16384  # CoreML's largest tensor dimension
@@ -39,6 +40,13 @@ class PortableInfo:
     def ring_rows(self) -> int:
         """R: the KV rows the graphs read (the ring plus one chunk of overflow rows)."""
         return self.capacity_tokens + self.prefill_tokens
+
+    def check_capacity(self, capacity_tokens: int) -> None:
+        """A ring larger than the graphs were built for is refused (InvalidArgumentError)."""
+        if capacity_tokens > self.capacity_tokens:
+            raise InvalidArgumentError(
+                f"capacity_tokens={capacity_tokens} is over the {self.capacity_tokens} this portable model was "
+                f"built for: use a capacity up to {self.capacity_tokens}, or convert again with --capacity")
 
     def to_json(self) -> dict:
         return {"capacity_tokens": self.capacity_tokens, "prefill_tokens": self.prefill_tokens,

@@ -20,20 +20,20 @@ refused at load. Thread-safe across caches like Engine (one lock around each gra
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import onnxruntime as ort
 
-from edgeinfer.engine import prefill_chunks
-from edgeinfer.errors import InvalidArgumentError, ModelFormatError
+from edgeinfer.engine import ChunkedSteps
+from edgeinfer.errors import ModelFormatError
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.kv_mode import PORTABLE
 from edgeinfer.portable import attention_mask, logit_chunks, rope_inputs
 from edgeinfer.session import PROVIDERS, DecoderSession, session_options
 
 
-class PortableEngine:
+class PortableEngine(ChunkedSteps):
     def __init__(self, session: DecoderSession, max_chunk: int | None = None, threads: int | None = None,
                  spin_duration_us: int | None = None):
         """max_chunk: tokens per call at most (a smaller prefill chunk than the graph's P is padded to P)."""
@@ -77,10 +77,7 @@ class PortableEngine:
                                        f"{shape}: the folder's graphs and edgeinfer.json disagree")
 
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
-        if capacity_tokens > self.info.capacity_tokens:
-            raise InvalidArgumentError(
-                f"capacity_tokens={capacity_tokens} is over the {self.info.capacity_tokens} this portable model was "
-                f"built for: use a capacity up to {self.info.capacity_tokens}, or convert again with --capacity")
+        self.info.check_capacity(capacity_tokens)
         return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, PORTABLE, rows=self.info.ring_rows)
 
     def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
@@ -119,20 +116,6 @@ class PortableEngine:
             cache.logits[0, 0, lo:hi] = out[f"logits.{c}"][0, 0]
         return cache.logits[0]
 
-    def prefill(self, cache: RingKVCache, ids: Sequence[int], chunk: int | None = None,
-                before_chunk: Callable[[], None] | None = None) -> np.ndarray:
-        """As `Engine.prefill`: chunks of at most P tokens; the logits [V] after the last."""
-        if not ids:
-            raise ValueError("prefill needs at least one token")
-        logits = None
-        for start, end in prefill_chunks(len(ids), min(chunk or self.max_chunk, self.max_chunk)):
-            if before_chunk is not None:
-                before_chunk()
-            logits = self.forward(cache, ids[start:end])
-        return logits[0]
-
-    def decode_one(self, cache: RingKVCache, token: int) -> np.ndarray:
-        return self.forward(cache, (token,))[0]
 
 
 def open_engine(session: DecoderSession, max_chunk: int, threads: int | None = None,

@@ -256,39 +256,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_drains_then_exits_0(tmp_path):
-    """`edgeinfer serve` as a user runs it: SIGTERM mid-stream -> new requests 503, the stream in
-    flight completes, the process exits 0."""
-    import signal
+def _serve_and_stream(grace_s: int, max_tokens: int):
+    """`edgeinfer serve` in a subprocess (1 slot) with a long stream in flight: (proc, url, thread
+    running the stream, dict that gets its raw text)."""
     import subprocess
     import sys
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "serve", "--port", str(port), "--slots", "1",
-                             "--grace-s", "60", "--max-tokens-limit", "20000"], stderr=subprocess.PIPE, text=True)
+                             "--grace-s", str(grace_s), "--max-tokens-limit", "20000"], stderr=subprocess.PIPE,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() >= deadline or proc.poll() is not None:
+            proc.kill()
+            raise AssertionError(proc.stderr.read() if proc.poll() is not None else "server did not start")
+        time.sleep(0.1)
+    got = {}
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": "stories260K-int8", "prompt": "Once", "max_tokens": max_tokens,
+                                "ignore_eos": True, "stream": True}) as r:
+            got["raw"] = "".join(r.iter_text())
+
+    t = threading.Thread(target=stream)
+    t.start()
+    while httpx.get(url + "/health").json()["slots_busy"] == 0:
+        time.sleep(0.01)
+    return proc, url, t, got
+
+
+def test_sigterm_drains_then_exits_0(tmp_path):
+    """`edgeinfer serve` as a user runs it: SIGTERM mid-stream -> new requests 503, the stream in
+    flight completes, the process exits 0."""
+    import signal
+
+    proc, url, t, got = _serve_and_stream(grace_s=60, max_tokens=8000)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
-            time.sleep(0.1)
-        got = {}
-
-        def stream():
-            with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                              json={"model": "stories260K-int8", "prompt": "Once", "max_tokens": 8000,
-                                    "ignore_eos": True, "stream": True}) as r:
-                got["raw"] = "".join(r.iter_text())
-
-        t = threading.Thread(target=stream)
-        t.start()
-        while httpx.get(url + "/health").json()["slots_busy"] == 0:
-            time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         late = httpx.post(url + "/v1/completions", json={"model": "stories260K-int8", "prompt": "Hi"})
@@ -403,35 +414,9 @@ def test_the_slot_is_free_before_the_client_hears_the_end(srv):
 def test_a_stream_cut_by_the_end_of_the_grace_period_says_so():
     """SIGTERM with --grace-s 0: the stream in flight ends with an error that names the shutdown."""
     import signal
-    import subprocess
-    import sys
 
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "serve", "--port", str(port), "--slots", "1",
-                             "--grace-s", "0", "--max-tokens-limit", "20000"], stderr=subprocess.PIPE, text=True)
+    proc, url, t, got = _serve_and_stream(grace_s=0, max_tokens=20000)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.1)
-        got = {}
-
-        def stream():
-            with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                              json={"model": "stories260K-int8", "prompt": "Once", "max_tokens": 20000,
-                                    "ignore_eos": True, "stream": True}) as r:
-                got["raw"] = "".join(r.iter_text())
-
-        t = threading.Thread(target=stream)
-        t.start()
-        while httpx.get(url + "/health").json()["slots_busy"] == 0:
-            time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         t.join(timeout=60)
         assert "the server shut down before this request finished" in got["raw"] and "shutting_down" in got["raw"]
