@@ -19,7 +19,8 @@ import numpy as np
 import onnx
 
 from edgeinfer import __version__
-from edgeinfer.converters.decoder import ATTENTION_CHOICES, build_decoder, choose_kv_mode
+from edgeinfer.converters import gguf_import
+from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_decoder, choose_kv_mode
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter
@@ -31,7 +32,8 @@ from edgeinfer.converters.quantize import QuantScheme
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
 from edgeinfer.kv_mode import PORTABLE
-from edgeinfer.manifest import MANIFEST_FILE, MODEL_FILE, Manifest, TokenizerInfo, graph_interface, portable_interface
+from edgeinfer.manifest import (MANIFEST_FILE, MODEL_FILE, Manifest, Origin, TokenizerInfo, graph_interface,
+                                portable_interface)
 from edgeinfer.portable import MAX_DIM, PORTABLE_TARGETS, PortableInfo
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -81,9 +83,11 @@ def _tokenizer_info(src: Path, spec) -> TokenizerInfo:
 
 def _check_source(src: Path) -> None:
     if not src.exists():
-        raise ConvertError(f"source folder not found: {src}")
+        raise ConvertError(f"source not found: {src}")
+    if gguf_import.is_gguf(src):
+        return
     if not src.is_dir():
-        raise ConvertError(f"source must be a Hugging Face model folder, got a file: {src}")
+        raise ConvertError(f"source must be a Hugging Face model folder or a GGUF file, got another file: {src}")
     if not any((src / f).exists() for f in ("tokenizer.model", "tokenizer.json")):
         raise ConvertError(f"no tokenizer in {src} (need tokenizer.model or tokenizer.json)")
 
@@ -127,12 +131,15 @@ def _os_error(e: OSError, dst: Path) -> ConvertError:
 def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block_size: int = 32, target: str = "cpu",
             force: bool = False, scheme: QuantScheme | None = None, attention: str = "auto",
             capacity_tokens: int | None = None, prefill_tokens: int | None = None, ort_format: bool = False,
-            log=lambda msg: None) -> Manifest:
-    """Convert `src` (Hugging Face folder) into `dst` (edgeinfer folder). Returns the manifest written.
+            accuracy_level: int | None = None, log=lambda msg: None) -> Manifest:
+    """Convert `src` (a Hugging Face folder or a GGUF file) into `dst` (edgeinfer folder). Returns the
+    manifest written.
 
     Every refusal (see `_check_destination`) happens before any work; every failure, OSError
     included, raises ConvertError and leaves no temporary folder and an existing `dst` untouched.
-    quant: None is int4 for cpu/cuda and the portable target's default (coreml fp16, nnapi int8).
+    quant: None is int4 for cpu/cuda and the portable target's default (coreml fp16, nnapi int8); for a
+    GGUF file on cpu, "keep" (its Q8_0/Q4_0/Q4_1 blocks taken over exactly, other types as
+    `TensorSource` says); accuracy_level: with "keep", MatMulNBits' (default 0, float activations).
     capacity_tokens / prefill_tokens: the portable graphs' fixed ring and prefill chunk; ort_format:
     also write them as .ort files (ONNX Runtime Mobile's format).
     """
@@ -143,6 +150,12 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
         raise ConvertError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
     if attention not in ATTENTION_CHOICES:
         raise ConvertError(f"unknown attention {attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
+    gguf = gguf_import.is_gguf(src)
+    if quant is None and gguf and target == "cpu" and scheme is None:
+        quant = "keep"
+    if quant == "keep" and (not gguf or target != "cpu" or scheme is not None):
+        raise ConvertError("--quant keep takes over a GGUF file's own quantized blocks for --target cpu"
+                           + ("" if gguf else f"; {src} is not a GGUF file") + ": choose --quant int4, int8, fp16 or fp32")
     portable = _check_portable(target, quant, capacity_tokens, prefill_tokens, attention, scheme)
     if ort_format and portable is None:
         raise ConvertError("--ort-format writes the portable graphs for ONNX Runtime Mobile: it goes with --target "
@@ -151,8 +164,9 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
     try:
         _check_source(src)
         _check_destination(src, dst, force)
-        return _convert(src, dst, scheme or default_scheme(quant, block_size), target, attention, log, portable,
-                        ort_format)
+        if quant != "keep":
+            scheme = scheme or default_scheme(quant, block_size, accuracy_level=accuracy_level)
+        return _convert(src, dst, scheme, target, attention, log, portable, ort_format, gguf, accuracy_level)
     except OSError as e:
         raise _os_error(e, dst) from None
 
@@ -185,11 +199,21 @@ def _check_portable(target: str, quant: str | None, capacity_tokens, prefill_tok
     return PortableInfo(capacity_tokens=cap, prefill_tokens=pre, weights=weights)
 
 
-def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: str, log,
-             portable: PortableInfo | None = None, ort_format: bool = False) -> Manifest:
-    spec = spec_from_config(read_config(src))
+def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, attention: str, log,
+             portable: PortableInfo | None = None, ort_format: bool = False, gguf: bool = False,
+             accuracy_level: int | None = None) -> Manifest:
+    """scheme None: `--quant keep` of a GGUF file (the scheme is read from its types)."""
+    keep = scheme is None
+    if gguf:
+        ckpt = gguf_import.GGUFCheckpoint(src)
+        spec = gguf_import.spec_from_gguf(ckpt)
+        if scheme is None:
+            scheme = gguf_import.keep_scheme(ckpt, spec, accuracy_level)
+    else:
+        spec = spec_from_config(read_config(src))
+        ckpt = Checkpoint(src)
     mode = choose_kv_mode(spec, attention) if portable is None else PORTABLE
-    ckpt = Checkpoint(src)
+    src_tensors = TensorSource(ckpt, keep=keep)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
@@ -202,7 +226,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: 
         graphs = [MODEL_FILE]
         kv_dtype = "float16" if target == "cuda" else "float32"
         if portable is None:
-            model = build_decoder(spec, ckpt, scheme, writer, mode)
+            model = build_decoder(spec, src_tensors, scheme, writer, mode)
             writer.close()
             if target == "cuda":  # fp16 activations and KV (converters/cuda_graph.py)
                 model = cuda_graph.to_fp16(model, tmp, DATA_FILE)
@@ -221,21 +245,32 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme, target: str, attention: 
             if ort_format:
                 graphs += write_ort_format(tmp, [MODEL_FILE, portable.prefill_file])
         log(f"graph built and weights written in {time.perf_counter() - t0:.1f} s")
-        for name in TOKENIZER_FILES:
-            if (src / name).exists():
+        if gguf:
+            tokenizer, tokenizer_files = gguf_import.write_gguf_tokenizer(ckpt, spec, tmp)
+            sources, origin = {src.name: sha256_file(src)}, gguf_import.origin(ckpt, keep, src_tensors.requantized)
+            if origin.kept_exact:
+                log(f"kept exactly as in the file: {', '.join(origin.kept_exact)} blocks")
+            if origin.requantized:
+                log(f"re-quantized ({len(origin.requantized)} tensors of types we cannot keep): "
+                    + "; ".join(origin.requantized[:3]) + (" ..." if len(origin.requantized) > 3 else ""))
+        else:
+            tokenizer_files = [n for n in TOKENIZER_FILES if (src / n).exists()]
+            for name in tokenizer_files:
                 shutil.copyfile(src / name, tmp / name)
-        outputs = [*graphs, DATA_FILE] + [n for n in TOKENIZER_FILES if (tmp / n).exists()]
+            names = ["config.json", *[f.name for f in ckpt.files], *tokenizer_files]
+            if (src / "model.safetensors.index.json").exists():
+                names.append("model.safetensors.index.json")
+            tokenizer, sources = _tokenizer_info(src, spec), {n: sha256_file(src / n) for n in names}
+            origin = Origin(format="huggingface", file=src.name)
+        outputs = [*graphs, DATA_FILE, *tokenizer_files]
         files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in outputs}
-        sources = ["config.json", *[f.name for f in ckpt.files], *[n for n in TOKENIZER_FILES if (src / n).exists()]]
-        if (src / "model.safetensors.index.json").exists():
-            sources.append("model.safetensors.index.json")
         manifest = Manifest(
             arch=spec, quantization=scheme, target=target, flavour="fused" if portable is None else "portable",
             interface=graph_interface(spec, mode, kv_dtype) if portable is None else portable_interface(spec, portable),
-            tokenizer=_tokenizer_info(src, spec), portable=portable,
+            tokenizer=tokenizer, portable=portable, origin=origin,
             default_capacity_tokens=min(spec.max_position_embeddings, MAX_DEFAULT_CAPACITY,
                                         portable.capacity_tokens if portable else MAX_DEFAULT_CAPACITY),
-            files=files, source={n: sha256_file(src / n) for n in sources}, converter_version=__version__,
+            files=files, source=sources, converter_version=__version__,
         )
         manifest.write(tmp)
         _replace_atomically(tmp, dst)

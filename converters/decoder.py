@@ -19,11 +19,14 @@ call's new rows for the runtime to place. `choose_kv_mode` is `--attention`'s ch
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from onnx import TensorProto, helper
 
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import graph as G
+from edgeinfer.converters.gguf_blocks import BLOCK, Blocks, stack
 from edgeinfer.converters.quantize import QuantScheme, bits_of, quantize_blockwise
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
@@ -33,12 +36,23 @@ from edgeinfer.manifest import io_names
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class TensorSource:
-    """Reads named tensors with shape checks and remembers which were used."""
+KIND_WIDTH = ("int4", "int8", "fp16", "fp32")  # narrowest first: a stacked projection takes its widest part's
 
-    def __init__(self, ckpt: Checkpoint):
+
+class TensorSource:
+    """Reads named tensors with shape checks and remembers which were used.
+
+    `keep` (a GGUF source converted with `--quant keep`): Q8_0 / Q4_0 / Q4_1 matrices come as the
+    file's blocks (`blocks`, `projection`), taken over exactly; any other tensor is stored as its
+    type implies (`ckpt.stored_kind`: floats as they are, other quantized types re-quantized by our
+    recipe at the nearest width, listed in `requantized`).
+    """
+
+    def __init__(self, ckpt: Checkpoint, keep: bool = False):
         self.ckpt = ckpt
+        self.keep = keep
         self.used: set[str] = set()
+        self.requantized: dict[str, str] = {}  # name -> "Q6_K -> int8"
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         self.used.add(name)
@@ -48,6 +62,36 @@ class TensorSource:
         if not present:
             return None
         return self.get(name, shape)
+
+    def blocks(self, name: str, shape: tuple[int, ...]) -> Blocks | None:
+        """The tensor's GGUF blocks when kept (`keep` and a kept type), else None."""
+        b = self.ckpt.blocks(name, shape) if self.keep else None
+        if b is not None:
+            self.used.add(name)
+        return b
+
+    def stored_kind(self, name: str) -> str:
+        """With `keep`: how a tensor that is not taken over as blocks is stored (its type's kind)."""
+        qtype = self.ckpt.gguf_type(name)
+        kind = self.ckpt.stored_kind(qtype)
+        if qtype not in ("F32", "F16", "BF16"):
+            self.requantized[name] = f"{qtype} -> {kind}"
+        return kind
+
+    def projection(self, parts: list[tuple[str, tuple[int, int]]], kind: str) -> tuple[np.ndarray | Blocks, str]:
+        """One projection's [N, K] weight with its parts (q|k|v, gate|up) stacked along N, and the
+        kind to store it as: `kind`, or with `keep` the parts' blocks stacked exactly, or else the
+        widest kind the parts' types imply."""
+        if self.keep:
+            blocks = [self.blocks(n, s) for n, s in parts]
+            if all(b is not None for b in blocks):
+                try:
+                    return (blocks[0] if len(blocks) == 1 else stack(blocks)), kind
+                except ValueError:
+                    pass
+            kind = max((self.stored_kind(n) for n, _ in parts), key=KIND_WIDTH.index)
+        arrays = [self.get(n, s) for n, s in parts]
+        return (arrays[0] if len(arrays) == 1 else np.concatenate(arrays)), kind
 
     def check_all_used(self) -> None:
         extra = sorted(n for n in self.ckpt.tensors if n not in self.used and not n.endswith(IGNORED_TENSOR_SUFFIXES))
@@ -64,15 +108,26 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
     lm_head and GatherBlockQuantized reads the same initializer (reshaped) as the embedding.
     """
     V, D = spec.vocab_size, spec.hidden_size
-    emb = src.get("model.embed_tokens.weight", (V, D))
     tied = spec.tie_word_embeddings or "lm_head.weight" not in src.ckpt
-    if not tied:
+    kept = src.blocks("model.embed_tokens.weight", (V, D))
+    if kept is not None:
+        return _kept_embedding_and_head(g, spec, src, scheme, input_ids, kept, tied)
+    head_w = head_kind = None
+    if src.keep:  # an embedding that is not blocks is stored as its type implies; an untied head on its own
+        scheme = replace(scheme, embedding=src.stored_kind("model.embed_tokens.weight"))
+        if not tied:
+            head_w, head_kind = src.projection([("lm_head.weight", (V, D))], scheme.lm_head)
+    emb = src.get("model.embed_tokens.weight", (V, D))
+    if not tied and head_w is None:
         head_w = src.get("lm_head.weight", (V, D))
     p_emb, p_head = "/model/embed_tokens", "/lm_head"
-    head_kind = scheme.embedding if tied else scheme.lm_head
+    own_head = head_kind is not None  # keep: the untied head as its own type says
+    head_kind = head_kind or (scheme.embedding if tied else scheme.lm_head)
     share_quant = tied and scheme.embedding in ("int4", "int8") and D % scheme.block_size == 0
 
     def head(x: str) -> str:
+        if own_head:
+            return G.linear(g, p_head, x, head_w, None, head_kind, scheme)
         if head_kind in ("int4", "int8") and share_quant:
             ins = [x, "lm_head.qweight", "lm_head.scales"] + (["lm_head.zero_points"] if not scheme.symmetric else [])
             (y,) = g.node("MatMulNBits", ins, f"{p_head}/MatMulNBits", domain=G.MS, K=D, N=V,
@@ -119,6 +174,43 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
     return h, head
 
 
+def _kept_embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: QuantScheme, input_ids: str,
+                             emb: Blocks, tied: bool) -> tuple[str, callable]:
+    """`embedding_and_head` for an embedding taken over as GGUF blocks: GatherBlockQuantized reads
+    the codes with its default zero point (2^(bits-1)); blocks with minimums add min + scale * 2^(bits-1)
+    per block (a constant, folded at load), since its zero points cannot be fractions. A tied head is
+    MatMulNBits over the same initializers."""
+    V, D = spec.vocab_size, spec.hidden_size
+    p_emb, p_head = "/model/embed_tokens", "/lm_head"
+    codes, scales, mins = G.block_tensors(g, "lm_head" if tied else "model.embed_tokens", emb)
+    shape = g.const(f"shape_emb_packed_{emb.bits}", np.array([V, D * emb.bits // 8], np.int64))
+    (data,) = g.node("Reshape", [codes, shape], f"{p_emb}/Reshape")
+    (h,) = g.node("GatherBlockQuantized", [data, input_ids, scales], f"{p_emb}/GatherBlockQuantized", domain=G.MS,
+                  gather_axis=0, quantize_axis=1, block_size=BLOCK, bits=emb.bits)
+    if mins is not None:
+        centre = g.const(f"{p_emb}.centre", np.array(2 ** (emb.bits - 1), np.float32))
+        (shift,) = g.node("Mul", [scales, centre], f"{p_emb}/offset/Mul")
+        (offset,) = g.node("Add", [mins, shift], f"{p_emb}/offset/Add")  # [V, D/32]
+        (picked,) = g.node("Gather", [offset, input_ids], f"{p_emb}/offset/Gather", axis=0)  # [B, S, D/32]
+        (spread,) = g.node("Unsqueeze", [picked, g.const("axes_last", np.array([-1], np.int64))],
+                           f"{p_emb}/offset/Unsqueeze")
+        (spread,) = g.node("Mul", [spread, g.const("ones_block", np.ones(BLOCK, np.float32))], f"{p_emb}/offset/Spread")
+        (spread,) = g.node("Reshape", [spread, g.const("shape_BSD", np.array([0, 0, D], np.int64))],
+                           f"{p_emb}/offset/Reshape")
+        (h,) = g.node("Add", [h, spread], f"{p_emb}/offset/AddToRows")
+
+    def head(x: str) -> str:
+        if not tied:
+            w, kind = src.projection([("lm_head.weight", (V, D))], scheme.lm_head)
+            return G.linear(g, p_head, x, w, None, kind, scheme)
+        ins = [x, codes, scales] + ([G.zero_points(g, p_head, scales, mins)] if mins is not None else [])
+        (y,) = g.node("MatMulNBits", ins, f"{p_head}/MatMulNBits", domain=G.MS, K=D, N=V, bits=emb.bits,
+                      block_size=BLOCK, accuracy_level=scheme.accuracy_level)
+        return y
+
+    return h, head
+
+
 ATTENTION_CHOICES = ("auto", *NAMES)  # `convert --attention`: a KV mode's name, or auto
 
 
@@ -137,10 +229,9 @@ def choose_kv_mode(spec: ArchSpec, attention: str) -> KVMode:
     return mode
 
 
-def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer,
+def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer,
                   mode: KVMode) -> "onnx.ModelProto":  # noqa: F821
     g = G.Graph(writer)
-    src = TensorSource(ckpt)
     names = io_names(spec.num_layers)
     D, H, Hkv, Dh, I = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     eps = spec.rms_norm_eps
@@ -163,13 +254,13 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer,
             normed, residual = G.skip_rms_norm(g, f"{p}/input_layernorm", mlp_out, residual, ln_in, eps)
 
         a = f"{hf}.self_attn"
-        w_qkv = np.concatenate([src.get(f"{a}.q_proj.weight", (H * Dh, D)), src.get(f"{a}.k_proj.weight", (Hkv * Dh, D)),
-                                src.get(f"{a}.v_proj.weight", (Hkv * Dh, D))])
+        w_qkv, qkv_kind = src.projection([(f"{a}.q_proj.weight", (H * Dh, D)), (f"{a}.k_proj.weight", (Hkv * Dh, D)),
+                                          (f"{a}.v_proj.weight", (Hkv * Dh, D))], scheme.kind_for("qkv_proj"))
         b_qkv = None
         if spec.qkv_bias:
             b_qkv = np.concatenate([src.get(f"{a}.q_proj.bias", (H * Dh,)), src.get(f"{a}.k_proj.bias", (Hkv * Dh,)),
                                     src.get(f"{a}.v_proj.bias", (Hkv * Dh,))])
-        qkv = G.linear(g, f"{p}/attn/qkv_proj", normed, w_qkv, b_qkv, scheme.kind_for("qkv_proj"), scheme)
+        qkv = G.linear(g, f"{p}/attn/qkv_proj", normed, w_qkv, b_qkv, qkv_kind, scheme)
         del w_qkv
         past_k, past_v, present_k, present_v = (names.past_key(i), names.past_value(i), names.present_key(i),
                                                 names.present_value(i))
@@ -189,19 +280,20 @@ def build_decoder(spec: ArchSpec, ckpt: Checkpoint, scheme: QuantScheme, writer,
             else:
                 ctx = G.attention(g, f"{p}/attn", q, k, v, past_k, past_v, mask, H, Hkv, Dh, present_k, present_v)
         o_b = src.maybe(f"{a}.o_proj.bias", (D,), spec.o_bias)
-        attn_out = G.linear(g, f"{p}/attn/o_proj", ctx, src.get(f"{a}.o_proj.weight", (D, H * Dh)), o_b,
-                            scheme.kind_for("o_proj"), scheme)
+        w_o, o_kind = src.projection([(f"{a}.o_proj.weight", (D, H * Dh))], scheme.kind_for("o_proj"))
+        attn_out = G.linear(g, f"{p}/attn/o_proj", ctx, w_o, o_b, o_kind, scheme)
 
         normed, residual = G.skip_rms_norm(g, f"{p}/post_attention_layernorm", attn_out, residual,
                                            src.get(f"{hf}.post_attention_layernorm.weight", (D,)), eps)
         m = f"{hf}.mlp"
-        w_gu = np.concatenate([src.get(f"{m}.gate_proj.weight", (I, D)), src.get(f"{m}.up_proj.weight", (I, D))])
-        gu = G.linear(g, f"{p}/mlp/gate_up_proj", normed, w_gu, None, scheme.kind_for("gate_up_proj"), scheme)
+        w_gu, gu_kind = src.projection([(f"{m}.gate_proj.weight", (I, D)), (f"{m}.up_proj.weight", (I, D))],
+                                       scheme.kind_for("gate_up_proj"))
+        gu = G.linear(g, f"{p}/mlp/gate_up_proj", normed, w_gu, None, gu_kind, scheme)
         del w_gu
         gate, up = G.split_last(g, f"{p}/mlp/gate_up_proj", gu, [I, I])
         act = G.silu_mul(g, f"{p}/mlp", gate, up)
-        mlp_out = G.linear(g, f"{p}/mlp/down_proj", act, src.get(f"{m}.down_proj.weight", (D, I)), None,
-                           scheme.kind_for("down_proj"), scheme)
+        w_down, down_kind = src.projection([(f"{m}.down_proj.weight", (D, I))], scheme.kind_for("down_proj"))
+        mlp_out = G.linear(g, f"{p}/mlp/down_proj", act, w_down, None, down_kind, scheme)
 
     (final,) = g.node("Add", [mlp_out, residual], "/model/final/Add")
     (picked,) = g.node("Gather", [final, "logits_index"], "/model/final/Gather", axis=1)  # [B, N, D]

@@ -13,13 +13,15 @@ TARGET_HELP = ("cpu (default): the fused graph; cuda: the fused graph with fp16 
 def add_convert_parser(sub) -> None:
     from edgeinfer.kv_mode import MODES as KV_MODES
 
-    c = sub.add_parser("convert", help="convert a Hugging Face model folder to an edgeinfer model folder")
-    c.add_argument("src", type=Path, help="Hugging Face folder (config.json, *.safetensors, tokenizer files)")
+    c = sub.add_parser("convert", help="convert a Hugging Face model folder or a GGUF file to an edgeinfer model folder")
+    c.add_argument("src", type=Path, help="Hugging Face folder (config.json, *.safetensors, tokenizer files) or a "
+                   "llama.cpp GGUF file (llama, qwen2, qwen3)")
     c.add_argument("-o", "--output", type=Path, required=True,
                    help="destination folder (must not exist, or with --force be an edgeinfer model folder)")
     c.add_argument("--target", choices=("cpu", "cuda", "coreml", "nnapi"), default="cpu", help=TARGET_HELP)
-    c.add_argument("--quant", choices=("fp32", "fp16", "int8", "int4"), default=None,
-                   help="weights (default: int4; coreml fp16; nnapi int8)")
+    c.add_argument("--quant", choices=("keep", "fp32", "fp16", "int8", "int4"), default=None,
+                   help="weights (default: int4; coreml fp16; nnapi int8; a GGUF file: keep, its Q8_0/Q4_0/Q4_1 "
+                   "blocks taken over exactly and other types stored at the nearest width)")
     c.add_argument("--block-size", type=int, choices=(16, 32, 64, 128), default=None, help="int4/int8 blocks (32)")
     c.add_argument("--embedding", choices=("fp32", "fp16", "int8", "int4"), default=None,
                    help="precision of the token embedding and lm_head (default: measured per --quant)")
@@ -45,12 +47,21 @@ def add_convert_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from edgeinfer.converters import convert, default_scheme
+    from edgeinfer.converters.gguf_import import is_gguf
     from edgeinfer.errors import EdgeInferError
     from edgeinfer.inspect import describe
     from edgeinfer.portable import PORTABLE_TARGETS
 
     scheme = None
-    if args.target in PORTABLE_TARGETS:  # the portable graphs take only --quant (fp32, fp16, int8)
+    scheme_flags = [flag for flag, v in (("--block-size", args.block_size), ("--embedding", args.embedding),
+                                         ("--asymmetric", args.asymmetric), ("--int8-tensors", args.int8_tensors))
+                    if v is not None and v is not False]
+    keep = args.quant == "keep" or (args.quant is None and args.target == "cpu" and is_gguf(args.src))
+    if keep:
+        if scheme_flags:
+            raise EdgeInferError(f"{', '.join(scheme_flags)}: --quant keep stores the GGUF file's own blocks (only "
+                                 "--accuracy-level applies); choose --quant int4 or int8 to re-quantize")
+    elif args.target in PORTABLE_TARGETS:  # the portable graphs take only --quant (fp32, fp16, int8)
         given = [flag for flag, v in (("--block-size", args.block_size), ("--embedding", args.embedding),
                                       ("--accuracy-level", args.accuracy_level), ("--asymmetric", args.asymmetric),
                                       ("--int8-tensors", args.int8_tensors)) if v is not None and v is not False]
@@ -62,9 +73,10 @@ def run(args: argparse.Namespace) -> int:
                                 embedding=args.embedding, symmetric=not args.asymmetric,
                                 int8_tensors=tuple(args.int8_tensors or ()))
     log = (lambda msg: print(msg, file=sys.stderr)) if not args.quiet else (lambda msg: None)
-    convert(args.src, args.output, quant=args.quant, block_size=args.block_size or 32, target=args.target,
-            force=args.force, scheme=scheme, attention=args.attention, capacity_tokens=args.capacity,
-            prefill_tokens=args.prefill_tokens, ort_format=args.ort_format, log=log)
+    convert(args.src, args.output, quant="keep" if keep else args.quant, block_size=args.block_size or 32,
+            target=args.target, force=args.force, scheme=scheme, attention=args.attention, capacity_tokens=args.capacity,
+            prefill_tokens=args.prefill_tokens, ort_format=args.ort_format,
+            accuracy_level=args.accuracy_level if keep else None, log=log)
     if not args.quiet:
         print(describe(args.output))
     return 0

@@ -39,7 +39,23 @@ def _summary(folder: Path, m: Manifest) -> dict:
         "kv_bytes_at_default_capacity": a.kv_bytes_per_token * m.default_capacity_tokens,
         "tokenizer": m.tokenizer.kind, "format_version": m.format_version, "converter_version": m.converter_version,
         "kv_dtype": m.interface.kv_dtype, "portable": m.portable.to_json() if m.portable is not None else None,
+        "origin": m.origin.to_json() if m.origin is not None else None,
     }
+
+
+def origin_line(m: Manifest) -> str:
+    """Where the weights came from, in words (a folder converted before origins were recorded: unknown)."""
+    o = m.origin
+    if o is None:
+        return "not recorded (converted by an older edgeinfer)"
+    if o.format != "gguf":
+        return {"huggingface": "Hugging Face folder", "optimum": "Optimum ONNX export"}.get(o.format, o.format) \
+            + (f" {o.file}" if o.file else "")
+    types = ", ".join(f"{t} x{n}" for t, n in o.tensor_types.items())
+    kept = f"; kept exactly: {', '.join(o.kept_exact)}" if o.kept_exact else "; every tensor re-quantized"
+    requant = f"; re-quantized: {len(o.requantized)} tensors ({o.requantized[0]}{', ...' if len(o.requantized) > 1 else ''})" \
+        if o.requantized else ""
+    return f"GGUF {o.file} ({types}){kept}{requant}"
 
 
 def describe(folder: Path | str, as_json: bool = False) -> str:
@@ -72,6 +88,7 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         f"{s['kv_bytes_at_default_capacity'] * (2 if s['kv_dtype'] == 'float16' else 4) // 4 / 1e6:.2f} MB at the "
         f"default capacity of {s['default_capacity_tokens']}",
         f"  tokenizer     {s['tokenizer']}",
+        f"  source        {origin_line(m)}",
     ])
 
 

@@ -211,6 +211,39 @@ def portable_interface(spec: ArchSpec, info: PortableInfo) -> Interface:
     return Interface(INTERFACE_VERSION, PORTABLE, KV_DTYPE, MappingProxyType(inputs), MappingProxyType(outputs))
 
 
+SOURCE_FORMATS = ("huggingface", "gguf", "optimum")
+
+
+@dataclass(frozen=True)
+class Origin:
+    """The manifest's `origin` section: where the weights came from and what became of them.
+
+    format        "huggingface" (a safetensors folder), "gguf" (llama.cpp's file) or "optimum"
+                  (Hugging Face Optimum's ONNX export)
+    file          the source's name
+    tensor_types  GGUF: how many tensors of each type the file holds ({"Q4_1": 210, "F32": 61})
+    kept_exact    GGUF types taken over without re-quantization
+    requantized   tensors whose type we could not keep, with what they became ("blk.0.ffn_down: Q6_K -> int8")
+    """
+
+    format: str = "huggingface"
+    file: str = ""
+    tensor_types: dict = field(default_factory=dict)
+    kept_exact: tuple[str, ...] = ()
+    requantized: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"format": self.format, "file": self.file, "tensor_types": dict(self.tensor_types),
+                "kept_exact": list(self.kept_exact), "requantized": list(self.requantized)}
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "origin") -> "Origin":
+        o = cls(**json_fields(cls, d, where))
+        if o.format not in SOURCE_FORMATS:
+            raise FieldError(f"{where}.format", f"unknown {o.format!r} (one of {', '.join(SOURCE_FORMATS)})")
+        return o
+
+
 @dataclass(frozen=True)
 class Manifest:
     arch: ArchSpec
@@ -225,9 +258,11 @@ class Manifest:
     converter_version: str = ""
     format_version: int = FORMAT_VERSION
     portable: PortableInfo | None = None  # the portable flavour's geometry and files
+    origin: Origin | None = None  # where the weights came from (folders converted before it have none)
 
     def to_json(self) -> dict:
         return {**({"portable": self.portable.to_json()} if self.portable is not None else {}),
+            **({"origin": self.origin.to_json()} if self.origin is not None else {}),
             "format_version": self.format_version,
             "converter_version": self.converter_version,
             "target": self.target,
@@ -269,6 +304,7 @@ class Manifest:
         return cls(arch=arch, quantization=QuantScheme.from_json(section("quantization")),
                    interface=Interface.from_json(section("interface"), arch, portable=portable), portable=portable,
                    tokenizer=TokenizerInfo.from_json(section("tokenizer")),
+                   origin=Origin.from_json(d["origin"]) if "origin" in d else None,
                    files=d.get("files", {}), source=d.get("source", {}), **top)
 
     def write(self, folder: Path) -> None:

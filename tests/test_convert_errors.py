@@ -78,7 +78,7 @@ def rewrite_tensor(src: Path, name: str, shape=None, dtype=None, drop=False, add
 
 def test_missing_source(capsys, tmp_path):
     rc, err = run_convert(capsys, tmp_path / "nope", tmp_path / "out")
-    assert_user_error(rc, err, "source folder not found")
+    assert_user_error(rc, err, "source not found")
     assert not (tmp_path / "out").exists()
 
 
@@ -86,7 +86,7 @@ def test_source_is_a_file(capsys, tmp_path):
     f = tmp_path / "model.bin"
     f.write_bytes(b"x")
     rc, err = run_convert(capsys, f, tmp_path / "out")
-    assert_user_error(rc, err, "got a file")
+    assert_user_error(rc, err, "a Hugging Face model folder or a GGUF file")
 
 
 def test_missing_config(capsys, src, tmp_path):

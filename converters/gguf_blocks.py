@@ -1,0 +1,149 @@
+"""llama.cpp's Q4_0, Q4_1 and Q8_0 blocks as MatMulNBits blocks, exactly (no re-quantization).
+
+llama.cpp (ggml-common.h) stores a row of K weights as K/32 blocks:
+
+    Q8_0   fp16 d, int8 q[32]                       w = d * q
+    Q4_0   fp16 d, uint8 qs[16]                     w = d * (q - 8);     q[j] = qs[j] & 15, q[j+16] = qs[j] >> 4
+    Q4_1   fp16 d, fp16 m, uint8 qs[16]             w = d * q + m;       same nibble order as Q4_0
+
+ONNX Runtime's MatMulNBits (block 32) computes w = scale * (q - zero_point) with q packed two per
+byte, element 2i in the low nibble of byte i (8 bits: one per byte), and a default zero point of
+2^(bits-1) when none is given. So Q8_0 is q + 128 with zero point 128, Q4_0 is its nibbles
+re-ordered with zero point 8, and Q4_1 is its nibbles with a floating-point zero point -m/d, all
+with the same scales: the same numbers llama.cpp holds. `Blocks` keeps the fp16 scales (and Q4_1's
+fp16 minimums) as the file has them; the graph casts them to float32 and ONNX Runtime folds that
+at load, so the file is no bigger than the GGUF's.
+
+A Q4_1 block with d = 0 holds m in every place; (q - zp) * d cannot say that, so such a block is
+rewritten as q = 0, d = m, m = m (zero point -1: (0 + 1) * m), or d = 1, m = 0 when m is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgeinfer.errors import ConvertError
+
+BLOCK = 32
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # GGUF types taken over without re-quantization
+TYPE_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes per block of 32
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """An [N, K] weight as MatMulNBits blocks of 32 (K a multiple of 32).
+
+    packed  [N, K/32, 32*bits/8] uint8, element 2i in the low nibble of byte i (bits 4)
+    scales  [N, K/32] float16
+    mins    [N, K/32] float16 or None: w = scale * q + min; None: w = scale * (q - 2^(bits-1))
+    source  the GGUF type(s) the blocks came from ("Q4_1", or "Q4_0+Q8_0" after `stack`)
+    """
+
+    bits: int
+    packed: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray | None
+    source: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * BLOCK
+
+    def codes(self) -> np.ndarray:
+        """The unsigned integer codes [N, K/32, 32] (uint8)."""
+        if self.bits == 8:
+            return self.packed
+        out = np.empty((*self.packed.shape[:2], BLOCK), np.uint8)
+        out[..., 0::2] = self.packed & 15
+        out[..., 1::2] = self.packed >> 4
+        return out
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [N, K], as llama.cpp's dequantization computes it."""
+        q, d = self.codes().astype(np.float32), self.scales.astype(np.float32)[..., None]
+        w = d * q + self.mins.astype(np.float32)[..., None] if self.mins is not None \
+            else d * (q - 2 ** (self.bits - 1))
+        return w.reshape(self.shape)
+
+    def rows(self, order: np.ndarray) -> "Blocks":
+        """The same weight with its rows re-ordered (`order[i]` = the source row of row i)."""
+        return Blocks(self.bits, self.packed[order], self.scales[order],
+                      None if self.mins is None else self.mins[order], self.source)
+
+    def to_8bit(self) -> "Blocks":
+        """The same values as 8-bit blocks (exact: the codes are re-centred, scales and mins kept)."""
+        if self.bits == 8:
+            return self
+        q = self.codes()
+        return Blocks(8, q if self.mins is not None else q + np.uint8(120), self.scales, self.mins, self.source)
+
+    def with_mins(self) -> "Blocks":
+        """The same values in the w = scale * q + min form (min = -scale * 2^(bits-1), exact in fp16
+        unless it overflows, which raises ValueError)."""
+        if self.mins is not None:
+            return self
+        with np.errstate(over="ignore"):
+            mins = (self.scales * np.float16(-(2 ** (self.bits - 1)))).astype(np.float16)
+        if not np.isfinite(mins).all():
+            raise ValueError("a scale too large for an fp16 minimum")
+        return Blocks(self.bits, self.packed, self.scales, mins, self.source)
+
+
+def stack(parts: list[Blocks]) -> Blocks:
+    """Blocks of several weights with the same K, one on top of the other (q|k|v, gate|up), exactly:
+    mixed widths become 8-bit, mixed zero-point forms all take minimums. ValueError if they cannot."""
+    if len({p.shape[1] for p in parts}) != 1:
+        raise ValueError("parts differ in K")
+    if len({p.bits for p in parts}) > 1:
+        parts = [p.to_8bit() for p in parts]
+    if any(p.mins is not None for p in parts):
+        parts = [p.with_mins() for p in parts]
+    mins = None if parts[0].mins is None else np.concatenate([p.mins for p in parts])
+    source = "+".join(dict.fromkeys(s for p in parts for s in p.source.split("+")))
+    return Blocks(parts[0].bits, np.concatenate([p.packed for p in parts]),
+                  np.concatenate([p.scales for p in parts]), mins, source)
+
+
+def from_gguf(raw: np.ndarray, qtype: str, n: int, k: int) -> Blocks:
+    """Blocks of one GGUF tensor: `raw` its bytes (uint8), `n` rows of `k` weights."""
+    if qtype not in KEPT_TYPES:
+        raise ValueError(f"{qtype} is not kept as blocks")
+    if k % BLOCK:
+        raise ConvertError(f"a {qtype} tensor has rows of {k} weights, not a multiple of {BLOCK}")
+    size = TYPE_BYTES[qtype]
+    if raw.size != n * (k // BLOCK) * size:
+        raise ConvertError(f"a {qtype} tensor of {n}x{k} should hold {n * (k // BLOCK) * size} bytes, not {raw.size}")
+    b = raw.reshape(n, k // BLOCK, size)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    if qtype == "Q8_0":
+        q = b[..., 2:].view(np.int8)
+        return Blocks(8, (q.astype(np.int16) + 128).astype(np.uint8), d, None, qtype)
+    qs = b[..., 4:] if qtype == "Q4_1" else b[..., 2:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1)  # llama.cpp: q[j] low nibbles, q[j+16] high
+    mins = b[..., 2:4].copy().view(np.float16)[..., 0] if qtype == "Q4_1" else None
+    if mins is not None:
+        d, mins, codes = _fix_zero_scales(d, mins, codes)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return Blocks(4, packed, d, mins, qtype)
+
+
+def _fix_zero_scales(d: np.ndarray, m: np.ndarray, codes: np.ndarray):
+    """Q4_1 blocks with d = 0 (every weight = m) rewritten so that a zero point -m/d exists."""
+    zero = d == 0
+    if not zero.any():
+        return d, m, codes
+    d, codes = d.copy(), codes.copy()
+    codes[zero] = 0
+    d[zero] = np.where(m[zero] != 0, m[zero], np.float16(1))
+    return d, m, codes
+
+
+def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (convert_hf_to_gguf.py, Llama): per head,
+    the GGUF holds the rotary pairs interleaved (row 2j, 2j+1) where Hugging Face holds them halved
+    (row j, j + Dh/2). Returns `order` with hf_rows = gguf_rows[order]."""
+    if n_rows % (2 * n_heads):
+        raise ConvertError(f"cannot undo the q/k permutation: {n_rows} rows over {n_heads} heads")
+    return np.arange(n_rows).reshape(n_heads, n_rows // n_heads // 2, 2).swapaxes(1, 2).reshape(-1)

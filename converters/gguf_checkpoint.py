@@ -1,0 +1,239 @@
+"""A GGUF file (llama.cpp's format) as a checkpoint the decoder builder reads, under Hugging Face names.
+
+Read with the `gguf` package (llama.cpp's own reader, on PyPI) for the metadata and the tensor
+table; each tensor's bytes are then read with a plain `read`, one tensor at a time (as
+`safetensors_io` does), so the converter never holds the file: the reader's memory map is touched
+only for the header. Every tensor's extent is checked against the file size before any work.
+
+What it gives the builder (the `Checkpoint` protocol of `safetensors_io`, plus `blocks`):
+    tensors / `in`        the Hugging Face names present ("model.layers.0.self_attn.q_proj.weight")
+    read(name, shape)     float32 [N, K] (dequantized by the `gguf` package for quantized types)
+    blocks(name, shape)   `gguf_blocks.Blocks` for Q8_0 / Q4_0 / Q4_1, taken over exactly; else None
+    gguf_type(name)       the tensor's GGUF type ("Q4_1", "F32", "Q6_K")
+    config()              the architecture metadata as a Hugging Face config dict (families/ read it)
+Llama files hold q and k rows in llama.cpp's rotary order; both methods undo it (`unpermute_rows`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from edgeinfer.converters import gguf_blocks
+from edgeinfer.errors import ConvertError
+
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # general.architecture -> family
+FLOAT_TYPES = ("F32", "F16", "BF16")
+PIP_HINT = "pip install 'edgeinfer[gguf]'"
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+          "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+          "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+          "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+          "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+          "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+          "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+          "ffn_down.weight": "mlp.down_proj.weight"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor name, or None for one we do not know."""
+    if gguf_name in _TOP:
+        return _TOP[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
+        return f"model.layers.{int(parts[1])}.{_LAYER[parts[2]]}"
+    return None
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ConvertError(f"reading a GGUF file needs the gguf package: {PIP_HINT}") from None
+    return gguf
+
+
+class GGUFCheckpoint:
+    """One GGUF file's metadata and tensors (see the module doc)."""
+
+    def __init__(self, path: Path):
+        gguf = _gguf()
+        self.path = Path(path)
+        self.files = [self.path]
+        size = self.path.stat().st_size
+        try:
+            reader = gguf.GGUFReader(self.path)
+        except (ValueError, IndexError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise ConvertError(f"{self.path.name}: not a readable GGUF file (truncated or corrupted: {e})") from None
+        self.metadata = {k: _value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        self.arch = self.metadata.get("general.architecture")
+        self._infos: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}  # hf -> (gguf name, type, shape, offset, bytes)
+        unknown = []
+        for t in reader.tensors:
+            qtype = t.tensor_type.name
+            end = int(t.data_offset) + int(t.n_bytes)
+            if end > size:
+                raise ConvertError(f"{self.path.name}: truncated GGUF file: tensor {t.name!r} ends at byte {end}, "
+                                   f"the file has {size}")
+            name = hf_name(t.name)
+            if name is None:
+                unknown.append(t.name)
+                continue
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists ne0 (the row length) first
+            self._infos[name] = (t.name, qtype, shape, int(t.data_offset), int(t.n_bytes))
+        del reader
+        if unknown:
+            more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+            why = " (Llama 3.1-style rope scaling is not supported from GGUF)" if "rope_freqs.weight" in unknown else ""
+            raise ConvertError(f"{self.path.name}: tensors this converter does not know: "
+                               f"{', '.join(unknown[:3])}{more}{why}")
+        self.tensors = {n: i for n, i in self._infos.items()}
+        self._order: dict[str, np.ndarray] = {}
+
+    # --- the checkpoint protocol -------------------------------------------------------------------
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._infos
+
+    def gguf_type(self, name: str) -> str:
+        return self._info(name)[1]
+
+    def type_counts(self) -> dict[str, int]:
+        """How many tensors of each GGUF type the file holds (for the manifest's origin)."""
+        return dict(sorted(Counter(i[1] for i in self._infos.values()).items()))
+
+    def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """One tensor as float32 in a new array (dequantized when quantized), rows in Hugging Face order."""
+        gguf = _gguf()
+        _, qtype, have, _, _ = self._info(name, shape)
+        raw = self._raw(name)
+        if qtype in gguf_blocks.KEPT_TYPES and len(have) == 2:
+            return self.blocks(name, shape).dequantize()
+        try:
+            kind = gguf.GGMLQuantizationType[qtype]
+            arr = gguf.quants.dequantize(raw.view(_numpy_dtype(qtype)) if qtype in ("F32", "F16") else raw, kind)
+        except (NotImplementedError, KeyError, ValueError) as e:
+            raise ConvertError(f"{self.path.name}: tensor {self._info(name)[0]!r} has type {qtype}, which this "
+                               f"converter cannot read ({e.__class__.__name__}: {e})") from None
+        arr = np.asarray(arr, dtype=np.float32).reshape(have)
+        order = self._row_order(name, have)
+        return arr[order] if order is not None else arr
+
+    def blocks(self, name: str, shape: tuple[int, ...] | None = None) -> gguf_blocks.Blocks | None:
+        """The tensor's blocks taken over exactly (Q8_0, Q4_0, Q4_1 matrices), or None for other types."""
+        _, qtype, have, _, _ = self._info(name, shape)
+        if qtype not in gguf_blocks.KEPT_TYPES or len(have) != 2:
+            return None
+        b = gguf_blocks.from_gguf(self._raw(name), qtype, have[0], have[1])
+        order = self._row_order(name, have)
+        return b.rows(order) if order is not None else b
+
+    @staticmethod
+    def stored_kind(qtype: str) -> str:
+        """How `--quant keep` stores a tensor of GGUF type `qtype` that is not taken over as blocks:
+        F32 and BF16 as fp32, F16 as fp16; a quantized type re-quantized by our recipe, at int8 when
+        it has 5 bits or more (Q5_*, Q6_K, Q8_*), else int4."""
+        if qtype in ("F32", "BF16", "F64"):
+            return "fp32"
+        if qtype == "F16":
+            return "fp16"
+        return "int8" if any(c in qtype for c in "5678") else "int4"
+
+    def total_bytes(self) -> int:
+        return self.path.stat().st_size
+
+    # --- metadata ---------------------------------------------------------------------------------
+
+    def config(self) -> dict:
+        """The architecture metadata as a Hugging Face config.json dict (what families/ read)."""
+        m, arch = self.metadata, self.arch
+        if arch not in ARCHITECTURES:
+            raise ConvertError(f"{self.path.name}: GGUF architecture {arch!r} is not supported "
+                               f"(supported: {', '.join(ARCHITECTURES)})")
+
+        def key(k: str, default=None):
+            return m.get(f"{arch}.{k}", default)
+
+        heads = key("attention.head_count")
+        hidden = key("embedding_length")
+        tokens = m.get("tokenizer.ggml.tokens")
+        cfg = {"model_type": ARCHITECTURES[arch], "hidden_size": hidden, "intermediate_size": key("feed_forward_length"),
+               "num_hidden_layers": key("block_count"), "num_attention_heads": heads,
+               "num_key_value_heads": key("attention.head_count_kv", heads),
+               "vocab_size": key("vocab_size", len(tokens) if tokens else None),
+               "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+               "rope_theta": key("rope.freq_base", 10000.0),
+               "max_position_embeddings": key("context_length", 2048),
+               "tie_word_embeddings": "lm_head.weight" not in self,
+               "bos_token_id": m.get("tokenizer.ggml.bos_token_id"), "eos_token_id": m.get("tokenizer.ggml.eos_token_id"),
+               "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self}
+        if key("attention.key_length") is not None:
+            cfg["head_dim"] = key("attention.key_length")
+            if key("attention.value_length", cfg["head_dim"]) != cfg["head_dim"]:
+                raise ConvertError(f"{self.path.name} metadata: key and value head sizes differ "
+                                   f"({cfg['head_dim']} and {key('attention.value_length')})")
+        if isinstance(heads, int) and heads > 0 and isinstance(hidden, int):
+            head_dim = cfg.get("head_dim", hidden // heads)
+            if key("rope.dimension_count", head_dim) != head_dim:
+                cfg["partial_rotary_factor"] = key("rope.dimension_count") / max(head_dim, 1)
+        scaling = key("rope.scaling.type")
+        if scaling not in (None, "none"):
+            cfg["rope_scaling"] = {"type": scaling, "factor": key("rope.scaling.factor", 1.0)}
+        if key("attention.sliding_window"):
+            cfg["use_sliding_window"] = True
+        return cfg
+
+    # --- internals --------------------------------------------------------------------------------
+
+    def _info(self, name: str, shape: tuple[int, ...] | None = None):
+        try:
+            info = self._infos[name]
+        except KeyError:
+            raise ConvertError(f"tensor {name!r} is missing from {self.path.name}") from None
+        if shape is not None and tuple(shape) != info[2]:
+            raise ConvertError(f"{self.path.name}: tensor {info[0]!r} has shape {list(info[2])}, the metadata "
+                               f"implies {list(shape)}")
+        return info
+
+    def _raw(self, name: str) -> np.ndarray:
+        gname, _, _, offset, nbytes = self._info(name)
+        buf = bytearray(nbytes)
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            got = f.readinto(buf)
+        if got != nbytes:
+            raise ConvertError(f"{self.path.name}: truncated while reading {gname!r}")
+        return np.frombuffer(buf, np.uint8)
+
+    def _row_order(self, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+        """llama.cpp permutes Llama's q and k rows (and biases) for its rotary layout; undo it."""
+        if self.arch != "llama" or not (".q_proj." in name or ".k_proj." in name):
+            return None
+        heads = self.metadata.get("llama.attention.head_count")
+        if ".k_proj." in name:
+            heads = self.metadata.get("llama.attention.head_count_kv", heads)
+        if not isinstance(heads, int) or heads <= 0:
+            raise ConvertError(f"{self.path.name} metadata: bad head count {heads!r}")
+        key = (shape[0], heads)
+        if key not in self._order:
+            self._order[key] = gguf_blocks.unpermute_rows(shape[0], heads)
+        return self._order[key]
+
+
+def _numpy_dtype(qtype: str):
+    return {"F32": np.float32, "F16": np.float16}[qtype]
+
+
+def _value(field):
+    """A metadata field's value as plain Python (strings, numbers, bools, lists of them)."""
+    try:
+        v = field.contents()
+    except (ValueError, IndexError, UnicodeDecodeError, TypeError):
+        return None
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
