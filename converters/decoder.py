@@ -26,7 +26,8 @@ from onnx import TensorProto, helper
 
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import graph as G
-from edgeinfer.converters.gguf_blocks import BLOCK, Blocks, stack
+from edgeinfer.converters.gguf_blocks import Blocks, stack
+from edgeinfer.converters.kept_graph import kept_gather, kept_linear, kept_matmul, kept_weight
 from edgeinfer.converters.quantize import QuantScheme, bits_of, quantize_blockwise
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
@@ -127,7 +128,7 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
 
     def head(x: str) -> str:
         if own_head:
-            return G.linear(g, p_head, x, head_w, None, head_kind, scheme)
+            return _linear(g, p_head, x, head_w, None, head_kind, scheme)
         if head_kind in ("int4", "int8") and share_quant:
             ins = [x, "lm_head.qweight", "lm_head.scales"] + (["lm_head.zero_points"] if not scheme.symmetric else [])
             (y,) = g.node("MatMulNBits", ins, f"{p_head}/MatMulNBits", domain=G.MS, K=D, N=V,
@@ -176,39 +177,26 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
 
 def _kept_embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: QuantScheme, input_ids: str,
                              emb: Blocks, tied: bool) -> tuple[str, callable]:
-    """`embedding_and_head` for an embedding taken over as GGUF blocks: GatherBlockQuantized reads
-    the codes with its default zero point (2^(bits-1)); blocks with minimums add min + scale * 2^(bits-1)
-    per block (a constant, folded at load), since its zero points cannot be fractions. A tied head is
-    MatMulNBits over the same initializers."""
+    """`embedding_and_head` for an embedding taken over as GGUF blocks (`kept_graph`); a tied head
+    is MatMulNBits over the same initializers."""
     V, D = spec.vocab_size, spec.hidden_size
-    p_emb, p_head = "/model/embed_tokens", "/lm_head"
-    codes, scales, mins = G.block_tensors(g, "lm_head" if tied else "model.embed_tokens", emb)
-    shape = g.const(f"shape_emb_packed_{emb.bits}", np.array([V, D * emb.bits // 8], np.int64))
-    (data,) = g.node("Reshape", [codes, shape], f"{p_emb}/Reshape")
-    (h,) = g.node("GatherBlockQuantized", [data, input_ids, scales], f"{p_emb}/GatherBlockQuantized", domain=G.MS,
-                  gather_axis=0, quantize_axis=1, block_size=BLOCK, bits=emb.bits)
-    if mins is not None:
-        centre = g.const(f"{p_emb}.centre", np.array(2 ** (emb.bits - 1), np.float32))
-        (shift,) = g.node("Mul", [scales, centre], f"{p_emb}/offset/Mul")
-        (offset,) = g.node("Add", [mins, shift], f"{p_emb}/offset/Add")  # [V, D/32]
-        (picked,) = g.node("Gather", [offset, input_ids], f"{p_emb}/offset/Gather", axis=0)  # [B, S, D/32]
-        (spread,) = g.node("Unsqueeze", [picked, g.const("axes_last", np.array([-1], np.int64))],
-                           f"{p_emb}/offset/Unsqueeze")
-        (spread,) = g.node("Mul", [spread, g.const("ones_block", np.ones(BLOCK, np.float32))], f"{p_emb}/offset/Spread")
-        (spread,) = g.node("Reshape", [spread, g.const("shape_BSD", np.array([0, 0, D], np.int64))],
-                           f"{p_emb}/offset/Reshape")
-        (h,) = g.node("Add", [h, spread], f"{p_emb}/offset/AddToRows")
+    w = kept_weight(g, "lm_head" if tied else "model.embed_tokens", emb, scheme.accuracy_level)
+    h = kept_gather(g, "/model/embed_tokens", w, input_ids)
 
     def head(x: str) -> str:
-        if not tied:
-            w, kind = src.projection([("lm_head.weight", (V, D))], scheme.lm_head)
-            return G.linear(g, p_head, x, w, None, kind, scheme)
-        ins = [x, codes, scales] + ([G.zero_points(g, p_head, scales, mins)] if mins is not None else [])
-        (y,) = g.node("MatMulNBits", ins, f"{p_head}/MatMulNBits", domain=G.MS, K=D, N=V, bits=emb.bits,
-                      block_size=BLOCK, accuracy_level=scheme.accuracy_level)
-        return y
+        if tied:
+            return kept_matmul(g, "/lm_head", x, w, scheme.accuracy_level)
+        head_w, kind = src.projection([("lm_head.weight", (V, D))], scheme.lm_head)
+        return _linear(g, "/lm_head", x, head_w, None, kind, scheme)
 
     return h, head
+
+
+def _linear(g: G.Graph, prefix: str, x: str, w: np.ndarray | Blocks, bias, kind: str, scheme: QuantScheme) -> str:
+    """`graph.linear`, or `kept_graph.kept_linear` for blocks taken over from a GGUF file."""
+    if isinstance(w, Blocks):
+        return kept_linear(g, prefix, x, w, bias, scheme.accuracy_level)
+    return G.linear(g, prefix, x, w, bias, kind, scheme)
 
 
 ATTENTION_CHOICES = ("auto", *NAMES)  # `convert --attention`: a KV mode's name, or auto
@@ -260,7 +248,7 @@ def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer
         if spec.qkv_bias:
             b_qkv = np.concatenate([src.get(f"{a}.q_proj.bias", (H * Dh,)), src.get(f"{a}.k_proj.bias", (Hkv * Dh,)),
                                     src.get(f"{a}.v_proj.bias", (Hkv * Dh,))])
-        qkv = G.linear(g, f"{p}/attn/qkv_proj", normed, w_qkv, b_qkv, qkv_kind, scheme)
+        qkv = _linear(g, f"{p}/attn/qkv_proj", normed, w_qkv, b_qkv, qkv_kind, scheme)
         del w_qkv
         past_k, past_v, present_k, present_v = (names.past_key(i), names.past_value(i), names.present_key(i),
                                                 names.present_value(i))
@@ -281,19 +269,19 @@ def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer
                 ctx = G.attention(g, f"{p}/attn", q, k, v, past_k, past_v, mask, H, Hkv, Dh, present_k, present_v)
         o_b = src.maybe(f"{a}.o_proj.bias", (D,), spec.o_bias)
         w_o, o_kind = src.projection([(f"{a}.o_proj.weight", (D, H * Dh))], scheme.kind_for("o_proj"))
-        attn_out = G.linear(g, f"{p}/attn/o_proj", ctx, w_o, o_b, o_kind, scheme)
+        attn_out = _linear(g, f"{p}/attn/o_proj", ctx, w_o, o_b, o_kind, scheme)
 
         normed, residual = G.skip_rms_norm(g, f"{p}/post_attention_layernorm", attn_out, residual,
                                            src.get(f"{hf}.post_attention_layernorm.weight", (D,)), eps)
         m = f"{hf}.mlp"
         w_gu, gu_kind = src.projection([(f"{m}.gate_proj.weight", (I, D)), (f"{m}.up_proj.weight", (I, D))],
                                        scheme.kind_for("gate_up_proj"))
-        gu = G.linear(g, f"{p}/mlp/gate_up_proj", normed, w_gu, None, gu_kind, scheme)
+        gu = _linear(g, f"{p}/mlp/gate_up_proj", normed, w_gu, None, gu_kind, scheme)
         del w_gu
         gate, up = G.split_last(g, f"{p}/mlp/gate_up_proj", gu, [I, I])
         act = G.silu_mul(g, f"{p}/mlp", gate, up)
         w_down, down_kind = src.projection([(f"{m}.down_proj.weight", (D, I))], scheme.kind_for("down_proj"))
-        mlp_out = G.linear(g, f"{p}/mlp/down_proj", act, w_down, None, down_kind, scheme)
+        mlp_out = _linear(g, f"{p}/mlp/down_proj", act, w_down, None, down_kind, scheme)
 
     (final,) = g.node("Add", [mlp_out, residual], "/model/final/Add")
     (picked,) = g.node("Gather", [final, "logits_index"], "/model/final/Gather", axis=1)  # [B, N, D]

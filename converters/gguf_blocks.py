@@ -8,14 +8,12 @@ llama.cpp (ggml-common.h) stores a row of K weights as K/32 blocks:
 
 ONNX Runtime's MatMulNBits (block 32) computes w = scale * (q - zero_point) with q packed two per
 byte, element 2i in the low nibble of byte i (8 bits: one per byte), and a default zero point of
-2^(bits-1) when none is given. So Q8_0 is q + 128 with zero point 128, Q4_0 is its nibbles
-re-ordered with zero point 8, and Q4_1 is its nibbles with a floating-point zero point -m/d, all
-with the same scales: the same numbers llama.cpp holds. `Blocks` keeps the fp16 scales (and Q4_1's
-fp16 minimums) as the file has them; the graph casts them to float32 and ONNX Runtime folds that
-at load, so the file is no bigger than the GGUF's.
+2^(bits-1) when none is given. So Q8_0 is q + 128 with zero point 128 and Q4_0 its nibbles
+re-ordered with zero point 8, with the same scales: the same numbers llama.cpp holds. Q4_1 is
+d * (q - 8) plus a per-block offset m + 8 d (`packs` says how each kind of block is computed).
+`Blocks` keeps the fp16 scales (and Q4_1's fp16 minimums) as the file has them; the graph casts
+them to float32 and ONNX Runtime folds that at load, so the file is no bigger than the GGUF's.
 
-A Q4_1 block with d = 0 holds m in every place; (q - zp) * d cannot say that, so such a block is
-rewritten as q = 0, d = m, m = m (zero point -1: (0 + 1) * m), or d = 1, m = 0 when m is 0.
 """
 
 from __future__ import annotations
@@ -91,6 +89,39 @@ class Blocks:
         return Blocks(self.bits, self.packed, self.scales, mins, self.source)
 
 
+@dataclass(frozen=True)
+class Pack:
+    """One MatMulNBits weight with the default zero point 2^(bits-1) (ONNX Runtime's fast kernels):
+    codes in its layout, and its scale as a multiple of the blocks' scale."""
+
+    bits: int
+    codes: np.ndarray  # [N, K/32, 32*bits/8] uint8
+    scale_factor: float
+
+
+def packs(b: Blocks, split_8bit: bool) -> tuple[list[Pack], float | None]:
+    """`b` as symmetric MatMulNBits packs and a per-block offset, exactly:
+
+        w = sum over packs of (scale * factor) * (code - 2^(bits-1))  +  offset
+        offset = min + k * scale per block (k returned; None: no offset)
+
+    Why not MatMulNBits' own zero points: ONNX Runtime 1.32's CPU kernel takes floating-point ones
+    (Q4_1 kept exactly, checked to 1e-6) but runs 30x slower with them, and its 8-bit kernel at
+    accuracy level 0 is ~60x slower than at level 4 (scripts/bench_kept_blocks.py). So a minimum
+    becomes an offset times the input's block sums (llama.cpp's own Q4_1 x Q8_1 arithmetic), and
+    with `split_8bit` an 8-bit code u = 16 hi + lo becomes two 4-bit packs (scales 16 d and d)."""
+    if b.bits == 4:
+        return [Pack(4, b.packed, 1.0)], (8.0 if b.mins is not None else None)
+    if not split_8bit:
+        return [Pack(8, b.packed, 1.0)], (128.0 if b.mins is not None else None)
+    hi, lo = b.packed >> 4, b.packed & 15
+    return [Pack(4, _pack4(hi), 16.0), Pack(4, _pack4(lo), 1.0)], (136.0 if b.mins is not None else 8.0)
+
+
+def _pack4(codes: np.ndarray) -> np.ndarray:
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
 def stack(parts: list[Blocks]) -> Blocks:
     """Blocks of several weights with the same K, one on top of the other (q|k|v, gate|up), exactly:
     mixed widths become 8-bit, mixed zero-point forms all take minimums. ValueError if they cannot."""
@@ -118,26 +149,11 @@ def from_gguf(raw: np.ndarray, qtype: str, n: int, k: int) -> Blocks:
     b = raw.reshape(n, k // BLOCK, size)
     d = b[..., 0:2].copy().view(np.float16)[..., 0]
     if qtype == "Q8_0":
-        q = b[..., 2:].view(np.int8)
-        return Blocks(8, (q.astype(np.int16) + 128).astype(np.uint8), d, None, qtype)
+        return Blocks(8, b[..., 2:] ^ np.uint8(0x80), d, None, qtype)  # int8 q + 128, as a byte
     qs = b[..., 4:] if qtype == "Q4_1" else b[..., 2:]
     codes = np.concatenate([qs & 15, qs >> 4], axis=-1)  # llama.cpp: q[j] low nibbles, q[j+16] high
     mins = b[..., 2:4].copy().view(np.float16)[..., 0] if qtype == "Q4_1" else None
-    if mins is not None:
-        d, mins, codes = _fix_zero_scales(d, mins, codes)
-    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
-    return Blocks(4, packed, d, mins, qtype)
-
-
-def _fix_zero_scales(d: np.ndarray, m: np.ndarray, codes: np.ndarray):
-    """Q4_1 blocks with d = 0 (every weight = m) rewritten so that a zero point -m/d exists."""
-    zero = d == 0
-    if not zero.any():
-        return d, m, codes
-    d, codes = d.copy(), codes.copy()
-    codes[zero] = 0
-    d[zero] = np.where(m[zero] != 0, m[zero], np.float16(1))
-    return d, m, codes
+    return Blocks(4, _pack4(codes), d, mins, qtype)
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:

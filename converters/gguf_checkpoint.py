@@ -1,9 +1,10 @@
 """A GGUF file (llama.cpp's format) as a checkpoint the decoder builder reads, under Hugging Face names.
 
-Read with the `gguf` package (llama.cpp's own reader, on PyPI) for the metadata and the tensor
-table; each tensor's bytes are then read with a plain `read`, one tensor at a time (as
-`safetensors_io` does), so the converter never holds the file: the reader's memory map is touched
-only for the header. Every tensor's extent is checked against the file size before any work.
+The header (metadata and tensor table) is read by `gguf_header` in one pass; the `gguf` package
+(llama.cpp's own, on PyPI) gives the type numbers, block sizes and the dequantizers. Each tensor's
+bytes are read with a plain `read`, one tensor at a time (as `safetensors_io` does), so the
+converter never holds the file. Every tensor's extent is checked against the file size before
+any work.
 
 What it gives the builder (the `Checkpoint` protocol of `safetensors_io`, plus `blocks`):
     tensors / `in`        the Hugging Face names present ("model.layers.0.self_attn.q_proj.weight")
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeinfer.converters import gguf_blocks
+from edgeinfer.converters.gguf_header import HeaderError, read_header
 from edgeinfer.errors import ConvertError
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # general.architecture -> family
@@ -66,16 +68,24 @@ class GGUFCheckpoint:
         self.files = [self.path]
         size = self.path.stat().st_size
         try:
-            reader = gguf.GGUFReader(self.path)
-        except (ValueError, IndexError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise ConvertError(f"{self.path.name}: not a readable GGUF file (truncated or corrupted: {e})") from None
-        self.metadata = {k: _value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+            self.metadata, entries = read_header(self.path)
+        except HeaderError as e:
+            raise ConvertError(f"{self.path.name}: not a readable GGUF file ({e})") from None
         self.arch = self.metadata.get("general.architecture")
         self._infos: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}  # hf -> (gguf name, type, shape, offset, bytes)
         unknown = []
-        for t in reader.tensors:
-            qtype = t.tensor_type.name
-            end = int(t.data_offset) + int(t.n_bytes)
+        for t in entries:
+            try:
+                qtype = gguf.GGMLQuantizationType(t.type_id).name
+                block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.type_id)]
+            except (ValueError, KeyError):
+                raise ConvertError(f"{self.path.name}: tensor {t.name!r} has type number {t.type_id}, which this "
+                                   "converter cannot read") from None
+            elements = int(np.prod(t.dims, dtype=np.int64))
+            if elements % block or (t.dims and t.dims[0] % block):
+                raise ConvertError(f"{self.path.name}: tensor {t.name!r} of {list(t.dims)} does not divide into "
+                                   f"{qtype} blocks of {block}")
+            end = t.offset + elements // block * type_bytes
             if end > size:
                 raise ConvertError(f"{self.path.name}: truncated GGUF file: tensor {t.name!r} ends at byte {end}, "
                                    f"the file has {size}")
@@ -83,9 +93,8 @@ class GGUFCheckpoint:
             if name is None:
                 unknown.append(t.name)
                 continue
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists ne0 (the row length) first
-            self._infos[name] = (t.name, qtype, shape, int(t.data_offset), int(t.n_bytes))
-        del reader
+            shape = tuple(reversed(t.dims))  # GGUF lists ne0 (the row length) first
+            self._infos[name] = (t.name, qtype, shape, t.offset, end - t.offset)
         if unknown:
             more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
             why = " (Llama 3.1-style rope scaling is not supported from GGUF)" if "rope_freqs.weight" in unknown else ""
@@ -226,14 +235,3 @@ class GGUFCheckpoint:
 
 def _numpy_dtype(qtype: str):
     return {"F32": np.float32, "F16": np.float16}[qtype]
-
-
-def _value(field):
-    """A metadata field's value as plain Python (strings, numbers, bools, lists of them)."""
-    try:
-        v = field.contents()
-    except (ValueError, IndexError, UnicodeDecodeError, TypeError):
-        return None
-    if isinstance(v, np.generic):
-        return v.item()
-    return v

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from edgeinfer.converters.gguf_blocks import BLOCK, Blocks
 from edgeinfer.converters.onnx_writer import WeightWriter
 from edgeinfer.converters.quantize import QuantScheme, bits_of, quantize_blockwise
 
@@ -48,16 +47,11 @@ class Graph:
         return name
 
 
-def linear(g: Graph, prefix: str, x: str, w_out_in: np.ndarray | Blocks, bias: np.ndarray | None, kind: str,
+def linear(g: Graph, prefix: str, x: str, w_out_in: np.ndarray, bias: np.ndarray | None, kind: str,
            scheme: QuantScheme) -> str:
-    """y = x @ W^T (+ b). x [B, S, K] -> [B, S, N]; W given as Hugging Face stores it, [N, K], or as
-    blocks taken over from a GGUF file (`Blocks`, stored as they are whatever `kind` says)."""
+    """y = x @ W^T (+ b). x [B, S, K] -> [B, S, N]; W given as Hugging Face stores it, [N, K]."""
     n, k = w_out_in.shape
-    if isinstance(w_out_in, Blocks):
-        ins = [x, *block_inputs(g, prefix, w_out_in)]
-        (y,) = g.node("MatMulNBits", ins, f"{prefix}/MatMulNBits", domain=MS, K=k, N=n, bits=w_out_in.bits,
-                      block_size=BLOCK, accuracy_level=scheme.accuracy_level)
-    elif kind in ("int4", "int8"):
+    if kind in ("int4", "int8"):
         bits = bits_of(kind)
         packed, scales, zp = quantize_blockwise(w_out_in, bits, scheme.block_size, scheme.symmetric)
         ins = [x, g.weight(f"{prefix}.qweight", packed), g.weight(f"{prefix}.scales", scales)]
@@ -74,33 +68,6 @@ def linear(g: Graph, prefix: str, x: str, w_out_in: np.ndarray | Blocks, bias: n
     if bias is not None:
         (y,) = g.node("Add", [y, g.weight(f"{prefix}.bias", bias.astype(np.float32))], f"{prefix}/Add")
     return y
-
-
-def block_tensors(g: Graph, prefix: str, b: Blocks) -> tuple[str, str, str | None]:
-    """GGUF blocks as graph tensors: (packed codes, float32 scales, float32 minimums or None). The
-    file keeps the GGUF's fp16 scales and minimums; the Cast nodes are constant, so ONNX Runtime
-    folds them into float32 initializers when the session loads."""
-    codes = g.weight(f"{prefix}.qweight", b.packed)
-    (scales,) = g.node("Cast", [g.weight(f"{prefix}.scales_fp16", b.scales)], f"{prefix}/scales/Cast",
-                       to=TensorProto.FLOAT)
-    if b.mins is None:
-        return codes, scales, None
-    (mins,) = g.node("Cast", [g.weight(f"{prefix}.mins_fp16", b.mins)], f"{prefix}/mins/Cast", to=TensorProto.FLOAT)
-    return codes, scales, mins
-
-
-def block_inputs(g: Graph, prefix: str, b: Blocks) -> list[str]:
-    """MatMulNBits' weight inputs for GGUF blocks: codes, scales and, for blocks with minimums, the
-    floating-point zero points -min/scale (constant nodes, folded at load)."""
-    codes, scales, mins = block_tensors(g, prefix, b)
-    return [codes, scales] if mins is None else [codes, scales, zero_points(g, prefix, scales, mins)]
-
-
-def zero_points(g: Graph, prefix: str, scales: str, mins: str) -> str:
-    """MatMulNBits' floating-point zero points for w = scale * q + min: -min / scale."""
-    (ratio,) = g.node("Div", [mins, scales], f"{prefix}/zero_points/Div")
-    (zp,) = g.node("Neg", [ratio], f"{prefix}/zero_points/Neg")
-    return zp
 
 
 def rms_norm(g: Graph, prefix: str, x: str, weight: np.ndarray, eps: float) -> str:

@@ -81,14 +81,15 @@ def test_unpermute_undoes_llama_cpp_permutation():
 @pytest.mark.parametrize("qtype", gguf_blocks.KEPT_TYPES)
 @pytest.mark.parametrize("level", [0, 4])
 def test_matmulnbits_over_kept_blocks_computes_the_dequantized_matmul(qtype, level):
-    """The graph side: fp16 scales cast at load, Q4_1 as float zero points, d = 0 blocks."""
+    """The graph side (converters/kept_graph.py): fp16 scales cast at load, Q4_1's minimums as an
+    offset on block sums, 8-bit blocks as two 4-bit packs below level 4, d = 0 blocks."""
     import onnx
     import onnxruntime as ort
     from onnx import helper
 
     from edgeinfer.converters import graph as G
+    from edgeinfer.converters.kept_graph import kept_linear
     from edgeinfer.converters.onnx_writer import WeightWriter
-    from edgeinfer.quant_scheme import QuantScheme
 
     n, k = 40, 128
     w = RNG.standard_normal((n, k)).astype(np.float32)
@@ -105,7 +106,7 @@ def test_matmulnbits_over_kept_blocks_computes_the_dequantized_matmul(qtype, lev
             return onnx.numpy_helper.from_array(np.asarray(array), name)
 
     g = G.Graph(Inline())
-    y = G.linear(g, "/p", "x", b, None, "int4", QuantScheme(weights="int4", accuracy_level=level))
+    y = kept_linear(g, "/p", "x", b, None, level)
     g.node("Identity", [y], "/out", outputs=["y"])
     model = helper.make_model(
         helper.make_graph(g.nodes, "t", [helper.make_tensor_value_info("x", 1, [1, 3, k])],
@@ -337,3 +338,20 @@ def test_smollm2_q4_1_kept_exactly(tmp_path):
     reply = model.chat([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=24,
                        temperature=0)
     assert "Paris" in reply.text and reply.finish_reason == "eos"
+
+
+def test_a_type_we_cannot_keep_is_requantized_and_said(tmp_path):
+    """A Q5_0 v_proj among Q8_0 q/k: the stacked q|k|v is stored at int8 by our recipe (the widest its
+    parts need), listed in the origin; the model stays close to the all-Q8_0 file."""
+    src = GGUF_FIX / "stories260K-Q8_0.gguf"
+    r = gguf.GGUFReader(src)
+    t = next(t for t in r.tensors if t.name == "blk.0.attn_v.weight")
+    w = gguf.quants.dequantize(t.data, t.tensor_type)
+    q5 = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)
+    mixed = _rewrite(src, tmp_path / "q5.gguf", retype={t.name: ("Q5_0", q5)})
+    m = convert(mixed, tmp_path / "out")
+    assert "model.layers.0.self_attn.v_proj.weight: Q5_0 -> int8" in m.origin.requantized
+    assert "model.layers.0.self_attn.q_proj.weight: Q8_0 -> int8" in m.origin.requantized
+    assert m.origin.kept_exact == ("Q8_0",)
+    ppl = _perplexity(tmp_path / "out")
+    assert abs(ppl / REFERENCE["files"]["Q8_0"]["perplexity"] - 1) < 0.01

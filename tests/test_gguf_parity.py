@@ -49,6 +49,10 @@ MODELS = [n for n in TINY_MODELS if n != LLAMA3]
 QTYPES = ("F16", "Q8_0")
 F16_MAX, F16_MEAN = 0.1, 0.01  # vs transformers (measured max 0.0453, mean 0.0053)
 SAME = 1e-5  # two conversions of the same weights (measured 0.0)
+# the same numbers computed another way: below level 4 a kept 8-bit weight runs as two 4-bit packs
+# plus a block-sum offset (converters/kept_graph.py), which reorders float additions (measured 2.7e-5
+# on logits up to ~20: a few ulps)
+SAME_NUMBERS = 1e-4
 Q8_0_MAX, Q8_0_RMS_OF_STD = 2.0, 0.03  # Q8_0 vs F16 (measured max 1.21, RMS 2.0 % of the std)
 NEAR_TIE = 0.5  # a top-2 margin Q8_0 may flip: below its measured logit perturbation (>= 0.66 on every fixture)
 KNOWN_Q8_0_FLIPS = {"mistral_gqa_untied_fp16": 1}  # fixture -> first step that differs from transformers
@@ -200,7 +204,7 @@ def test_q8_0_is_exactly_the_files_numbers(name, gguf_model, dequantized_q8_0):
     ref = np.load(TINY / name / "reference.npz")
     ids, prompt = ref["input_ids"][0].tolist(), ref["prompt_ids"].tolist()
     kept, deq = gguf_model(name, "Q8_0"), dequantized_q8_0(name)
-    assert np.abs(_full_pass(kept, ids) - _full_pass(deq, ids)).max() < SAME
+    assert np.abs(_full_pass(kept, ids) - _full_pass(deq, ids)).max() < SAME_NUMBERS
     assert _greedy(kept, prompt)[0] == _greedy(deq, prompt)[0]
     m = read_manifest(kept)
     assert (m.quantization.weights, m.quantization.embedding, m.quantization.accuracy_level) == ("int8", "int8", 0)
