@@ -106,10 +106,11 @@ def packs(b: Blocks, split_8bit: bool) -> tuple[list[Pack], float | None]:
         offset = min + k * scale per block (k returned; None: no offset)
 
     Why not MatMulNBits' own zero points: ONNX Runtime 1.32's CPU kernel takes floating-point ones
-    (Q4_1 kept exactly, checked to 1e-6) but runs 30x slower with them, and its 8-bit kernel at
-    accuracy level 0 is ~60x slower than at level 4 (scripts/bench_kept_blocks.py). So a minimum
-    becomes an offset times the input's block sums (llama.cpp's own Q4_1 x Q8_1 arithmetic), and
-    with `split_8bit` an 8-bit code u = 16 hi + lo becomes two 4-bit packs (scales 16 d and d)."""
+    (Q4_1 kept exactly, checked to 1e-6) but runs 8-50x slower with them, and its 8-bit kernel at
+    accuracy level 0 is 6-40x slower than two 4-bit packs (one decode row, 3072x576 and 49152x576;
+    scripts/bench_kept_blocks.py, docs/benchmarks/kept-blocks.json). So a minimum becomes an offset
+    times the input's block sums (llama.cpp's own Q4_1 x Q8_1 arithmetic), and with `split_8bit` an
+    8-bit code u = 16 hi + lo becomes two 4-bit packs (scales 16 d and d)."""
     if b.bits == 4:
         return [Pack(4, b.packed, 1.0)], (8.0 if b.mins is not None else None)
     if not split_8bit:
