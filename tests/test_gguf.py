@@ -355,3 +355,42 @@ def test_a_type_we_cannot_keep_is_requantized_and_said(tmp_path):
     assert m.origin.kept_exact == ("Q8_0",)
     ppl = _perplexity(tmp_path / "out")
     assert abs(ppl / REFERENCE["files"]["Q8_0"]["perplexity"] - 1) < 0.01
+
+
+def test_a_huge_count_in_the_header_is_an_error_not_an_allocation(tmp_path):
+    import struct
+
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + struct.pack("<Q", 3) + b"key" + struct.pack("<IIQ", 9, 8, 2 ** 60)
+    (tmp_path / "huge.gguf").write_bytes(head)
+    _refused(tmp_path, tmp_path / "huge.gguf", "not a readable GGUF file", "2")
+    (tmp_path / "counts.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 2 ** 62, 2 ** 62))
+    _refused(tmp_path, tmp_path / "counts.gguf", "cannot fit the file")
+    (tmp_path / "v1.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 1, 0, 0))
+    _refused(tmp_path, tmp_path / "v1.gguf", "version 1")
+
+
+def test_flipped_bytes_in_the_header_give_a_convert_error_or_a_valid_model():
+    """A damaged header: ConvertError (never another exception), or a model folder that loads."""
+    from edgeinfer.converters.gguf_import import GGUFCheckpoint, spec_from_gguf
+    from edgeinfer.converters.gguf_tokenizer import tokenizer_json
+
+    from edgeinfer.converters.gguf_header import read_header
+
+    data = bytearray((GGUF_FIX / "stories260K-Q8_0.gguf").read_bytes())
+    header_end = min(t.offset for t in read_header(GGUF_FIX / "stories260K-Q8_0.gguf")[1])  # 14,560 bytes
+    rng = np.random.default_rng(7)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(60):
+            bad = bytearray(data)
+            for pos in rng.integers(0, header_end, 3):
+                bad[pos] ^= 1 << int(rng.integers(0, 8))
+            path = Path(tmp) / "flip.gguf"
+            path.write_bytes(bad)
+            try:
+                ckpt = GGUFCheckpoint(path)
+                spec_from_gguf(ckpt)
+                tokenizer_json(ckpt.metadata, path.name)
+            except ConvertError:
+                pass
