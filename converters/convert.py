@@ -9,6 +9,7 @@ only an existing edgeinfer model folder (or an empty one), never one holding the
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import os
 import shutil
@@ -44,6 +45,7 @@ DEFAULT_PORTABLE_CAPACITY = 512
 DEFAULT_PREFILL_TOKENS = 64
 MIN_PORTABLE_CAPACITY = 8
 MAX_DEFAULT_CAPACITY = 4096
+VIAS = ("auto", "native", "optimum")  # `convert --via`
 
 
 def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | None = None,
@@ -131,7 +133,7 @@ def _os_error(e: OSError, dst: Path) -> ConvertError:
 def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block_size: int = 32, target: str = "cpu",
             force: bool = False, scheme: QuantScheme | None = None, attention: str = "auto",
             capacity_tokens: int | None = None, prefill_tokens: int | None = None, ort_format: bool = False,
-            accuracy_level: int | None = None, log=lambda msg: None) -> Manifest:
+            accuracy_level: int | None = None, via: str = "auto", log=lambda msg: None) -> Manifest:
     """Convert `src` (a Hugging Face folder or a GGUF file) into `dst` (edgeinfer folder). Returns the
     manifest written.
 
@@ -140,6 +142,9 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
     quant: None is int4 for cpu/cuda and the portable target's default (coreml fp16, nnapi int8); for a
     GGUF file on cpu, "keep" (its Q8_0/Q4_0/Q4_1 blocks taken over exactly, other types as
     `TensorSource` says); accuracy_level: with "keep", MatMulNBits' (default 0, float activations).
+    via: "native" (our graph builder), "optimum" (Hugging Face Optimum's export:
+    `optimum_export.convert_via_optimum`), or "auto": native, or Optimum with a note for a Hugging Face
+    architecture the native builder does not know when the `optimum` extra is installed.
     capacity_tokens / prefill_tokens: the portable graphs' fixed ring and prefill chunk; ort_format:
     also write them as .ort files (ONNX Runtime Mobile's format).
     """
@@ -150,7 +155,19 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
         raise ConvertError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
     if attention not in ATTENTION_CHOICES:
         raise ConvertError(f"unknown attention {attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
+    if via not in VIAS:
+        raise ConvertError(f"unknown --via {via!r} (choose from {', '.join(VIAS)})")
     gguf = gguf_import.is_gguf(src)
+    if via == "optimum" or (via == "auto" and not gguf and _needs_optimum(src, log)):
+        if scheme is not None and scheme == default_scheme(scheme.weights, scheme.block_size):
+            quant, block_size, scheme = quant or scheme.weights, scheme.block_size, None  # only --block-size given
+        if target != "cpu" or scheme is not None or attention != "auto" or ort_format or accuracy_level is not None \
+                or capacity_tokens is not None or prefill_tokens is not None or quant not in (None, "int4", "int8", "fp32"):
+            raise ConvertError("--via optimum builds a cpu graph from --quant int4, int8 or fp32 (and --block-size); "
+                               "the other convert options are for the native graphs")
+        from edgeinfer.converters.optimum_export import convert_via_optimum
+
+        return convert_via_optimum(src, dst, quant=quant or "int4", block_size=block_size, force=force, log=log)
     if quant is None and gguf and target == "cpu" and scheme is None:
         quant = "keep"
     if quant == "keep" and (not gguf or target != "cpu" or scheme is not None):
@@ -169,6 +186,28 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
         return _convert(src, dst, scheme, target, attention, log, portable, ort_format, gguf, accuracy_level)
     except OSError as e:
         raise _os_error(e, dst) from None
+
+
+def _needs_optimum(src: Path, log) -> bool:
+    """For `via="auto"`: whether the Hugging Face folder `src` is of an architecture the native builder
+    does not know and Optimum is installed to export it (said in the log). Unknown without Optimum:
+    ConvertError naming the extra. Any other problem is left to the native path to report."""
+    try:
+        cfg = read_config(src)
+        spec_from_config(cfg)
+        return False
+    except ConvertError as e:
+        if not str(e).startswith("unsupported architecture"):
+            return False
+        if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("torch") is None:
+            raise ConvertError(f"{e}; other families convert through Hugging Face Optimum's ONNX export: pip install "
+                               "'edgeinfer[optimum]', then convert again (or pass --via optimum)") from None
+        name = str(e).split(";")[0].removeprefix("unsupported architecture ")
+        log(f"note: {name} is not a native family: converting through Optimum's ONNX export "
+            "(--via optimum; slower to decode than a native graph, docs/architecture.md)")
+        return True
+    except OSError:
+        return False
 
 
 def _check_portable(target: str, quant: str | None, capacity_tokens, prefill_tokens, attention: str,

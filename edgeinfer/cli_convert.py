@@ -39,6 +39,10 @@ def add_convert_parser(sub) -> None:
                    help="coreml/nnapi: the KV ring the graphs are built for (default 512; a smaller one loads)")
     c.add_argument("--prefill-tokens", type=int, default=None, help="coreml/nnapi: the prefill graph's chunk (64)")
     c.add_argument("--ort-format", action="store_true", help="coreml/nnapi: also write .ort files for ORT Mobile")
+    c.add_argument("--via", choices=("auto", "native", "optimum"), default="auto",
+                   help="the graph builder: native, or Hugging Face Optimum's ONNX export for families the native "
+                   "builder lacks (pip install 'edgeinfer[optimum]'); auto: native, Optimum for an unknown "
+                   "architecture when installed")
     c.add_argument("--force", action="store_true",
                    help="replace an existing edgeinfer model folder (never one holding SRC or the current folder)")
     c.add_argument("-q", "--quiet", action="store_true")
@@ -68,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         if given:
             raise EdgeInferError(f"{', '.join(given)}: --target {args.target} stores weights per output channel "
                                  "(--quant only); these flags are for the cpu and cuda graphs")
-    else:
+    elif scheme_flags:
         scheme = default_scheme(args.quant or "int4", args.block_size or 32, accuracy_level=args.accuracy_level,
                                 embedding=args.embedding, symmetric=not args.asymmetric,
                                 int8_tensors=tuple(args.int8_tensors or ()))
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     convert(args.src, args.output, quant="keep" if keep else args.quant, block_size=args.block_size or 32,
             target=args.target, force=args.force, scheme=scheme, attention=args.attention, capacity_tokens=args.capacity,
             prefill_tokens=args.prefill_tokens, ort_format=args.ort_format,
-            accuracy_level=args.accuracy_level if keep else None, log=log)
+            accuracy_level=args.accuracy_level if scheme is None else None, via=args.via, log=log)
     if not args.quiet:
         print(describe(args.output))
     return 0

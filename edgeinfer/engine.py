@@ -4,8 +4,10 @@ The ONNX Runtime IO binding points the graph straight at the cache's arrays, as 
 (`kv_mode.KVMode`, from the manifest) says: a mode that appends in place (GroupQueryAttention) gets
 the whole ring as past and present, bound once and reused across decode steps; otherwise `past` is
 the contiguous block of valid slots and the graph writes its new K/V rows into the slots right after
-them (`RingKVCache.write_offset`). The last token's logits land in the cache's own buffer. Per call,
-only pointers and shapes change; no array of the model's or the cache's size is allocated.
+them (`RingKVCache.write_offset`); a graph exported by Optimum (the optimum mode) also takes an
+attention_mask, all ones over those slots and the new ones. The last token's logits land in the
+cache's own buffer. Per call, only pointers and shapes change; no array of the model's or the
+cache's size is allocated.
 
 One Engine serves any number of caches (conversations) from any number of threads: each call
 holds `lock` for the graph run and the cache's bookkeeping (the IO binding and run-state buffers are
@@ -22,7 +24,7 @@ import threading
 import numpy as np
 
 from edgeinfer.kv_cache import BatchedKV, RingKVCache
-from edgeinfer.kv_mode import SEQLENS_K, TOTAL_SEQUENCE_LENGTH
+from edgeinfer.kv_mode import ATTENTION_MASK, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
 from edgeinfer.session import DecoderSession
 
 
@@ -91,6 +93,9 @@ class Engine(ChunkedSteps):
         self._seqlens = np.zeros(1, np.int32)
         self._total = np.zeros((), np.int32)
         self._bound: tuple | None = None  # (cache, S) the in-place binding was made for
+        # the optimum mode's attention_mask: ones over the T + S attended slots (grown to a ring's rows once)
+        self._masked = any(e.name == ATTENTION_MASK for e in self.mode.extra_inputs)
+        self._ones = np.ones((1, 0), np.int64)
         self.calls = 0
         self.lock = threading.Lock()
 
@@ -141,6 +146,10 @@ class Engine(ChunkedSteps):
                 io.bind_input(self.names.past_value(i), dev, 0, kvt, kv_past, v.ctypes.data)
                 io.bind_output(self.names.present_key(i), dev, 0, kvt, kv_new, k.ctypes.data + off * self.row_bytes)
                 io.bind_output(self.names.present_value(i), dev, 0, kvt, kv_new, v.ctypes.data + off * self.row_bytes)
+            if self._masked:
+                if self._ones.shape[1] < t + s:
+                    self._ones = np.ones((1, cache.rows), np.int64)
+                io.bind_input(ATTENTION_MASK, "cpu", 0, np.int64, [1, t + s], self._ones.ctypes.data)
         self._bind_tokens(self._ids, self._pos, [1, s], n, logits)
         return self._run(cache, s, logits)
 

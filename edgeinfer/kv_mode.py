@@ -5,12 +5,13 @@ for it and writes its name into the manifest's interface; the runtime reads it b
 ring, binds the graph and describes the folder from the same `KVMode`. This module is the only one
 that knows the modes' names (and the names older manifests used); everything else asks the object:
 
-    name            "gqa" | "standard": the one name, on the command line and in the manifest
+    name            "gqa" | "standard" (`--attention`), "portable", "optimum": the one name, in the manifest
     layout          axis order of the cache arrays the graph reads and writes (B batch, N KV heads,
                     S sequence, H head dim); `cache_shape(rows, Hkv, Dh)` is one layer's array
     seq_axis        where S sits in that layout
     past_dims / present_dims   the graph's symbolic KV dims (ONNX value infos, manifest shapes)
-    extra_inputs    graph inputs the mode adds (GroupQueryAttention's seqlens_k, total_sequence_length)
+    extra_inputs    graph inputs the mode adds (GroupQueryAttention's seqlens_k, total_sequence_length;
+                    Optimum's attention_mask)
     in_place        past and present are one buffer the graph appends to in place (the whole ring
                     is bound once); otherwise past is the block of valid slots and present the S new
                     rows, which the runtime binds right after them
@@ -24,6 +25,10 @@ The modes:
                rows [1, S, Hkv, Dh]; any head size
     portable   the portable flavour's (converters/portable.py): past = the whole ring [1, Hkv, R, Dh]
                with a fixed R, present = this call's rows [1, Hkv, S, Dh], copied in by the runtime
+    optimum    a graph exported by Hugging Face Optimum (converters/optimum_export.py), rewired to the
+               standard mode's KV exchange (converters/optimum_graph.py): past = the valid slots
+               [1, T, Hkv, Dh], present = this call's S rows [1, S, Hkv, Dh], plus Optimum's
+               attention_mask [1, T + S] (all ones: the ring holds only valid slots)
 
 `MODES` is the converter's order of preference (`--attention auto` takes the first whose head
 rule the model meets). `from_interface` reads a manifest's interface section: `kv_mode` by name,
@@ -38,6 +43,7 @@ from typing import NamedTuple
 
 SEQLENS_K = "seqlens_k"
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
+ATTENTION_MASK = "attention_mask"  # the optimum mode's: 1 for every slot attended to (past and new)
 KV_AXES = "BNSH"  # the letters of a layout: batch, KV heads, sequence, head dim
 
 
@@ -114,9 +120,14 @@ PORTABLE = KVMode(
     past_sequence="ring_rows", present_sequence="sequence",
     description="standard ops over the whole fixed-size ring; the runtime writes the new rows")
 
+OPTIMUM = KVMode(
+    name="optimum", layout="BSNH", in_place=False,
+    extra_inputs=(ExtraInput(ATTENTION_MASK, "int64", ("batch", "total_sequence")),),
+    description="Optimum's exported graph: standard ops over the valid KV slots, an all-ones attention mask")
+
 MODES = (GQA, STANDARD)  # order of preference for `--attention auto` (the fused flavour's modes)
 NAMES = tuple(m.name for m in MODES)
-_BY_NAME = {m.name: m for m in (*MODES, PORTABLE)}
+_BY_NAME = {m.name: m for m in (*MODES, PORTABLE, OPTIMUM)}
 _LEGACY_KV_IO = {"shared_buffer": GQA, "runtime_append": STANDARD}  # manifests before `kv_mode`
 
 

@@ -33,7 +33,7 @@ from types import MappingProxyType
 from edgeinfer.arch import ArchSpec
 from edgeinfer.fields import FieldError, json_fields
 from edgeinfer.errors import ModelFormatError
-from edgeinfer.kv_mode import LEGACY_KEYS, PORTABLE, KVMode, from_interface
+from edgeinfer.kv_mode import LEGACY_KEYS, OPTIMUM, PORTABLE, KVMode, from_interface
 from edgeinfer.portable import PortableInfo, logit_chunks
 from edgeinfer.quant_scheme import QuantScheme
 
@@ -115,9 +115,10 @@ class Interface:
             newer = ": upgrade edgeinfer" if kw["version"] > INTERFACE_VERSION else ""
             raise FieldError(f"{where}.version", f"{kw['version']}: this edgeinfer runs interface version "
                              f"{INTERFACE_VERSION}{newer}")
-        if kw["kv_dtype"] not in KV_DTYPES or (portable is not None and kw["kv_dtype"] != KV_DTYPE):
+        float32_only = portable is not None or mode is OPTIMUM
+        if kw["kv_dtype"] not in KV_DTYPES or (float32_only and kw["kv_dtype"] != KV_DTYPE):
             raise FieldError(f"{where}.kv_dtype", f"{kw['kv_dtype']!r}: this edgeinfer's KV cache is one of "
-                             f"{', '.join(KV_DTYPES)} (portable graphs: {KV_DTYPE})")
+                             f"{', '.join(KV_DTYPES)} (portable and Optimum graphs: {KV_DTYPE})")
         if (mode is PORTABLE) != (portable is not None):
             raise FieldError(f"{where}.kv_mode", f"{mode.name!r} does not match the flavour (portable graphs have "
                              "the portable KV mode and a portable section, fused ones neither)")
