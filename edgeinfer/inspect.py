@@ -10,6 +10,7 @@ from edgeinfer.arch import ArchSpec
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
 from edgeinfer.integrity import STAMP_FILE, check
 from edgeinfer.manifest import MANIFEST_FILE, Manifest, read_manifest
+from edgeinfer.overflow import resolve_capacity
 
 
 def parameter_count(a: ArchSpec) -> int:
@@ -29,6 +30,7 @@ def summary(folder: Path | str) -> dict:
 def _summary(folder: Path, m: Manifest) -> dict:
     a = m.arch
     disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != STAMP_FILE)
+    load_capacity = resolve_capacity(m.default_capacity_tokens, a.sliding_window, None)
     return {
         "family": a.family, "parameters": parameter_count(a), "layers": a.num_layers, "hidden_size": a.hidden_size,
         "heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
@@ -36,7 +38,8 @@ def _summary(folder: Path, m: Manifest) -> dict:
         "flavour": m.flavour, "kv_mode": m.interface.kv_mode.name, "attention": m.interface.kv_mode.description,
         "size_on_disk_bytes": disk, "kv_bytes_per_token": a.kv_bytes_per_token,
         "default_capacity_tokens": m.default_capacity_tokens,
-        "kv_bytes_at_default_capacity": a.kv_bytes_per_token * m.default_capacity_tokens,
+        "load_capacity_tokens": load_capacity,  # what `load` allocates without capacity_tokens (sliding window)
+        "kv_bytes_at_default_capacity": a.kv_bytes_per_token * load_capacity,
         "tokenizer": m.tokenizer.kind, "format_version": m.format_version, "converter_version": m.converter_version,
         "kv_dtype": m.interface.kv_dtype, "portable": m.portable.to_json() if m.portable is not None else None,
         "origin": m.origin.to_json() if m.origin is not None else None,
@@ -86,7 +89,9 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         f"  KV cache      {s['kv_bytes_per_token'] * (2 if s['kv_dtype'] == 'float16' else 4) // 4} bytes per token "
         f"({s['kv_dtype']}); "
         f"{s['kv_bytes_at_default_capacity'] * (2 if s['kv_dtype'] == 'float16' else 4) // 4 / 1e6:.2f} MB at the "
-        f"default capacity of {s['default_capacity_tokens']}",
+        f"default capacity of {s['load_capacity_tokens']}"
+        + (f" (the sliding window; the manifest says {s['default_capacity_tokens']})"
+           if s['load_capacity_tokens'] != s['default_capacity_tokens'] else ""),
         f"  tokenizer     {s['tokenizer']}",
         f"  source        {origin_line(m)}",
     ])
