@@ -115,8 +115,20 @@ def packs(b: Blocks, split_8bit: bool) -> tuple[list[Pack], float | None]:
         return [Pack(4, b.packed, 1.0)], (8.0 if b.mins is not None else None)
     if not split_8bit:
         return [Pack(8, b.packed, 1.0)], (128.0 if b.mins is not None else None)
-    hi, lo = b.packed >> 4, b.packed & 15
-    return [Pack(4, _pack4(hi), 16.0), Pack(4, _pack4(lo), 1.0)], (136.0 if b.mins is not None else 8.0)
+    hi, lo = _split8(b.packed)
+    return [Pack(4, hi, 16.0), Pack(4, lo, 1.0)], (136.0 if b.mins is not None else 8.0)
+
+
+def _split8(u: np.ndarray, rows: int = 2048) -> tuple[np.ndarray, np.ndarray]:
+    """8-bit codes [N, nb, 32] as two 4-bit packs [N, nb, 16] (high and low nibbles), a few rows at a
+    time so that a large embedding costs no full-size temporaries."""
+    hi = np.empty((*u.shape[:2], BLOCK // 2), np.uint8)
+    lo = np.empty_like(hi)
+    for r in range(0, u.shape[0], rows):
+        part = u[r:r + rows]
+        hi[r:r + rows] = _pack4(part >> 4)
+        lo[r:r + rows] = _pack4(part & 15)
+    return hi, lo
 
 
 def _pack4(codes: np.ndarray) -> np.ndarray:
