@@ -23,16 +23,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from edgeinfer.evaluate import perplexity, stream_perplexity
 
     if args.stream:
+        if args.path != "prefill":
+            raise EdgeInferError("--stream scores each story through the ring (chunks, then one token at a time): "
+                                 "--path applies to window scoring")
         if args.capacity is None:
             raise EdgeInferError("--stream needs --capacity N (the ring size)")
         r = stream_perplexity(args.model, args.text, capacity=args.capacity, sinks=args.sinks, threads=args.threads)
     else:
-        r = perplexity(args.model, args.text, window=args.window, threads=args.threads)
+        r = perplexity(args.model, args.text, window=args.window, threads=args.threads, path=args.path)
     if args.json:
         print(json.dumps(r.to_json()))
     else:
         print(f"perplexity {r.perplexity:.4f} over {r.scored_tokens} tokens "
-              f"({r.n_stories} stories, {r.n_windows} windows, {r.eval_s:.1f} s)")
+              f"({r.n_stories} stories, {r.n_windows} windows, {r.path} path, {r.eval_s:.1f} s)")
     return 0
 
 
@@ -287,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--text", type=Path, required=True)
     e.add_argument("--window", type=int, default=512)
     e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--path", choices=("prefill", "decode"), default="prefill",
+                   help="prefill: each window in one forward call (as a prompt); decode: one call per token (as "
+                   "generation feeds tokens back; what generation computes at accuracy level 4)")
     e.add_argument("--stream", action="store_true", help="each story as one stream through the KV ring")
     e.add_argument("--capacity", type=int, default=None, help="ring capacity in tokens (with --stream)")
     e.add_argument("--sinks", type=int, default=4, help="attention sinks kept by the ring (with --stream)")

@@ -2,8 +2,12 @@
 
 1. Every non-empty line of the text is one story; ids = [BOS] + encode(story) (no EOS).
 2. The ids are cut into consecutive non-overlapping windows of at most `window` tokens.
-3. Each window is one forward pass from position 0 with an empty cache (the runtime's Engine, the
-   same path generation runs).
+3. Each window runs from position 0 with an empty cache, on one of the runtime's two paths
+   (`PATHS`): "prefill" (the default), one forward call over the whole window, as a prompt is
+   prefilled; or "decode", one call per token, as generated tokens are fed back. The two compute
+   the same function but not the same arithmetic: MatMulNBits at accuracy level 4 quantizes a
+   single row's activations differently from a block of rows, so a decode-path figure is the one
+   that scores what generation computes.
 4. Within a window every token but the first is scored: NLL = -log_softmax(logits[t-1])[ids[t]] (float32).
 5. perplexity = exp(sum NLL / number of scored tokens).
 """
@@ -25,6 +29,9 @@ from edgeinfer.session import DecoderSession
 from edgeinfer.tokenizer import Tokenizer
 
 
+PATHS = ("prefill", "decode")  # `edgeinfer eval --path`
+
+
 @dataclass(frozen=True)
 class PerplexityResult:
     perplexity: float
@@ -33,11 +40,12 @@ class PerplexityResult:
     n_stories: int
     n_windows: int
     eval_s: float
+    path: str = "prefill"  # which forward path scored it (PATHS; "stream" for stream_perplexity)
 
     def to_json(self) -> dict:
         return {"perplexity": self.perplexity, "mean_nll_nats_per_token": self.mean_nll,
                 "scored_tokens": self.scored_tokens, "n_stories": self.n_stories, "n_windows": self.n_windows,
-                "eval_s": round(self.eval_s, 3)}
+                "eval_s": round(self.eval_s, 3), "path": self.path}
 
 
 def _read_stories(text_path: Path) -> list[str]:
@@ -60,20 +68,28 @@ def _nll(logits: np.ndarray, targets: list[int]) -> float:
     return float(np.sum((lse - picked).astype(np.float64)))
 
 
-def window_nll(engine: Engine, cache: RingKVCache, ids: list[int]) -> tuple[float, int]:
-    """Sum of NLL over ids[1:] given the prefix: one forward pass from position 0 (the cache is reset)."""
+def window_nll(engine: Engine, cache: RingKVCache, ids: list[int], path: str = "prefill") -> tuple[float, int]:
+    """Sum of NLL over ids[1:] given the prefix, from position 0 (the cache is reset): one forward
+    pass ("prefill") or one call per token ("decode")."""
     n = len(ids)
     if n < 2:
         return 0.0, 0
     cache.reset()
+    if path == "decode":
+        total = 0.0
+        for t in range(n - 1):
+            total += _nll(engine.forward(cache, ids[t:t + 1]), ids[t + 1:t + 2])  # [1, V]: the next token's
+        return total, n - 1
     logits = engine.forward(cache, ids, all_logits=True)  # [n, V]
     return _nll(logits[:n - 1], ids[1:]), n - 1
 
 
 def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int = 512, threads: int | None = None,
-               session: DecoderSession | None = None) -> PerplexityResult:
+               session: DecoderSession | None = None, path: str = "prefill") -> PerplexityResult:
     if window < 2:
         raise EdgeInferError(f"--window must be at least 2, got {window}")
+    if path not in PATHS:
+        raise EdgeInferError(f"unknown --path {path!r} (choose from {', '.join(PATHS)})")
     stories = _read_stories(Path(text_path))
     session = session or DecoderSession(model_dir, threads=threads)
     built = session.manifest.portable.capacity_tokens if session.manifest.portable is not None else None
@@ -88,12 +104,12 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int = 51
     for story in stories:
         ids = tok.encode(story, add_bos=True)
         for start in range(0, len(ids), window):
-            nll, n = window_nll(engine, cache, ids[start:start + window])
+            nll, n = window_nll(engine, cache, ids[start:start + window], path)
             total, count, windows = total + nll, count + n, windows + 1
     if count == 0:
         raise EdgeInferError(f"{text_path}: no token to score")
     mean = total / count
-    return PerplexityResult(math.exp(mean), mean, count, len(stories), windows, time.perf_counter() - t0)
+    return PerplexityResult(math.exp(mean), mean, count, len(stories), windows, time.perf_counter() - t0, path)
 
 
 def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity: int, sinks: int = 4,
@@ -127,4 +143,5 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
     if count == 0:
         raise EdgeInferError(f"{text_path}: no token to score")
     mean = total / count
-    return PerplexityResult(math.exp(mean), mean, count, len(stories), len(stories), time.perf_counter() - t0)
+    return PerplexityResult(math.exp(mean), mean, count, len(stories), len(stories), time.perf_counter() - t0,
+                            "stream")
