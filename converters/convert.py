@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from edgeinfer.converters import cuda_graph
 from edgeinfer.converters.ort_format import write_ort_format
 from edgeinfer.converters.portable import build_portable
 from edgeinfer.integrity import sha256_file
-from edgeinfer.converters.quantize import QuantScheme
+from edgeinfer.converters.quantize import QUANTS, QuantScheme
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
 from edgeinfer.kv_mode import PORTABLE
@@ -157,6 +158,10 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
         raise ConvertError(f"unknown attention {attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
     if via not in VIAS:
         raise ConvertError(f"unknown --via {via!r} (choose from {', '.join(VIAS)})")
+    if quant is not None and quant not in ("keep", *QUANTS):
+        raise ConvertError(f"unknown quantization {quant!r} (choose from keep, {', '.join(QUANTS)})")
+    if accuracy_level is not None and (isinstance(accuracy_level, bool) or accuracy_level not in range(5)):
+        raise ConvertError(f"accuracy_level must be an integer 0..4, got {accuracy_level!r}")
     gguf = gguf_import.is_gguf(src)
     if via == "optimum" or (via == "auto" and not gguf and _needs_optimum(src, log)):
         if scheme is not None and scheme == default_scheme(scheme.weights, scheme.block_size):
@@ -170,6 +175,8 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
         return convert_via_optimum(src, dst, quant=quant or "int4", block_size=block_size, force=force, log=log)
     if quant is None and gguf and target == "cpu" and scheme is None:
         quant = "keep"
+    if quant == "keep" and block_size != 32:
+        raise ConvertError(f"--quant keep stores the GGUF's own blocks of 32: --block-size {block_size} does not apply")
     if quant == "keep" and (not gguf or target != "cpu" or scheme is not None):
         raise ConvertError("--quant keep takes over a GGUF file's own quantized blocks for --target cpu"
                            + ("" if gguf else f"; {src} is not a GGUF file") + ": choose --quant int4, int8, fp16 or fp32")
@@ -183,7 +190,7 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
         _check_destination(src, dst, force)
         if quant != "keep":
             scheme = scheme or default_scheme(quant, block_size, accuracy_level=accuracy_level)
-        return _convert(src, dst, scheme, target, attention, log, portable, ort_format, gguf, accuracy_level)
+        return _convert(src, dst, scheme, target, attention, log, portable, ort_format, gguf, accuracy_level, force)
     except OSError as e:
         raise _os_error(e, dst) from None
 
@@ -240,7 +247,7 @@ def _check_portable(target: str, quant: str | None, capacity_tokens, prefill_tok
 
 def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, attention: str, log,
              portable: PortableInfo | None = None, ort_format: bool = False, gguf: bool = False,
-             accuracy_level: int | None = None) -> Manifest:
+             accuracy_level: int | None = None, force: bool = True) -> Manifest:
     """scheme None: `--quant keep` of a GGUF file (the scheme is read from its types)."""
     keep = scheme is None
     if gguf:
@@ -255,11 +262,11 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
     src_tensors = TensorSource(ckpt, keep=keep)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = temp_folder(dst)
     writer = None
     try:
+        if gguf:  # before the graph: a vocabulary that makes no tokenizer is refused before minutes of work
+            tokenizer, tokenizer_files = gguf_import.write_gguf_tokenizer(ckpt, spec, tmp)
         t0 = time.perf_counter()
         writer = WeightWriter(tmp)
         graphs = [MODEL_FILE]
@@ -285,8 +292,8 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
                 graphs += write_ort_format(tmp, [MODEL_FILE, portable.prefill_file])
         log(f"graph built and weights written in {time.perf_counter() - t0:.1f} s")
         if gguf:
-            tokenizer, tokenizer_files = gguf_import.write_gguf_tokenizer(ckpt, spec, tmp)
-            sources, origin = {src.name: sha256_file(src)}, gguf_import.origin(ckpt, keep, src_tensors.requantized)
+            quant_used = "keep" if keep else (portable.weights if portable else scheme.weights)
+            sources, origin = {src.name: sha256_file(src)}, gguf_import.origin(ckpt, quant_used, src_tensors.requantized)
             if origin.kept_exact:
                 log(f"kept exactly as in the file: {', '.join(origin.kept_exact)} blocks")
             if origin.requantized:
@@ -312,7 +319,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
             files=files, source=sources, converter_version=__version__,
         )
         manifest.write(tmp)
-        _replace_atomically(tmp, dst)
+        _replace_atomically(tmp, dst, force)
         return manifest
     finally:
         try:
@@ -322,7 +329,25 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _replace_atomically(tmp: Path, dst: Path) -> None:
+def temp_folder(dst: Path) -> Path:
+    """A new, empty folder next to `dst` for building it: `.DST.partial-PID-N`, unique to this call
+    (two threads converting into one destination never share one)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-{os.getpid()}-", dir=dst.parent))
+
+
+def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:
+    """Rename the finished `tmp` to `dst`. Without `force`, a `dst` that appeared meanwhile (another
+    conversion into it finished first) is left alone: ConvertError, and `tmp` is removed by the caller."""
+    if not force:
+        try:
+            os.rename(tmp, dst)  # fails if dst exists and is not an empty folder: never replaces one
+        except OSError as e:
+            if os.path.lexists(dst) and e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+                raise ConvertError(f"destination exists: {dst} (another conversion created it meanwhile; use "
+                                   "--force to replace it)") from None
+            raise
+        return
     if not os.path.lexists(dst):
         os.replace(tmp, dst)
         return

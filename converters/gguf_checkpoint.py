@@ -73,8 +73,15 @@ class GGUFCheckpoint:
             raise ConvertError(f"{self.path.name}: not a readable GGUF file ({e})") from None
         self.arch = self.metadata.get("general.architecture")
         self._infos: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}  # hf -> (gguf name, type, shape, offset, bytes)
-        unknown = []
+        unknown, seen = [], set()
+        align = self.metadata.get("general.alignment", 32)
         for t in entries:
+            if t.name in seen:
+                raise ConvertError(f"{self.path.name}: tensor {t.name!r} appears twice in the tensor table")
+            seen.add(t.name)
+            if t.offset % align:
+                raise ConvertError(f"{self.path.name}: tensor {t.name!r} starts at byte {t.offset}, not aligned to "
+                                   f"{align} as the format requires (a damaged tensor table)")
             try:
                 qtype = gguf.GGMLQuantizationType(t.type_id).name
                 block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.type_id)]
@@ -95,6 +102,11 @@ class GGUFCheckpoint:
                 continue
             shape = tuple(reversed(t.dims))  # GGUF lists ne0 (the row length) first
             self._infos[name] = (t.name, qtype, shape, t.offset, end - t.offset)
+        extents = sorted((i[3], i[3] + i[4], i[0]) for i in self._infos.values())
+        for (_, end, a), (start, _, b) in zip(extents, extents[1:]):
+            if start < end:
+                raise ConvertError(f"{self.path.name}: tensors {a!r} and {b!r} overlap in the file (a damaged tensor "
+                                   "table)")
         if unknown:
             more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
             why = " (Llama 3.1-style rope scaling is not supported from GGUF)" if "rope_freqs.weight" in unknown else ""
@@ -129,6 +141,9 @@ class GGUFCheckpoint:
             raise ConvertError(f"{self.path.name}: tensor {self._info(name)[0]!r} has type {qtype}, which this "
                                f"converter cannot read ({e.__class__.__name__}: {e})") from None
         arr = np.asarray(arr, dtype=np.float32).reshape(have)
+        if not np.isfinite(arr).all():
+            raise ConvertError(f"{self.path.name}: tensor {self._info(name)[0]!r} holds NaN or infinite values "
+                               "(a damaged file)")
         order = self._row_order(name, have)
         return arr[order] if order is not None else arr
 
@@ -138,6 +153,12 @@ class GGUFCheckpoint:
         if qtype not in gguf_blocks.KEPT_TYPES or len(have) != 2:
             return None
         b = gguf_blocks.from_gguf(self._raw(name), qtype, have[0], have[1])
+        for what, v in (("scale", b.scales), ("minimum", b.mins)):
+            bad = np.argwhere(~np.isfinite(v)) if v is not None else ()
+            if len(bad):
+                row, block = (int(x) for x in bad[0])
+                raise ConvertError(f"{self.path.name}: tensor {self._info(name)[0]!r} has a non-finite {what} in "
+                                   f"block {block} of row {row} (a damaged file)")
         order = self._row_order(name, have)
         return b.rows(order) if order is not None else b
 
@@ -170,6 +191,9 @@ class GGUFCheckpoint:
         heads = key("attention.head_count")
         hidden = key("embedding_length")
         tokens = m.get("tokenizer.ggml.tokens")
+        dims = key("rope.dimension_count")
+        if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool)):
+            raise ConvertError(f"{self.path.name} metadata: {arch}.rope.dimension_count must be an integer, got {dims!r}")
         cfg = {"model_type": ARCHITECTURES[arch], "hidden_size": hidden, "intermediate_size": key("feed_forward_length"),
                "num_hidden_layers": key("block_count"), "num_attention_heads": heads,
                "num_key_value_heads": key("attention.head_count_kv", heads),
@@ -187,13 +211,17 @@ class GGUFCheckpoint:
                                    f"({cfg['head_dim']} and {key('attention.value_length')})")
         if isinstance(heads, int) and heads > 0 and isinstance(hidden, int):
             head_dim = cfg.get("head_dim", hidden // heads)
-            if key("rope.dimension_count", head_dim) != head_dim:
-                cfg["partial_rotary_factor"] = key("rope.dimension_count") / max(head_dim, 1)
+            if dims is not None and dims != head_dim:
+                cfg["partial_rotary_factor"] = dims / max(head_dim, 1) if isinstance(head_dim, int) else 0.5
         scaling = key("rope.scaling.type")
         if scaling not in (None, "none"):
             cfg["rope_scaling"] = {"type": scaling, "factor": key("rope.scaling.factor", 1.0)}
         if key("attention.sliding_window"):
             cfg["use_sliding_window"] = True
+        n_tokens = len(tokens) if isinstance(tokens, list) else 0
+        if isinstance(cfg["vocab_size"], int) and n_tokens > cfg["vocab_size"]:
+            raise ConvertError(f"{self.path.name} metadata: {n_tokens} tokens but {cfg['vocab_size']} embedding rows "
+                               "(every token needs one)")
         return cfg
 
     # --- internals --------------------------------------------------------------------------------

@@ -71,9 +71,9 @@ class _Reader:
         if vtype != ARRAY:
             raise HeaderError(f"{what} has unknown value type {vtype}")
         item, count = self.unpack("<I", what), self.unpack("<Q", what)
-        if item in SCALARS:
+        if item in SCALARS:  # a numpy array (a list of Python numbers would cost ~30x the bytes)
             dtype = np.dtype(SCALARS[item][1])
-            return np.frombuffer(self.take(count * dtype.itemsize, what), dtype).tolist()
+            return np.frombuffer(self.take(count * dtype.itemsize, what), dtype)
         if item == STRING:
             if count * 8 > self.size:
                 raise HeaderError(f"{what} claims {count} strings (truncated or corrupted)")
@@ -82,7 +82,9 @@ class _Reader:
 
 
 def read_header(path: Path) -> tuple[dict, list[TensorEntry]]:
-    """(metadata {key: value}, tensor table) of a GGUF file. HeaderError when it is not one we read."""
+    """(metadata {key: value}, tensor table) of a GGUF file. HeaderError when it is not one we read.
+    Values: Python numbers, bools and strings; numeric arrays as read-only numpy arrays, string
+    arrays as lists."""
     size = Path(path).stat().st_size
     with open(path, "rb") as f:
         r = _Reader(f, size)

@@ -35,11 +35,26 @@ def is_gguf(path: Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
+# config.json fields as the GGUF keys they come from (for messages): {arch} is general.architecture
+_GGUF_KEYS = {"hidden_size": "{arch}.embedding_length", "intermediate_size": "{arch}.feed_forward_length",
+              "num_hidden_layers": "{arch}.block_count", "num_attention_heads": "{arch}.attention.head_count",
+              "num_key_value_heads": "{arch}.attention.head_count_kv", "head_dim": "{arch}.attention.key_length",
+              "vocab_size": "{arch}.vocab_size", "rms_norm_eps": "{arch}.attention.layer_norm_rms_epsilon",
+              "rope_theta": "{arch}.rope.freq_base", "max_position_embeddings": "{arch}.context_length",
+              "rope_scaling.factor": "{arch}.rope.scaling.factor", "bos_token_id": "tokenizer.ggml.bos_token_id",
+              "eos_token_id": "tokenizer.ggml.eos_token_id", "partial_rotary_factor": "{arch}.rope.dimension_count",
+              "use_sliding_window=true": "{arch}.attention.sliding_window"}
+
+
 def spec_from_gguf(ckpt: GGUFCheckpoint) -> ArchSpec:
+    """The ArchSpec of a GGUF's metadata, checked as a config.json is; messages name the GGUF keys."""
     try:
         return spec_from_config(ckpt.config())
     except ConvertError as e:
-        raise ConvertError(str(e).replace("config.json", f"{ckpt.path.name} metadata")) from None
+        msg = str(e).replace("config.json", f"{ckpt.path.name} metadata")
+        for hf, key in _GGUF_KEYS.items():
+            msg = msg.replace(hf, key.format(arch=ckpt.arch))
+        raise ConvertError(msg) from None
 
 
 def kind_of(ckpt: GGUFCheckpoint, name: str) -> str:
@@ -69,17 +84,18 @@ def keep_scheme(ckpt: GGUFCheckpoint, spec: ArchSpec, accuracy_level: int | None
                        embedding=embedding, lm_head=head, int8_tensors=int8)
 
 
-def origin(ckpt: GGUFCheckpoint, keep: bool, requantized: dict[str, str]) -> Origin:
+def origin(ckpt: GGUFCheckpoint, quant: str, requantized: dict[str, str]) -> Origin:
+    """The manifest's origin for a GGUF converted with `quant` ("keep", or a width)."""
     types = ckpt.type_counts()
-    kept = tuple(t for t in types if t in KEPT_TYPES) if keep else ()
-    return Origin(format="gguf", file=ckpt.path.name, tensor_types=types, kept_exact=kept,
+    kept = tuple(t for t in types if t in KEPT_TYPES) if quant == "keep" else ()
+    return Origin(format="gguf", file=ckpt.path.name, tensor_types=types, quant=quant, kept_exact=kept,
                   requantized=tuple(f"{n}: {how}" for n, how in sorted(requantized.items())))
 
 
 def write_gguf_tokenizer(ckpt: GGUFCheckpoint, spec: ArchSpec, folder: Path) -> tuple[TokenizerInfo, list[str]]:
     """tokenizer.json from the GGUF's metadata into `folder`; the TokenizerInfo and the files written."""
+    info = tokenizer_info(ckpt.metadata, ckpt.path.name)
     files = write_tokenizer(ckpt.metadata, ckpt.path.name, folder)
-    info = tokenizer_info(ckpt.metadata)
     if not info.eos_token_ids and spec.eos_token_ids:
         info = TokenizerInfo(**{**info.__dict__, "eos_token_ids": spec.eos_token_ids})
     return info, files

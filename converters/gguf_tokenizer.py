@@ -7,8 +7,13 @@ Two vocabulary kinds, as llama.cpp names them in `tokenizer.ggml.model`:
             pair of pieces that joins into a piece, ranked by the joined piece's score; spaces
             become "▁", with one prepended when `add_space_prefix` (the default).
     gpt2    byte-level BPE with its merge list; the pre-tokenizer split follows
-            `tokenizer.ggml.pre`, which names the model's regex (`PRE_TOKENIZERS`; another name is
-            refused rather than guessed, since a wrong split silently changes the ids).
+            `tokenizer.ggml.pre`, which names the model's regex (`PRE_TOKENIZERS`; another name,
+            llama.cpp's fallback "default" included, is refused rather than guessed, since a wrong
+            split silently changes the ids).
+
+Every field is checked (types, lengths, ids in range, merges that join two tokens into a third, a
+chat template that parses): a damaged vocabulary is a ConvertError, never the tokenizers
+library's bare Exception or a folder that will not load.
 
 Control and user-defined tokens (token types 3 and 4) are added tokens, so a chat template's
 "<|im_start|>" encodes to its one id. `TokenizerInfo` (BOS, EOS, add_bos, chat template) comes
@@ -20,6 +25,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from edgeinfer.errors import ConvertError
 from edgeinfer.manifest import TokenizerInfo
 
@@ -30,7 +37,7 @@ _QWEN2 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s
 _LLAMA3 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
            r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 # tokenizer.ggml.pre -> (regex, digits one by one, NFC normaliser, ignore_merges)
-PRE_TOKENIZERS = {"default": (_GPT2, False, False, False), "gpt2": (_GPT2, False, False, False),
+PRE_TOKENIZERS = {"gpt-2": (_GPT2, False, False, False), "gpt2": (_GPT2, False, False, False),
                   "smollm": (_GPT2, True, False, False), "qwen2": (_QWEN2, False, True, False),
                   "llama-bpe": (_LLAMA3, False, False, True), "llama3": (_LLAMA3, False, False, True)}
 
@@ -43,18 +50,18 @@ def tokenizer_json(meta: dict, name: str) -> str:
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise ConvertError(f"{name}: no tokenizer in the GGUF metadata (tokenizer.ggml.tokens)")
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(types) != len(tokens):
-        raise ConvertError(f"{name} metadata: {len(types)} token types for {len(tokens)} tokens")
+    types = _numbers(meta, "tokenizer.ggml.token_type", len(tokens), name, integer=True)
+    types = [1] * len(tokens) if types is None else [int(t) for t in types]
     vocab = {t: i for i, t in enumerate(tokens)}
     if kind == "llama":
-        scores = meta.get("tokenizer.ggml.scores")
-        if not isinstance(scores, list) or len(scores) != len(tokens):
+        scores = _numbers(meta, "tokenizer.ggml.scores", len(tokens), name)
+        if scores is None:
             raise ConvertError(f"{name} metadata: a llama (SentencePiece) vocabulary needs one score per token")
-        unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, types), byte_fallback=True,
-                                   fuse_unk=True, unk_token=tokens[unk] if 0 <= unk < len(tokens) else None))
-        prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens), name)
+        model = lambda: models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores.tolist(), types),  # noqa: E731
+                                   byte_fallback=True, fuse_unk=True, unk_token=tokens[unk if unk is not None else 0])
+        prefix = _flag(meta, "tokenizer.ggml.add_space_prefix", True, name)
+        tok = Tokenizer(models.BPE())
         tok.normalizer = normalizers.Sequence([*([normalizers.Prepend("\u2581")] if prefix else []),
                                                normalizers.Replace(" ", "\u2581")])
         tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
@@ -62,14 +69,13 @@ def tokenizer_json(meta: dict, name: str) -> str:
     elif kind == "gpt2":
         pre = meta.get("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZERS:
-            raise ConvertError(f"{name}: GGUF pre-tokenizer {pre!r} is not supported (supported: "
+            why = (" (llama.cpp's fallback split, which we do not reproduce exactly)" if pre == "default" else "")
+            raise ConvertError(f"{name}: GGUF pre-tokenizer {pre!r}{why} is not supported (supported: "
                                f"{', '.join(sorted(PRE_TOKENIZERS))})")
         regex, digits, nfc, ignore_merges = PRE_TOKENIZERS[pre]
-        merges = meta.get("tokenizer.ggml.merges")
-        if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
-            raise ConvertError(f"{name} metadata: a gpt2 (BPE) vocabulary needs its merges (tokenizer.ggml.merges)")
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                                   ignore_merges=ignore_merges))
+        pairs = _merges(meta.get("tokenizer.ggml.merges"), vocab, name)
+        model = lambda: models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges)  # noqa: E731
+        tok = Tokenizer(models.BPE())
         if nfc:
             tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -79,11 +85,61 @@ def tokenizer_json(meta: dict, name: str) -> str:
         tok.decoder = decoders.ByteLevel()
     else:
         raise ConvertError(f"{name}: GGUF tokenizer model {kind!r} is not supported (supported: llama, gpt2)")
+    try:
+        tok.model = model()
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        raise ConvertError(f"{name}: the GGUF's vocabulary does not make a tokenizer ({e})") from None
+    except BaseException as e:  # its Rust panics (pyo3 PanicException) derive from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ConvertError(f"{name}: the GGUF's vocabulary does not make a tokenizer ({e})") from None
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty == CONTROL and t])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, ty in zip(tokens, types) if ty == USER_DEFINED and t])
     return tok.to_str()
+
+
+def _numbers(meta: dict, key: str, n: int, name: str, integer: bool = False):
+    """A numeric array field of `n` items as numpy, None when absent; ConvertError when ill-typed."""
+    v = meta.get(key)
+    if v is None:
+        return None
+    a = np.asarray(v) if isinstance(v, (list, np.ndarray)) else None
+    if a is None or a.ndim != 1 or a.dtype.kind not in ("iu" if integer else "iuf") or len(a) != n \
+            or (a.dtype.kind == "f" and not np.isfinite(a).all()):
+        raise ConvertError(f"{name} metadata: {key} must be {n} {'integers' if integer else 'numbers'}, one per token")
+    return a
+
+
+def _token_id(meta: dict, key: str, n: int, name: str) -> int | None:
+    v = meta.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n:
+        raise ConvertError(f"{name} metadata: {key} must be a token id below {n}, got {v!r}")
+    return v
+
+
+def _flag(meta: dict, key: str, default: bool, name: str) -> bool:
+    v = meta.get(key, default)
+    if not isinstance(v, bool):
+        raise ConvertError(f"{name} metadata: {key} must be true or false, got {v!r}")
+    return v
+
+
+def _merges(merges, vocab: dict, name: str) -> list[tuple[str, str]]:
+    """`tokenizer.ggml.merges` ("a b" each) as pairs, every part and every result in the vocabulary."""
+    if not isinstance(merges, list):
+        raise ConvertError(f"{name} metadata: a gpt2 (BPE) vocabulary needs its merges (tokenizer.ggml.merges)")
+    pairs = []
+    for m in merges:
+        parts = m.split(" ") if isinstance(m, str) else []
+        if len(parts) != 2 or not all(p in vocab for p in parts) or parts[0] + parts[1] not in vocab:
+            raise ConvertError(f"{name} metadata: merge {m!r} is not two tokens of the vocabulary that join into "
+                               "a third")
+        pairs.append((parts[0], parts[1]))
+    return pairs
 
 
 def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
@@ -101,17 +157,36 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
     return [(a, b) for *_, a, b in found]
 
 
-def tokenizer_info(meta: dict) -> TokenizerInfo:
+def tokenizer_info(meta: dict, name: str = "") -> TokenizerInfo:
     """BOS/EOS, add_bos and the chat template from the GGUF metadata."""
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                 "tokenizer.ggml.eom_token_id")]
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
+    name = name or "the GGUF"
+    tokens = meta.get("tokenizer.ggml.tokens")
+    n = len(tokens) if isinstance(tokens, list) else 0
+    bos = _token_id(meta, "tokenizer.ggml.bos_token_id", n, name)
+    eos = [_token_id(meta, k, n, name) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                                 "tokenizer.ggml.eom_token_id")]
+    # llama.cpp adds BOS by default for SentencePiece vocabularies and the Llama 3 pre-tokenizer
+    default_bos = meta.get("tokenizer.ggml.model") == "llama" or meta.get("tokenizer.ggml.pre") in ("llama-bpe", "llama3")
+    add_bos = _flag(meta, "tokenizer.ggml.add_bos_token", default_bos, name)
     template = meta.get("tokenizer.chat_template")
-    return TokenizerInfo(kind="hf_tokenizers", add_bos=bool(add_bos) and bos is not None,
-                         bos_token_id=int(bos) if isinstance(bos, int) else None,
-                         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if isinstance(e, int))),
-                         chat_template=template if isinstance(template, str) else None)
+    if template is not None:
+        if not isinstance(template, str):
+            raise ConvertError(f"{name} metadata: tokenizer.chat_template must be text, got {type(template).__name__}")
+        _check_template(template, name)
+    return TokenizerInfo(kind="hf_tokenizers", add_bos=add_bos and bos is not None, bos_token_id=bos,
+                         eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
+                         chat_template=template or None)
+
+
+def _check_template(template: str, name: str) -> None:
+    """The chat template parses as the runtime will compile it (edgeinfer.chat.ChatTemplate)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(template)
+    except jinja2.TemplateError as e:
+        raise ConvertError(f"{name}: the GGUF's chat template does not parse ({e})") from None
 
 
 def write_tokenizer(meta: dict, name: str, folder: Path) -> list[str]:

@@ -7,6 +7,7 @@ they do not understand becomes a `ConvertError` that names it, never a silently 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from edgeinfer.arch import SUPPORTED_ROPE_TYPES, ArchSpec, RopeSpec
@@ -35,31 +36,38 @@ def _int(cfg: dict, key: str, default: int | None = None) -> int:
     return v
 
 
+def _positive(v, key: str) -> float:
+    """A finite positive number (a float field: eps, rope theta, a scaling factor), or ConvertError."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ConvertError(f"config.json: field {key!r} must be a finite positive number, got {v!r}")
+    return float(v)
+
+
 def parse_rope(cfg: dict) -> RopeSpec:
     """transformers 5 writes `rope_parameters`; 4.x writes `rope_theta` and `rope_scaling`."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling") or {}
     merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = _positive(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta")
     rtype = merged.get("rope_type", merged.get("type", "default"))
     if rtype not in SUPPORTED_ROPE_TYPES:
         raise ConvertError(
             f"config.json: rope type {rtype!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConvertError("config.json: partial_rotary_factor other than 1.0 is not supported")
     if rtype == "default":
         return RopeSpec(theta=theta)
     if rtype == "linear":
-        return RopeSpec(theta=theta, type="linear", factor=float(merged["factor"]))
+        return RopeSpec(theta=theta, type="linear", factor=_positive(merged.get("factor"), "rope_scaling.factor"))
     try:
         return RopeSpec(
             theta=theta,
             type="llama3",
-            factor=float(merged["factor"]),
-            low_freq_factor=float(merged["low_freq_factor"]),
-            high_freq_factor=float(merged["high_freq_factor"]),
-            original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
+            factor=_positive(merged["factor"], "rope_scaling.factor"),
+            low_freq_factor=_positive(merged["low_freq_factor"], "rope_scaling.low_freq_factor"),
+            high_freq_factor=_positive(merged["high_freq_factor"], "rope_scaling.high_freq_factor"),
+            original_max_position_embeddings=_int(merged, "original_max_position_embeddings"),
         )
     except KeyError as e:
         raise ConvertError(f"config.json: llama3 rope scaling lacks {e.args[0]!r}") from None
@@ -69,7 +77,17 @@ def _eos_ids(cfg: dict) -> tuple[int, ...]:
     eos = cfg.get("eos_token_id")
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    ids = tuple(eos) if isinstance(eos, list) else (eos,)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConvertError(f"config.json: field 'eos_token_id' must be a token id or a list of them, got {eos!r}")
+    return ids
+
+
+def _token_id(cfg: dict, key: str) -> int | None:
+    v = cfg.get(key)
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        raise ConvertError(f"config.json: field {key!r} must be a token id, got {v!r}")
+    return v
 
 
 def common_spec(cfg: dict, family: str, *, qkv_bias: bool, o_bias: bool = False, qk_norm: bool = False,
@@ -97,7 +115,7 @@ def common_spec(cfg: dict, family: str, *, qkv_bias: bool, o_bias: bool = False,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=_int(cfg, "vocab_size"),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_positive(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         rope=parse_rope(cfg),
         max_position_embeddings=_int(cfg, "max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -105,6 +123,6 @@ def common_spec(cfg: dict, family: str, *, qkv_bias: bool, o_bias: bool = False,
         o_bias=o_bias,
         qk_norm=qk_norm,
         sliding_window=sliding_window,
-        bos_token_id=cfg.get("bos_token_id"),
+        bos_token_id=_token_id(cfg, "bos_token_id"),
         eos_token_ids=_eos_ids(cfg),
     )

@@ -11,7 +11,7 @@ Gemma, ...) -> an edgeinfer model folder, through Hugging Face Optimum's ONNX ex
    symmetric, accuracy level 4 as the native default) and the embedding's Gather
    (GatherBlockQuantized); fp32 keeps the float graph.
 4. The tokenizer files are copied and `edgeinfer.json` written (the `optimum` KV mode, origin
-   "optimum"), all in `.DST.partial-PID`, renamed into place at the end (`convert._convert`'s rule).
+   "optimum"), all in `.DST.partial-PID-N`, renamed into place at the end (`convert._convert`'s rule).
 
 Torch, transformers and Optimum are imported only here, only when called (`pip install
 'edgeinfer[optimum]'`): the runtime never needs them. Families are limited to those whose graph the
@@ -33,7 +33,7 @@ from pathlib import Path
 from edgeinfer import __version__
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters.convert import (MAX_DEFAULT_CAPACITY, TOKENIZER_FILES, _check_destination, _check_source,
-                                          _os_error, _replace_atomically, _tokenizer_info)
+                                          _os_error, _replace_atomically, _tokenizer_info, temp_folder)
 from edgeinfer.converters.hf_config import _eos_ids, _int, parse_rope, read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE
 from edgeinfer.errors import ConvertError
@@ -135,17 +135,15 @@ def convert_via_optimum(src: Path | str, dst: Path | str, *, quant: str = "int4"
         if why:
             raise ConvertError(why)
         spec = spec_from_hf_config(cfg)
-        return _convert(src, dst, spec, scheme, transformers, TasksManager, export, log)
+        return _convert(src, dst, spec, scheme, transformers, TasksManager, export, log, force)
     except OSError as e:
         raise _os_error(e, dst) from None
 
 
 def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transformers, TasksManager, export,
-             log) -> Manifest:
+             log, force: bool) -> Manifest:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = temp_folder(dst)
     try:
         t0 = time.perf_counter()
         exported = tmp / "optimum-export"
@@ -168,7 +166,7 @@ def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transfor
             source={n: sha256_file(src / n) for n in sources}, converter_version=__version__,
             origin=Origin(format="optimum", file=src.name))
         manifest.write(tmp)
-        _replace_atomically(tmp, dst)
+        _replace_atomically(tmp, dst, force)
         return manifest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

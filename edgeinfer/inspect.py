@@ -55,7 +55,10 @@ def origin_line(m: Manifest) -> str:
         return {"huggingface": "Hugging Face folder", "optimum": "Optimum ONNX export"}.get(o.format, o.format) \
             + (f" {o.file}" if o.file else "")
     types = ", ".join(f"{t} x{n}" for t, n in o.tensor_types.items())
-    kept = f"; kept exactly: {', '.join(o.kept_exact)}" if o.kept_exact else "; every tensor re-quantized"
+    if o.quant != "keep":
+        kept = f"; every tensor re-quantized ({o.quant})" if o.quant else ""
+    else:
+        kept = f"; kept exactly: {', '.join(o.kept_exact)}" if o.kept_exact else "; tensors kept as the file holds them"
     requant = f"; re-quantized: {len(o.requantized)} tensors ({o.requantized[0]}{', ...' if len(o.requantized) > 1 else ''})" \
         if o.requantized else ""
     return f"GGUF {o.file} ({types}){kept}{requant}"

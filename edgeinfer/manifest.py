@@ -223,19 +223,22 @@ class Origin:
                   (Hugging Face Optimum's ONNX export)
     file          the source's name
     tensor_types  GGUF: how many tensors of each type the file holds ({"Q4_1": 210, "F32": 61})
+    quant         GGUF: the conversion's --quant ("keep", or the width everything was re-quantized to)
     kept_exact    GGUF types taken over without re-quantization
-    requantized   tensors whose type we could not keep, with what they became ("blk.0.ffn_down: Q6_K -> int8")
+    requantized   with keep, tensors whose type we could not keep and what they became
+                  ("model.layers.0.mlp.down_proj.weight: Q6_K -> int8")
     """
 
     format: str = "huggingface"
     file: str = ""
     tensor_types: dict = field(default_factory=dict)
+    quant: str = ""
     kept_exact: tuple[str, ...] = ()
     requantized: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         return {"format": self.format, "file": self.file, "tensor_types": dict(self.tensor_types),
-                "kept_exact": list(self.kept_exact), "requantized": list(self.requantized)}
+                "quant": self.quant, "kept_exact": list(self.kept_exact), "requantized": list(self.requantized)}
 
     @classmethod
     def from_json(cls, d: dict, where: str = "origin") -> "Origin":

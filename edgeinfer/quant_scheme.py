@@ -65,6 +65,6 @@ def _problem(v: dict) -> tuple[str, str] | None:
     if unknown:
         return "int8_tensors", (f"unknown projection(s) {', '.join(sorted(unknown))} "
                                 f"(choose from {', '.join(PROJECTIONS)})")
-    if v["accuracy_level"] not in (0, 1, 2, 3, 4):
+    if isinstance(v["accuracy_level"], bool) or v["accuracy_level"] not in (0, 1, 2, 3, 4):
         return "accuracy_level", f"accuracy_level must be 0..4, got {v['accuracy_level']}"
     return None

@@ -199,7 +199,7 @@ def test_os_error_at_the_final_rename_is_a_convert_error(monkeypatch, work, tmp_
     """The Python API raises ConvertError too, not OSError, and cleans up."""
     convert_module = importlib.import_module("edgeinfer.converters.convert")
 
-    def refuse(tmp, dst):
+    def refuse(tmp, dst, force=True):
         raise PermissionError(errno.EACCES, "Permission denied", str(dst))
 
     monkeypatch.setattr(convert_module, "_replace_atomically", refuse)

@@ -279,8 +279,8 @@ def test_inconsistent_head_counts(tmp_path):
 def test_a_tensor_type_we_cannot_read(tmp_path):
     r = gguf.GGUFReader(GGUF_FIX / "stories260K-Q8_0.gguf")
     t = next(t for t in r.tensors if t.name == "blk.0.attn_v.weight")
-    q8_0 = np.asarray(t.data).reshape(-1, 34)  # Q8_1: a second fp16 (the block's sum) after d
-    q8_1 = np.concatenate([q8_0[:, :2], np.zeros((len(q8_0), 2), np.uint8), q8_0[:, 2:]], axis=1)
+    q8_0 = np.asarray(t.data).reshape(-1, 34)  # Q8_1 as the gguf package sizes it: 40 bytes a block
+    q8_1 = np.concatenate([q8_0[:, :2], np.zeros((len(q8_0), 6), np.uint8), q8_0[:, 2:]], axis=1)
     src = _rewrite(GGUF_FIX / "stories260K-Q8_0.gguf", tmp_path / "t.gguf",
                    retype={t.name: ("Q8_1", q8_1.reshape(t.data.shape[0], -1))})
     _refused(tmp_path, src, "blk.0.attn_v.weight", "Q8_1", "cannot read")
