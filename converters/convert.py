@@ -51,7 +51,7 @@ VIAS = ("auto", "native", "optimum")  # `convert --via`
 
 def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | None = None,
                    embedding: str | None = None, symmetric: bool = True,
-                   int8_tensors: tuple[str, ...] = ()) -> QuantScheme:
+                   int8_tensors: tuple[str, ...] = (), recipe: str = "rtn") -> QuantScheme:
     """The measured defaults (docs/architecture.md, "Quantization choices"; scripts/quant_matrix.py).
 
     int4 / int8: every projection block-quantized on MatMulNBits, symmetric, and the (tied)
@@ -64,7 +64,7 @@ def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | No
     if accuracy_level is None:
         accuracy_level = 4 if quant in ("int4", "int8") else 0
     return QuantScheme(weights=quant, block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level,
-                       embedding=embedding, lm_head=embedding, int8_tensors=tuple(int8_tensors))
+                       embedding=embedding, lm_head=embedding, int8_tensors=tuple(int8_tensors), recipe=recipe)
 
 
 def _tokenizer_info(src: Path, spec) -> TokenizerInfo:

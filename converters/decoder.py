@@ -152,7 +152,7 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
     if kind in ("int4", "int8"):
         bits = bits_of(kind)
         if share_quant:
-            packed, scales, zp = quantize_blockwise(emb, bits, scheme.block_size, scheme.symmetric)
+            packed, scales, zp = quantize_blockwise(emb, bits, scheme.block_size, scheme.symmetric, scheme.recipe)
             qw, sc = g.weight("lm_head.qweight", packed), g.weight("lm_head.scales", scales)
             zps = [g.weight("lm_head.zero_points", zp)] if zp is not None else []
             (data,) = g.node("Reshape", [qw, g.const("shape_emb_packed", np.array([V, D * bits // 8], np.int64))],
@@ -161,7 +161,7 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
             if D % scheme.block_size:
                 raise ConvertError(f"hidden size {D} is not a multiple of block {scheme.block_size}: "
                                    "use --embedding fp32 or fp16")
-            packed, scales, zp = quantize_blockwise(emb, bits, scheme.block_size, scheme.symmetric)
+            packed, scales, zp = quantize_blockwise(emb, bits, scheme.block_size, scheme.symmetric, scheme.recipe)
             data = g.weight("model.embed_tokens.qweight", packed.reshape(V, -1))
             sc = g.weight("model.embed_tokens.scales", scales)
             zps = [g.weight("model.embed_tokens.zero_points", zp)] if zp is not None else []

@@ -53,7 +53,7 @@ def linear(g: Graph, prefix: str, x: str, w_out_in: np.ndarray, bias: np.ndarray
     n, k = w_out_in.shape
     if kind in ("int4", "int8"):
         bits = bits_of(kind)
-        packed, scales, zp = quantize_blockwise(w_out_in, bits, scheme.block_size, scheme.symmetric)
+        packed, scales, zp = quantize_blockwise(w_out_in, bits, scheme.block_size, scheme.symmetric, scheme.recipe)
         ins = [x, g.weight(f"{prefix}.qweight", packed), g.weight(f"{prefix}.scales", scales)]
         if zp is not None:
             ins.append(g.weight(f"{prefix}.zero_points", zp))

@@ -19,15 +19,29 @@ from __future__ import annotations
 import numpy as np
 from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
-from edgeinfer.quant_scheme import BLOCK_SIZES, PROJECTIONS, QUANTS, QuantScheme  # noqa: F401 (re-exported)
+from edgeinfer.quant_scheme import BLOCK_SIZES, PROJECTIONS, QUANTS, RECIPES, QuantScheme  # noqa: F401 (re-exported)
 
 
 def bits_of(kind: str) -> int:
     return {"int4": 4, "int8": 8}[kind]
 
 
-def quantize_blockwise(w_out_in: np.ndarray, bits: int, block_size: int, symmetric: bool):
-    """Quantize a [N, K] (out, in) float32 weight for MatMulNBits; returns (packed, scales, zero_points)."""
+MSE_FACTORS = np.linspace(0.80, 1.10, 13, dtype=np.float32)  # scale candidates around the signed maximum's
+
+
+def quantize_blockwise(w_out_in: np.ndarray, bits: int, block_size: int, symmetric: bool, recipe: str = "rtn"):
+    """Quantize a [N, K] (out, in) float32 weight for MatMulNBits; returns (packed, scales, zero_points).
+
+    recipe (symmetric int4 only; other widths always "rtn"):
+      rtn  ONNX Runtime's quantizer, round to nearest: scale = (the block's signed extreme) / -8, as
+           llama.cpp's Q4_0 (a numpy copy of that rule gives the same perplexity on stories260K)
+      mse  per block, the scale among `MSE_FACTORS` x that one with the least squared weight error
+           (a smaller scale clips the extreme and resolves the rest finer). Measured (docs/quantization
+           notes in issue 14): stories260K +15.2 % -> +12.2 %; SmolLM2-135M +23.3 % -> +26.3 %, whose
+           reference weights are a Q4_1 file's grid, so not a default.
+    """
+    if bits == 4 and symmetric and recipe == "mse":
+        return _int4_signed(w_out_in, block_size, MSE_FACTORS)
     n, k = w_out_in.shape
     n_blocks = (k + block_size - 1) // block_size
     blob = block_size * bits // 8
@@ -37,3 +51,31 @@ def quantize_blockwise(w_out_in: np.ndarray, bits: int, block_size: int, symmetr
     fn = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
     fn(packed, np.ascontiguousarray(w_out_in.T, dtype=np.float32), scales, zero_points, block_size, n, k, symmetric)
     return packed, scales, (None if symmetric else zero_points)
+
+
+def _int4_signed(w: np.ndarray, block: int, factors: np.ndarray, rows: int = 2048):
+    """Symmetric 4-bit blocks (MatMulNBits' default zero point 8) with scale d = f * extreme / -8, the
+    factor f per block from `factors` with the least squared error; a few rows at a time."""
+    n, k = w.shape
+    nb = -(-k // block)
+    packed = np.empty((n, nb, block // 2), np.uint8)
+    scales = np.empty((n, nb), np.float32)
+    for r in range(0, n, rows):
+        x = np.zeros((min(rows, n - r), nb * block), np.float32)
+        x[:, :k] = w[r:r + rows]
+        x = x.reshape(len(x), nb, block)
+        extreme = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]  # signed, [rows, nb]
+        best_err = np.full(extreme.shape, np.inf, np.float32)
+        best_d = np.zeros_like(extreme)
+        for f in factors:
+            d = extreme * (f / -8.0)
+            inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+            q = np.clip(np.rint(x * inv[..., None]), -8, 7)
+            err = np.square(x - q * d[..., None]).sum(-1)
+            better = err < best_err
+            best_err, best_d = np.where(better, err, best_err), np.where(better, d, best_d)
+        inv = np.divide(1.0, best_d, out=np.zeros_like(best_d), where=best_d != 0)
+        codes = (np.clip(np.rint(x * inv[..., None]), -8, 7) + 8).astype(np.uint8)
+        packed[r:r + rows] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        scales[r:r + rows] = best_d
+    return packed, scales, None

@@ -28,6 +28,9 @@ def add_convert_parser(sub) -> None:
     c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
                    help="MatMulNBits accuracy_level (0: fp32 math; 4: int8 activations)")
     c.add_argument("--asymmetric", action="store_true", help="int4/int8 with zero points")
+    c.add_argument("--recipe", choices=("rtn", "mse"), default=None,
+                   help="int4 rounding: rtn (default; round to nearest, scale from the block's extreme) or mse "
+                   "(per-block scale search for the least squared error)")
     c.add_argument("--int8-tensors", nargs="*", metavar="NAME",
                    help="with --quant int4, keep these projections at int8 (e.g. qkv_proj down_proj)")
     c.add_argument("--attention", choices=("auto", *(m.name for m in KV_MODES)), default="auto",
@@ -58,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
     scheme = None
     scheme_flags = [flag for flag, v in (("--block-size", args.block_size), ("--embedding", args.embedding),
-                                         ("--asymmetric", args.asymmetric), ("--int8-tensors", args.int8_tensors))
+                                         ("--asymmetric", args.asymmetric), ("--int8-tensors", args.int8_tensors),
+                                         ("--recipe", args.recipe))
                     if v is not None and v is not False]
     keep = args.quant == "keep" or (args.quant is None and args.target == "cpu" and is_gguf(args.src))
     if keep:
@@ -68,14 +72,15 @@ def run(args: argparse.Namespace) -> int:
     elif args.target in PORTABLE_TARGETS:  # the portable graphs take only --quant (fp32, fp16, int8)
         given = [flag for flag, v in (("--block-size", args.block_size), ("--embedding", args.embedding),
                                       ("--accuracy-level", args.accuracy_level), ("--asymmetric", args.asymmetric),
-                                      ("--int8-tensors", args.int8_tensors)) if v is not None and v is not False]
+                                      ("--int8-tensors", args.int8_tensors), ("--recipe", args.recipe))
+                 if v is not None and v is not False]
         if given:
             raise EdgeInferError(f"{', '.join(given)}: --target {args.target} stores weights per output channel "
                                  "(--quant only); these flags are for the cpu and cuda graphs")
     elif scheme_flags:
         scheme = default_scheme(args.quant or "int4", args.block_size or 32, accuracy_level=args.accuracy_level,
                                 embedding=args.embedding, symmetric=not args.asymmetric,
-                                int8_tensors=tuple(args.int8_tensors or ()))
+                                int8_tensors=tuple(args.int8_tensors or ()), recipe=args.recipe or "rtn")
     log = (lambda msg: print(msg, file=sys.stderr)) if not args.quiet else (lambda msg: None)
     convert(args.src, args.output, quant="keep" if keep else args.quant, block_size=args.block_size or 32,
             target=args.target, force=args.force, scheme=scheme, attention=args.attention, capacity_tokens=args.capacity,

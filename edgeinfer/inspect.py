@@ -71,8 +71,9 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         return json.dumps(s, indent=1)
     q = m.quantization
     mixed = f", int8 for {', '.join(q.int8_tensors)}" if q.int8_tensors else ""
+    recipe = f", recipe {q.recipe}" if q.weights == "int4" else ""
     blocks = f" (block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}, " \
-             f"accuracy_level {q.accuracy_level}{mixed})" if q.weights in ("int4", "int8") else ""
+             f"accuracy_level {q.accuracy_level}{mixed}{recipe})" if q.weights in ("int4", "int8") else ""
     return "\n".join([
         f"{folder}",
         f"  architecture  {s['family']}: {s['parameters'] / 1e6:.2f} M parameters, {s['layers']} layers, "

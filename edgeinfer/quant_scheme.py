@@ -14,6 +14,7 @@ from edgeinfer.errors import ConvertError
 QUANTS = ("fp32", "fp16", "int8", "int4")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+RECIPES = ("rtn", "mse")  # int4 rounding (converters/quantize.py says what each does)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class QuantScheme:
     embedding: str = "fp32"  # fp32 | fp16 | int8 | int4: the token embedding (and tied lm_head)
     lm_head: str = "fp32"  # same choices; equals `embedding` when tied (one shared matrix)
     int8_tensors: tuple[str, ...] = ()  # with weights=int4: projections kept at int8 (mixed precision)
+    recipe: str = "rtn"  # how int4 blocks are rounded (RECIPES; converters/quantize.py)
 
     def kind_for(self, projection: str) -> str:
         """Storage of one projection ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")."""
@@ -42,6 +44,8 @@ class QuantScheme:
     def to_json(self) -> dict:
         d = asdict(self)
         d["int8_tensors"] = list(self.int8_tensors)
+        if self.recipe == "rtn":  # the default, as manifests before `recipe` wrote it (absent): unchanged bytes
+            del d["recipe"]
         return d
 
     @classmethod
@@ -65,6 +69,8 @@ def _problem(v: dict) -> tuple[str, str] | None:
     if unknown:
         return "int8_tensors", (f"unknown projection(s) {', '.join(sorted(unknown))} "
                                 f"(choose from {', '.join(PROJECTIONS)})")
+    if v["recipe"] not in RECIPES:
+        return "recipe", f"unknown recipe {v['recipe']!r} (choose from {', '.join(RECIPES)})"
     if isinstance(v["accuracy_level"], bool) or v["accuracy_level"] not in (0, 1, 2, 3, 4):
         return "accuracy_level", f"accuracy_level must be 0..4, got {v['accuracy_level']}"
     return None
