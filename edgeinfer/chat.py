@@ -57,5 +57,14 @@ class ChatTemplate:
             if add_generation_prompt:
                 lines.append("Assistant:")
             return "\n".join(lines)
-        return self._tpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                bos_token=self.bos_token, eos_token=self.eos_token)
+        import jinja2
+
+        try:
+            return self._tpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.bos_token, eos_token=self.eos_token)
+        except InvalidArgumentError:
+            raise
+        except (jinja2.TemplateError, OverflowError, ArithmeticError, TypeError, ValueError, LookupError,
+                RecursionError) as e:  # the template itself fails on these messages (a broken or hostile template)
+            raise InvalidArgumentError(f"the model's chat template failed on these messages: "
+                                       f"{e.__class__.__name__}: {e}") from None

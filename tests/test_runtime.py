@@ -273,3 +273,19 @@ def test_sentencepiece_template_special_strings_encode_to_their_ids(bundled):
                                 add_generation_prompt=False), add_bos=False)
     assert ids == [1] + tok.encode("Hi", add_bos=False) + [2, 1] + tok.encode("Yo", add_bos=False) + [2]
     assert tok.encode("a <s> b", add_bos=False).count(1) == 1
+
+
+@pytest.mark.parametrize("template", [
+    "{% for i in range(10**9) %}x{% endfor %}",  # the sandbox's range limit: OverflowError
+    "{{ messages[5]['content'] }}",  # an index the messages do not have
+    "{{ 1 / 0 }}",
+    "{{ (messages | first).nope.upper() }}",  # an undefined attribute called
+])
+def test_a_template_that_fails_on_the_messages_is_one_user_error(template):
+    """A model's template (a GGUF's is anyone's text) that raises while rendering: InvalidArgumentError
+    naming the failure, not a bare OverflowError/ZeroDivisionError (a server 500, a CLI traceback)."""
+    from edgeinfer.chat import ChatTemplate
+    from edgeinfer.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="chat template failed on these messages"):
+        ChatTemplate(template).render([{"role": "user", "content": "hi"}])
