@@ -130,7 +130,7 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
         if own_head:
             return _linear(g, p_head, x, head_w, None, head_kind, scheme)
         if head_kind in ("int4", "int8") and share_quant:
-            ins = [x, "lm_head.qweight", "lm_head.scales"] + (["lm_head.zero_points"] if not scheme.symmetric else [])
+            ins = [x, "lm_head.qweight", sc] + (["lm_head.zero_points"] if not scheme.symmetric else [])
             (y,) = g.node("MatMulNBits", ins, f"{p_head}/MatMulNBits", domain=G.MS, K=D, N=V,
                           bits=bits_of(head_kind), block_size=scheme.block_size, accuracy_level=scheme.accuracy_level)
             return y
@@ -153,7 +153,7 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
         bits = bits_of(kind)
         if share_quant:
             packed, scales, zp = quantize_blockwise(emb, bits, scheme.block_size, scheme.symmetric, scheme.recipe)
-            qw, sc = g.weight("lm_head.qweight", packed), g.weight("lm_head.scales", scales)
+            qw, sc = g.weight("lm_head.qweight", packed), G.block_scales(g, "lm_head.scales", scales, scheme)
             zps = [g.weight("lm_head.zero_points", zp)] if zp is not None else []
             (data,) = g.node("Reshape", [qw, g.const("shape_emb_packed", np.array([V, D * bits // 8], np.int64))],
                              f"{p_emb}/Reshape")
@@ -163,7 +163,7 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
                                    "use --embedding fp32 or fp16")
             packed, scales, zp = quantize_blockwise(emb, bits, scheme.block_size, scheme.symmetric, scheme.recipe)
             data = g.weight("model.embed_tokens.qweight", packed.reshape(V, -1))
-            sc = g.weight("model.embed_tokens.scales", scales)
+            sc = G.block_scales(g, "model.embed_tokens.scales", scales, scheme)
             zps = [g.weight("model.embed_tokens.zero_points", zp)] if zp is not None else []
         (h,) = g.node("GatherBlockQuantized", [data, input_ids, sc, *zps], f"{p_emb}/GatherBlockQuantized",
                       domain=G.MS, gather_axis=0, quantize_axis=1, block_size=scheme.block_size, bits=bits)

@@ -81,7 +81,7 @@ def keep_scheme(ckpt: GGUFCheckpoint, spec: ArchSpec, accuracy_level: int | None
     symmetric = "Q4_1" not in ckpt.type_counts()
     return QuantScheme(weights=weights, block_size=32, symmetric=symmetric,
                        accuracy_level=0 if accuracy_level is None else accuracy_level,
-                       embedding=embedding, lm_head=head, int8_tensors=int8)
+                       embedding=embedding, lm_head=head, int8_tensors=int8, scale_dtype="float16")
 
 
 def origin(ckpt: GGUFCheckpoint, quant: str, requantized: dict[str, str]) -> Origin:

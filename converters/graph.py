@@ -54,7 +54,7 @@ def linear(g: Graph, prefix: str, x: str, w_out_in: np.ndarray, bias: np.ndarray
     if kind in ("int4", "int8"):
         bits = bits_of(kind)
         packed, scales, zp = quantize_blockwise(w_out_in, bits, scheme.block_size, scheme.symmetric, scheme.recipe)
-        ins = [x, g.weight(f"{prefix}.qweight", packed), g.weight(f"{prefix}.scales", scales)]
+        ins = [x, g.weight(f"{prefix}.qweight", packed), block_scales(g, f"{prefix}.scales", scales, scheme)]
         if zp is not None:
             ins.append(g.weight(f"{prefix}.zero_points", zp))
         (y,) = g.node("MatMulNBits", ins, f"{prefix}/MatMulNBits", domain=MS, K=k, N=n, bits=bits,
@@ -67,6 +67,16 @@ def linear(g: Graph, prefix: str, x: str, w_out_in: np.ndarray, bias: np.ndarray
         (y,) = g.node("MatMul", [x, g.weight(f"{prefix}.weight", w_out_in.T.astype(np.float32))], f"{prefix}/MatMul")
     if bias is not None:
         (y,) = g.node("Add", [y, g.weight(f"{prefix}.bias", bias.astype(np.float32))], f"{prefix}/Add")
+    return y
+
+
+def block_scales(g: Graph, name: str, scales: np.ndarray, scheme: QuantScheme) -> str:
+    """Block scales as MatMulNBits / GatherBlockQuantized read them (float32): the initializer, or with
+    `scheme.scale_dtype` float16 an fp16 initializer and a Cast that ONNX Runtime folds at load (the
+    file is smaller, the kernels see float32)."""
+    if scheme.scale_dtype == "float32":
+        return g.weight(name, scales)
+    (y,) = g.node("Cast", [g.weight(f"{name}_fp16", scales.astype(np.float16))], f"/{name}/Cast", to=TensorProto.FLOAT)
     return y
 
 

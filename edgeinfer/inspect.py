@@ -31,6 +31,7 @@ def _summary(folder: Path, m: Manifest) -> dict:
     a = m.arch
     disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != STAMP_FILE)
     load_capacity = resolve_capacity(m.default_capacity_tokens, a.sliding_window, None)
+    weight_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name.startswith("model.onnx"))
     return {
         "family": a.family, "parameters": parameter_count(a), "layers": a.num_layers, "hidden_size": a.hidden_size,
         "heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
@@ -43,6 +44,7 @@ def _summary(folder: Path, m: Manifest) -> dict:
         "tokenizer": m.tokenizer.kind, "format_version": m.format_version, "converter_version": m.converter_version,
         "kv_dtype": m.interface.kv_dtype, "portable": m.portable.to_json() if m.portable is not None else None,
         "origin": m.origin.to_json() if m.origin is not None else None,
+        "bits_per_weight": round(weight_bytes * 8 / parameter_count(a), 2),  # the graph files over every parameter
     }
 
 
@@ -71,15 +73,18 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         return json.dumps(s, indent=1)
     q = m.quantization
     mixed = f", int8 for {', '.join(q.int8_tensors)}" if q.int8_tensors else ""
-    recipe = f", recipe {q.recipe}" if q.weights == "int4" else ""
+    kept = m.origin is not None and m.origin.quant == "keep"  # a GGUF's own blocks: no recipe of ours
+    recipe = f", recipe {q.recipe}" if q.weights == "int4" and not kept else ""
+    scales = ", fp16 scales" if q.scale_dtype == "float16" else ""
     blocks = f" (block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}, " \
-             f"accuracy_level {q.accuracy_level}{mixed}{recipe})" if q.weights in ("int4", "int8") else ""
+             f"accuracy_level {q.accuracy_level}{mixed}{recipe}{scales})" if q.weights in ("int4", "int8") else ""
     return "\n".join([
         f"{folder}",
         f"  architecture  {s['family']}: {s['parameters'] / 1e6:.2f} M parameters, {s['layers']} layers, "
         f"hidden {s['hidden_size']}, {s['heads']} heads / {s['kv_heads']} KV heads x {s['head_dim']}, "
         f"vocab {s['vocab_size']}{', tied embeddings' if s['tied_embeddings'] else ''}",
-        f"  quantization  weights {q.weights}{blocks}; embedding {q.embedding}, lm_head {q.lm_head}"
+        f"  quantization  weights {q.weights}{blocks}; embedding {q.embedding}, lm_head {q.lm_head}; "
+        f"{s['bits_per_weight']} bits per weight"
         if m.portable is None else
         f"  quantization  weights {m.portable.weights}"
         f"{' per output channel (DequantizeLinear)' if m.portable.weights == 'int8' else ''}; embedding rows on "

@@ -29,6 +29,7 @@ class QuantScheme:
     lm_head: str = "fp32"  # same choices; equals `embedding` when tied (one shared matrix)
     int8_tensors: tuple[str, ...] = ()  # with weights=int4: projections kept at int8 (mixed precision)
     recipe: str = "rtn"  # how int4 blocks are rounded (RECIPES; converters/quantize.py)
+    scale_dtype: str = "float32"  # int4/int8 block scales as stored: float32, or float16 (cast at load)
 
     def kind_for(self, projection: str) -> str:
         """Storage of one projection ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")."""
@@ -44,8 +45,9 @@ class QuantScheme:
     def to_json(self) -> dict:
         d = asdict(self)
         d["int8_tensors"] = list(self.int8_tensors)
-        if self.recipe == "rtn":  # the default, as manifests before `recipe` wrote it (absent): unchanged bytes
-            del d["recipe"]
+        for key, default in (("recipe", "rtn"), ("scale_dtype", "float32")):
+            if d[key] == default:  # as manifests before these fields wrote it (absent): unchanged bytes
+                del d[key]
         return d
 
     @classmethod
@@ -69,6 +71,8 @@ def _problem(v: dict) -> tuple[str, str] | None:
     if unknown:
         return "int8_tensors", (f"unknown projection(s) {', '.join(sorted(unknown))} "
                                 f"(choose from {', '.join(PROJECTIONS)})")
+    if v["scale_dtype"] not in ("float32", "float16"):
+        return "scale_dtype", f"unknown scale dtype {v['scale_dtype']!r} (float32 or float16)"
     if v["recipe"] not in RECIPES:
         return "recipe", f"unknown recipe {v['recipe']!r} (choose from {', '.join(RECIPES)})"
     if isinstance(v["accuracy_level"], bool) or v["accuracy_level"] not in (0, 1, 2, 3, 4):
