@@ -26,7 +26,7 @@ from onnx import TensorProto, helper
 
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import graph as G
-from edgeinfer.converters.gguf_blocks import Blocks, stack
+from edgeinfer.converters.gguf_blocks import Blocks, q4_1_blocks, stack
 from edgeinfer.converters.kept_graph import kept_gather, kept_linear, kept_matmul, kept_weight
 from edgeinfer.converters.quantize import QuantScheme, bits_of, quantize_blockwise
 from edgeinfer.converters.safetensors_io import Checkpoint
@@ -111,6 +111,8 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
     V, D = spec.vocab_size, spec.hidden_size
     tied = spec.tie_word_embeddings or "lm_head.weight" not in src.ckpt
     kept = src.blocks("model.embed_tokens.weight", (V, D))
+    if kept is None and not src.keep and scheme.recipe == "q4_1" and scheme.embedding == "int4" and D % 32 == 0:
+        kept = q4_1_blocks(src.get("model.embed_tokens.weight", (V, D)))
     if kept is not None:
         return _kept_embedding_and_head(g, spec, src, scheme, input_ids, kept, tied)
     head_w = head_kind = None
@@ -193,7 +195,10 @@ def _kept_embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, sche
 
 
 def _linear(g: G.Graph, prefix: str, x: str, w: np.ndarray | Blocks, bias, kind: str, scheme: QuantScheme) -> str:
-    """`graph.linear`, or `kept_graph.kept_linear` for blocks taken over from a GGUF file."""
+    """`graph.linear`, or `kept_graph.kept_linear` for blocks taken over from a GGUF file or made by the
+    q4_1 recipe (int4 weights whose rows are whole blocks)."""
+    if not isinstance(w, Blocks) and kind == "int4" and scheme.recipe == "q4_1" and w.shape[1] % 32 == 0:
+        w = q4_1_blocks(w)
     if isinstance(w, Blocks):
         return kept_linear(g, prefix, x, w, bias, scheme.accuracy_level)
     return G.linear(g, prefix, x, w, bias, kind, scheme)

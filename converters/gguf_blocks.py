@@ -169,6 +169,28 @@ def from_gguf(raw: np.ndarray, qtype: str, n: int, k: int) -> Blocks:
     return Blocks(4, _pack4(codes), d, mins, qtype)
 
 
+def q4_1_blocks(w: np.ndarray, rows: int = 2048) -> Blocks:
+    """A float32 [N, K] weight (K a multiple of 32) quantized as llama.cpp's Q4_1 does it: per block of
+    32, d = (max - min) / 15 and m = min (both fp16), q = round((w - m) / d) in [0, 15]. Run by
+    `kept_graph` like a Q4_1 GGUF tensor (symmetric packs plus a block-sum offset: full speed)."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"rows of {k} weights are not whole blocks of {BLOCK}")
+    packed = np.empty((n, k // BLOCK, BLOCK // 2), np.uint8)
+    scales = np.empty((n, k // BLOCK), np.float16)
+    mins = np.empty_like(scales)
+    for r in range(0, n, rows):
+        x = w[r:r + rows].reshape(-1, k // BLOCK, BLOCK).astype(np.float32)
+        lo, hi = x.min(-1), x.max(-1)
+        d = ((hi - lo) / 15).astype(np.float16)
+        m = lo.astype(np.float16)
+        d32, m32 = d.astype(np.float32), m.astype(np.float32)
+        inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
+        q = np.clip(np.rint((x - m32[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+        packed[r:r + rows], scales[r:r + rows], mins[r:r + rows] = _pack4(q), d, m
+    return Blocks(4, packed, scales, mins, "q4_1")
+
+
 def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
     """Row order that undoes llama.cpp's q/k permutation (convert_hf_to_gguf.py, Llama): per head,
     the GGUF holds the rotary pairs interleaved (row 2j, 2j+1) where Hugging Face holds them halved

@@ -39,6 +39,9 @@ def quantize_blockwise(w_out_in: np.ndarray, bits: int, block_size: int, symmetr
            (a smaller scale clips the extreme and resolves the rest finer). Measured (docs/quantization
            notes in issue 14): stories260K +15.2 % -> +12.2 %; SmolLM2-135M +23.3 % -> +26.3 %, whose
            reference weights are a Q4_1 file's grid, so not a default.
+      q4_1 asymmetric blocks of 32 with an fp16 scale and minimum, as llama.cpp's Q4_1 (5 bits per
+           weight); built by `gguf_blocks.q4_1_blocks` and run by `kept_graph` (the decoder routes it
+           there; this function never sees it)
     """
     if bits == 4 and symmetric and recipe == "mse":
         return _int4_signed(w_out_in, block_size, MSE_FACTORS)
