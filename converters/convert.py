@@ -65,6 +65,8 @@ def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | No
         embedding = quant
     if accuracy_level is None:
         accuracy_level = 4 if quant in ("int4", "int8") else 0
+    if recipe == "asym":  # integer zero points: the recipe is asymmetric storage
+        symmetric = False
     if scale_dtype is None:  # int4: fp16 scales, 6 % smaller files for +0.03 % perplexity on stories260K
         scale_dtype = "float16" if quant == "int4" else "float32"
     return QuantScheme(weights=quant, block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level,

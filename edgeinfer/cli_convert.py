@@ -28,10 +28,11 @@ def add_convert_parser(sub) -> None:
     c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
                    help="MatMulNBits accuracy_level (0: fp32 math; 4: int8 activations)")
     c.add_argument("--asymmetric", action="store_true", help="int4/int8 with zero points")
-    c.add_argument("--recipe", choices=("rtn", "mse", "q4_1"), default=None,
+    c.add_argument("--recipe", choices=("rtn", "mse", "asym", "q4_1"), default=None,
                    help="int4 rounding: rtn (default; round to nearest, scale from the block's extreme), mse "
-                   "(per-block scale search for the least squared error) or q4_1 (asymmetric blocks with an "
-                   "fp16 minimum, as llama.cpp's Q4_1: more accurate, ~11 %% larger, ~0.7x decode speed)")
+                   "(per-block scale search for the least squared error), asym (with --asymmetric: integer zero "
+                   "points and scales searched per block) or q4_1 (asymmetric blocks with an fp16 minimum, as "
+                   "llama.cpp's Q4_1: the most accurate, ~11 %% larger, ~0.7x decode speed)")
     c.add_argument("--int8-tensors", nargs="*", metavar="NAME",
                    help="with --quant int4, keep these projections at int8 (e.g. qkv_proj down_proj)")
     c.add_argument("--attention", choices=("auto", *(m.name for m in KV_MODES)), default="auto",

@@ -14,7 +14,7 @@ from edgeinfer.errors import ConvertError
 QUANTS = ("fp32", "fp16", "int8", "int4")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-RECIPES = ("rtn", "mse", "q4_1")  # int4 rounding (converters/quantize.py says what each does)
+RECIPES = ("rtn", "mse", "asym", "q4_1")  # int4 rounding (converters/quantize.py says what each does)
 
 
 @dataclass(frozen=True)
