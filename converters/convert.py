@@ -199,6 +199,9 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
             scheme = scheme or default_scheme(quant, block_size, accuracy_level=accuracy_level)
             if target == "cuda" and scheme.scale_dtype != "float32":  # the fp16 graph pass keeps its own scales
                 scheme = dataclasses.replace(scheme, scale_dtype="float32")
+            if target != "cpu" and scheme.recipe == "q4_1":
+                raise ConvertError("--recipe q4_1 builds the cpu graph's offset packs: choose another recipe for "
+                                   f"--target {target}")
         return _convert(src, dst, scheme, target, attention, log, portable, ort_format, gguf, accuracy_level, force)
     except OSError as e:
         raise _os_error(e, dst) from None

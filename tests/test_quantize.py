@@ -194,3 +194,12 @@ def test_asym_recipe_on_stories260k(converted):
     ppl = {r: perplexity(converted(STORIES_SRC, "int4", symmetric=False, recipe=r), STORIES_FIX / "eval.txt").perplexity
            for r in ("rtn", "asym")}
     assert ppl["asym"] < ppl["rtn"] - 0.05
+
+
+def test_q4_1_recipe_is_for_the_cpu_graph(tmp_path):
+    from conftest import STORIES_SRC
+    from edgeinfer.converters import convert, default_scheme
+
+    with pytest.raises(ConvertError, match="--recipe q4_1 builds the cpu graph"):
+        convert(STORIES_SRC, tmp_path / "out", target="cuda", scheme=default_scheme("int4", recipe="q4_1"))
+    assert not (tmp_path / "out").exists()
