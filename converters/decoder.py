@@ -27,6 +27,7 @@ from onnx import TensorProto, helper
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import graph as G
 from edgeinfer.converters.gguf_blocks import Blocks, q4_1_blocks, stack
+from edgeinfer.converters.gguf_checkpoint import FLOAT_TYPES
 from edgeinfer.converters.kept_graph import kept_gather, kept_linear, kept_matmul, kept_weight
 from edgeinfer.converters.quantize import QuantScheme, bits_of, quantize_blockwise
 from edgeinfer.converters.safetensors_io import Checkpoint
@@ -75,7 +76,7 @@ class TensorSource:
         """With `keep`: how a tensor that is not taken over as blocks is stored (its type's kind)."""
         qtype = self.ckpt.gguf_type(name)
         kind = self.ckpt.stored_kind(qtype)
-        if qtype not in ("F32", "F16", "BF16"):
+        if qtype not in FLOAT_TYPES:
             self.requantized[name] = f"{qtype} -> {kind}"
         return kind
 

@@ -126,12 +126,13 @@ def _split8(u: np.ndarray, rows: int = 2048) -> tuple[np.ndarray, np.ndarray]:
     lo = np.empty_like(hi)
     for r in range(0, u.shape[0], rows):
         part = u[r:r + rows]
-        hi[r:r + rows] = _pack4(part >> 4)
-        lo[r:r + rows] = _pack4(part & 15)
+        hi[r:r + rows] = pack4(part >> 4)
+        lo[r:r + rows] = pack4(part & 15)
     return hi, lo
 
 
-def _pack4(codes: np.ndarray) -> np.ndarray:
+def pack4(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes (uint8, last axis even) two per byte, element 2i in the low nibble: MatMulNBits' layout."""
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
 
@@ -166,7 +167,7 @@ def from_gguf(raw: np.ndarray, qtype: str, n: int, k: int) -> Blocks:
     qs = b[..., 4:] if qtype == "Q4_1" else b[..., 2:]
     codes = np.concatenate([qs & 15, qs >> 4], axis=-1)  # llama.cpp: q[j] low nibbles, q[j+16] high
     mins = b[..., 2:4].copy().view(np.float16)[..., 0] if qtype == "Q4_1" else None
-    return Blocks(4, _pack4(codes), d, mins, qtype)
+    return Blocks(4, pack4(codes), d, mins, qtype)
 
 
 def q4_1_blocks(w: np.ndarray, rows: int = 2048) -> Blocks:
@@ -187,7 +188,7 @@ def q4_1_blocks(w: np.ndarray, rows: int = 2048) -> Blocks:
         d32, m32 = d.astype(np.float32), m.astype(np.float32)
         inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
         q = np.clip(np.rint((x - m32[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
-        packed[r:r + rows], scales[r:r + rows], mins[r:r + rows] = _pack4(q), d, m
+        packed[r:r + rows], scales[r:r + rows], mins[r:r + rows] = pack4(q), d, m
     return Blocks(4, packed, scales, mins, "q4_1")
 
 

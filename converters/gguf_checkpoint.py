@@ -27,7 +27,7 @@ from edgeinfer.converters.gguf_header import HeaderError, read_header
 from edgeinfer.errors import ConvertError
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # general.architecture -> family
-FLOAT_TYPES = ("F32", "F16", "BF16")
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # stored as float by keep, never re-quantized
 PIP_HINT = "pip install 'edgeinfer[gguf]'"
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -112,7 +112,7 @@ class GGUFCheckpoint:
             why = " (Llama 3.1-style rope scaling is not supported from GGUF)" if "rope_freqs.weight" in unknown else ""
             raise ConvertError(f"{self.path.name}: tensors this converter does not know: "
                                f"{', '.join(unknown[:3])}{more}{why}")
-        self.tensors = {n: i for n, i in self._infos.items()}
+        self.tensors = self._infos  # the checkpoint protocol's name -> entry map
         self._order: dict[str, np.ndarray] = {}
 
     # --- the checkpoint protocol -------------------------------------------------------------------
@@ -131,12 +131,10 @@ class GGUFCheckpoint:
         """One tensor as float32 in a new array (dequantized when quantized), rows in Hugging Face order."""
         gguf = _gguf()
         _, qtype, have, _, _ = self._info(name, shape)
-        raw = self._raw(name)
         if qtype in gguf_blocks.KEPT_TYPES and len(have) == 2:
             return self.blocks(name, shape).dequantize()
         try:
-            kind = gguf.GGMLQuantizationType[qtype]
-            arr = gguf.quants.dequantize(raw.view(_numpy_dtype(qtype)) if qtype in ("F32", "F16") else raw, kind)
+            arr = gguf.quants.dequantize(self._raw(name), gguf.GGMLQuantizationType[qtype])  # raw bytes, any type
         except (NotImplementedError, KeyError, ValueError) as e:
             raise ConvertError(f"{self.path.name}: tensor {self._info(name)[0]!r} has type {qtype}, which this "
                                f"converter cannot read ({e.__class__.__name__}: {e})") from None
@@ -167,14 +165,11 @@ class GGUFCheckpoint:
         """How `--quant keep` stores a tensor of GGUF type `qtype` that is not taken over as blocks:
         F32 and BF16 as fp32, F16 as fp16; a quantized type re-quantized by our recipe, at int8 when
         it has 5 bits or more (Q5_*, Q6_K, Q8_*), else int4."""
-        if qtype in ("F32", "BF16", "F64"):
+        if qtype in FLOAT_TYPES and qtype != "F16":
             return "fp32"
         if qtype == "F16":
             return "fp16"
         return "int8" if any(c in qtype for c in "5678") else "int4"
-
-    def total_bytes(self) -> int:
-        return self.path.stat().st_size
 
     # --- metadata ---------------------------------------------------------------------------------
 
@@ -259,7 +254,3 @@ class GGUFCheckpoint:
         if key not in self._order:
             self._order[key] = gguf_blocks.unpermute_rows(shape[0], heads)
         return self._order[key]
-
-
-def _numpy_dtype(qtype: str):
-    return {"F32": np.float32, "F16": np.float16}[qtype]

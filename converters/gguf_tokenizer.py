@@ -22,7 +22,6 @@ from the same metadata.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -191,7 +190,5 @@ def _check_template(template: str, name: str) -> None:
 
 def write_tokenizer(meta: dict, name: str, folder: Path) -> list[str]:
     """Write tokenizer.json into `folder`; returns the files written."""
-    text = tokenizer_json(meta, name)
-    json.loads(text)  # the library wrote valid JSON
-    (Path(folder) / "tokenizer.json").write_text(text)
+    (Path(folder) / "tokenizer.json").write_text(tokenizer_json(meta, name))
     return ["tokenizer.json"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
+from edgeinfer.converters.gguf_blocks import pack4
 from edgeinfer.quant_scheme import BLOCK_SIZES, PROJECTIONS, QUANTS, RECIPES, QuantScheme  # noqa: F401 (re-exported)
 
 
@@ -60,17 +61,24 @@ def quantize_blockwise(w_out_in: np.ndarray, bits: int, block_size: int, symmetr
     return packed, scales, (None if symmetric else zero_points)
 
 
-def _int4_signed(w: np.ndarray, block: int, factors: np.ndarray, rows: int = 2048):
-    """Symmetric 4-bit blocks (MatMulNBits' default zero point 8) with scale d = f * extreme / -8, the
-    factor f per block from `factors` with the least squared error; a few rows at a time."""
+def _row_blocks(w: np.ndarray, block: int, rows: int = 2048):
+    """(first row, x [rows, n_blocks, block]) a few rows of `w` at a time, the last block of each row
+    zero-padded as ONNX Runtime's quantizer pads it."""
     n, k = w.shape
     nb = -(-k // block)
-    packed = np.empty((n, nb, block // 2), np.uint8)
-    scales = np.empty((n, nb), np.float32)
     for r in range(0, n, rows):
         x = np.zeros((min(rows, n - r), nb * block), np.float32)
         x[:, :k] = w[r:r + rows]
-        x = x.reshape(len(x), nb, block)
+        yield r, x.reshape(len(x), nb, block)
+
+
+def _int4_signed(w: np.ndarray, block: int, factors: np.ndarray):
+    """Symmetric 4-bit blocks (MatMulNBits' default zero point 8) with scale d = f * extreme / -8, the
+    factor f per block from `factors` with the least squared error; a few rows at a time."""
+    n, nb = len(w), -(-w.shape[1] // block)
+    packed = np.empty((n, nb, block // 2), np.uint8)
+    scales = np.empty((n, nb), np.float32)
+    for r, x in _row_blocks(w, block):
         extreme = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]  # signed, [rows, nb]
         best_err = np.full(extreme.shape, np.inf, np.float32)
         best_d = np.zeros_like(extreme)
@@ -82,28 +90,23 @@ def _int4_signed(w: np.ndarray, block: int, factors: np.ndarray, rows: int = 204
             better = err < best_err
             best_err, best_d = np.where(better, err, best_err), np.where(better, d, best_d)
         inv = np.divide(1.0, best_d, out=np.zeros_like(best_d), where=best_d != 0)
-        codes = (np.clip(np.rint(x * inv[..., None]), -8, 7) + 8).astype(np.uint8)
-        packed[r:r + rows] = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        scales[r:r + rows] = best_d
+        packed[r:r + len(x)] = pack4((np.clip(np.rint(x * inv[..., None]), -8, 7) + 8).astype(np.uint8))
+        scales[r:r + len(x)] = best_d
     return packed, scales, None
 
 
 ASYM_FACTORS = np.linspace(0.85, 1.05, 9, dtype=np.float32)
 
 
-def _int4_asym(w: np.ndarray, block: int, rows: int = 2048):
+def _int4_asym(w: np.ndarray, block: int):
     """Asymmetric 4-bit blocks, w = s (q - z) with an integer z in [0, 15]: per block the (s, z) among
     s = f (max - min) / 15 (f in ASYM_FACTORS) and z = round(-min / s) + {-1, 0, 1} with the least
     squared error. Zero points packed two per byte, low nibble first, as MatMulNBits reads them."""
-    n, k = w.shape
-    nb = -(-k // block)
+    n, nb = len(w), -(-w.shape[1] // block)
     packed = np.empty((n, nb, block // 2), np.uint8)
     scales = np.empty((n, nb), np.float32)
-    zps = np.zeros((n, nb + nb % 2), np.uint8)
-    for r in range(0, n, rows):
-        x = np.zeros((min(rows, n - r), nb * block), np.float32)
-        x[:, :k] = w[r:r + rows]
-        x = x.reshape(len(x), nb, block)
+    zps = np.zeros((n, nb + nb % 2), np.uint8)  # an even count, so the last byte's high nibble is 0
+    for r, x in _row_blocks(w, block):
         lo, hi = x.min(-1), x.max(-1)
         span = np.maximum(hi - lo, 1e-12)
         best = (np.full(lo.shape, np.inf, np.float32), np.zeros_like(lo), np.zeros(lo.shape, np.float32))
@@ -117,10 +120,7 @@ def _int4_asym(w: np.ndarray, block: int, rows: int = 2048):
                 better = err < best[0]
                 best = (np.where(better, err, best[0]), np.where(better, s, best[1]), np.where(better, z, best[2]))
         _, s, z = best
-        codes = np.clip(np.rint(x / s[..., None]) + z[..., None], 0, 15).astype(np.uint8)
-        packed[r:r + rows] = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        scales[r:r + rows] = s
-        zz = np.zeros((len(x), nb + nb % 2), np.uint8)
-        zz[:, :nb] = z.astype(np.uint8)
-        zps[r:r + rows] = zz
-    return packed, scales, zps[:, 0::2] | (zps[:, 1::2] << 4)
+        packed[r:r + len(x)] = pack4(np.clip(np.rint(x / s[..., None]) + z[..., None], 0, 15).astype(np.uint8))
+        scales[r:r + len(x)] = s
+        zps[r:r + len(x), :nb] = z.astype(np.uint8)
+    return packed, scales, pack4(zps)
