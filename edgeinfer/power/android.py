@@ -125,15 +125,8 @@ class Android(SysfsTree):
             self._termux_battery(report)
         f["thermal_status"] = self._thermal_status(report)
 
-    def _run(self, argv, timeout_s: float, cache_s: float, report: Report) -> str | None:
-        out = self.commands.run(argv, timeout_s, cache_s=cache_s)
-        if out is None:
-            report.warn(f"{' '.join(argv)}: no answer (missing, failed or timed out); "
-                        f"retry in {self.commands.retry_in_s(argv):.0f} s")
-        return out
-
     def _termux_battery(self, report: Report) -> None:
-        out = self._run(TERMUX_BATTERY, TERMUX_TIMEOUT_S, TERMUX_CACHE_S, report)
+        out = self.commands.answer(TERMUX_BATTERY, TERMUX_TIMEOUT_S, report.warn, TERMUX_CACHE_S)
         if out is None:
             return
         values = parse_termux_battery(out, report)
@@ -146,7 +139,7 @@ class Android(SysfsTree):
             report.source("termux-battery-status")
 
     def _thermal_status(self, report: Report) -> str | None:
-        out = self._run(DUMPSYS_THERMAL, DUMPSYS_TIMEOUT_S, DUMPSYS_CACHE_S, report)
+        out = self.commands.answer(DUMPSYS_THERMAL, DUMPSYS_TIMEOUT_S, report.warn, DUMPSYS_CACHE_S)
         if out is None:
             return None
         if "Permission Denial" in out:

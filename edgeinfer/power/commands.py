@@ -80,7 +80,8 @@ class CommandGate:
       None at once. `fail(argv)` puts a command that answered something useless (e.g. "Permission
       Denial") under the same rule.
     - An answer is reused, without running the command, for `cache_s` seconds after it came.
-    `retry_in_s(argv)` says how long a failed command still waits (for the warning line).
+    `retry_in_s(argv)` says how long a failed command still waits (for the warning line); `answer`
+    runs, warns and parses as every reader does.
     """
 
     def __init__(self, runner: CommandRunner, clock: Callable[[], float] = time.monotonic,
@@ -109,6 +110,23 @@ class CommandGate:
         self._failed_at.pop(line, None)
         self._cached[line] = (now, out)
         return out
+
+    def answer(self, argv: Sequence[str], timeout_s: float, warn: Callable[[str], None], cache_s: float = 0.0,
+               parse: Callable[[str], object] | None = None):
+        """`run`, saying through `warn` when there is no answer. With `parse`: the parsed answer, and an
+        answer it cannot read (None) is warned about and put under the retry rule (`fail`)."""
+        line = command_line(argv)
+        out = self.run(argv, timeout_s, cache_s)
+        if out is None:
+            warn(f"{line}: no answer (missing, failed or timed out); retry in {self.retry_in_s(argv):.0f} s")
+            return None
+        if parse is None:
+            return out
+        value = parse(out)
+        if value is None:
+            warn(f"{line}: unexpected output {out.strip()[:32]!r}")
+            self.fail(argv)
+        return value
 
     def fail(self, argv: Sequence[str]) -> None:
         """Do not run `argv` again for `retry_after_s` (and forget its cached answer)."""

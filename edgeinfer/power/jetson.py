@@ -110,15 +110,7 @@ class Jetson(SysfsTree):
         f["power_mode"] = self._power_mode(report)
 
     def _power_mode(self, report: Report) -> str | None:
-        out = self.commands.run(NVPMODEL, NVPMODEL_TIMEOUT_S, cache_s=NVPMODEL_CACHE_S)
-        if out is None:
-            report.warn("nvpmodel -q: no answer (missing, failed or timed out); "
-                        f"retry in {self.commands.retry_in_s(NVPMODEL):.0f} s")
-            return None
-        mode = parse_nvpmodel(out)
-        if mode is None:
-            report.warn(f"nvpmodel -q: unexpected output {out.strip()[:32]!r}")
-            self.commands.fail(NVPMODEL)
-            return None
-        report.source("nvpmodel")
+        mode = self.commands.answer(NVPMODEL, NVPMODEL_TIMEOUT_S, report.warn, NVPMODEL_CACHE_S, parse_nvpmodel)
+        if mode is not None:
+            report.source("nvpmodel")
         return mode

@@ -85,10 +85,8 @@ class MacOS:
     def read(self, report: Report) -> None:
         for argv, parse, source in ((PMSET_BATT, parse_pmset_batt, "pmset batt"),
                                     (PMSET_THERM, parse_pmset_therm, "pmset therm")):
-            out = self.commands.run(argv, PMSET_TIMEOUT_S, cache_s=PMSET_CACHE_S)
+            out = self.commands.answer(argv, PMSET_TIMEOUT_S, report.warn, PMSET_CACHE_S)
             if out is None:
-                report.warn(f"{' '.join(argv)}: no answer (missing, failed or timed out); "
-                            f"retry in {self.commands.retry_in_s(argv):.0f} s")
                 continue
             values = parse(out, report)
             report.fields.update(values)

@@ -82,15 +82,7 @@ class RaspberryPi(SysfsTree):
         return mask
 
     def _mask_from_vcgencmd(self, report: Report) -> int | None:
-        out = self.commands.run(VCGENCMD, VCGENCMD_TIMEOUT_S)
-        if out is None:
-            report.warn("vcgencmd get_throttled: no answer (missing, failed or timed out); "
-                        f"retry in {self.commands.retry_in_s(VCGENCMD):.0f} s")
-            return None
-        mask = parse_throttle_mask(out)
-        if mask is None:
-            report.warn(f"vcgencmd get_throttled: unexpected output {out.strip()[:32]!r}")
-            self.commands.fail(VCGENCMD)
-            return None
-        report.source("vcgencmd")
+        mask = self.commands.answer(VCGENCMD, VCGENCMD_TIMEOUT_S, report.warn, parse=parse_throttle_mask)
+        if mask is not None:
+            report.source("vcgencmd")
         return mask
