@@ -14,6 +14,15 @@ STORIES_FIX = FIXTURES / "stories260K"
 TINY_MODELS = sorted(p.name for p in TINY.iterdir() if (p / "config.json").exists())
 
 
+def make_tree(root: Path, files: dict) -> Path:
+    """Write {relative path: text or bytes} under `root` (a recorded device's sysfs/proc tree); returns root."""
+    for rel, content in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return root
+
+
 def write_safetensors(path: Path, tensors: dict) -> None:
     """Write float32 numpy arrays as a safetensors file (the documented format: u64 header length,
     JSON header, raw little-endian data)."""

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import make_tree
+
 import edgeinfer
 from edgeinfer.cli import main
 from edgeinfer.errors import InvalidArgumentError
@@ -75,14 +77,6 @@ def fake_cores(n: int = 2) -> CoreLimit:
     c = CoreLimit(list(range(n)))
     c.supported = False  # never touch this process's affinity
     return c
-
-
-def make_tree(root: Path, files: dict) -> Path:
-    for rel, content in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    return root
 
 
 def sensors(tmp_path, files, commands=None, platform="linux") -> Sensors:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import make_tree
+
 from edgeinfer.power import linux_sysfs
 from edgeinfer.power.android import Android, parse_build_prop, parse_termux_battery, parse_thermal_status
 from edgeinfer.power.commands import CommandGate, RecordedCommands, run_command
@@ -41,14 +43,6 @@ class Clock:
 
 def fixture(name: str, clock=None) -> Sensors:
     return sensors_from_fixture(FIX / name, clock=clock or Clock())
-
-
-def make_tree(root: Path, files: dict) -> Path:
-    for rel, content in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    return root
 
 
 def sensors(tmp_path, files, commands=None, platform="linux", clock=None, battery_fn=None):
