@@ -102,20 +102,23 @@ class Engine(ChunkedSteps):
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
         return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, self.mode, dtype=self.kv_dtype)
 
-    def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+    def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False,
+                commit: bool = True) -> np.ndarray:
         """Run up to `max_chunk` new tokens at the cache's next positions; return logits [N, V].
 
         N = len(ids) with `all_logits`, else 1 (the last position). N = 1: a view of the cache's
         logits buffer, valid until the next call on the same cache; N > 1: a new array. Mutates
         `cache` (its new rows and bookkeeping). Thread-safe across caches (see the module doc).
+        commit=False leaves the new rows uncommitted, just past the valid slots (a speculative
+        verify: the caller commits the accepted ones with `cache.commit`; the others are never read).
         """
         s = len(ids)
         if not 0 < s <= self.max_chunk:
             raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {s}")
         with self.lock:
-            return self._forward(cache, ids, s, s if all_logits and s > 1 else 1)
+            return self._forward(cache, ids, s, s if all_logits and s > 1 else 1, commit)
 
-    def _forward(self, cache: RingKVCache, ids: Sequence[int], s: int, n: int) -> np.ndarray:
+    def _forward(self, cache: RingKVCache, ids: Sequence[int], s: int, n: int, commit: bool = True) -> np.ndarray:
         logits = cache.logits if n == 1 else np.empty((1, n, self.spec.vocab_size), np.float32)
         cache.rebase_if_due(s)
         t = cache.n_valid
@@ -133,7 +136,7 @@ class Engine(ChunkedSteps):
             self._total[()] = t + s
             key = (cache, s)  # holds the cache: its buffers cannot be freed while still bound
             if key == self._bound and n == 1:  # same buffers and shapes as the last call (every decode step)
-                return self._run(cache, s, logits)
+                return self._run(cache, s if commit else 0, logits)
             self._bound = key if n == 1 else None
             shape = list(self.mode.cache_shape(cache.rows, self.spec.num_kv_heads, self.spec.head_dim))
             self._bind_ring(cache.k, cache.v, shape, self._seqlens)
@@ -151,7 +154,7 @@ class Engine(ChunkedSteps):
                     self._ones = np.ones((1, cache.rows), np.int64)
                 io.bind_input(ATTENTION_MASK, "cpu", 0, np.int64, [1, t + s], self._ones.ctypes.data)
         self._bind_tokens(self._ids, self._pos, [1, s], n, logits)
-        return self._run(cache, s, logits)
+        return self._run(cache, s if commit else 0, logits)
 
     def _bind_ring(self, ks: list[np.ndarray], vs: list[np.ndarray], shape: list[int], seqlens: np.ndarray) -> None:
         """Bind a call that appends in place: past and present are the same arrays, `seqlens` the
@@ -174,8 +177,10 @@ class Engine(ChunkedSteps):
         io.bind_output("logits", "cpu", 0, np.float32, [dims[0], n, self.spec.vocab_size], logits.ctypes.data)
 
     def _run(self, cache: RingKVCache, s: int, logits: np.ndarray) -> np.ndarray:
+        """Run the bound call; commit its s new rows (0: none)."""
         self.session.session.run_with_iobinding(self._io)
-        cache.commit(s)
+        if s:
+            cache.commit(s)
         self.calls += 1
         return logits[0]
 

@@ -35,6 +35,7 @@ from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.options import GenerationOptions
 from edgeinfer.overflow import fit_prompt
 from edgeinfer.sampling import Sampler
+from edgeinfer.speculative import SpeculativeStepper
 from edgeinfer.tokenizer import Tokenizer
 
 STOP_MARKS = 64  # how many recent tokens' cache marks a request keeps, to take a stop string back out
@@ -45,6 +46,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     dropped_tokens: int  # prompt tokens truncated plus tokens the ring forgot during this request
+    cached_tokens: int = 0  # prompt tokens the cache already held (a reused prefix: not prefilled again)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class Generation:
         self.cached_text = ""
         self.cache_stale = False
         self.prompt_dropped = 0  # prompt tokens the overflow policy dropped before prefill
+        self.speculation = None  # with options.speculative: the request's `speculative.Stats`
         self._steps = self._hold(begin, end, lock)
 
     def __iter__(self) -> "Generation":
@@ -161,12 +164,16 @@ class Generation:
         logits = engine.prefill(cache, feed, chunk, before_chunk=self._check_cancelled)  # cancellable between chunks
         marks.append((0, 0, True, cache.mark()))
         t_prefill = time.perf_counter()
-        self.stepper.join(cache)
+        stepper = self.stepper
+        if opts.speculative and isinstance(stepper, SoloStepper) and isinstance(engine, Engine):
+            stepper = SpeculativeStepper(engine, self.prefix + feed, opts.max_new_tokens)
+            self.speculation = stepper.stats
+        stepper.join(cache)
         try:
             sampler = Sampler(opts.sampling, opts.seed, self.prefix + feed)  # keeps the last penalty_last_n
-            finish, final, t_first = yield from self._decode(logits, sampler, detok, stops, generated, marks)
+            finish, final, t_first = yield from self._decode(logits, sampler, detok, stops, generated, marks, stepper)
         finally:
-            self.stepper.leave(cache)
+            stepper.leave(cache)
         t_first = t_first or t_prefill
         t_end = time.perf_counter()
         self.unfed = tuple(generated[-1:]) if finish == "length" else ()
@@ -178,7 +185,8 @@ class Generation:
         n, decode_s = len(generated), t_end - t_first
         self.completion = Completion(
             text=stops.text, token_ids=tuple(generated), finish_reason=finish,
-            usage=Usage(len(prompt_ids), n, dropped + cache.dropped - dropped_before),
+            usage=Usage(len(self.prefix) + len(prompt_ids), n, dropped + cache.dropped - dropped_before,
+                        len(self.prefix)),
             timings=Timings(load_ms=self.load_ms, ttft_ms=(t_first - t0) * 1e3,
                             tpot_ms=decode_s * 1e3 / (n - 1) if n > 1 else 0.0,
                             prefill_tok_s=len(feed) / max(t_prefill - t0, 1e-9),
@@ -192,12 +200,12 @@ class Generation:
             raise GenerationCancelled("the request was cancelled")
 
     def _decode(self, logits, sampler: Sampler, detok: Detokenizer, stops: StopFilter, generated: list[int],
-                marks: deque):
+                marks: deque, stepper):
         """Step 4: sample, yield, feed back, until a finish. Returns (finish_reason, the last chunk or
         None, time of the first token); the last chunk is yielded by the caller once the completion is set."""
         cache, opts, overflow = self.cache, self.options, self.overflow
         eos = set() if opts.ignore_eos else set(self.tok.eos_ids)
-        step, cancelled, max_new, want_marks = self.stepper.step, self.cancelled, opts.max_new_tokens, bool(opts.stop)
+        step, cancelled, max_new, want_marks = stepper.step, self.cancelled, opts.max_new_tokens, bool(opts.stop)
         pace = self.pacer.pace if self.pacer is not None else None
         lp, top, text_len, t_first = None, (), 0, None
         while True:

@@ -14,19 +14,23 @@ from edgeinfer.errors import InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.sampling import SamplingParams
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+SPECULATIVE = ("ngram",)  # drafters for speculative decoding (edgeinfer/speculative.py)
 
 
 @dataclass(frozen=True)
 class GenerationOptions:
     """max_new_tokens: a positive int; stop: strings that end the reply (not included in its text);
     seed: None (random) or any int; ignore_eos: keep going past the model's end-of-sequence token;
-    sampling: the chain's settings (temperature 0 is greedy). Bad values raise InvalidArgumentError."""
+    sampling: the chain's settings (temperature 0 is greedy); speculative: None (plain decoding) or
+    "ngram" (prompt-lookup drafts checked in one graph call: the same tokens, sooner, on text that
+    repeats itself; `speculative.py`). Bad values raise InvalidArgumentError."""
 
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
@@ -41,6 +45,9 @@ class GenerationOptions:
             raise InvalidArgumentError(f"seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.speculative is not None and self.speculative not in SPECULATIVE:
+            raise InvalidArgumentError(f"speculative must be None or one of {', '.join(map(repr, SPECULATIVE))}, "
+                                       f"got {self.speculative!r}")
         if not isinstance(self.sampling, SamplingParams):
             raise InvalidArgumentTypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
 

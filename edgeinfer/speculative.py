@@ -1,0 +1,181 @@
+"""Prompt-lookup speculative decoding: drafts from the text itself, checked in one graph call.
+
+No draft model: `NgramDrafter` proposes the tokens that followed the most recent earlier occurrence
+of the last n tokens (n = max_n down to min_n) in the prompt and the text generated so far: text that
+quotes, summarises or edits its input repeats it, and so does a model looping on its own words.
+
+`SpeculativeStepper.step(cache, token)` replaces a plain decode step (`Engine.decode_one`), same
+contract: feed `token`, return the logits [V] for the next one. Its numbered steps:
+1. If the previous call left verified rows and `token` is the draft they were computed for, commit
+   that row and return its logits: no graph call.
+2. Otherwise (no rows left, or the token differs from the draft: the rows after it are dropped,
+   never committed), draft up to k tokens after `token`. None: a plain decode step.
+3. Verify: one graph call over [token, d1 .. dk] with logits at every position and nothing committed
+   (`Engine.forward(..., all_logits=True, commit=False)`); commit `token`'s row and return its logits.
+   The draft rows wait, uncommitted, just past the valid slots, for step 1.
+
+The caller samples each position exactly as plain decoding would (same sampler, same RNG draws in
+the same order) and feeds the sampled token back, so the tokens equal plain decoding's: a draft only
+decides which logits are computed ahead. Their exactness is the graph's: a call of several rows
+computes the same logits as one-row calls up to float rounding in fp32 (accuracy level 0); at
+accuracy level 4 (int8 activations) the multi-row path rounds differently (~0.02, see
+`engine.prefill_chunks`), so a near-tie may resolve the other way.
+
+The ring: a draft never runs past the ring's free slots (so no verified row evicts a token that a
+plain step would still attend to, and a rejected row needs no undo: uncommitted rows past the valid
+slots are not read); with the ring full (shifting), decoding is plain.
+
+Adaptive (`Tuning`): k grows while drafts are accepted whole and shrinks to just past the accepted
+length when one is rejected; speculation pauses (plain steps only) for `pause_tokens` when the
+measured tokens per second of verify calls falls below plain steps', then probes again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgeinfer.engine import Engine
+from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.kv_cache import RingKVCache
+
+
+class NgramDrafter:
+    """Drafts from the history: the continuation of the most recent earlier occurrence of its last n
+    tokens, longest n first. `index` maps every n-gram that ends before the last token to where its
+    latest occurrence ends; `push` keeps it so in O(max_n) per token."""
+
+    def __init__(self, ids: Sequence[int], max_n: int = 3, min_n: int = 2):
+        if not 1 <= min_n <= max_n:
+            raise InvalidArgumentError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self.history: list[int] = []
+        self.index: dict[tuple[int, ...], int] = {}
+        for t in ids:
+            self.push(t)
+
+    def push(self, token: int) -> None:
+        h = self.history
+        end = len(h) - 1  # the old last token: its n-grams become earlier occurrences
+        for n in range(self.min_n, self.max_n + 1):
+            if end - n + 1 >= 0:
+                self.index[tuple(h[end - n + 1:end + 1])] = end
+        h.append(int(token))
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k tokens that followed the last n tokens' latest earlier occurrence ([] if none)."""
+        h = self.history
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(h) >= n:
+                end = self.index.get(tuple(h[-n:]))
+                if end is not None:
+                    return h[end + 1:end + 1 + k]
+        return []
+
+
+@dataclass(frozen=True)
+class Tuning:
+    k_max: int = 8  # longest draft
+    k_start: int = 4
+    min_verifies: int = 4  # verify calls measured before speculation may pause
+    pause_tokens: int = 64  # plain steps while paused, then probe again
+    ema: float = 0.2  # weight of the newest measurement in the running means
+
+
+@dataclass
+class Stats:
+    """What speculation did in one request."""
+
+    verify_calls: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    plain_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted drafts per verify call (tokens gained per call beyond the one a plain step makes)."""
+        return self.accepted_tokens / self.verify_calls if self.verify_calls else 0.0
+
+
+class SpeculativeStepper:
+    """A stepper (`batching.SoloStepper`'s methods) that speculates; one request, one cache."""
+
+    def __init__(self, engine: Engine, history: Sequence[int], max_new_tokens: int, tuning: Tuning = Tuning()):
+        self.engine, self.tuning = engine, tuning
+        self.drafter = NgramDrafter(history)
+        self.stats = Stats()
+        self.k = tuning.k_start
+        self.budget = max_new_tokens  # tokens this request may still sample (drafting past it is waste)
+        self._rows: np.ndarray | None = None  # logits of the verified draft rows not yet served
+        self._draft: list[int] = []  # the drafts those rows were computed for
+        self._next = 0  # index in _draft of the next row to serve
+        self._step_s = None  # running means: seconds per plain step, per verify call, tokens per verify
+        self._verify_s = None
+        self._gain = None
+        self._paused = 0  # plain steps left before probing again
+
+    def join(self, cache: RingKVCache) -> None:
+        pass
+
+    def leave(self, cache: RingKVCache) -> None:
+        self._rows = None
+
+    def step(self, cache: RingKVCache, token: int) -> np.ndarray:
+        self.drafter.push(token)
+        self.budget -= 1
+        if self._rows is not None:
+            if token == self._draft[self._next]:  # 1. the draft was right: its row is already computed
+                cache.commit(1)
+                row = self._rows[self._next + 1]
+                self._next += 1
+                self.stats.accepted_tokens += 1
+                if self._next == len(self._draft):
+                    self._rows = None
+                    self._adapt(len(self._draft), len(self._draft))
+                return row
+            self._adapt(self._next, len(self._draft))  # rejected: the rows after it are never committed
+            self._rows = None
+        draft = self._drafts(cache)  # 2.
+        if not draft:
+            return self._plain(cache, token)
+        t0 = time.perf_counter()  # 3.
+        rows = self.engine.forward(cache, [token] + draft, all_logits=True, commit=False)
+        cache.commit(1)
+        self._verify_s = self._mean(self._verify_s, time.perf_counter() - t0)
+        self.stats.verify_calls += 1
+        self.stats.drafted_tokens += len(draft)
+        self._rows, self._draft, self._next = rows, draft, 0
+        return rows[0]
+
+    def _drafts(self, cache: RingKVCache) -> list[int]:
+        if self._paused > 0:
+            self._paused -= 1
+            return []
+        k = min(self.k, self.budget - 1, self.engine.max_chunk - 1, cache.capacity - cache.n_valid - 1)
+        return self.drafter.draft(k) if k > 0 else []
+
+    def _plain(self, cache: RingKVCache, token: int) -> np.ndarray:
+        t0 = time.perf_counter()
+        logits = self.engine.decode_one(cache, token)
+        self._step_s = self._mean(self._step_s, time.perf_counter() - t0)
+        self.stats.plain_steps += 1
+        return logits
+
+    def _adapt(self, accepted: int, drafted: int) -> None:
+        """After a draft is settled: its length and whether speculation pays."""
+        t = self.tuning
+        self.k = min(t.k_max, self.k * 2) if accepted == drafted else max(1, accepted + 1)
+        self._gain = self._mean(self._gain, 1.0 + accepted)
+        if self.stats.verify_calls >= t.min_verifies and self._step_s is not None \
+                and self._verify_s / self._gain > self._step_s:  # seconds per token: verifying costs more
+            self._paused = t.pause_tokens
+
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.tuning.ema * (new - old)

@@ -1,0 +1,167 @@
+"""Prompt-lookup speculative decoding (edgeinfer/speculative.py): the same tokens as plain decoding.
+
+Exactness is asserted on fp32 stories260K (accuracy level 0, where a graph call of several rows
+computes the logits of one-row calls up to float rounding): greedy and seeded sampling, the six
+golden prompts, across a ring wrap, with stop strings and EOS. Each case also asserts that drafts
+were verified and accepted, so that it cannot pass by never speculating.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from conftest import STORIES_FIX, STORIES_SRC
+from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.speculative import NgramDrafter
+
+GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
+SAMPLINGS = [dict(temperature=0), dict(temperature=0.8, seed=3), dict(temperature=1.0, top_p=0.9, top_k=40, seed=11,
+                                                                      repetition_penalty=1.1)]
+
+
+def test_drafter_takes_the_latest_occurrence_of_the_longest_ngram():
+    d = NgramDrafter([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], max_n=3, min_n=2)
+    # "2 3" last occurred at index 6 (followed by 7 5 2 3), "x 2 3" with x=5 never: the bigram decides
+    assert d.draft(3) == [7, 5, 2]
+    d.push(7)  # now "3 7": occurred at 6..7, followed by 5 2 3 7
+    assert d.draft(8) == [5, 2, 3, 7]  # a continuation runs up to the end of the history, no further
+    d = NgramDrafter([4, 1, 2, 3, 8, 0, 1, 2, 3, 6, 1, 2, 3], max_n=3, min_n=2)
+    assert d.draft(2) == [6, 1]  # "1 2 3" twice before: the most recent one (followed by 6)
+
+
+def test_drafter_without_a_match_or_history_drafts_nothing():
+    assert NgramDrafter([]).draft(4) == []
+    assert NgramDrafter([5]).draft(4) == []  # shorter than n
+    assert NgramDrafter([1, 2, 3, 4]).draft(4) == []  # no n-gram repeats
+    assert NgramDrafter([1, 2, 1, 2]).draft(0) == []
+    with pytest.raises(InvalidArgumentError):
+        NgramDrafter([], max_n=1, min_n=2)
+
+
+def test_speculative_option_is_checked():
+    m = edgeinfer.load()
+    with pytest.raises(InvalidArgumentError, match="speculative"):
+        m.generate("Once", speculative="medusa")
+    with pytest.raises(InvalidArgumentError, match="speculative"):
+        m.generate("Once", speculative=True)
+
+
+@pytest.fixture(scope="module")
+def fp32(converted):
+    return converted(STORIES_SRC, "fp32")
+
+
+def both(m, prompt, **kw):
+    plain = m.stream(prompt, **kw)
+    a = plain.run_to_end()
+    spec = m.stream(prompt, speculative="ngram", **kw)
+    b = spec.run_to_end()
+    return a, b, spec.speculation
+
+
+@pytest.mark.parametrize("capacity", [512, 64])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "top_p+penalty"])
+def test_identical_to_plain_decoding_on_the_golden_prompts(fp32, capacity, sampling):
+    m = edgeinfer.load(fp32, capacity_tokens=capacity, threads=2)
+    verified = accepted = 0
+    for case in GOLDEN["cases"]:
+        a, b, st = both(m, case["prompt_ids"], max_new_tokens=200, ignore_eos=True, **sampling)
+        assert b.token_ids == a.token_ids and b.text == a.text and b.finish_reason == a.finish_reason
+        assert b.usage == a.usage
+        verified, accepted = verified + st.verify_calls, accepted + st.accepted_tokens
+    least = 20 if capacity > 64 else 0  # a 64-slot ring fills after ~50 tokens: no drafts while it shifts
+    assert verified > least and accepted > least  # speculation did run (and was right) on these stories
+
+
+def test_a_ring_that_wraps_during_speculation_matches(fp32):
+    """capacity 64, 8 sinks: the ring fills during drafting (drafts are cut to the free slots) and then
+    shifts for 150 tokens (plain steps), re-basing positions on the way."""
+    m = edgeinfer.load(fp32, capacity_tokens=64, n_sink=8, threads=2)
+    p = GOLDEN["cases"][1]["prompt_ids"]
+    story = list(m.generate(p, max_new_tokens=40, temperature=0, ignore_eos=True).token_ids)
+    prompt = p + story[:20] + p[1:] + story[:3]  # the story, then its start again: drafts agree
+    assert len(prompt) < 50
+    a, b, st = both(m, prompt, max_new_tokens=200, temperature=0, ignore_eos=True)
+    assert b.token_ids == a.token_ids and b.usage.dropped_tokens == a.usage.dropped_tokens > 100
+    assert st.accepted_tokens > 0
+    assert m.cache.rebased_tokens > 0
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.8"])
+def test_stop_strings_and_eos_inside_accepted_drafts(fp32, sampling):
+    m = edgeinfer.load(fp32, capacity_tokens=512, threads=2)
+    prompt = GOLDEN["cases"][2]["prompt_ids"]
+    plain = m.generate(prompt, max_new_tokens=200, ignore_eos=True, **sampling)
+    words = plain.text.split()
+    hits = 0
+    for stop in {w for w in words[20:] if len(w) > 3}:  # stops that occur late, inside drafted runs
+        a, b, st = both(m, prompt, max_new_tokens=200, ignore_eos=True, stop=stop, **sampling)
+        assert (b.text, b.token_ids, b.finish_reason, b.usage) == (a.text, a.token_ids, a.finish_reason, a.usage)
+        assert a.finish_reason == "stop"
+        hits += st.accepted_tokens > 0
+    assert hits > 3
+    for case in GOLDEN["cases"]:  # EOS: the stories end; the completion stops at the same place
+        a, b, _ = both(m, case["prompt_ids"], max_new_tokens=400, **sampling)
+        assert (b.token_ids, b.finish_reason, b.usage) == (a.token_ids, a.finish_reason, a.usage)
+
+
+def test_drafts_never_pass_the_free_slots_or_the_chunk(fp32):
+    """A 48-token prompt in a 64-slot ring leaves 15 free slots; prefill_chunk 3 allows 2 drafts per call."""
+    for kw in (dict(capacity_tokens=64), dict(capacity_tokens=512, prefill_chunk=3)):
+        m = edgeinfer.load(fp32, threads=2, **kw)
+        story = m.generate(GOLDEN["cases"][0]["prompt_ids"], max_new_tokens=30, temperature=0, ignore_eos=True)
+        prompt = (GOLDEN["cases"][0]["prompt_ids"] + list(story.token_ids))[:48]
+        a, b, st = both(m, prompt, max_new_tokens=60, temperature=0, ignore_eos=True)
+        assert b.token_ids == a.token_ids and st.verify_calls > 0
+
+
+def test_the_cache_holds_exactly_what_plain_decoding_leaves(fp32):
+    """Rejected draft rows are never committed: after the request the valid slots, positions and keys
+    equal those of plain decoding."""
+    m = edgeinfer.load(fp32, capacity_tokens=512, threads=2)
+    prompt = GOLDEN["cases"][3]["prompt_ids"]
+    m.generate(prompt, max_new_tokens=150, temperature=0, ignore_eos=True)
+    n, pos, k0 = m.cache.n_valid, m.cache.positions.copy(), m.cache.ks[0][:m.cache.n_valid].copy()
+    g = m.stream(prompt, max_new_tokens=150, temperature=0, ignore_eos=True, speculative="ngram")
+    g.run_to_end()
+    assert g.speculation.drafted_tokens > g.speculation.accepted_tokens > 0  # some drafts were rejected
+    assert m.cache.n_valid == n and np.array_equal(m.cache.positions, pos)
+    np.testing.assert_allclose(m.cache.ks[0][:n], k0, atol=1e-5)
+
+
+def test_a_stream_dropped_half_way_leaves_the_model_usable(fp32):
+    m = edgeinfer.load(fp32, capacity_tokens=512, threads=2)
+    prompt = GOLDEN["cases"][4]["prompt_ids"]
+    want = m.generate(prompt, max_new_tokens=80, temperature=0, ignore_eos=True)
+    g = m.stream(prompt, max_new_tokens=80, temperature=0, ignore_eos=True, speculative="ngram")
+    for _ in zip(range(30), g):
+        pass
+    g.close()
+    again = m.generate(prompt, max_new_tokens=80, temperature=0, ignore_eos=True, speculative="ngram")
+    assert again.token_ids == want.token_ids
+
+
+def test_logprobs_and_conversations_speculate_too(fp32):
+    m = edgeinfer.load(fp32, capacity_tokens=512, threads=2)
+    prompt = GOLDEN["cases"][5]["prompt_ids"]
+    from edgeinfer.generation import Generation  # logprobs: the daemon's path
+    from edgeinfer.options import GenerationOptions
+
+    def run(spec):
+        opts = GenerationOptions.from_kwargs(max_new_tokens=120, temperature=0.7, seed=2, ignore_eos=True,
+                                             speculative=spec)
+        m.cache.reset()
+        g = Generation(m.engine, m.tokenizer, m.cache, opts, "shift", begin=lambda: list(prompt), logprobs=2)
+        return [(c.token_id, c.logprob, c.top_logprobs) for c in g], g.speculation
+    (a, _), (b, st) = run(None), run("ngram")
+    assert [x[0] for x in a] == [x[0] for x in b] and st.accepted_tokens > 0
+    np.testing.assert_allclose([x[1] for x in a if x[1] is not None], [x[1] for x in b if x[1] is not None], atol=1e-4)
+    c1, c2 = m.conversation(), m.conversation()
+    for text in ("Lily had a red ball.", "What did Lily do with the ball?"):
+        r1 = c1.say(text, max_new_tokens=60, temperature=0)
+        r2 = c2.say(text, max_new_tokens=60, temperature=0, speculative="ngram")
+        assert r1.token_ids == r2.token_ids
