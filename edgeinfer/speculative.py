@@ -25,9 +25,15 @@ The ring: a draft never runs past the ring's free slots (so no verified row evic
 plain step would still attend to, and a rejected row needs no undo: uncommitted rows past the valid
 slots are not read); with the ring full (shifting), decoding is plain.
 
-Adaptive (`Tuning`): k grows while drafts are accepted whole and shrinks to just past the accepted
-length when one is rejected; speculation pauses (plain steps only) for `pause_tokens` when the
-measured tokens per second of verify calls falls below plain steps', then probes again.
+Adaptive (`Tuning`), by measurement: the seconds of a plain step (a) and of a verify call of each
+row count s (cost[s]) are running means of this request's own calls, and a drafted token is
+accepted with probability p, counted separately after a draft that was accepted whole (text being
+copied: p near 1) and after one that was not. Each step drafts the k that maximises the expected
+tokens per second, (1 + p + ... + p^k) / cost[k + 1], and drafts nothing when no k beats plain
+steps (1 / a) by `margin`: a graph that verifies many rows for little more than one (a small model,
+int8 activations) speculates often and far, one whose multi-row calls cost several steps (accuracy
+level 0 on a larger model) only on long sure runs. While it drafts nothing it probes with a short
+draft every `probe_every` tokens, so that text which starts to repeat itself is noticed.
 """
 
 from __future__ import annotations
@@ -79,10 +85,11 @@ class NgramDrafter:
 @dataclass(frozen=True)
 class Tuning:
     k_max: int = 8  # longest draft
-    k_start: int = 4
-    min_verifies: int = 4  # verify calls measured before speculation may pause
-    pause_tokens: int = 64  # plain steps while paused, then probe again
-    ema: float = 0.2  # weight of the newest measurement in the running means
+    margin: float = 0.05  # speculate when the expected tokens per second beat plain steps' by this much
+    probe_every: int = 32  # while not speculating, a probe draft this often (tokens)
+    probe_k: int = 2
+    ema: float = 0.2  # weight of the newest call in the running means of a and cost[s]
+    decay: float = 0.9  # weight of the past in the acceptance counts
 
 
 @dataclass
@@ -111,15 +118,16 @@ class SpeculativeStepper:
         self.engine, self.tuning = engine, tuning
         self.drafter = NgramDrafter(history)
         self.stats = Stats()
-        self.k = tuning.k_start
         self.budget = max_new_tokens  # tokens this request may still sample (drafting past it is waste)
         self._rows: np.ndarray | None = None  # logits of the verified draft rows not yet served
         self._draft: list[int] = []  # the drafts those rows were computed for
         self._next = 0  # index in _draft of the next row to serve
-        self._step_s = None  # running means: seconds per plain step, per verify call, tokens per verify
-        self._verify_s = None
-        self._gain = None
-        self._paused = 0  # plain steps left before probing again
+        self._step_s: float | None = None  # a: seconds per plain step (running mean)
+        self._cost: dict[int, float] = {}  # s -> seconds per verify call of s rows (running means)
+        # per state (False: the last draft was cut short, True: accepted whole): [accepted tokens, runs cut short]
+        self._counts = {False: [0.0, 0.0], True: [0.0, 0.0]}
+        self._whole = False  # the state: was the last settled draft accepted whole?
+        self._since_probe = 0
 
     def join(self, cache: RingKVCache) -> None:
         pass
@@ -148,18 +156,49 @@ class SpeculativeStepper:
         t0 = time.perf_counter()  # 3.
         rows = self.engine.forward(cache, [token] + draft, all_logits=True, commit=False)
         cache.commit(1)
-        self._verify_s = self._mean(self._verify_s, time.perf_counter() - t0)
+        n = len(draft) + 1
+        self._cost[n] = self._mean(self._cost.get(n), time.perf_counter() - t0)
         self.stats.verify_calls += 1
         self.stats.drafted_tokens += len(draft)
         self._rows, self._draft, self._next = rows, draft, 0
         return rows[0]
 
     def _drafts(self, cache: RingKVCache) -> list[int]:
-        if self._paused > 0:
-            self._paused -= 1
-            return []
-        k = min(self.k, self.budget - 1, self.engine.max_chunk - 1, cache.capacity - cache.n_valid - 1)
-        return self.drafter.draft(k) if k > 0 else []
+        room = min(self.budget - 1, self.engine.max_chunk - 1, cache.capacity - cache.n_valid - 1)
+        k = min(self.k(), room)
+        if k <= 0:
+            self._since_probe += 1
+            if self._step_s is None or self._since_probe < self.tuning.probe_every or room < 1:
+                return []
+            k = min(self.tuning.probe_k, room)
+        draft = self.drafter.draft(k)
+        if draft:
+            self._since_probe = 0
+        return draft
+
+    def k(self) -> int:
+        """The draft length with the most expected tokens per second; 0: plain steps are better."""
+        if self._step_s is None:
+            return 0  # measure a plain step first
+        t, a = self.tuning, self._step_s
+        accepted, cut = self._counts[self._whole]
+        p = (accepted + 1.0) / (accepted + cut + 2.0)
+        best_k, best, expected, pk = 0, 1.0 + t.margin, 1.0, 1.0
+        for k in range(1, t.k_max + 1):
+            pk *= p
+            expected += pk
+            gain = expected * a / self._verify_cost(k + 1)  # tokens per second, over plain steps'
+            if gain > best:
+                best_k, best = k, gain
+        return best_k
+
+    def _verify_cost(self, s: int) -> float:
+        """Seconds for a verify call of s rows: measured, else from the nearest measured count below
+        (or a plain step) plus a quarter step per extra row (an optimistic guess, to be measured)."""
+        if s in self._cost:
+            return self._cost[s]
+        below = max((n for n in self._cost if n < s), default=1)
+        return (self._cost[below] if below > 1 else self._step_s) + (s - below) * self._step_s / 4
 
     def _plain(self, cache: RingKVCache, token: int) -> np.ndarray:
         t0 = time.perf_counter()
@@ -169,13 +208,10 @@ class SpeculativeStepper:
         return logits
 
     def _adapt(self, accepted: int, drafted: int) -> None:
-        """After a draft is settled: its length and whether speculation pays."""
-        t = self.tuning
-        self.k = min(t.k_max, self.k * 2) if accepted == drafted else max(1, accepted + 1)
-        self._gain = self._mean(self._gain, 1.0 + accepted)
-        if self.stats.verify_calls >= t.min_verifies and self._step_s is not None \
-                and self._verify_s / self._gain > self._step_s:  # seconds per token: verifying costs more
-            self._paused = t.pause_tokens
+        """A draft is settled: count how much of it was accepted, in the state it was drafted in."""
+        d, c = self.tuning.decay, self._counts[self._whole]
+        c[0], c[1] = c[0] * d + accepted, c[1] * d + (accepted < drafted)
+        self._whole = accepted == drafted
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.tuning.ema * (new - old)

@@ -1,0 +1,119 @@
+"""Decode speed with prompt-lookup speculation against plain decoding, side by side in one run.
+
+    python scripts/bench_speculative.py -m MODEL [-m MODEL ...] [--rounds 5] [--tokens 200]
+        [--text EVAL_TXT] [--out FILE.json]
+
+Per model, three kinds of prompt, each run plain and with speculative="ngram" in alternating order
+(greedy, EOS ignored, `--tokens` new tokens):
+  repeat   text that repeats its input: a chat model (one with a chat template) is asked to repeat,
+           fix the typos of, or add type hints to text it is given (paragraphs of `--text`); a story
+           model continues its own story (its greedy story, then the story's prompt again)
+  random   random token ids (64): nothing repeats, so speculation should cost nothing
+Reports, per model and kind, the median over rounds of decode tokens/s (`Completion.timings`) for
+both, their ratio, speculation's acceptance rate and mean accepted drafts per verify call, and
+whether the tokens were identical. JSON out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import edgeinfer
+
+TASKS = ("Repeat the following text exactly, word for word:\n\n{text}",
+         "Fix the spelling mistakes in this text and write it out again in full:\n\n{typos}",
+         "Add type hints to this Python function and write the whole function again:\n\n"
+         "```python\ndef mean_and_spread(values, weights=None):\n    if weights is None:\n"
+         "        weights = [1.0] * len(values)\n    total = sum(weights)\n"
+         "    mean = sum(v * w for v, w in zip(values, weights)) / total\n"
+         "    spread = sum(w * (v - mean) ** 2 for v, w in zip(values, weights)) / total\n"
+         "    return mean, spread ** 0.5\n```")
+
+
+def typos(text: str, rng: np.random.Generator) -> str:
+    words = text.split()
+    for i in rng.choice(len(words), size=max(1, len(words) // 8), replace=False):
+        w = words[i]
+        if len(w) > 3:
+            j = int(rng.integers(1, len(w) - 1))
+            words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+    return " ".join(words)
+
+
+def repeat_prompts(m, text_file: Path | None, n_new: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    if m.manifest.tokenizer.chat_template:
+        lines = [ln for ln in Path(text_file).read_text().splitlines() if len(ln.split()) > 40]
+        out = []
+        for i, task in enumerate(TASKS):
+            para = lines[i % len(lines)]
+            msg = task.format(text=para, typos=typos(para, rng))
+            out.append(m.encode_chat([{"role": "user", "content": msg}]))
+        return out
+    out = []
+    for start in ("Once upon a time", "Lily and Ben", "The little dog"):
+        ids = m.tokenizer.encode(start)
+        story = m.generate(ids, max_new_tokens=n_new, temperature=0, ignore_eos=True).token_ids
+        out.append(ids + list(story) + ids[1:])
+    return out
+
+
+def random_prompts(m) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    v = m.manifest.arch.vocab_size
+    return [rng.integers(3, v, 64).tolist() for _ in range(3)]
+
+
+def run(m, prompt, n_new, spec):
+    g = m.stream(prompt, max_new_tokens=n_new, temperature=0, ignore_eos=True, speculative=spec)
+    c = g.run_to_end()
+    return c, g.speculation
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", action="append", required=True)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--text", type=Path, default=None, help="paragraphs for a chat model's tasks")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    rows = []
+    for path in args.model:
+        m = edgeinfer.load(path, threads=args.threads, capacity_tokens=2048)
+        for kind, prompts in (("repeat", repeat_prompts(m, args.text, args.tokens)), ("random", random_prompts(m))):
+            tps = {None: [], "ngram": []}
+            drafted = accepted = calls = 0
+            same = True
+            for r in range(args.rounds):
+                for spec in ((None, "ngram") if r % 2 == 0 else ("ngram", None)):
+                    per = []
+                    for p in prompts:
+                        c, st = run(m, p, args.tokens, spec)
+                        per.append(c.timings.decode_tok_s)
+                        if spec and r == 0:
+                            drafted, accepted, calls = drafted + st.drafted_tokens, accepted + st.accepted_tokens, \
+                                calls + st.verify_calls
+                            same &= c.token_ids == run(m, p, args.tokens, None)[0].token_ids
+                    tps[spec].append(statistics.median(per))
+            plain, spec = statistics.median(tps[None]), statistics.median(tps["ngram"])
+            row = {"model": str(path), "kind": kind, "prompts": len(prompts), "tokens": args.tokens,
+                   "plain_tok_s": round(plain, 1), "ngram_tok_s": round(spec, 1), "speedup": round(spec / plain, 3),
+                   "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+                   "mean_accepted_per_verify": round(accepted / calls, 2) if calls else 0.0,
+                   "identical_tokens": same}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
