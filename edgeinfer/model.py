@@ -13,6 +13,7 @@ interleaving on the Engine's lock.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -30,6 +31,7 @@ from edgeinfer.conversation import Conversation
 from edgeinfer.generation import Completion, Generation
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.options import GenerationOptions, resolve
+from edgeinfer.prefix_cache import PrefixSnapshot, held_after, reuse
 from edgeinfer.overflow import check_policy, resolve_capacity
 from edgeinfer.power.controller import PowerController, PowerState
 from edgeinfer.power.policy import resolve_policy
@@ -102,6 +104,7 @@ class Model:
         self.engine = open_engine(self.session, min(prefill_chunk, capacity), threads,
                                   SPIN_DURATION_US if policy is not None else None)
         self.cache = self.new_cache()
+        self.held: list[int] | None = None  # the ids the default cache holds, in order (None: not known)
         self.lock = ContextLock("the model's default context (generate/stream)")
         tk = self.manifest.tokenizer
         self.template = ChatTemplate(tk.chat_template, self._piece(tk.bos_token_id),
@@ -181,13 +184,20 @@ class Model:
         raise ContextBusyError.
         """
         opts, ids = resolve(options, overrides), self.encode_prompt(prompt)
+        gen = None
 
-        def begin() -> list[int]:  # requests on the default context are independent
-            self.cache.reset()
-            return ids
+        def begin() -> list[int]:  # the longest prefix the default cache holds is kept, the rest prefilled
+            held, self.held = self.held, None  # unknown while the request runs
+            n = reuse(held, ids, self.cache, self.overflow, opts.max_new_tokens)
+            gen.prefix = ids[:n]
+            return ids[n:]
 
-        return Generation(self.engine, self.tokenizer, self.cache, opts, self.overflow, begin=begin, lock=self.lock,
-                          load_ms=self.load_ms, power=self.power)
+        def end(g: Generation) -> None:
+            self.held = held_after(g, ids, self.cache)
+
+        gen = Generation(self.engine, self.tokenizer, self.cache, opts, self.overflow, begin=begin, end=end,
+                         lock=self.lock, load_ms=self.load_ms, power=self.power)
+        return gen
 
     def generate(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
                  **overrides) -> Completion:
@@ -197,6 +207,47 @@ class Model:
     def chat(self, messages: Sequence[dict], options: GenerationOptions | None = None, **overrides) -> Completion:
         """One reply to `messages` with the model's chat template (stateless: a fresh conversation)."""
         return self.conversation().reply(messages, options, **overrides)
+
+    def snapshot(self, prefix: str | Sequence[int] | None = None, path: str | Path | None = None) -> PrefixSnapshot:
+        """A warmed prefix (a system prompt) to reuse: with `prefix`, the default cache is emptied and
+        prefilled with it first (its ids as `encode_prompt` makes them); else what the cache holds now.
+        Written to `path` too when given. `restore` puts it back; a later prompt that starts with its
+        ids then prefills only the rest."""
+        with self.lock:
+            if prefix is not None:
+                ids = self.encode_prompt(prefix)
+                self.cache.reset()
+                self.held = None
+                self.engine.prefill(self.cache, ids)
+                self.held = ids
+            if not self.held or len(self.held) != self.cache.n_valid:
+                raise InvalidArgumentError("the default cache holds no prefix known exactly: give `prefix`")
+            snap = PrefixSnapshot(tuple(self.held), self.cache.snapshot(), self.fingerprint())
+        if path is not None:
+            snap.save(path)
+        return snap
+
+    def restore(self, snapshot: PrefixSnapshot | str | Path) -> None:
+        """Put a `snapshot` (or the file it was saved to) back in the default cache. Refused
+        (InvalidArgumentError) when it came from other weights or does not fit this model's ring."""
+        snap = snapshot if isinstance(snapshot, PrefixSnapshot) else PrefixSnapshot.load(snapshot)
+        if snap.model != self.fingerprint():
+            raise InvalidArgumentError("the snapshot was taken from another model (its weights differ)")
+        spec, n = self.manifest.arch, len(snap.token_ids)
+        want = (n, spec.num_kv_heads, spec.head_dim)
+        if n > self.capacity_tokens or len(snap.kv.k) != spec.num_layers or \
+                any(a.shape != want or a.dtype != self.cache.dtype for a in snap.kv.k + snap.kv.v):
+            raise InvalidArgumentError(f"the snapshot ({n} tokens) does not fit this model's ring "
+                                       f"({self.capacity_tokens} tokens of {want[1:]} per layer)")
+        with self.lock:
+            self.held = None
+            self.cache.restore(snap.kv)
+            self.held = list(snap.token_ids)
+
+    def fingerprint(self) -> str:
+        """sha256 over the model's files' sha256s (from its manifest): which weights a snapshot needs."""
+        files = self.manifest.files
+        return hashlib.sha256("".join(f"{k}:{files[k]['sha256']};" for k in sorted(files)).encode()).hexdigest()
 
     def power_state(self) -> PowerState | None:
         """The power controller's last readings and plan (None when loaded with power=None)."""

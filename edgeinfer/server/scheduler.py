@@ -25,7 +25,7 @@ from edgeinfer.batching import DecodeBatcher, SoloStepper
 from edgeinfer.generation import Chunk, Completion, Generation, GenerationCancelled
 from edgeinfer.kv_cache import BatchedKV, RingKVCache
 from edgeinfer.options import GenerationOptions
-from edgeinfer.overflow import fits_beside
+from edgeinfer.prefix_cache import common_prefix, held_after, reuse
 
 
 class QueueFull(Exception):
@@ -42,14 +42,6 @@ class Slot:
     cache: RingKVCache
     ids: list[int] | None = None  # the tokens the ring holds, in order (None: not known exactly)
     last_used: int = 0
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Scheduler:
@@ -116,19 +108,13 @@ class Scheduler:
             self._free.remove(best)
             self._clock += 1
             best.last_used = self._clock
-        # at least two tokens are fed: a one-token call takes MatMulNBits' single-row path, whose int8
-        # activations give other logits (engine.prefill_chunks), and the reply would depend on the reuse
-        reuse = min(best_n, len(prompt) - 2)
-        if not fits_beside(reuse, len(prompt) - reuse, best.cache.capacity, self.model.overflow, max_new_tokens):
-            reuse = 0  # truncation must see the whole prompt to drop its oldest tokens, not its newest
-        if reuse <= 0 or not best.cache.keep_prefix(reuse):
-            reuse = 0
-            best.cache.reset()
-            best.ids = None
-        else:
+        kept = reuse(best.ids, prompt, best.cache, self.model.overflow, max_new_tokens)
+        if kept:
             self.prefix_hits += 1
-            self.cached_tokens += reuse
-        return best, reuse
+            self.cached_tokens += kept
+        else:
+            best.ids = None
+        return best, kept
 
     def give_back(self, slot: Slot) -> None:
         with self._cond:
@@ -192,12 +178,7 @@ class Job:
     def _remember(self, slot: Slot, cached: int) -> Callable[[Generation], None]:
         """After the request: which tokens the slot's ring now holds, if that is known exactly."""
         def end(gen: Generation) -> None:
-            cache = slot.cache
-            if cache.dropped or cache.rebased_tokens or not cache.intact or gen.prompt_dropped:
-                slot.ids = None
-                return
-            held = self.prompt + (list(gen.completion.token_ids) if gen.completion is not None else [])
-            slot.ids = held[:cache.n_valid] if gen.completion is not None else self.prompt[:cache.n_valid]
+            slot.ids = held_after(gen, self.prompt, slot.cache)
         return end
 
 

@@ -1,0 +1,102 @@
+"""The automatic prefix cache: a prompt that starts with what a KV ring already holds prefills only the rest.
+
+As llama.cpp's `cache_prompt`: a context (the Model's default one, a daemon slot) remembers the token
+ids its ring holds in order (`held_after`, None when not known exactly: the ring evicted or re-based,
+the overflow policy dropped prompt tokens, a mutation was cut short); the next request keeps the
+longest common prefix (`reuse`) and feeds only its tail. The reply is the one a cold start gives,
+because the kept rows are the ones the same tokens computed (the runtime's logits do not depend on
+how a prompt was split into calls of two or more rows, `engine.prefill_chunks`).
+
+`PrefixSnapshot` is a warmed prefix (a system prompt's rows) taken out of a ring, to put back later
+(`Model.snapshot` / `Model.restore`), also across processes through a file (`save` / `load`).
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.kv_cache import RingKVCache, Snapshot
+from edgeinfer.overflow import fits_beside
+
+SNAPSHOT_FORMAT = 1
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def reuse(held: list[int] | None, prompt: list[int], cache: RingKVCache, overflow: str, max_new_tokens: int) -> int:
+    """Keep in `cache` the longest prefix of `prompt` it holds (`held`: its ids, or None) and return its
+    length; 0 with the cache reset when nothing can be kept. At least two prompt tokens are always
+    fed: a one-row call takes MatMulNBits' single-row path, whose int8 activations give other logits
+    (engine.prefill_chunks), and the reply would depend on the reuse. Under overflow="truncate", a
+    prompt that would not fit beside the kept prefix is fed whole, so that truncation sees it all."""
+    n = min(common_prefix(held, prompt), len(prompt) - 2) if held else 0
+    if n > 0 and not fits_beside(n, len(prompt) - n, cache.capacity, overflow, max_new_tokens):
+        n = 0
+    if n <= 0 or not cache.keep_prefix(n):
+        cache.reset()
+        return 0
+    return n
+
+
+def held_after(gen, prompt: list[int], cache: RingKVCache) -> list[int] | None:
+    """The ids `cache` holds after Generation `gen` ran on `prompt` (from an empty ring or a kept
+    prefix of it), when known exactly; else None."""
+    if cache.dropped or cache.rebased_tokens or not cache.intact or gen.prompt_dropped:
+        return None
+    if gen.completion is None:  # abandoned: the prompt, and some generated tokens not known here
+        return prompt[:cache.n_valid]
+    return (prompt + list(gen.completion.token_ids))[:cache.n_valid]
+
+
+@dataclass(frozen=True)
+class PrefixSnapshot:
+    """A ring's first `len(token_ids)` rows and their ids; `model` names the weights they came from
+    (the sha256 of the model's graph and weights, from its manifest)."""
+
+    token_ids: tuple[int, ...]
+    kv: Snapshot
+    model: str
+
+    def save(self, path: str | Path) -> None:
+        """Write to `path` (a .npz file; written whole to a temporary name, then renamed)."""
+        path = Path(path)
+        kv = self.kv
+        meta = {"format": SNAPSHOT_FORMAT, "model": self.model, "token_ids": list(self.token_ids),
+                "n_valid": kv.n_valid, "next_slot": kv.next_slot, "next_position": kv.next_position}
+        arrays = {f"k{i}": k for i, k in enumerate(kv.k)} | {f"v{i}": v for i, v in enumerate(kv.v)}
+        tmp = path.with_name(f".{path.name}.partial")
+        with open(tmp, "wb") as f:
+            np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), positions=kv.positions, **arrays)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "PrefixSnapshot":
+        """Read a file `save` wrote; InvalidArgumentError for anything else."""
+        try:
+            with np.load(Path(path), allow_pickle=False) as z:
+                meta = json.loads(z["meta"].tobytes())
+                layers = sum(1 for name in z.files if name.startswith("k"))
+                k = tuple(z[f"k{i}"] for i in range(layers))
+                v = tuple(z[f"v{i}"] for i in range(layers))
+                positions = z["positions"]
+            if meta.get("format") != SNAPSHOT_FORMAT:
+                raise ValueError(f"format {meta.get('format')!r}")
+            ids, n = tuple(int(t) for t in meta["token_ids"]), int(meta["n_valid"])
+            if len(ids) != n or positions.shape != (n,) or any(a.shape[0] != n for a in k + v):
+                raise ValueError("its sizes disagree")
+            kv = Snapshot(k, v, positions, n, int(meta["next_slot"]), int(meta["next_position"]), 0, 0)
+            return cls(ids, kv, str(meta["model"]))
+        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
+            raise InvalidArgumentError(f"{path} is not a prefix snapshot edgeinfer can read ({e})") from None

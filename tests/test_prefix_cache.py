@@ -1,0 +1,129 @@
+"""The automatic prefix cache of `Model.generate/stream` and `Model.snapshot/restore` (edgeinfer/prefix_cache.py).
+
+The reference is a cold start: the same prompt on a freshly loaded model gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from conftest import STORIES_SRC
+from edgeinfer.errors import InvalidArgumentError
+
+GREEDY = dict(temperature=0, max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def fp32(converted):
+    return converted(STORIES_SRC, "fp32")
+
+
+def ids_of(m, n, seed):
+    rng = np.random.default_rng(seed)
+    return [1] + rng.integers(3, m.manifest.arch.vocab_size, n - 1).tolist()
+
+
+@pytest.mark.parametrize("which", ["fp32", "bundled int8"])
+def test_a_shared_prefix_is_not_prefilled_again_and_the_reply_is_a_cold_starts(which, fp32):
+    path = fp32 if which == "fp32" else None
+    m, cold = edgeinfer.load(path, capacity_tokens=512), edgeinfer.load(path, capacity_tokens=512)
+    prefix = ids_of(m, 300, 0)
+    first = m.generate(prefix + ids_of(m, 17, 1)[1:], **GREEDY)
+    assert first.usage.cached_tokens == 0
+    for seed in (2, 3):
+        prompt = prefix + ids_of(m, 17, seed)[1:]
+        c = m.generate(prompt, **GREEDY)
+        assert c.usage.cached_tokens == 300 and c.usage.prompt_tokens == len(prompt)
+        assert c.token_ids == cold.generate(prompt, **GREEDY).token_ids
+
+
+def test_the_reply_just_generated_is_reused_by_the_next_prompt(fp32):
+    m, cold = edgeinfer.load(fp32, capacity_tokens=512), edgeinfer.load(fp32, capacity_tokens=512)
+    prompt = m.tokenizer.encode("Lily had a red ball. She")
+    c1 = m.generate(prompt, **GREEDY)
+    nxt = prompt + list(c1.token_ids) + m.tokenizer.encode("Then Ben came.", add_bos=False)
+    c2 = m.generate(nxt, **GREEDY)
+    # the ring holds the prompt and every reply token but the last (sampled, never fed)
+    assert c2.usage.cached_tokens == len(prompt) + len(c1.token_ids) - 1
+    assert c2.token_ids == cold.generate(nxt, **GREEDY).token_ids
+
+
+def test_no_reuse_when_the_ring_shifted_or_a_stop_string_was_taken_back(fp32):
+    m = edgeinfer.load(fp32, capacity_tokens=64, n_sink=4)
+    long = ids_of(m, 80, 4)  # overflows the ring: what it holds is no longer the prompt's start
+    m.generate(long, **GREEDY)
+    assert m.held is None
+    assert m.generate(long, **GREEDY).usage.cached_tokens == 0
+    m = edgeinfer.load(fp32, capacity_tokens=512)
+    prompt = m.tokenizer.encode("Once upon a time")
+    full = m.generate(prompt, temperature=0, max_new_tokens=40)
+    stop = full.text.split()[5]
+    cut = m.generate(prompt, temperature=0, max_new_tokens=40, stop=stop)
+    assert cut.finish_reason == "stop"
+    # what the cache holds after the stop string was taken back out is a prefix of prompt + reply
+    assert m.held == (prompt + list(cut.token_ids))[:m.cache.n_valid]
+    held, nxt = len(m.held), prompt + list(cut.token_ids)
+    again = m.generate(nxt, **GREEDY)
+    assert again.usage.cached_tokens == min(held, len(nxt) - 2) > 0  # two tokens are always fed
+    cold = edgeinfer.load(fp32, capacity_tokens=512)
+    assert again.token_ids == cold.generate(nxt, **GREEDY).token_ids
+
+
+def test_threads_sharing_a_model_each_get_a_cold_starts_reply(fp32):
+    m, cold = edgeinfer.load(fp32, capacity_tokens=512), edgeinfer.load(fp32, capacity_tokens=512)
+    prefix = ids_of(m, 100, 5)
+    prompts = [prefix + ids_of(m, 9, s)[1:] for s in range(6)]
+    want = [cold.generate(p, **GREEDY).token_ids for p in prompts]
+    got = [None] * len(prompts)
+
+    def run(i):
+        got[i] = m.generate(prompts[i], **GREEDY).token_ids
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+
+
+def test_snapshot_restore_and_file_round_trip(fp32, tmp_path):
+    m = edgeinfer.load(fp32, capacity_tokens=512)
+    system = m.tokenizer.encode("Once upon a time there was a little girl named Lily. She loved to play.")
+    snap = m.snapshot(system, path=tmp_path / "sys.npz")
+    assert snap.token_ids == tuple(system)
+    m.generate(ids_of(m, 50, 6), **GREEDY)  # the cache now holds something else
+    tail = m.tokenizer.encode(" One day she saw a dog.", add_bos=False)
+    cold = edgeinfer.load(fp32, capacity_tokens=512).generate(system + tail, **GREEDY)
+    m.restore(snap)
+    c = m.generate(system + tail, **GREEDY)
+    assert c.usage.cached_tokens == len(system) and c.token_ids == cold.token_ids
+    other = edgeinfer.load(fp32, capacity_tokens=512)  # another process would load the file
+    other.restore(tmp_path / "sys.npz")
+    c = other.generate(system + tail, **GREEDY)
+    assert c.usage.cached_tokens == len(system) and c.token_ids == cold.token_ids
+
+
+def test_snapshots_that_do_not_fit_are_refused(fp32, tmp_path):
+    m = edgeinfer.load(fp32, capacity_tokens=512)
+    snap = m.snapshot(ids_of(m, 100, 7))
+    with pytest.raises(InvalidArgumentError, match="does not fit"):
+        edgeinfer.load(fp32, capacity_tokens=64).restore(snap)
+    with pytest.raises(InvalidArgumentError, match="another model"):
+        edgeinfer.load().restore(snap)  # the bundled int8 model: other weights
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a snapshot")
+    with pytest.raises(InvalidArgumentError, match="not a prefix snapshot"):
+        m.restore(bad)
+    snap.save(tmp_path / "s.npz")
+    data = bytearray((tmp_path / "s.npz").read_bytes())
+    (tmp_path / "cut.npz").write_bytes(bytes(data[:len(data) // 2]))
+    with pytest.raises(InvalidArgumentError, match="not a prefix snapshot"):
+        m.restore(tmp_path / "cut.npz")
+    m.cache.reset()
+    m.held = None
+    with pytest.raises(InvalidArgumentError, match="no prefix"):
+        m.snapshot()
