@@ -35,6 +35,10 @@ class SoloStepper:
     def leave(self, cache: RingKVCache) -> None:
         pass
 
+    def alone(self, cache: RingKVCache) -> bool:
+        """Whether `cache` decodes on its own now (speculation may then run its own calls)."""
+        return True
+
 
 class DecodeBatcher:
     def __init__(self, engine: Engine, kv: BatchedKV):
@@ -60,6 +64,13 @@ class DecodeBatcher:
             self._done.discard(row)
             self._failed.pop(row, None)
             self._cond.notify_all()  # the others may now be a complete set
+
+    def alone(self, cache: RingKVCache) -> bool:
+        """Whether `cache`'s row is the only one joined: a speculative verify call of its own then
+        holds nobody back (one that starts just before another request joins delays that request's
+        first batched step by the verify call and the drafts it serves, at most `Tuning.k_max` tokens)."""
+        with self._cond:
+            return self._joined == {self._row[id(cache)]}
 
     def step(self, cache: RingKVCache, token: int) -> np.ndarray:
         """Feed `token` to `cache` (a joined row) in the next batched step; return its logits [V]."""

@@ -165,6 +165,8 @@ SERVE_FLAGS = (
     ("--capacity", "capacity", int, "each slot's KV ring, in tokens (default: the model's)"),
     ("--threads", "threads", int, "ONNX Runtime threads"),
     ("--overflow", "overflow", str, "shift | truncate | error (default shift)"),
+    ("--speculative", "speculative", str, "ngram | off (default off): prompt-lookup speculative decoding, the "
+                                          "same tokens sooner on text that repeats its prompt"),
     ("--max-tokens-limit", "max_tokens_limit", int, "most tokens one request may generate (default 512)"),
     ("--log-format", "log_format", str, "text | json (default text)"),
     ("--grace-s", "grace_s", float, "on SIGTERM, how long requests in flight may finish (default 30)"),

@@ -165,8 +165,8 @@ class Generation:
         marks.append((0, 0, True, cache.mark()))
         t_prefill = time.perf_counter()
         stepper = self.stepper
-        if opts.speculative and isinstance(stepper, SoloStepper) and isinstance(engine, Engine):
-            stepper = SpeculativeStepper(engine, self.prefix + feed, opts.max_new_tokens)
+        if opts.speculative and isinstance(engine, Engine):  # the portable engine's fixed shapes verify nothing
+            stepper = SpeculativeStepper(engine, stepper, self.prefix + feed, opts.max_new_tokens)
             self.speculation = stepper.stats
         stepper.join(cache)
         try:

@@ -90,6 +90,10 @@ class Tuning:
     probe_k: int = 2
     ema: float = 0.2  # weight of the newest call in the running means of a and cost[s]
     decay: float = 0.9  # weight of the past in the acceptance counts
+    fixed_k: int | None = None  # draft this many whenever a draft exists, measuring nothing (tests, benchmarks)
+
+
+TUNING = Tuning()  # what requests use
 
 
 @dataclass
@@ -114,8 +118,11 @@ class Stats:
 class SpeculativeStepper:
     """A stepper (`batching.SoloStepper`'s methods) that speculates; one request, one cache."""
 
-    def __init__(self, engine: Engine, history: Sequence[int], max_new_tokens: int, tuning: Tuning = Tuning()):
-        self.engine, self.tuning = engine, tuning
+    def __init__(self, engine: Engine, inner, history: Sequence[int], max_new_tokens: int,
+                 tuning: Tuning | None = None):
+        """inner: the stepper plain steps go through (`batching.SoloStepper` or `DecodeBatcher`); drafts
+        are verified only while it says the cache decodes alone. tuning: None for `TUNING`."""
+        self.engine, self.inner, self.tuning = engine, inner, tuning or TUNING
         self.drafter = NgramDrafter(history)
         self.stats = Stats()
         self.budget = max_new_tokens  # tokens this request may still sample (drafting past it is waste)
@@ -130,10 +137,11 @@ class SpeculativeStepper:
         self._since_probe = 0
 
     def join(self, cache: RingKVCache) -> None:
-        pass
+        self.inner.join(cache)
 
     def leave(self, cache: RingKVCache) -> None:
         self._rows = None
+        self.inner.leave(cache)
 
     def step(self, cache: RingKVCache, token: int) -> np.ndarray:
         self.drafter.push(token)
@@ -165,6 +173,8 @@ class SpeculativeStepper:
 
     def _drafts(self, cache: RingKVCache) -> list[int]:
         room = min(self.budget - 1, self.engine.max_chunk - 1, cache.capacity - cache.n_valid - 1)
+        if not self.inner.alone(cache):
+            return []
         k = min(self.k(), room)
         if k <= 0:
             self._since_probe += 1
@@ -178,6 +188,8 @@ class SpeculativeStepper:
 
     def k(self) -> int:
         """The draft length with the most expected tokens per second; 0: plain steps are better."""
+        if self.tuning.fixed_k is not None:
+            return self.tuning.fixed_k
         if self._step_s is None:
             return 0  # measure a plain step first
         t, a = self.tuning, self._step_s
@@ -202,7 +214,7 @@ class SpeculativeStepper:
 
     def _plain(self, cache: RingKVCache, token: int) -> np.ndarray:
         t0 = time.perf_counter()
-        logits = self.engine.decode_one(cache, token)
+        logits = self.inner.step(cache, token)
         self._step_s = self._mean(self._step_s, time.perf_counter() - t0)
         self.stats.plain_steps += 1
         return logits

@@ -16,7 +16,8 @@ import pytest
 import edgeinfer
 from conftest import STORIES_FIX, STORIES_SRC
 from edgeinfer.errors import InvalidArgumentError
-from edgeinfer.speculative import NgramDrafter
+from edgeinfer import speculative
+from edgeinfer.speculative import NgramDrafter, Tuning
 
 GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
 SAMPLINGS = [dict(temperature=0), dict(temperature=0.8, seed=3), dict(temperature=1.0, top_p=0.9, top_k=40, seed=11,
@@ -55,9 +56,19 @@ def fp32(converted):
     return converted(STORIES_SRC, "fp32")
 
 
+@pytest.fixture(autouse=True, params=[4, 8])
+def always_draft(request, monkeypatch):
+    """Draft k tokens whenever a draft exists: which drafts run must not depend on timing (the adaptive
+    rule measures calls, so under a loaded CI machine it might draft nothing and test nothing)."""
+    monkeypatch.setattr(speculative, "TUNING", Tuning(fixed_k=request.param))
+
+
 def both(m, prompt, **kw):
+    """Plain, then speculative, each from an empty cache (no prefix reuse between them)."""
+    m.held = None
     plain = m.stream(prompt, **kw)
     a = plain.run_to_end()
+    m.held = None
     spec = m.stream(prompt, speculative="ngram", **kw)
     b = spec.run_to_end()
     return a, b, spec.speculation
@@ -165,3 +176,54 @@ def test_logprobs_and_conversations_speculate_too(fp32):
         r1 = c1.say(text, max_new_tokens=60, temperature=0)
         r2 = c2.say(text, max_new_tokens=60, temperature=0, speculative="ngram")
         assert r1.token_ids == r2.token_ids
+
+
+def test_the_daemon_speculates_and_answers_as_plain_decoding(fp32):
+    """`edgeinfer serve --speculative ngram`, two slots (batched decoding): requests alone and side by
+    side, through the official openai client, equal the model's plain greedy completions."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from edgeinfer.server.config import ServeConfig
+    from test_server import Running
+
+    with pytest.raises(InvalidArgumentError, match="speculative"):
+        ServeConfig(speculative="medusa")
+    m = edgeinfer.load(fp32, capacity_tokens=512)
+    prompts = [GOLDEN["cases"][i]["prompt"] or "Once" for i in (1, 2, 3)]
+    want = [m.generate(p, max_new_tokens=60, temperature=0, ignore_eos=True).text for p in prompts]
+    r = Running(ServeConfig(model=str(fp32), slots=2, queue=4, capacity=512, speculative="ngram"))
+    try:
+        cl = r.client(None)
+
+        def ask(p):
+            c = cl.completions.create(model=r.server.model_id, prompt=p, max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+            return c.choices[0].text
+        assert ask(prompts[0]) == want[0]
+        with ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(ask, prompts)) == want
+    finally:
+        r.stop()
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.8"])
+def test_the_adaptive_rule_gives_the_same_tokens(fp32, sampling, monkeypatch):
+    monkeypatch.setattr(speculative, "TUNING", Tuning())
+    m = edgeinfer.load(fp32, capacity_tokens=512, threads=2)
+    for case in GOLDEN["cases"]:
+        a, b, _ = both(m, case["prompt_ids"], max_new_tokens=200, ignore_eos=True, **sampling)
+        assert (b.token_ids, b.usage) == (a.token_ids, a.usage)
+
+
+def test_adaptive_draft_length_follows_measured_costs():
+    """Hand-computed: a = 1 s per plain step. Verify calls costing 1.1 s for 2 rows and 1.2 s for 5
+    with drafts accepted whole (p = 5/6 after 4 whole runs of 4): k = 4 is best; when 2 rows cost 3 s
+    and 5 rows 4 s, no k pays unless nearly every draft is right."""
+    st = speculative.SpeculativeStepper(engine=None, inner=None, history=[], max_new_tokens=100, tuning=Tuning())
+    st._step_s, st._cost = 1.0, {2: 1.1, 5: 1.2}
+    st._whole, st._counts[True] = True, [4.0, 0.0]  # p = (4 + 1) / (4 + 0 + 2) = 5/6
+    # k=4: (1 + p + p^2 + p^3 + p^4) / 1.2 = 3.39 / 1.2 = 2.83; k=1: 1.83 / 1.1 = 1.67; k=5: cost 1.2 + 0.25
+    assert st.k() == 4
+    st._cost = {2: 3.0, 5: 4.0}
+    assert st.k() == 0  # k=4: 3.39 / 4 = 0.85 < 1.05
+    st._counts[True] = [200.0, 0.0]  # p = 201/202: k=4 gives 4.95 / 4 = 1.24; k=8 (cost 4 + 0.75) 8.8 / 4.75 = 1.85
+    assert st.k() == 8

@@ -16,6 +16,7 @@ goes away (the job is cancelled within one token and its slot freed).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -183,7 +184,10 @@ class Server:
             return error_response(APIError(400, str(e)))
         if self.config.log_prompts:
             log.info("prompt %s", json.dumps(self.model.tokenizer.decode(prompt)))
-        job = Job(self.scheduler, prompt, req.options, logprobs, asyncio.get_running_loop())
+        options = req.options
+        if self.config.speculative != "off":
+            options = dataclasses.replace(options, speculative=self.config.speculative)
+        job = Job(self.scheduler, prompt, options, logprobs, asyncio.get_running_loop())
         self.pool.submit(job.run)
         reply = _Reply(self, req, chat, prompt, job, t0, endpoint)
         watch = asyncio.ensure_future(_cancel_on_disconnect(request, job))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.options import SPECULATIVE
 from edgeinfer.overflow import OVERFLOW_POLICIES
 
 LOOPBACK_NAMES = ("localhost",)
@@ -36,6 +37,7 @@ class ServeConfig:
     capacity: int | None = None  # each slot's ring, in tokens (default: the model's)
     threads: int | None = None
     overflow: str = "shift"
+    speculative: str = "off"  # ngram: prompt-lookup speculative decoding for every request (edgeinfer/speculative.py)
     max_tokens_limit: int = 512  # the most tokens one request may generate (and the default)
     max_body_bytes: int = 1 << 20  # larger request bodies are answered 413
     grace_s: float = 30.0  # on SIGTERM: how long requests in flight may take to finish
@@ -57,7 +59,7 @@ class ServeConfig:
                       power_budget_w=self.power_budget_w, max_tokens_per_s=self.max_tokens_per_s)
 
     def __post_init__(self) -> None:
-        for name in ("host", "overflow", "log_format"):
+        for name in ("host", "overflow", "log_format", "speculative"):
             if not isinstance(getattr(self, name), str):
                 raise InvalidArgumentError(f"{name.replace('_', '-')} must be a string, got {getattr(self, name)!r}")
         for name in ("model", "api_key_file"):
@@ -76,6 +78,8 @@ class ServeConfig:
         positive("queue", 0)
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.speculative not in ("off",) + SPECULATIVE:
+            raise InvalidArgumentError(f"speculative must be off or {', '.join(SPECULATIVE)}, got {self.speculative!r}")
         if self.overflow not in OVERFLOW_POLICIES:
             raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
         if self.log_format not in ("text", "json"):
