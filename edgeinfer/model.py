@@ -216,6 +216,9 @@ class Model:
         with self.lock:
             if prefix is not None:
                 ids = self.encode_prompt(prefix)
+                if len(ids) > self.capacity_tokens:  # the ring would shift: it could not hold the prefix whole
+                    raise InvalidArgumentError(f"the prefix has {len(ids)} tokens, more than the ring's "
+                                               f"{self.capacity_tokens}")
                 self.cache.reset()
                 self.held = None
                 self.engine.prefill(self.cache, ids)

@@ -123,6 +123,11 @@ def test_snapshots_that_do_not_fit_are_refused(fp32, tmp_path):
     (tmp_path / "cut.npz").write_bytes(bytes(data[:len(data) // 2]))
     with pytest.raises(InvalidArgumentError, match="not a prefix snapshot"):
         m.restore(tmp_path / "cut.npz")
+    small = edgeinfer.load(fp32, capacity_tokens=64)
+    before = small.snapshot(ids_of(small, 10, 8))
+    with pytest.raises(InvalidArgumentError, match="more than the ring's 64"):
+        small.snapshot(ids_of(small, 65, 9))
+    assert small.held == list(before.token_ids)  # refused before touching the cache
     m.cache.reset()
     m.held = None
     with pytest.raises(InvalidArgumentError, match="no prefix"):
