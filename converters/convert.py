@@ -23,7 +23,7 @@ import onnx
 
 from edgeinfer import __version__
 from edgeinfer.converters import gguf_import
-from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_decoder, choose_kv_mode
+from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_decoder
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter
@@ -33,6 +33,7 @@ from edgeinfer.converters.portable import build_portable
 from edgeinfer.integrity import sha256_file
 from edgeinfer.converters.quantize import QUANTS, QuantScheme
 from edgeinfer.converters.safetensors_io import Checkpoint
+from edgeinfer.converters.widen import WidenedSource, choose_kv_mode, widened_spec
 from edgeinfer.errors import ConvertError
 from edgeinfer.kv_mode import PORTABLE
 from edgeinfer.manifest import (MANIFEST_FILE, MODEL_FILE, Manifest, Origin, TokenizerInfo, graph_interface,
@@ -270,8 +271,14 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
     else:
         spec = spec_from_config(read_config(src))
         ckpt = Checkpoint(src)
-    mode = choose_kv_mode(spec, attention) if portable is None else PORTABLE
     src_tensors = TensorSource(ckpt, keep=keep)
+    mode = PORTABLE
+    if portable is None:
+        mode, head_dim = choose_kv_mode(spec, attention, widenable=not keep)
+        if head_dim != spec.head_dim:  # GroupQueryAttention on wider heads: the same function (widen.py)
+            src_tensors = WidenedSource(ckpt, spec, head_dim)
+            spec = widened_spec(spec, head_dim)
+            log(f"attention heads widened from {spec.source_head_dim} to {head_dim} for GroupQueryAttention")
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_folder(dst)

@@ -14,7 +14,7 @@ Graph interface (version 1; see docs/architecture.md):
            present.{i}.key / .value            float32, `KVMode.present_dims` (keys roped)
 A mode that appends in place (`KVMode.in_place`) is built on GroupQueryAttention, which reads the
 past and writes this call's rows in one buffer; the other on standard ops, whose present is this
-call's new rows for the runtime to place. `choose_kv_mode` is `--attention`'s chooser.
+call's new rows for the runtime to place. `widen.choose_kv_mode` is `--attention`'s chooser.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from edgeinfer.converters.kept_graph import kept_gather, kept_linear, kept_matmu
 from edgeinfer.converters.quantize import QuantScheme, bits_of, quantize_blockwise
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
-from edgeinfer.kv_mode import MODES, NAMES, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, KVMode, kv_mode
+from edgeinfer.kv_mode import NAMES, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, KVMode
 from edgeinfer.manifest import io_names
 
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -206,21 +206,6 @@ def _linear(g: G.Graph, prefix: str, x: str, w: np.ndarray | Blocks, bias, kind:
 
 
 ATTENTION_CHOICES = ("auto", *NAMES)  # `convert --attention`: a KV mode's name, or auto
-
-
-def choose_kv_mode(spec: ArchSpec, attention: str) -> KVMode:
-    """"auto": the first of `kv_mode.MODES` that takes the head size (GroupQueryAttention whenever ONNX
-    Runtime's CPU kernel does, else standard ops); a mode's name: that mode, if it takes the head size."""
-    if attention == "auto":
-        return next(m for m in MODES if m.takes(spec.head_dim))
-    try:
-        mode = kv_mode(attention)
-    except ValueError:
-        raise ConvertError(f"unknown attention {attention!r} (choose from {', '.join(ATTENTION_CHOICES)})") from None
-    if not mode.takes(spec.head_dim):
-        raise ConvertError(f"--attention {mode.name} needs a head size that is a multiple of {mode.head_multiple}, "
-                           f"this model has {spec.head_dim}")
-    return mode
 
 
 def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer,

@@ -64,6 +64,8 @@ class ArchSpec:
     sliding_window: int | None = None  # recorded; the runtime's ring capacity enforces it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    source_head_dim: int | None = None  # the checkpoint's head size, when the converter widened the heads
+    # to head_dim for GroupQueryAttention (converters/widen.py: the same function); None: not widened
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -73,6 +75,8 @@ class ArchSpec:
     def to_json(self) -> dict:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if self.source_head_dim is None:  # written only when the heads were widened
+            del d["source_head_dim"]
         return d
 
     @classmethod
@@ -83,6 +87,9 @@ class ArchSpec:
                      "vocab_size", "max_position_embeddings"):
             if getattr(spec, name) < 1:
                 raise FieldError(f"{where}.{name}", f"must be positive, got {getattr(spec, name)}")
+        if spec.source_head_dim is not None and (spec.source_head_dim < 1 or spec.head_dim % spec.source_head_dim):
+            raise FieldError(f"{where}.source_head_dim", f"{spec.source_head_dim} does not divide head_dim "
+                             f"{spec.head_dim}")
         if spec.num_heads % spec.num_kv_heads:
             raise FieldError(f"{where}.num_kv_heads", f"{spec.num_kv_heads} does not divide num_heads {spec.num_heads}")
         if spec.rope.type not in SUPPORTED_ROPE_TYPES:

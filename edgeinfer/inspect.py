@@ -14,7 +14,8 @@ from edgeinfer.overflow import resolve_capacity
 
 
 def parameter_count(a: ArchSpec) -> int:
-    D, I, V, Dh = a.hidden_size, a.intermediate_size, a.vocab_size, a.head_dim
+    """The checkpoint's parameters (at its own head size: widened heads' zeros are not parameters)."""
+    D, I, V, Dh = a.hidden_size, a.intermediate_size, a.vocab_size, a.source_head_dim or a.head_dim
     attn = D * a.num_heads * Dh * 2 + D * a.num_kv_heads * Dh * 2
     attn += (a.num_heads + 2 * a.num_kv_heads) * Dh if a.qkv_bias else 0
     attn += D if a.o_bias else 0
@@ -34,7 +35,8 @@ def _summary(folder: Path, m: Manifest) -> dict:
     weight_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name.startswith("model.onnx"))
     return {
         "family": a.family, "parameters": parameter_count(a), "layers": a.num_layers, "hidden_size": a.hidden_size,
-        "heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
+        "heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
+        "source_head_dim": a.source_head_dim, "vocab_size": a.vocab_size,
         "tied_embeddings": a.tie_word_embeddings, "quantization": m.quantization.to_json(), "target": m.target,
         "flavour": m.flavour, "kv_mode": m.interface.kv_mode.name, "attention": m.interface.kv_mode.description,
         "size_on_disk_bytes": disk, "kv_bytes_per_token": a.kv_bytes_per_token,
@@ -81,7 +83,8 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
     return "\n".join([
         f"{folder}",
         f"  architecture  {s['family']}: {s['parameters'] / 1e6:.2f} M parameters, {s['layers']} layers, "
-        f"hidden {s['hidden_size']}, {s['heads']} heads / {s['kv_heads']} KV heads x {s['head_dim']}, "
+        f"hidden {s['hidden_size']}, {s['heads']} heads / {s['kv_heads']} KV heads x {s['head_dim']}"
+        f"{f' (widened from {a} for GroupQueryAttention)' if (a := s['source_head_dim']) else ''}, "
         f"vocab {s['vocab_size']}{', tied embeddings' if s['tied_embeddings'] else ''}",
         f"  quantization  weights {q.weights}{blocks}; embedding {q.embedding}, lm_head {q.lm_head}; "
         f"{s['bits_per_weight']} bits per weight"

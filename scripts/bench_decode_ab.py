@@ -1,7 +1,9 @@
-"""Decode-step time of two installs of edgeinfer side by side (A/B), alternating runs in one harness.
+"""Decode-step time of two installs of edgeinfer, or two model folders, side by side (A/B), alternating
+runs in one harness.
 
     python scripts/bench_decode_ab.py -m MODEL --python A=/path/venvA/bin/python B=/path/venvB/bin/python \
         [--rounds 5] [--threads 2] [--out FILE]
+    python scripts/bench_decode_ab.py -m A=OLD_FOLDER B=NEW_FOLDER --python A=python B=python ...
 
 Each round runs every interpreter once, in turn, on two cases:
   valid32:   capacity 4,096, 31 prompt tokens, 200 decode steps (32 valid slots: cost set by valid tokens)
@@ -60,17 +62,21 @@ print(json.dumps(out))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("-m", "--model", nargs="+", required=True, metavar="[NAME=]MODEL",
+                    help="one folder for every install, or NAME=FOLDER for each")
     ap.add_argument("--python", nargs="+", required=True, metavar="NAME=PYTHON")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     installs = dict(p.split("=", 1) for p in args.python)
+    models = dict(m.split("=", 1) for m in args.model) if "=" in args.model[0] else dict.fromkeys(installs, args.model[0])
+    if set(models) != set(installs):
+        ap.error("-m NAME=FOLDER needs one folder for each --python NAME")
     runs: dict = {name: [] for name in installs}
     for r in range(args.rounds):
         for name, py in installs.items():
-            res = subprocess.run([py, "-c", INNER, args.model, str(args.threads)], capture_output=True, text=True,
+            res = subprocess.run([py, "-c", INNER, models[name], str(args.threads)], capture_output=True, text=True,
                                  check=True, cwd="/")
             runs[name].append(json.loads(res.stdout))
             print(f"round {r + 1} {name}: {res.stdout.strip()}", file=sys.stderr)
@@ -83,7 +89,7 @@ def main() -> None:
     if len(names) == 2:
         a, b = summary[names[0]], summary[names[1]]
         ratios = {case: {k: round(b[case][k] / a[case][k], 4) for k in ("median_ms", "mean_ms")} for case in a}
-    report = {"model": args.model, "threads": args.threads, "rounds": args.rounds, "summary": summary,
+    report = {"models": models, "pythons": installs, "threads": args.threads, "rounds": args.rounds, "summary": summary,
               f"ratio_{names[-1]}_over_{names[0]}": ratios}
     text = json.dumps(report, indent=1)
     if args.out:

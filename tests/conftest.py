@@ -94,16 +94,17 @@ def ring_reference(engine, ids: list[int], t: int, start: int, p0: int, capacity
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
-    """converted(src, quant, **kw) -> folder; each (src, quant, kw) is converted once per test session."""
+    """converted(src, quant, attention="auto", **kw) -> folder (kw: `default_scheme`'s); each (src, quant,
+    attention, kw) is converted once per test session."""
     from edgeinfer.converters import convert, default_scheme
 
     cache: dict = {}
 
-    def get(src: Path, quant: str = "fp32", **kw) -> Path:
-        key = (str(src), quant, tuple(sorted(kw.items())))
+    def get(src: Path, quant: str = "fp32", attention: str = "auto", **kw) -> Path:
+        key = (str(src), quant, attention, tuple(sorted(kw.items())))
         if key not in cache:
             dst = tmp_path_factory.mktemp("converted") / f"{Path(src).name}-{quant}"
-            convert(src, dst, scheme=default_scheme(quant, **kw))
+            convert(src, dst, scheme=default_scheme(quant, **kw), attention=attention)
             cache[key] = dst
         return cache[key]
 

@@ -1,29 +1,25 @@
 """Continuous batching: several conversations' decode steps as one graph call, bit-identical to each
-decoding alone (a real model on the GroupQueryAttention path: stories260K widened to head 16)."""
+decoding alone (a real model on the GroupQueryAttention path: stories260K, its heads widened to 16 by the converter)."""
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import numpy as np
 import pytest
 
 import edgeinfer
-from conftest import ROOT, STORIES_SRC
+from conftest import STORIES_SRC
 from edgeinfer.batching import DecodeBatcher
 from edgeinfer.converters import convert
 from edgeinfer.generation import Generation
 from edgeinfer.kv_cache import BatchedKV
 
-sys.path.insert(0, str(ROOT / "scripts"))
-from widen_heads import widen  # noqa: E402
-
 
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("batching")
-    convert(widen(STORIES_SRC, tmp / "wide-src"), tmp / "gqa", quant="fp32")
+    convert(STORIES_SRC, tmp / "gqa", quant="fp32", attention="gqa")
     return edgeinfer.load(tmp / "gqa", capacity_tokens=48, n_sink=4)
 
 

@@ -31,14 +31,15 @@ def test_manifest_round_trips():
     folder = default_model_path()
     m = read_manifest(folder)
     assert m.to_json() == json.loads((folder / MANIFEST_FILE).read_text())
-    assert m.interface.kv_mode is STANDARD and m.quantization.weights == "int8"
+    assert m.interface.kv_mode is GQA and m.quantization.weights == "int8"  # heads widened 8 -> 16
+    assert (m.arch.head_dim, m.arch.source_head_dim) == (16, 8)
     assert m.tokenizer.kind == "sentencepiece" and m.tokenizer.add_bos and m.tokenizer.eos_token_ids == (2,)
 
 
 @pytest.mark.parametrize("src,mode", [(STORIES_SRC, STANDARD), (TINY / "llama2_gqa_tied", GQA)])
 def test_older_manifest_with_kv_io_reads_the_same(converted, tmp_path, src, mode):
     """Folders converted before `kv_mode` name the mode by kv_io and kv_layout: same mode, same tokens."""
-    folder = converted(src, "fp32")
+    folder = converted(src, "fp32", attention=mode.name)
     legacy = {GQA: ("shared_buffer", "BNSH"), STANDARD: ("runtime_append", "BSNH")}[mode]
 
     def old(m):
@@ -77,10 +78,11 @@ def _set(path, value):
     (("architecture", "num_layers"), KeyError, "architecture.num_layers: missing"),
     (("architecture", "rope", "type"), "yarn", "architecture.rope.type"),
     (("interface", "kv_mode"), "flash", "interface.kv_mode: unknown KV mode 'flash'"),
-    (("interface", "kv_mode"), "gqa", "interface.inputs.seqlens_k: missing"),
+    (("interface", "kv_mode"), "standard", "interface.inputs.past_key"),
     (("interface", "kv_dtype"), "bfloat16", "interface.kv_dtype"),
     (("interface", "version"), 2, "interface.version"),
-    (("interface", "inputs", "past_key", "shape"), ["batch", "past_sequence", 4, 16], "interface.inputs.past_key"),
+    (("interface", "inputs", "past_key", "shape"), ["batch", 4, "max_sequence", 8], "interface.inputs.past_key"),
+    (("architecture", "source_head_dim"), 5, "architecture.source_head_dim: 5 does not divide head_dim 16"),
     (("interface", "outputs", "extra"), {"dtype": "float32", "shape": []}, "interface.outputs.extra"),
     (("default_capacity_tokens"), "512", "default_capacity_tokens: expected int"),
     (("quantization",), KeyError, "bad field quantization: missing"),
@@ -114,20 +116,6 @@ def test_kv_modes():
         assert view.shape == (5, 2, 4) and np.shares_memory(view, a)
         view[3] = -1
         assert (np.take(a, 3, axis=mode.seq_axis) == -1).all()
-
-
-def test_choose_kv_mode():
-    from edgeinfer.converters.decoder import choose_kv_mode
-    from edgeinfer.converters.families import spec_from_config
-    from edgeinfer.converters.hf_config import read_config
-    from edgeinfer.errors import ConvertError
-
-    stories = spec_from_config(read_config(STORIES_SRC))  # head size 8
-    tiny = spec_from_config(read_config(TINY / "llama2_gqa_tied"))  # a multiple of 16
-    assert choose_kv_mode(stories, "auto") is STANDARD and choose_kv_mode(tiny, "auto") is GQA
-    assert choose_kv_mode(tiny, "standard") is STANDARD
-    with pytest.raises(ConvertError, match="--attention gqa needs a head size that is a multiple of 16"):
-        choose_kv_mode(stories, "gqa")
 
 
 def test_runtime_reads_the_manifest_without_the_converter():

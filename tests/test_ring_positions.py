@@ -3,20 +3,16 @@ first, on both KV paths, because the ring re-bases its tokens' positions (Stream
 
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 import pytest
 
 import edgeinfer
-from conftest import ROOT, STORIES_FIX, STORIES_SRC, TINY, one_layer_model
+from conftest import STORIES_FIX, STORIES_SRC, TINY, one_layer_model
 from edgeinfer.converters import convert
 from edgeinfer.evaluate import stream_perplexity
 from edgeinfer.kv_cache import rebase_interval
 from edgeinfer.kv_mode import GQA, STANDARD
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from widen_heads import widen  # noqa: E402
 
 STORY = next(line for line in (STORIES_FIX / "eval.txt").read_text().splitlines() if line.strip())
 
@@ -24,10 +20,10 @@ STORY = next(line for line in (STORIES_FIX / "eval.txt").read_text().splitlines(
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     """stories260K at fp32 on each KV path: standard ops (head 8) and GroupQueryAttention (the same
-    network with its heads widened to 16 by scripts/widen_heads.py, which computes the same function)."""
+    network with its heads widened to 16 by the converter, converters/widen.py)."""
     tmp = tmp_path_factory.mktemp("ring-positions")
-    convert(STORIES_SRC, tmp / "standard", quant="fp32")
-    convert(widen(STORIES_SRC, tmp / "wide-src"), tmp / "gqa", quant="fp32")
+    convert(STORIES_SRC, tmp / "standard", quant="fp32", attention="standard")
+    convert(STORIES_SRC, tmp / "gqa", quant="fp32", attention="gqa")
     return {"standard": tmp / "standard", "gqa": tmp / "gqa"}
 
 

@@ -87,10 +87,10 @@ def test_inspect_describes_the_folder(capsys, converted):
     assert main(["inspect", str(folder)]) == 0
     text = capsys.readouterr().out
     assert "llama: 0.26 M parameters, 5 layers" in text and "weights int8" in text
-    assert "1280 bytes per token" in text  # 5 layers * 2 * 4 kv heads * 8 dims * 4 bytes
+    assert "2560 bytes per token" in text  # 5 layers * 2 * 4 kv heads * 16 dims (widened from 8) * 4 bytes
     assert main(["inspect", str(folder), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     from edgeinfer.converters.safetensors_io import Checkpoint
 
     n_source = sum(int(np.prod(t.shape)) for t in Checkpoint(STORIES_SRC).tensors.values())
-    assert s["kv_bytes_per_token"] == 1280 and s["parameters"] == n_source
+    assert s["kv_bytes_per_token"] == 2560 and s["source_head_dim"] == 8 and s["parameters"] == n_source

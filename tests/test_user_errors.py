@@ -285,10 +285,10 @@ def test_capacity_check_uses_available_memory(monkeypatch):
 
     mem = namedtuple("mem", "available")
     monkeypatch.setattr(kv_cache_mod.psutil, "virtual_memory", lambda: mem(10**6))
-    # stories260K: 1280 bytes per token; 1000 ring slots + 256 overflow rows
-    with pytest.raises(InvalidArgumentError, match=r"needs 1,607,680 bytes .* only 1,000,000 bytes"):
+    # the bundled stories260K (heads widened to 16): 2560 bytes per token; 1000 ring slots + 256 overflow rows
+    with pytest.raises(InvalidArgumentError, match=r"needs 3,215,360 bytes .* only 1,000,000 bytes"):
         edgeinfer.load(capacity_tokens=1000)
-    m = edgeinfer.load(capacity_tokens=300, prefill_chunk=64)  # 364 rows x 1280 bytes fit
+    m = edgeinfer.load(capacity_tokens=300, prefill_chunk=64)  # 364 rows x 2560 bytes fit
     assert m.generate("Once", max_new_tokens=2, seed=0).usage.completion_tokens == 2
 
 
