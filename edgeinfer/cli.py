@@ -165,8 +165,10 @@ SERVE_FLAGS = (
     ("--capacity", "capacity", int, "each slot's KV ring, in tokens (default: the model's)"),
     ("--threads", "threads", int, "ONNX Runtime threads"),
     ("--overflow", "overflow", str, "shift | truncate | error (default shift)"),
-    ("--speculative", "speculative", str, "ngram | off (default off): prompt-lookup speculative decoding, the "
-                                          "same tokens sooner on text that repeats its prompt"),
+    ("--speculative", "speculative", str, "ngram | draft | off (default off): speculative decoding, the same "
+                                          "tokens sooner: ngram drafts from the text itself (text that repeats "
+                                          "its prompt), draft with --draft-model"),
+    ("--draft-model", "draft_model", str, "with --speculative draft: a small model folder of the same tokenizer"),
     ("--max-tokens-limit", "max_tokens_limit", int, "most tokens one request may generate (default 512)"),
     ("--log-format", "log_format", str, "text | json (default text)"),
     ("--grace-s", "grace_s", float, "on SIGTERM, how long requests in flight may finish (default 30)"),

@@ -35,7 +35,7 @@ from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.options import GenerationOptions
 from edgeinfer.overflow import fit_prompt
 from edgeinfer.sampling import Sampler
-from edgeinfer.speculative import SpeculativeStepper
+from edgeinfer.speculative import ModelDrafter, SpeculativeStepper
 from edgeinfer.tokenizer import Tokenizer
 
 STOP_MARKS = 64  # how many recent tokens' cache marks a request keeps, to take a stop string back out
@@ -148,6 +148,8 @@ class Generation:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if opts.speculative == "draft" and isinstance(engine, Engine) and engine.draft is None:
+            raise InvalidArgumentError("speculative='draft' needs a draft model: model.set_draft(edgeinfer.load(DIR))")
         bad = [t for t in (opts.sampling.logit_bias or {}) if not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
@@ -166,7 +168,8 @@ class Generation:
         t_prefill = time.perf_counter()
         stepper = self.stepper
         if opts.speculative and isinstance(engine, Engine):  # the portable engine's fixed shapes verify nothing
-            stepper = SpeculativeStepper(engine, stepper, self.prefix + feed, opts.max_new_tokens)
+            drafter = ModelDrafter(engine.draft, self.prefix + feed) if opts.speculative == "draft" else None
+            stepper = SpeculativeStepper(engine, stepper, self.prefix + feed, opts.max_new_tokens, drafter=drafter)
             self.speculation = stepper.stats
         stepper.join(cache)
         try:

@@ -14,7 +14,7 @@ from edgeinfer.errors import InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.sampling import SamplingParams
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
-SPECULATIVE = ("ngram",)  # drafters for speculative decoding (edgeinfer/speculative.py)
+SPECULATIVE = ("ngram", "draft")  # drafters for speculative decoding (edgeinfer/speculative.py)
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,8 @@ class GenerationOptions:
     seed: None (random) or any int; ignore_eos: keep going past the model's end-of-sequence token;
     sampling: the chain's settings (temperature 0 is greedy); speculative: None (plain decoding) or
     "ngram" (prompt-lookup drafts checked in one graph call: the same tokens, sooner, on text that
-    repeats itself; `speculative.py`). Bad values raise InvalidArgumentError."""
+    repeats itself; `speculative.py`) or "draft" (drafts by the small model of the same tokenizer
+    that `Model.set_draft` attached). Bad values raise InvalidArgumentError."""
 
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()

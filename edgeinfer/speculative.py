@@ -1,8 +1,12 @@
-"""Prompt-lookup speculative decoding: drafts from the text itself, checked in one graph call.
+"""Speculative decoding: drafts checked in one graph call, the same tokens as plain decoding.
 
-No draft model: `NgramDrafter` proposes the tokens that followed the most recent earlier occurrence
-of the last n tokens (n = max_n down to min_n) in the prompt and the text generated so far: text that
-quotes, summarises or edits its input repeats it, and so does a model looping on its own words.
+Two drafters, one interface (`push(token)`, `draft(k) -> list of up to k ids`):
+- `NgramDrafter` ("ngram", prompt lookup): the tokens that followed the most recent earlier
+  occurrence of the last n tokens (n = max_n down to min_n) in the prompt and the text generated so
+  far: text that quotes, summarises or edits its input repeats it, and so does a model looping on its
+  own words.
+- `ModelDrafter` ("draft"): a small model of the same tokenizer (`Model.set_draft`) continues the
+  text greedily in its own ring.
 
 `SpeculativeStepper.step(cache, token)` replaces a plain decode step (`Engine.decode_one`), same
 contract: feed `token`, return the logits [V] for the next one. Its numbered steps:
@@ -25,15 +29,18 @@ The ring: a draft never runs past the ring's free slots (so no verified row evic
 plain step would still attend to, and a rejected row needs no undo: uncommitted rows past the valid
 slots are not read); with the ring full (shifting), decoding is plain.
 
-Adaptive (`Tuning`), by measurement: the seconds of a plain step (a) and of a verify call of each
-row count s (cost[s]) are running means of this request's own calls, and a drafted token is
-accepted with probability p, counted separately after a draft that was accepted whole (text being
-copied: p near 1) and after one that was not. Each step drafts the k that maximises the expected
-tokens per second, (1 + p + ... + p^k) / cost[k + 1], and drafts nothing when no k beats plain
+Adaptive (`Tuning`), by measurement: the seconds of a plain step (a), of a verify call of each
+row count s (cost[s]) and of drafting per drafted token (d: a draft model's steps; next to nothing
+for n-grams) are running means of this request's own calls, and a drafted token is accepted with
+probability p, counted separately after a draft that was accepted whole (text being copied: p near
+1) and after one that was not. Each step drafts the k that maximises the expected tokens per
+second, (1 + p + ... + p^k) / (cost[k + 1] + k d), and drafts nothing when no k beats plain
 steps (1 / a) by `margin`: a graph that verifies many rows for little more than one (a small model,
 int8 activations) speculates often and far, one whose multi-row calls cost several steps (accuracy
 level 0 on a larger model) only on long sure runs. While it drafts nothing it probes with a short
-draft every `probe_every` tokens, so that text which starts to repeat itself is noticed.
+draft every `probe_every` tokens, so that text which starts to repeat itself is noticed; each probe
+that gains nothing doubles that interval (up to `probe_backoff` times it), and any accepted draft
+puts it back.
 """
 
 from __future__ import annotations
@@ -83,10 +90,89 @@ class NgramDrafter:
 
 
 @dataclass(frozen=True)
+class Draft:
+    """A draft model as the target's engine keeps it (`Engine.draft`, set by `Model.set_draft`): its
+    engine and the ring each request's `ModelDrafter` allocates."""
+
+    engine: Engine
+    capacity_tokens: int
+    n_sink: int
+
+
+class ModelDrafter:
+    """Drafts with a small model of the same tokenizer: its greedy continuation of the history.
+
+    One request owns one: a ring of the draft model (allocated here) that holds `fed`, the history's
+    tokens from `base` on that it has consumed, then the last draft's tokens. `push` only records the
+    true history; `draft(k)` first brings the ring in line with it (the drafts the target rejected are
+    dropped by rewinding to the mark taken before they were fed), then feeds the tokens not yet fed as
+    one prefill, and k - 1 decode steps follow. The ring never shifts: when the next draft would not
+    fit, it starts again from the history's last capacity/2 tokens (once per capacity/2 tokens). After
+    a long stretch of plain steps (more than 2 `resync_tokens` unfed: the stepper was not drafting)
+    it starts again from the last `resync_tokens`, so that a probe costs the draft model a bounded
+    prefill, not one of everything it missed. Its drafts need not be exact: the target verifies
+    every one."""
+
+    resync_tokens = 16
+
+    def __init__(self, draft: Draft, ids: Sequence[int]):
+        self.engine = draft.engine
+        self.cache = draft.engine.new_cache(draft.capacity_tokens, draft.n_sink)
+        self.history: list[int] = [int(t) for t in ids]
+        self.base = 0  # history index of the ring's first token
+        self.fed: list[int] = []  # what the ring holds, in order
+        self._mark: tuple | None = None  # the ring before the last draft's tokens were fed
+        self._n_marked = 0  # len(fed) at that mark
+
+    def push(self, token: int) -> None:
+        self.history.append(int(token))
+
+    def draft(self, k: int) -> list[int]:
+        if k < 1 or not self.history:
+            return []
+        logits = self._sync(k)
+        self._mark, self._n_marked = self.cache.mark(), len(self.fed)
+        out = [int(np.argmax(logits))]
+        while len(out) < k:
+            logits = self.engine.decode_one(self.cache, out[-1])
+            self.fed.append(out[-1])
+            out.append(int(np.argmax(logits)))
+        return out
+
+    def _sync(self, k: int) -> np.ndarray:
+        """Make the ring hold the history (from `base`) with room for k - 1 drafts; the logits after
+        the history's last token."""
+        h, fed = self.history[self.base:], self.fed
+        n = next((i for i, (a, b) in enumerate(zip(fed, h)) if a != b), min(len(fed), len(h)))
+        if n < len(fed) or n == len(h):  # drafts to drop (or nothing new to feed: feed the last token again)
+            if self._mark is not None and self._n_marked < len(h) and self.cache.rewind(self._mark):
+                del fed[self._n_marked:]
+            else:
+                self._restart()
+            self._mark = None
+        unfed = len(self.history) - self.base - len(fed)
+        if fed and unfed > 2 * self.resync_tokens:
+            self._restart(self.resync_tokens)  # a probe after plain steps: the recent text is enough
+        elif self.cache.n_valid + unfed + k - 1 > self.cache.capacity:
+            self._restart()  # the ring would shift: start again from the last tokens
+        tail = self.history[self.base + len(fed):]
+        logits = self.engine.prefill(self.cache, tail)
+        fed.extend(tail)
+        return logits
+
+    def _restart(self, keep: int | None = None) -> None:
+        """An empty ring, to be fed the history's last `keep` tokens (None: half the capacity)."""
+        self.cache.reset()
+        self.fed.clear()
+        self.base = max(0, len(self.history) - max(1, keep or self.cache.capacity // 2))
+
+
+@dataclass(frozen=True)
 class Tuning:
     k_max: int = 8  # longest draft
     margin: float = 0.05  # speculate when the expected tokens per second beat plain steps' by this much
     probe_every: int = 32  # while not speculating, a probe draft this often (tokens)
+    probe_backoff: int = 16  # failed probes stretch the interval up to this many times probe_every
     probe_k: int = 2
     ema: float = 0.2  # weight of the newest call in the running means of a and cost[s]
     decay: float = 0.9  # weight of the past in the acceptance counts
@@ -119,11 +205,12 @@ class SpeculativeStepper:
     """A stepper (`batching.SoloStepper`'s methods) that speculates; one request, one cache."""
 
     def __init__(self, engine: Engine, inner, history: Sequence[int], max_new_tokens: int,
-                 tuning: Tuning | None = None):
+                 tuning: Tuning | None = None, drafter=None):
         """inner: the stepper plain steps go through (`batching.SoloStepper` or `DecodeBatcher`); drafts
-        are verified only while it says the cache decodes alone. tuning: None for `TUNING`."""
+        are verified only while it says the cache decodes alone. tuning: None for `TUNING`. drafter:
+        None for an `NgramDrafter` over `history`, else one that has seen `history` already."""
         self.engine, self.inner, self.tuning = engine, inner, tuning or TUNING
-        self.drafter = NgramDrafter(history)
+        self.drafter = drafter if drafter is not None else NgramDrafter(history)
         self.stats = Stats()
         self.budget = max_new_tokens  # tokens this request may still sample (drafting past it is waste)
         self._rows: np.ndarray | None = None  # logits of the verified draft rows not yet served
@@ -131,10 +218,13 @@ class SpeculativeStepper:
         self._next = 0  # index in _draft of the next row to serve
         self._step_s: float | None = None  # a: seconds per plain step (running mean)
         self._cost: dict[int, float] = {}  # s -> seconds per verify call of s rows (running means)
+        self._draft_s = 0.0  # d: seconds of drafting per drafted token (running mean)
         # per state (False: the last draft was cut short, True: accepted whole): [accepted tokens, runs cut short]
         self._counts = {False: [0.0, 0.0], True: [0.0, 0.0]}
         self._whole = False  # the state: was the last settled draft accepted whole?
         self._since_probe = 0
+        self._probe_interval = self.tuning.probe_every  # stretched by failed probes
+        self._probing = False  # the draft in flight is a probe
 
     def join(self, cache: RingKVCache) -> None:
         self.inner.join(cache)
@@ -178,12 +268,17 @@ class SpeculativeStepper:
         k = min(self.k(), room)
         if k <= 0:
             self._since_probe += 1
-            if self._step_s is None or self._since_probe < self.tuning.probe_every or room < 1:
+            if self._step_s is None or self._since_probe < self._probe_interval or room < 1:
                 return []
             k = min(self.tuning.probe_k, room)
+            self._probing = True
+        t0 = time.perf_counter()
         draft = self.drafter.draft(k)
-        if draft:
+        if not draft:
+            self._probing = False
+        else:
             self._since_probe = 0
+            self._draft_s = self._mean(self._draft_s or None, (time.perf_counter() - t0) / len(draft))
         return draft
 
     def k(self) -> int:
@@ -199,7 +294,7 @@ class SpeculativeStepper:
         for k in range(1, t.k_max + 1):
             pk *= p
             expected += pk
-            gain = expected * a / self._verify_cost(k + 1)  # tokens per second, over plain steps'
+            gain = expected * a / (self._verify_cost(k + 1) + k * self._draft_s)  # tokens/s over plain steps'
             if gain > best:
                 best_k, best = k, gain
         return best_k
@@ -221,6 +316,13 @@ class SpeculativeStepper:
 
     def _adapt(self, accepted: int, drafted: int) -> None:
         """A draft is settled: count how much of it was accepted, in the state it was drafted in."""
+        if self._probing:  # a probe: stretch the interval if it gained nothing, else start over
+            t = self.tuning
+            self._probe_interval = t.probe_every if accepted else min(2 * self._probe_interval,
+                                                                     t.probe_backoff * t.probe_every)
+            self._probing = False
+        elif accepted:
+            self._probe_interval = self.tuning.probe_every
         d, c = self.tuning.decay, self._counts[self._whole]
         c[0], c[1] = c[0] * d + accepted, c[1] * d + (accepted < drafted)
         self._whole = accepted == drafted

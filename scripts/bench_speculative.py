@@ -1,9 +1,10 @@
-"""Decode speed with prompt-lookup speculation against plain decoding, side by side in one run.
+"""Decode speed with speculation against plain decoding, side by side in one run.
 
     python scripts/bench_speculative.py -m MODEL [-m MODEL ...] [--rounds 5] [--tokens 200]
-        [--text EVAL_TXT] [--out FILE.json]
+        [--text EVAL_TXT] [--draft DRAFT_MODEL] [--out FILE.json]
 
-Per model, three kinds of prompt, each run plain and with speculative="ngram" in alternating order
+Per model, three kinds of prompt, each run plain and with speculative="ngram" (with --draft:
+speculative="draft", that folder drafting) in alternating order
 (greedy, EOS ignored, `--tokens` new tokens):
   repeat   text that repeats its input: a chat model (one with a chat template) is asked to repeat,
            fix the typos of, or add type hints to text it is given (paragraphs of `--text`); a story
@@ -83,17 +84,21 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--text", type=Path, default=None, help="paragraphs for a chat model's tasks")
+    ap.add_argument("--draft", default=None, help="a draft model folder: measure speculative='draft'")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    drafter = "draft" if args.draft else "ngram"
     rows = []
     for path in args.model:
         m = edgeinfer.load(path, threads=args.threads, capacity_tokens=2048)
+        if args.draft:
+            m.set_draft(args.draft)
         for kind, prompts in (("repeat", repeat_prompts(m, args.text, args.tokens)), ("random", random_prompts(m))):
-            tps = {None: [], "ngram": []}
+            tps = {None: [], drafter: []}
             drafted = accepted = calls = 0
             same = True
             for r in range(args.rounds):
-                for spec in ((None, "ngram") if r % 2 == 0 else ("ngram", None)):
+                for spec in ((None, drafter) if r % 2 == 0 else (drafter, None)):
                     per = []
                     for p in prompts:
                         c, st = run(m, p, args.tokens, spec)
@@ -103,16 +108,17 @@ def main() -> None:
                                 calls + st.verify_calls
                             same &= c.token_ids == run(m, p, args.tokens, None)[0].token_ids
                     tps[spec].append(statistics.median(per))
-            plain, spec = statistics.median(tps[None]), statistics.median(tps["ngram"])
+            plain, spec = statistics.median(tps[None]), statistics.median(tps[drafter])
             row = {"model": str(path), "kind": kind, "prompts": len(prompts), "tokens": args.tokens,
-                   "plain_tok_s": round(plain, 1), "ngram_tok_s": round(spec, 1), "speedup": round(spec / plain, 3),
+                   "plain_tok_s": round(plain, 1), f"{drafter}_tok_s": round(spec, 1), "speedup": round(spec / plain, 3),
                    "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
                    "mean_accepted_per_verify": round(accepted / calls, 2) if calls else 0.0,
                    "identical_tokens": same}
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "rows": rows}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "draft": args.draft,
+                                        "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

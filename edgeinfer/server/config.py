@@ -37,7 +37,8 @@ class ServeConfig:
     capacity: int | None = None  # each slot's ring, in tokens (default: the model's)
     threads: int | None = None
     overflow: str = "shift"
-    speculative: str = "off"  # ngram: prompt-lookup speculative decoding for every request (edgeinfer/speculative.py)
+    speculative: str = "off"  # ngram | draft: speculative decoding for every request (edgeinfer/speculative.py)
+    draft_model: str | None = None  # with speculative = draft: the small model of the same tokenizer that drafts
     max_tokens_limit: int = 512  # the most tokens one request may generate (and the default)
     max_body_bytes: int = 1 << 20  # larger request bodies are answered 413
     grace_s: float = 30.0  # on SIGTERM: how long requests in flight may take to finish
@@ -62,7 +63,7 @@ class ServeConfig:
         for name in ("host", "overflow", "log_format", "speculative"):
             if not isinstance(getattr(self, name), str):
                 raise InvalidArgumentError(f"{name.replace('_', '-')} must be a string, got {getattr(self, name)!r}")
-        for name in ("model", "api_key_file"):
+        for name in ("model", "api_key_file", "draft_model"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise InvalidArgumentError(f"{name.replace('_', '-')} must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.log_prompts, bool):
@@ -80,6 +81,8 @@ class ServeConfig:
             raise InvalidArgumentError(f"port must be in [0, 65535], got {self.port!r}")
         if self.speculative not in ("off",) + SPECULATIVE:
             raise InvalidArgumentError(f"speculative must be off or {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise InvalidArgumentError("speculative = draft and draft-model go together: give both or neither")
         if self.overflow not in OVERFLOW_POLICIES:
             raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
         if self.log_format not in ("text", "json"):

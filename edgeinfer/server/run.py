@@ -65,6 +65,8 @@ def build(config: ServeConfig, model=None) -> Server:
     if model is None:
         model = edgeinfer.load(config.model, threads=config.threads, capacity_tokens=config.capacity,
                                overflow=config.overflow, power=config.power_policy())
+        if config.draft_model is not None:
+            model.set_draft(config.draft_model)
     return Server(model, config)
 
 

@@ -1,0 +1,172 @@
+"""Draft-model speculative decoding (`speculative="draft"`, `Model.set_draft`, speculative.ModelDrafter).
+
+The target is fp32 stories260K (where a several-row call computes one-row calls' logits up to float
+rounding, so speculation is exact); the draft is the bundled int8 stories260K: the same tokenizer,
+a slightly different function, so most drafts are accepted and some are not. References: plain
+decoding's tokens, and the draft model's own greedy continuation for what the drafter proposes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from conftest import STORIES_FIX, STORIES_SRC, TINY
+from edgeinfer import speculative
+from edgeinfer.errors import InvalidArgumentError, InvalidArgumentTypeError
+from edgeinfer.model import default_model_path
+from edgeinfer.speculative import Draft, ModelDrafter, Tuning
+
+GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
+SAMPLINGS = [dict(temperature=0), dict(temperature=0.8, seed=3),
+             dict(temperature=1.0, top_p=0.9, top_k=40, seed=11, repetition_penalty=1.1)]
+
+
+@pytest.fixture(scope="module")
+def fp32(converted):
+    return converted(STORIES_SRC, "fp32")
+
+
+@pytest.fixture(autouse=True)
+def always_draft(monkeypatch):
+    """Draft 4 tokens whenever asked, whatever the timings (see test_speculative.py)."""
+    monkeypatch.setattr(speculative, "TUNING", Tuning(fixed_k=4))
+
+
+def greedy(model, ids, k):
+    """The model's own greedy continuation of ids: k tokens (the reference for the drafter)."""
+    c = model.engine.new_cache(512, 4)
+    logits, out = model.engine.prefill(c, list(ids)), []
+    for _ in range(k):
+        out.append(int(np.argmax(logits)))
+        logits = model.engine.decode_one(c, out[-1])
+    return out
+
+
+def test_drafter_proposes_the_draft_models_greedy_continuation_after_rejections(fp32):
+    """The reference: the draft model's greedy continuation of the text its ring holds (the history
+    from `base`: a 64-slot ring restarts from the last 32 tokens when a draft would not fit). fp32 as
+    the draft here: the reference prefills what the drafter fed step by step, and only at fp32 do the
+    two paths agree to rounding (at int8's accuracy level 4 a near-tie may flip)."""
+    d = edgeinfer.load(fp32)
+    ids = d.tokenizer.encode("Once upon a time, there was a little girl named Lily.")
+    drafter = ModelDrafter(Draft(d.engine, 64, 4), ids)
+    history = list(ids)
+    rng = np.random.default_rng(0)
+    for round_ in range(30):
+        got = drafter.draft(4)
+        assert got == greedy(d, history[drafter.base:], 4), round_
+        assert drafter.base == 0 or len(history) - drafter.base <= 64  # what the ring holds
+        keep = int(rng.integers(0, 5))  # the target accepted `keep` drafts, then its own token
+        for t in got[:keep] + [int(rng.integers(3, 512))]:
+            drafter.push(t)
+            history.append(t)
+    assert len(history) > 64 and drafter.base > 0  # the 64-slot ring restarted from the recent text
+    assert drafter.cache.dropped == 0  # and never shifted
+
+
+@pytest.mark.parametrize("capacity", [512, 64])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "top_p+penalty"])
+def test_identical_to_plain_decoding_on_the_golden_prompts(fp32, capacity, sampling):
+    m = edgeinfer.load(fp32, capacity_tokens=capacity, threads=2)
+    m.set_draft(default_model_path())
+    drafted = accepted = 0
+    for case in GOLDEN["cases"]:
+        kw = dict(max_new_tokens=200, ignore_eos=True, **sampling)
+        m.held = None
+        a = m.generate(case["prompt_ids"], **kw)
+        m.held = None
+        g = m.stream(case["prompt_ids"], speculative="draft", **kw)
+        b = g.run_to_end()
+        assert a.token_ids == b.token_ids and a.text == b.text, case["prompt_ids"]
+        assert (a.finish_reason, a.usage) == (b.finish_reason, b.usage)
+        drafted, accepted = drafted + g.speculation.drafted_tokens, accepted + g.speculation.accepted_tokens
+    assert accepted > 0.3 * drafted > 0  # it drafted, and the draft was right often but not always
+    assert accepted < drafted
+
+
+def test_stop_strings_and_a_draft_with_a_small_ring(fp32):
+    m = edgeinfer.load(fp32, capacity_tokens=128)
+    m.set_draft(edgeinfer.load(default_model_path(), capacity_tokens=24, n_sink=2))  # restarts often
+    prompt = GOLDEN["cases"][0]["prompt_ids"]
+    for stop in (["Lily"], [" the", "park"], ["."]):
+        m.held = None
+        a = m.generate(prompt, max_new_tokens=120, temperature=0, stop=stop)
+        m.held = None
+        b = m.generate(prompt, max_new_tokens=120, temperature=0, stop=stop, speculative="draft")
+        assert (a.text, a.token_ids, a.finish_reason, a.usage) == (b.text, b.token_ids, b.finish_reason, b.usage)
+
+
+def test_conversations_and_threads_share_one_draft(fp32):
+    import threading
+
+    m = edgeinfer.load(fp32)
+    m.set_draft(default_model_path())
+    want = {}
+    for i, case in enumerate(GOLDEN["cases"][:4]):
+        want[i] = m.conversation().say(case["prompt"] or "Once", max_new_tokens=60, temperature=0).token_ids
+    got, errors = {}, []
+
+    def run(i, prompt):
+        try:
+            got[i] = m.conversation().say(prompt, max_new_tokens=60, temperature=0, speculative="draft").token_ids
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, c["prompt"] or "Once")) for i, c in enumerate(GOLDEN["cases"][:4])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got == want
+
+
+def test_set_draft_refusals(fp32, converted):
+    m = edgeinfer.load(fp32)
+    with pytest.raises(InvalidArgumentError, match="needs a draft model"):
+        m.generate("Once", speculative="draft")
+    with pytest.raises(InvalidArgumentError, match="does not have this model's tokenizer"):
+        m.set_draft(converted(TINY / "llama2_gqa_tied", "fp32"))
+    with pytest.raises(InvalidArgumentTypeError, match="draft must be a Model, a folder or None"):
+        m.set_draft(42)
+    d = m.set_draft(default_model_path())
+    assert d.engine.draft is None and m.engine.draft.engine is d.engine
+    assert m.generate("Once", max_new_tokens=5, speculative="draft").usage.completion_tokens == 5
+    m.set_draft(None)
+    with pytest.raises(InvalidArgumentError, match="needs a draft model"):
+        m.generate("Once", speculative="draft")
+
+
+def test_the_daemon_drafts_with_a_draft_model(fp32):
+    """`edgeinfer serve --speculative draft --draft-model DIR`, two slots: the official openai client's
+    completions, alone and side by side, equal plain greedy decoding; the settings go together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from edgeinfer.server.config import ServeConfig
+    from test_server import Running
+
+    with pytest.raises(InvalidArgumentError, match="go together"):
+        ServeConfig(speculative="draft")
+    with pytest.raises(InvalidArgumentError, match="go together"):
+        ServeConfig(draft_model=str(default_model_path()))
+    m = edgeinfer.load(fp32, capacity_tokens=512)
+    prompts = [GOLDEN["cases"][i]["prompt"] or "Once" for i in (1, 2, 3)]
+    want = [m.generate(p, max_new_tokens=60, temperature=0, ignore_eos=True).text for p in prompts]
+    r = Running(ServeConfig(model=str(fp32), slots=2, queue=4, capacity=512, speculative="draft",
+                            draft_model=str(default_model_path())))
+    try:
+        assert r.server.model.engine.draft is not None
+        cl = r.client(None)
+
+        def ask(p):
+            c = cl.completions.create(model=r.server.model_id, prompt=p, max_tokens=60, temperature=0,
+                                      extra_body={"ignore_eos": True})
+            return c.choices[0].text
+        assert ask(prompts[0]) == want[0]
+        with ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(ask, prompts)) == want
+    finally:
+        r.stop()
