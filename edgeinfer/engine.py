@@ -92,7 +92,11 @@ class Engine(ChunkedSteps):
         self._index = np.zeros(self.max_chunk, np.int64)
         self._seqlens = np.zeros(1, np.int32)
         self._total = np.zeros((), np.int32)
-        self._bound: tuple | None = None  # (cache, S) the in-place binding was made for
+        # what the in-place modes' IO binding points at now, so that a call rebinds only what changed:
+        # the KV arrays of a ring (or a BatchedKV; holding it keeps its buffers alive while bound), and
+        # the token inputs and logits output (their shapes and the logits buffer)
+        self._kv_bound: object | None = None
+        self._tokens_bound: tuple | None = None
         # the optimum mode's attention_mask: ones over the T + S attended slots (grown to a ring's rows once)
         self._masked = any(e.name == ATTENTION_MASK for e in self.mode.extra_inputs)
         self._ones = np.ones((1, 0), np.int64)
@@ -135,12 +139,15 @@ class Engine(ChunkedSteps):
         if self.mode.in_place:  # the graph (GroupQueryAttention) appends in place: past and present are the ring
             self._seqlens[0] = t + s - 1
             self._total[()] = t + s
-            key = (cache, s)  # holds the cache: its buffers cannot be freed while still bound
-            if key == self._bound and n == 1:  # same buffers and shapes as the last call (every decode step)
-                return self._run(cache, s if commit else 0, logits)
-            self._bound = key if n == 1 else None
-            shape = list(self.mode.cache_shape(cache.rows, self.spec.num_kv_heads, self.spec.head_dim))
-            self._bind_ring(cache.k, cache.v, shape, self._seqlens)
+            if self._kv_bound is not cache:  # the whole ring, whatever s: bound once per cache
+                shape = list(self.mode.cache_shape(cache.rows, self.spec.num_kv_heads, self.spec.head_dim))
+                self._bind_ring(cache.k, cache.v, shape, self._seqlens)
+                self._kv_bound = cache
+            key = (s, n, logits.ctypes.data)
+            if key != self._tokens_bound:  # every decode step after the first reuses the binding
+                self._bind_tokens(self._ids, self._pos, [1, s], n, logits)
+                self._tokens_bound = key if n == 1 else None  # a new logits array per call of several rows
+            return self._run(cache, s if commit else 0, logits)
         else:  # past = the valid block; the graph's new rows are bound right after it
             io, dev, kvt = self._io, self._device, self.kv_dtype.type
             kv_past, kv_new = self._past_dims, self._new_dims  # bind_input copies the dims
@@ -202,11 +209,14 @@ class Engine(ChunkedSteps):
                 kv.seqlens[b] = cache.n_valid  # total - 1, total = valid slots + this token
             self._total[()] = int(kv.seqlens.max()) + 1
             self._index[0] = 0
-            key = (kv, "batch")  # holds kv: its buffers cannot be freed while still bound
-            if key != self._bound:  # every batched step after the first reuses the binding
-                self._bound = key
+            if self._kv_bound is not kv:  # every batched step after the first reuses the binding
                 self._bind_ring(kv.k, kv.v, list(kv.k[0].shape), kv.seqlens)
+                self._kv_bound = kv
+                self._tokens_bound = None
+            key = ("batch", kv.logits.ctypes.data)
+            if key != self._tokens_bound:
                 self._bind_tokens(kv.ids, kv.positions, [len(caches), 1], 1, kv.logits)
+                self._tokens_bound = key
             self.session.session.run_with_iobinding(self._io)
             self.calls += 1
             for b in tokens:
