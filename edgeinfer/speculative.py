@@ -219,6 +219,8 @@ class SpeculativeStepper:
         self._step_s: float | None = None  # a: seconds per plain step (running mean)
         self._cost: dict[int, float] = {}  # s -> seconds per verify call of s rows (running means)
         self._draft_s = 0.0  # d: seconds of drafting per drafted token (running mean)
+        self._version = 0  # bumped when a measurement changes what k() answers
+        self._k_memo = (-1, 0)  # (version, k) of k()'s last answer
         # per state (False: the last draft was cut short, True: accepted whole): [accepted tokens, runs cut short]
         self._counts = {False: [0.0, 0.0], True: [0.0, 0.0]}
         self._whole = False  # the state: was the last settled draft accepted whole?
@@ -256,6 +258,7 @@ class SpeculativeStepper:
         cache.commit(1)
         n = len(draft) + 1
         self._cost[n] = self._mean(self._cost.get(n), time.perf_counter() - t0)
+        self._version += 1
         self.stats.verify_calls += 1
         self.stats.drafted_tokens += len(draft)
         self._rows, self._draft, self._next = rows, draft, 0
@@ -279,14 +282,19 @@ class SpeculativeStepper:
         else:
             self._since_probe = 0
             self._draft_s = self._mean(self._draft_s or None, (time.perf_counter() - t0) / len(draft))
+            self._version += 1
         return draft
 
     def k(self) -> int:
-        """The draft length with the most expected tokens per second; 0: plain steps are better."""
+        """The draft length with the most expected tokens per second; 0: plain steps are better.
+        Recomputed when a measurement changed (`_version`; plain steps count once per 16, their
+        running mean moving slowly), else the last answer: this runs before every step."""
         if self.tuning.fixed_k is not None:
             return self.tuning.fixed_k
         if self._step_s is None:
             return 0  # measure a plain step first
+        if self._k_memo[0] == self._version:
+            return self._k_memo[1]
         t, a = self.tuning, self._step_s
         accepted, cut = self._counts[self._whole]
         p = (accepted + 1.0) / (accepted + cut + 2.0)
@@ -297,6 +305,7 @@ class SpeculativeStepper:
             gain = expected * a / (self._verify_cost(k + 1) + k * self._draft_s)  # tokens/s over plain steps'
             if gain > best:
                 best_k, best = k, gain
+        self._k_memo = (self._version, best_k)
         return best_k
 
     def _verify_cost(self, s: int) -> float:
@@ -312,6 +321,8 @@ class SpeculativeStepper:
         logits = self.inner.step(cache, token)
         self._step_s = self._mean(self._step_s, time.perf_counter() - t0)
         self.stats.plain_steps += 1
+        if self.stats.plain_steps % 16 == 1:
+            self._version += 1
         return logits
 
     def _adapt(self, accepted: int, drafted: int) -> None:
@@ -323,6 +334,7 @@ class SpeculativeStepper:
             self._probing = False
         elif accepted:
             self._probe_interval = self.tuning.probe_every
+        self._version += 1
         d, c = self.tuning.decay, self._counts[self._whole]
         c[0], c[1] = c[0] * d + accepted, c[1] * d + (accepted < drafted)
         self._whole = accepted == drafted

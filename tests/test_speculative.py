@@ -223,7 +223,15 @@ def test_adaptive_draft_length_follows_measured_costs():
     st._whole, st._counts[True] = True, [4.0, 0.0]  # p = (4 + 1) / (4 + 0 + 2) = 5/6
     # k=4: (1 + p + p^2 + p^3 + p^4) / 1.2 = 3.39 / 1.2 = 2.83; k=1: 1.83 / 1.1 = 1.67; k=5: cost 1.2 + 0.25
     assert st.k() == 4
+    st._draft_s = 0.5  # drafting costs half a step per drafted token (a draft model): short drafts win
+    # k=1: 1.83 / (1.1 + 0.5) = 1.15; k=2: 2.53 / (1.1 + 0.25 + 1.0) = 1.08; k=4: 3.39 / (1.2 + 2.0) = 1.06
+    st._version += 1  # the measurements changed behind k()'s back (the stepper bumps it itself)
+    assert st.k() == 1
+    st._draft_s = 0.0
     st._cost = {2: 3.0, 5: 4.0}
+    assert st.k() == 1  # nothing measured since: k() answers from its memo
+    st._version += 1
     assert st.k() == 0  # k=4: 3.39 / 4 = 0.85 < 1.05
     st._counts[True] = [200.0, 0.0]  # p = 201/202: k=4 gives 4.95 / 4 = 1.24; k=8 (cost 4 + 0.75) 8.8 / 4.75 = 1.85
+    st._version += 1
     assert st.k() == 8
