@@ -5,7 +5,8 @@ ONNX Runtime's CPU GroupQueryAttention needs a head size that is a multiple of 1
 head size Dh is not (stories260K: 8) would otherwise take the standard-ops KV mode, whose graph has
 about ten attention nodes per layer and whose runtime rebinds every layer's KV arrays on every
 decode step. Widening each head to W = lcm(Dh, 16) keeps the model's function exactly (in real
-arithmetic) and lets it take the in-place mode: measured 2.5x the decode tokens/s on stories260K
+arithmetic; at fp32 the logits agree to ~2e-5; quantized, o_proj's blocks hold zeros beside the real
+inputs, so their rounding differs: stories260K int8 scores 5.6875 against the narrow int8's 5.6890) and lets it take the in-place mode: measured 2.5x the decode tokens/s on stories260K
 int8 (docs/benchmarks.md, "Decode step"), for W / Dh times the KV memory per token.
 
 How. Rotate-half RoPE pairs dim j with dim j + Dh/2 at frequency theta^(-2j/Dh). With m = W / Dh,
@@ -52,9 +53,9 @@ class WidenedSource(TensorSource):
 
     def __init__(self, ckpt, spec: ArchSpec, width: int):
         if width % spec.head_dim or width <= spec.head_dim:
-            raise ValueError(f"width {width} is not a larger multiple of head size {spec.head_dim}")
+            raise ConvertError(f"width {width} is not a larger multiple of head size {spec.head_dim}")
         if spec.qk_norm:
-            raise ValueError("heads with a q/k norm cannot be widened exactly")
+            raise ConvertError("heads with a q/k norm cannot be widened exactly")
         super().__init__(ckpt, keep=False)
         self.spec, self.width = spec, width
         dh, m = spec.head_dim, width // spec.head_dim
@@ -104,6 +105,7 @@ def choose_kv_mode(spec: ArchSpec, attention: str, widenable: bool = True) -> tu
         return mode, dh
     if mode is GQA and widenable:
         return GQA, wide_head_dim(dh)
-    why = "q/k-normed heads" if spec.qk_norm else "GGUF blocks kept exactly (use --quant int4/int8/fp32)"
+    why = "q/k-normed heads" if spec.qk_norm else \
+        "weights taken as a GGUF file stores them (--quant keep; --quant int4/int8/fp32 can be widened)"
     raise ConvertError(f"--attention {mode.name} needs a head size that is a multiple of {mode.head_multiple}, "
                        f"this model has {dh}, and {why} cannot be widened to one")

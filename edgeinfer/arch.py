@@ -87,9 +87,10 @@ class ArchSpec:
                      "vocab_size", "max_position_embeddings"):
             if getattr(spec, name) < 1:
                 raise FieldError(f"{where}.{name}", f"must be positive, got {getattr(spec, name)}")
-        if spec.source_head_dim is not None and (spec.source_head_dim < 1 or spec.head_dim % spec.source_head_dim):
-            raise FieldError(f"{where}.source_head_dim", f"{spec.source_head_dim} does not divide head_dim "
-                             f"{spec.head_dim}")
+        s = spec.source_head_dim
+        if s is not None and (s < 2 or s % 2 or s >= spec.head_dim or spec.head_dim % s):
+            raise FieldError(f"{where}.source_head_dim", f"{s} is not an even head size that divides head_dim "
+                             f"{spec.head_dim} and is smaller")
         if spec.num_heads % spec.num_kv_heads:
             raise FieldError(f"{where}.num_kv_heads", f"{spec.num_kv_heads} does not divide num_heads {spec.num_heads}")
         if spec.rope.type not in SUPPORTED_ROPE_TYPES:

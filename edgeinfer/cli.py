@@ -209,23 +209,31 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
     from edgeinfer.overflow import resolve_capacity
     from edgeinfer.server.systemd import systemd_unit
 
+    def footprint(folder: Path, capacity: int | None) -> int:
+        """Weights plus one KV ring per slot (each request holds one, of the draft model too)."""
+        manifest = read_manifest(folder)
+        spec = manifest.arch
+        cap = resolve_capacity(manifest.default_capacity_tokens, spec.sliding_window, capacity)
+        weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        return weights + config.slots * spec.kv_bytes_per_token * (cap + min(256, cap))
+
     folder = (Path(config.model) if config.model else default_model_path()).resolve()
-    manifest = read_manifest(folder)
-    spec = manifest.arch
-    capacity = resolve_capacity(manifest.default_capacity_tokens, spec.sliding_window, config.capacity)
-    weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-    footprint = weights + config.slots * spec.kv_bytes_per_token * (capacity + min(256, capacity))
+    folders = [folder]
     argv = [sys.executable, "-m", "edgeinfer", "serve", "-m", str(folder)]
+    if config.draft_model is not None:  # from a flag or the config file: absolute in the unit
+        folders.append(Path(config.draft_model).resolve())
+        argv += ["--draft-model", str(folders[-1])]
     if args.config:
         argv += ["--config", str(Path(args.config).resolve())]
     for flag, name, _, _ in SERVE_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and name not in ("api_key", "api_key_file"):  # the key comes from the env file
+        if value is not None and name not in ("api_key", "api_key_file", "draft_model"):  # the key: the env file's
             argv += [flag, str(value)]
     if args.log_prompts:
         argv.append("--log-prompts")
-    print(systemd_unit(exec_start=argv, memory_max_bytes=footprint, grace_s=config.grace_s,
-                       writable_paths=[str(folder)]), end="")
+    total = footprint(folder, config.capacity) + sum(footprint(f, None) for f in folders[1:])
+    print(systemd_unit(exec_start=argv, memory_max_bytes=total, grace_s=config.grace_s,
+                       writable_paths=[str(f) for f in folders]), end="")
     return 0
 
 

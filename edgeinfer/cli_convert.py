@@ -37,9 +37,10 @@ def add_convert_parser(sub) -> None:
                    help="with --quant int4, keep these projections at int8 (e.g. qkv_proj down_proj)")
     c.add_argument("--attention", choices=("auto", *(m.name for m in KV_MODES)), default="auto",
                    help="the KV mode: " + "; ".join(
-                       f"{m.name}: {m.description}" + (f" (head size a multiple of {m.head_multiple})"
+                       f"{m.name}: {m.description}" + (f" (head size a multiple of {m.head_multiple}, or heads "
+                                                        "widened to one: the same function)"
                                                        if m.head_multiple > 1 else "") for m in KV_MODES)
-                   + "; auto: the first of these the model's head size allows")
+                   + "; auto: gqa when the head size allows it or widening at most doubles it, else standard")
     c.add_argument("--capacity", type=int, default=None,
                    help="coreml/nnapi: the KV ring the graphs are built for (default 512; a smaller one loads)")
     c.add_argument("--prefill-tokens", type=int, default=None, help="coreml/nnapi: the prefill graph's chunk (64)")

@@ -148,8 +148,9 @@ class Generation:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if opts.speculative == "draft" and isinstance(engine, Engine) and engine.draft is None:
-            raise InvalidArgumentError("speculative='draft' needs a draft model: model.set_draft(edgeinfer.load(DIR))")
+        draft = getattr(engine, "draft", None)  # read once: set_draft may change it while this request runs
+        if opts.speculative == "draft" and draft is None:
+            raise InvalidArgumentError("speculative='draft' needs a draft model: model.set_draft(DIR)")
         bad = [t for t in (opts.sampling.logit_bias or {}) if not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
@@ -168,7 +169,7 @@ class Generation:
         t_prefill = time.perf_counter()
         stepper = self.stepper
         if opts.speculative and isinstance(engine, Engine):  # the portable engine's fixed shapes verify nothing
-            drafter = ModelDrafter(engine.draft, self.prefix + feed) if opts.speculative == "draft" else None
+            drafter = ModelDrafter(draft, self.prefix + feed) if opts.speculative == "draft" else None
             stepper = SpeculativeStepper(engine, stepper, self.prefix + feed, opts.max_new_tokens, drafter=drafter)
             self.speculation = stepper.stats
         stepper.join(cache)

@@ -80,11 +80,11 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
     scales = ", fp16 scales" if q.scale_dtype == "float16" else ""
     blocks = f" (block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}, " \
              f"accuracy_level {q.accuracy_level}{mixed}{recipe}{scales})" if q.weights in ("int4", "int8") else ""
+    widened = f" (widened from {s['source_head_dim']} for GroupQueryAttention)" if s["source_head_dim"] else ""
     return "\n".join([
         f"{folder}",
         f"  architecture  {s['family']}: {s['parameters'] / 1e6:.2f} M parameters, {s['layers']} layers, "
-        f"hidden {s['hidden_size']}, {s['heads']} heads / {s['kv_heads']} KV heads x {s['head_dim']}"
-        f"{f' (widened from {a} for GroupQueryAttention)' if (a := s['source_head_dim']) else ''}, "
+        f"hidden {s['hidden_size']}, {s['heads']} heads / {s['kv_heads']} KV heads x {s['head_dim']}{widened}, "
         f"vocab {s['vocab_size']}{', tied embeddings' if s['tied_embeddings'] else ''}",
         f"  quantization  weights {q.weights}{blocks}; embedding {q.embedding}, lm_head {q.lm_head}; "
         f"{s['bits_per_weight']} bits per weight"

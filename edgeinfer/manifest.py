@@ -115,6 +115,9 @@ class Interface:
             newer = ": upgrade edgeinfer" if kw["version"] > INTERFACE_VERSION else ""
             raise FieldError(f"{where}.version", f"{kw['version']}: this edgeinfer runs interface version "
                              f"{INTERFACE_VERSION}{newer}")
+        if spec.source_head_dim is not None and not mode.in_place:
+            raise FieldError("architecture.source_head_dim", f"widened heads are for GroupQueryAttention, but the "
+                             f"graph's KV mode is {mode.name!r}")
         float32_only = portable is not None or mode is OPTIMUM
         if kw["kv_dtype"] not in KV_DTYPES or (float32_only and kw["kv_dtype"] != KV_DTYPE):
             raise FieldError(f"{where}.kv_dtype", f"{kw['kv_dtype']!r}: this edgeinfer's KV cache is one of "

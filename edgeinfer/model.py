@@ -26,7 +26,7 @@ import numpy as np
 from edgeinfer.chat import ChatTemplate
 from edgeinfer.engine import Engine
 from edgeinfer.portable_engine import open_engine
-from edgeinfer.errors import InvalidArgumentError, InvalidArgumentTypeError
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.conversation import Conversation
 from edgeinfer.generation import Completion, Generation
@@ -260,31 +260,36 @@ class Model:
 
     def set_draft(self, draft: "Model | str | os.PathLike | None") -> "Model | None":
         """Attach a small model of the same tokenizer for `speculative="draft"` (None: detach); returns
-        it. A folder is loaded with this model's provider and threads, its idle workers spinning only
+        it. A folder is loaded with this model's threads (its own provider), its idle workers spinning only
         briefly (a draft's pool spinning between its bursts took 25 % of the target's speed on 2 cores,
         measured). Drafts are checked by this model, so the tokens are this model's whatever the draft
         says; each request gets its own ring of the draft model (the draft's capacity). Refused
-        (InvalidArgumentError) unless both have the same vocabulary and tokenizer files, and the draft
+        (InvalidArgumentError) unless both map every id to the same token (`Tokenizer.same_as`), and the draft
         runs the fused graph (a portable one cannot feed drafts)."""
         if draft is None:
             self.engine.draft = None
             return None
         if isinstance(draft, (str, os.PathLike)):
-            draft = Model(draft, provider=self.session.provider, threads=self.threads, capacity_tokens=None,
-                          n_sink=self.n_sink, overflow="shift", prefill_chunk=self.engine.max_chunk, verbose=False,
-                          power=None, spin_duration_us=SPIN_DURATION_US)
+            if not str(draft):
+                raise InvalidArgumentError("the draft model's folder is empty: give its path")
+            try:
+                draft = Model(draft, provider="auto", threads=self.threads, capacity_tokens=None,
+                              n_sink=min(self.n_sink, 4), overflow="shift", prefill_chunk=self.engine.max_chunk,
+                              verbose=False, power=None, spin_duration_us=SPIN_DURATION_US)
+            except EdgeInferError as e:
+                raise type(e)(f"the draft model: {e}") from None
         if not isinstance(draft, Model):
             raise InvalidArgumentTypeError(f"draft must be a Model, a folder or None, got {type(draft).__name__}")
         if not isinstance(draft.engine, Engine) or not isinstance(self.engine, Engine):
             raise InvalidArgumentError("speculative decoding needs fused graphs (a portable one verifies nothing)")
         a, b = self.manifest, draft.manifest
         tok_files = [n for n in sorted(set(a.files) | set(b.files)) if n.startswith("tokenizer")]
-        same = a.arch.vocab_size == b.arch.vocab_size and a.tokenizer == b.tokenizer and tok_files and all(
-            a.files.get(n, {}).get("sha256") == b.files.get(n, {}).get("sha256") for n in tok_files)
-        if not same:
+        same_files = tok_files and all(a.files.get(n, {}).get("sha256") == b.files.get(n, {}).get("sha256")
+                                       for n in tok_files)
+        if not (same_files and a.tokenizer == b.tokenizer) and not self.tokenizer.same_as(draft.tokenizer):
             raise InvalidArgumentError(f"the draft model {draft.folder} does not have this model's tokenizer "
-                                       f"(vocabulary {b.arch.vocab_size} vs {a.arch.vocab_size}, or other "
-                                       "tokenizer files)")
+                                       f"(vocabulary {b.arch.vocab_size} vs {a.arch.vocab_size}; special ids or "
+                                       "token strings differ)")
         self.engine.draft = Draft(draft.engine, draft.capacity_tokens, draft.n_sink)
         return draft
 

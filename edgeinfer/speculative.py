@@ -106,12 +106,13 @@ class ModelDrafter:
     tokens from `base` on that it has consumed, then the last draft's tokens. `push` only records the
     true history; `draft(k)` first brings the ring in line with it (the drafts the target rejected are
     dropped by rewinding to the mark taken before they were fed), then feeds the tokens not yet fed as
-    one prefill, and k - 1 decode steps follow. The ring never shifts: when the next draft would not
-    fit, it starts again from the history's last capacity/2 tokens (once per capacity/2 tokens). After
-    a long stretch of plain steps (more than 2 `resync_tokens` unfed: the stepper was not drafting)
-    it starts again from the last `resync_tokens`, so that a probe costs the draft model a bounded
-    prefill, not one of everything it missed. Its drafts need not be exact: the target verifies
-    every one."""
+    one prefill, and k - 1 decode steps follow (k at most capacity - 1). The ring never shifts: when
+    the next draft would not fit, it starts again from the history's last tokens (half the capacity,
+    less where the draft needs the room). The first draft feeds the prompt (up to that much): a
+    one-time cost, as the target's prefill is. After a long stretch of plain steps (more than 2
+    `resync_tokens` unfed: the stepper was not drafting) it starts again from the last
+    `resync_tokens`, so that a probe costs the draft model a bounded prefill, not one of everything
+    it missed. Its drafts need not be exact: the target verifies every one."""
 
     resync_tokens = 16
 
@@ -128,6 +129,7 @@ class ModelDrafter:
         self.history.append(int(token))
 
     def draft(self, k: int) -> list[int]:
+        k = min(k, self.cache.capacity - 1)
         if k < 1 or not self.history:
             return []
         logits = self._sync(k)
@@ -148,23 +150,25 @@ class ModelDrafter:
             if self._mark is not None and self._n_marked < len(h) and self.cache.rewind(self._mark):
                 del fed[self._n_marked:]
             else:
-                self._restart()
+                self._restart(k)
             self._mark = None
         unfed = len(self.history) - self.base - len(fed)
         if fed and unfed > 2 * self.resync_tokens:
-            self._restart(self.resync_tokens)  # a probe after plain steps: the recent text is enough
-        elif self.cache.n_valid + unfed + k - 1 > self.cache.capacity:
-            self._restart()  # the ring would shift: start again from the last tokens
+            self._restart(k, self.resync_tokens)  # a probe after plain steps: the recent text is enough
+        if self.cache.n_valid + len(self.history) - self.base - len(fed) + k - 1 > self.cache.capacity:
+            self._restart(k)  # the ring would shift: start again from the last tokens
         tail = self.history[self.base + len(fed):]
         logits = self.engine.prefill(self.cache, tail)
         fed.extend(tail)
         return logits
 
-    def _restart(self, keep: int | None = None) -> None:
-        """An empty ring, to be fed the history's last `keep` tokens (None: half the capacity)."""
+    def _restart(self, k: int, keep: int | None = None) -> None:
+        """An empty ring, to be fed the history's last `keep` tokens (None: half the capacity), fewer
+        where k - 1 drafts would not fit after them (k < capacity: at least one token)."""
         self.cache.reset()
         self.fed.clear()
-        self.base = max(0, len(self.history) - max(1, keep or self.cache.capacity // 2))
+        keep = min(keep or self.cache.capacity // 2, self.cache.capacity - k + 1)
+        self.base = max(0, len(self.history) - max(1, keep))
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,7 @@ class SpeculativeStepper:
         self._step_s: float | None = None  # a: seconds per plain step (running mean)
         self._cost: dict[int, float] = {}  # s -> seconds per verify call of s rows (running means)
         self._draft_s = 0.0  # d: seconds of drafting per drafted token (running mean)
+        self._draft_measured = False
         self._version = 0  # bumped when a measurement changes what k() answers
         self._k_memo = (-1, 0)  # (version, k) of k()'s last answer
         # per state (False: the last draft was cut short, True: accepted whole): [accepted tokens, runs cut short]
@@ -281,8 +286,11 @@ class SpeculativeStepper:
             self._probing = False
         else:
             self._since_probe = 0
-            self._draft_s = self._mean(self._draft_s or None, (time.perf_counter() - t0) / len(draft))
-            self._version += 1
+            if self.stats.verify_calls:  # the first draft's time includes a draft model's prompt: not per token
+                self._draft_s = self._mean(self._draft_s if self._draft_measured else None,
+                                           (time.perf_counter() - t0) / len(draft))
+                self._draft_measured = True
+                self._version += 1
         return draft
 
     def k(self) -> int:

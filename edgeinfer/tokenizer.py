@@ -104,3 +104,12 @@ class Tokenizer:
         if piece is None:
             raise ModelFormatError(f"token id {token_id} is not in the tokenizer's vocabulary of {self._n_vocab}")
         return piece
+
+    def same_as(self, other: "Tokenizer") -> bool:
+        """Whether `other` maps ids to the same tokens: the same vocabulary size, BOS/EOS ids and
+        BOS rule, and the same string for every id (whatever files or back end hold them: a GGUF's
+        tokenizer and its Hugging Face folder's compare equal)."""
+        if (self._n_vocab, self.bos_id, tuple(self.eos_ids), self.add_bos) != \
+                (other._n_vocab, other.bos_id, tuple(other.eos_ids), other.add_bos):
+            return False
+        return all(self._token_string(i) == other._token_string(i) for i in range(self._n_vocab))

@@ -124,12 +124,20 @@ def test_conversations_and_threads_share_one_draft(fp32):
     assert not errors and got == want
 
 
-def test_set_draft_refusals(fp32, converted):
+def test_set_draft_refusals(fp32, converted, tmp_path):
     m = edgeinfer.load(fp32)
     with pytest.raises(InvalidArgumentError, match="needs a draft model"):
         m.generate("Once", speculative="draft")
+    import shutil
+
+    other = tmp_path / "other-eos"  # the same vocabulary, another end-of-sequence id: not the same tokenizer
+    shutil.copytree(fp32, other, ignore=shutil.ignore_patterns(".edgeinfer-verified*"))
+    manifest = json.loads((other / "edgeinfer.json").read_text())
+    manifest["tokenizer"]["eos_token_ids"] = [3]
+    (other / "edgeinfer.json").write_text(json.dumps(manifest))
     with pytest.raises(InvalidArgumentError, match="does not have this model's tokenizer"):
-        m.set_draft(converted(TINY / "llama2_gqa_tied", "fp32"))
+        m.set_draft(other)
+    m.set_draft(converted(TINY / "llama2_gqa_tied", "fp32"))  # a random model over stories260K's tokenizer: fine
     with pytest.raises(InvalidArgumentTypeError, match="draft must be a Model, a folder or None"):
         m.set_draft(42)
     d = m.set_draft(default_model_path())
@@ -148,9 +156,9 @@ def test_the_daemon_drafts_with_a_draft_model(fp32):
     from edgeinfer.server.config import ServeConfig
     from test_server import Running
 
-    with pytest.raises(InvalidArgumentError, match="go together"):
+    with pytest.raises(InvalidArgumentError, match="needs draft-model"):
         ServeConfig(speculative="draft")
-    with pytest.raises(InvalidArgumentError, match="go together"):
+    with pytest.raises(InvalidArgumentError, match="only with speculative = draft"):
         ServeConfig(draft_model=str(default_model_path()))
     m = edgeinfer.load(fp32, capacity_tokens=512)
     prompts = [GOLDEN["cases"][i]["prompt"] or "Once" for i in (1, 2, 3)]
@@ -170,3 +178,113 @@ def test_the_daemon_drafts_with_a_draft_model(fp32):
             assert list(pool.map(ask, prompts)) == want
     finally:
         r.stop()
+
+
+# ---- what a hostile review found (each failed before its fix) ----
+
+def test_a_draft_detached_during_prefill_does_not_break_the_request(fp32, monkeypatch):
+    """set_draft(None) from another thread while a request prefills: the request keeps the draft it
+    started with (it read Engine.draft once) and gives plain decoding's tokens."""
+    m = edgeinfer.load(fp32)
+    m.set_draft(default_model_path())
+    prompt = GOLDEN["cases"][1]["prompt_ids"]
+    want = m.generate(prompt, max_new_tokens=40, temperature=0).token_ids
+    m.held = None
+    prefill = m.engine.prefill
+
+    def detaching(*a, **kw):
+        m.set_draft(None)
+        return prefill(*a, **kw)
+
+    monkeypatch.setattr(m.engine, "prefill", detaching)
+    assert m.generate(prompt, max_new_tokens=40, temperature=0, speculative="draft").token_ids == want
+
+
+@pytest.mark.parametrize("capacity,history,k", [(16, 40, 2), (8, 48, 8), (2, 10, 4), (5, 3, 8)])
+def test_the_draft_ring_never_shifts_however_small(capacity, history, k):
+    d = edgeinfer.load()
+    ids = d.tokenizer.encode("Once upon a time")
+    dr = ModelDrafter(Draft(d.engine, capacity, 1), ids)
+    assert len(dr.draft(k)) == min(k, capacity - 1)
+    rng = np.random.default_rng(capacity)
+    for _ in range(history):
+        dr.push(int(rng.integers(3, 512)))
+        if rng.random() < 0.3:
+            dr.draft(k)
+    dr.draft(k)
+    assert dr.cache.dropped == 0 and dr.cache.n_valid <= capacity
+
+
+def test_a_probe_prefills_a_bounded_tail(fp32, monkeypatch):
+    """The first draft feeds at most half the draft ring of the prompt; a later probe after many
+    plain steps at most 2 x resync_tokens."""
+    d = edgeinfer.load(default_model_path(), capacity_tokens=256)
+    fed = []
+    prefill = d.engine.prefill
+    monkeypatch.setattr(d.engine, "prefill", lambda c, ids, *a, **kw: (fed.append(len(ids)), prefill(c, ids))[1])
+    dr = ModelDrafter(Draft(d.engine, 256, 4), list(range(3, 403)))  # a 400-token prompt
+    dr.draft(3)
+    for t in range(100):  # plain steps: nothing drafted
+        dr.push(3 + t)
+    dr.draft(3)
+    assert fed[0] <= 128 and fed[-1] <= 2 * ModelDrafter.resync_tokens, fed
+
+
+def test_a_gguf_conversion_drafts_for_its_hugging_face_twin(fp32, tmp_path):
+    """Other tokenizer files, the same tokens: accepted (Tokenizer.same_as), and exact."""
+    from edgeinfer.converters import convert
+
+    convert(STORIES_FIX.parent / "gguf" / "stories260K-F32.gguf", tmp_path / "g", quant="fp32")
+    m = edgeinfer.load(fp32)
+    m.set_draft(tmp_path / "g")
+    prompt = GOLDEN["cases"][2]["prompt_ids"]
+    want = m.generate(prompt, max_new_tokens=50, temperature=0).token_ids
+    m.held = None
+    assert m.generate(prompt, max_new_tokens=50, temperature=0, speculative="draft").token_ids == want
+
+
+def test_draft_settings_refused_with_their_names(fp32, tmp_path):
+    from edgeinfer.server.config import ServeConfig
+
+    m = edgeinfer.load(fp32, n_sink=600, capacity_tokens=1024)
+    assert m.set_draft(default_model_path()).n_sink == 4  # its own ring: not the target's 600 sinks
+    with pytest.raises(InvalidArgumentError, match="folder is empty"):
+        m.set_draft("")
+    with pytest.raises(edgeinfer.ModelFormatError, match="^the draft model: model folder not found"):
+        m.set_draft(tmp_path / "nowhere")
+    with pytest.raises(InvalidArgumentError, match="needs draft-model"):
+        ServeConfig(speculative="draft", draft_model="")
+    with pytest.raises(InvalidArgumentError, match="only with speculative = draft, not 'ngram'"):
+        ServeConfig(speculative="ngram", draft_model="x")
+
+
+def test_a_portable_model_refuses_draft_speculation(tmp_path):
+    from edgeinfer.converters import convert
+
+    convert(STORIES_SRC, tmp_path / "p", target="coreml")
+    p = edgeinfer.load(tmp_path / "p")
+    with pytest.raises(InvalidArgumentError, match="needs a draft model"):
+        p.generate("Once", max_new_tokens=3, speculative="draft")
+    with pytest.raises(InvalidArgumentError, match="fused graphs"):
+        p.set_draft(default_model_path())
+
+
+def test_systemd_unit_carries_the_draft_model(tmp_path, capsys, monkeypatch):
+    import shlex
+
+    from edgeinfer.cli import main
+
+    monkeypatch.chdir(default_model_path().parent)
+    assert main(["serve", "--print-systemd-unit", "--slots", "2"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["serve", "--print-systemd-unit", "--slots", "2", "--speculative", "draft",
+                 "--draft-model", default_model_path().name]) == 0  # relative to the current folder
+    unit = capsys.readouterr().out
+    argv = shlex.split(next(x for x in unit.splitlines() if x.startswith("ExecStart="))[len("ExecStart="):])
+    assert argv[argv.index("--draft-model") + 1] == str(default_model_path().resolve())
+    rw = next(x for x in unit.splitlines() if x.startswith("ReadWritePaths="))
+    assert rw.count(str(default_model_path().resolve())) == 2  # the model and its draft (the same folder here)
+
+    def mem(u):
+        return int(next(x for x in u.splitlines() if x.startswith("MemoryMax="))[len("MemoryMax="):-1])
+    assert mem(unit) > mem(plain)

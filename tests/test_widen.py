@@ -38,7 +38,7 @@ def test_choose_kv_mode():
     assert choose_kv_mode(replace(stories, head_dim=12), "gqa") == (GQA, 48)  # asked for: as wide as it takes
     assert choose_kv_mode(stories, "auto", widenable=False) == (STANDARD, 8)
     assert choose_kv_mode(qk_normed, "auto") == (STANDARD, 8)
-    with pytest.raises(ConvertError, match="multiple of 16, this model has 8, and GGUF blocks kept exactly"):
+    with pytest.raises(ConvertError, match="multiple of 16, this model has 8, and weights taken as a GGUF file"):
         choose_kv_mode(stories, "gqa", widenable=False)
     with pytest.raises(ConvertError, match="q/k-normed heads cannot be widened"):
         choose_kv_mode(qk_normed, "gqa")
@@ -73,9 +73,17 @@ def test_a_manifest_whose_source_head_dim_does_not_divide_is_refused(stories, tm
     bad = tmp_path / "bad"
     shutil.copytree(stories / "auto", bad)
     m = json.loads((bad / "edgeinfer.json").read_text())
-    m["architecture"]["source_head_dim"] = 3
+    for value in (3, 16, 1, 32):  # odd, not smaller, too small for a RoPE pair, not a divisor
+        m["architecture"]["source_head_dim"] = value
+        (bad / "edgeinfer.json").write_text(json.dumps(m))
+        with pytest.raises(ModelFormatError, match="source_head_dim"):
+            edgeinfer.load(bad)
+    shutil.rmtree(bad)
+    shutil.copytree(stories / "standard", bad)  # widened heads claimed by a standard-ops graph
+    m = json.loads((bad / "edgeinfer.json").read_text())
+    m["architecture"]["source_head_dim"] = 4
     (bad / "edgeinfer.json").write_text(json.dumps(m))
-    with pytest.raises(ModelFormatError, match="source_head_dim"):
+    with pytest.raises(ModelFormatError, match="widened heads are for GroupQueryAttention"):
         edgeinfer.load(bad)
 
 

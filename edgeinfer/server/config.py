@@ -81,8 +81,11 @@ class ServeConfig:
             raise InvalidArgumentError(f"port must be in [0, 65535], got {self.port!r}")
         if self.speculative not in ("off",) + SPECULATIVE:
             raise InvalidArgumentError(f"speculative must be off or {', '.join(SPECULATIVE)}, got {self.speculative!r}")
-        if (self.speculative == "draft") != (self.draft_model is not None):
-            raise InvalidArgumentError("speculative = draft and draft-model go together: give both or neither")
+        if self.speculative == "draft" and not self.draft_model:
+            raise InvalidArgumentError("speculative = draft needs draft-model (a model folder of the same tokenizer)")
+        if self.draft_model is not None and self.speculative != "draft":
+            raise InvalidArgumentError(f"draft-model is used only with speculative = draft, not "
+                                       f"{self.speculative!r}")
         if self.overflow not in OVERFLOW_POLICIES:
             raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
         if self.log_format not in ("text", "json"):

@@ -84,7 +84,8 @@ def serve(config: ServeConfig) -> int:
     kv_mb = sum(slot.cache.bytes for slot in s.slots) / 2**20
     print(f"edgeinfer serve: model {m.folder} ({server.model_id}); {len(s.slots)} slots x {m.capacity_tokens} tokens "
           f"= {kv_mb:.1f} MiB of KV cache; queue {config.queue}; overflow {config.overflow}; "
-          f"speculative {config.speculative}; "
+          f"speculative {config.speculative}"
+          f"{f' (draft model {config.draft_model})' if config.draft_model else ''}; "
           f"{'API key required' if config.api_key else 'no API key (loopback only)'}", file=sys.stderr)
     print(f"edgeinfer serve: listening on http://{config.host}:{config.port} (OpenAI API at /v1)", file=sys.stderr,
           flush=True)
