@@ -241,6 +241,8 @@ class SpeculativeStepper:
         self.inner.leave(cache)
 
     def step(self, cache: RingKVCache, token: int) -> np.ndarray:
+        if self._rows is None and cache.n_valid >= cache.capacity - 1:  # full: it stays full (it shifts),
+            return self.inner.step(cache, token)  # and no draft fits again in this request: plain, no bookkeeping
         self.drafter.push(token)
         self.budget -= 1
         if self._rows is not None:
