@@ -149,35 +149,20 @@ def test_set_draft_refusals(fp32, converted, tmp_path):
 
 
 def test_the_daemon_drafts_with_a_draft_model(fp32):
-    """`edgeinfer serve --speculative draft --draft-model DIR`, two slots: the official openai client's
-    completions, alone and side by side, equal plain greedy decoding; the settings go together."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """`edgeinfer serve --speculative draft --draft-model DIR`: answers as plain greedy decoding
+    (`test_speculative.daemon_answers_like_plain`); the two settings go together."""
     from edgeinfer.server.config import ServeConfig
-    from test_server import Running
+    from test_speculative import daemon_answers_like_plain
 
     with pytest.raises(InvalidArgumentError, match="needs draft-model"):
         ServeConfig(speculative="draft")
     with pytest.raises(InvalidArgumentError, match="only with speculative = draft"):
         ServeConfig(draft_model=str(default_model_path()))
-    m = edgeinfer.load(fp32, capacity_tokens=512)
-    prompts = [GOLDEN["cases"][i]["prompt"] or "Once" for i in (1, 2, 3)]
-    want = [m.generate(p, max_new_tokens=60, temperature=0, ignore_eos=True).text for p in prompts]
-    r = Running(ServeConfig(model=str(fp32), slots=2, queue=4, capacity=512, speculative="draft",
-                            draft_model=str(default_model_path())))
-    try:
-        assert r.server.model.engine.draft is not None
-        cl = r.client(None)
 
-        def ask(p):
-            c = cl.completions.create(model=r.server.model_id, prompt=p, max_tokens=60, temperature=0,
-                                      extra_body={"ignore_eos": True})
-            return c.choices[0].text
-        assert ask(prompts[0]) == want[0]
-        with ThreadPoolExecutor(3) as pool:
-            assert list(pool.map(ask, prompts)) == want
-    finally:
-        r.stop()
+    def attached(server):
+        assert server.model.engine.draft is not None
+
+    daemon_answers_like_plain(fp32, attached, speculative="draft", draft_model=str(default_model_path()))
 
 
 # ---- what a hostile review found (each failed before its fix) ----

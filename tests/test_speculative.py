@@ -178,31 +178,42 @@ def test_logprobs_and_conversations_speculate_too(fp32):
         assert r1.token_ids == r2.token_ids
 
 
-def test_the_daemon_speculates_and_answers_as_plain_decoding(fp32):
-    """`edgeinfer serve --speculative ngram`, two slots (batched decoding): requests alone and side by
-    side, through the official openai client, equal the model's plain greedy completions."""
+def daemon_answers_like_plain(fp32, check=None, **settings) -> None:
+    """A daemon on `fp32` with two slots (batched decoding) and `settings`: requests alone and side by
+    side, through the official openai client, equal the model's plain greedy completions. `check(server)`
+    runs once it is up."""
     from concurrent.futures import ThreadPoolExecutor
 
     from edgeinfer.server.config import ServeConfig
     from test_server import Running
 
-    with pytest.raises(InvalidArgumentError, match="speculative"):
-        ServeConfig(speculative="medusa")
     m = edgeinfer.load(fp32, capacity_tokens=512)
     prompts = [GOLDEN["cases"][i]["prompt"] or "Once" for i in (1, 2, 3)]
     want = [m.generate(p, max_new_tokens=60, temperature=0, ignore_eos=True).text for p in prompts]
-    r = Running(ServeConfig(model=str(fp32), slots=2, queue=4, capacity=512, speculative="ngram"))
+    r = Running(ServeConfig(model=str(fp32), slots=2, queue=4, capacity=512, **settings))
     try:
+        if check is not None:
+            check(r.server)
         cl = r.client(None)
 
         def ask(p):
-            c = cl.completions.create(model=r.server.model_id, prompt=p, max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+            c = cl.completions.create(model=r.server.model_id, prompt=p, max_tokens=60, temperature=0,
+                                      extra_body={"ignore_eos": True})
             return c.choices[0].text
         assert ask(prompts[0]) == want[0]
         with ThreadPoolExecutor(3) as pool:
             assert list(pool.map(ask, prompts)) == want
     finally:
         r.stop()
+
+
+def test_the_daemon_speculates_and_answers_as_plain_decoding(fp32):
+    """`edgeinfer serve --speculative ngram`: see `daemon_answers_like_plain`."""
+    from edgeinfer.server.config import ServeConfig
+
+    with pytest.raises(InvalidArgumentError, match="speculative"):
+        ServeConfig(speculative="medusa")
+    daemon_answers_like_plain(fp32, speculative="ngram")
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.8"])
