@@ -30,17 +30,22 @@ plain step would still attend to, and a rejected row needs no undo: uncommitted 
 slots are not read); with the ring full (shifting), decoding is plain.
 
 Adaptive (`Tuning`), by measurement: the seconds of a plain step (a), of a verify call of each
-row count s (cost[s]) and of drafting per drafted token (d: a draft model's steps; next to nothing
-for n-grams) are running means of this request's own calls, and a drafted token is accepted with
-probability p, counted separately after a draft that was accepted whole (text being copied: p near
-1) and after one that was not. Each step drafts the k that maximises the expected tokens per
-second, (1 + p + ... + p^k) / (cost[k + 1] + k d), and drafts nothing when no k beats plain
-steps (1 / a) by `margin`: a graph that verifies many rows for little more than one (a small model,
-int8 activations) speculates often and far, one whose multi-row calls cost several steps (accuracy
-level 0 on a larger model) only on long sure runs. While it drafts nothing it probes with a short
-draft every `probe_every` tokens, so that text which starts to repeat itself is noticed; each probe
-that gains nothing doubles that interval (up to `probe_backoff` times it), and any accepted draft
-puts it back.
+row count s (cost[s]) and of drafting per drafted token (d: a draft model's steps) are running
+means of this request's own calls. Each step verifies the k drafts that maximise the expected
+tokens per second, (1 + the chances that drafts 1..k are accepted) / (cost[k + 1] + k d), and drafts
+nothing when no k beats plain steps (1 / a) by `margin`: a graph that verifies many rows for little
+more than one (a small model, int8 activations) speculates often and far, one whose multi-row calls
+cost several steps (accuracy level 0 on a larger model) only on long sure runs. The chances:
+- a free drafter (n-grams: drafting costs nothing, so it drafts first and the rule keeps what pays)
+  says how many tokens before its draft agree with the earlier text it copies (`match`); by the
+  rule of succession, after r - 1 agreed tokens the j-th draft is accepted with chance r / (r + j)
+  (r = match - `match_discount` + 1), scaled by this request's ratio of accepted to predicted
+  drafts. Text being copied has long matches and gets long drafts; a chance bigram gets none.
+- a draft model: each drafted token is accepted with probability p, counted separately after a
+  draft that was accepted whole (text being copied: p near 1) and after one that was not.
+While it drafts nothing it probes with a short draft every `probe_every` tokens, so that text which
+starts to repeat itself is noticed; each probe that gains nothing doubles that interval (up to
+`probe_backoff` times it), and any accepted draft puts it back.
 """
 
 from __future__ import annotations
@@ -59,7 +64,15 @@ from edgeinfer.kv_cache import RingKVCache
 class NgramDrafter:
     """Drafts from the history: the continuation of the most recent earlier occurrence of its last n
     tokens, longest n first. `index` maps every n-gram that ends before the last token to where its
-    latest occurrence ends; `push` keeps it so in O(max_n) per token."""
+    latest occurrence ends; `push` keeps it so in O(max_n) per token.
+
+    Drafting costs next to nothing (`free`), so the stepper asks for the most it could verify and
+    keeps what pays. `match`, set by `draft`, is how many tokens before the draft agree with the text
+    before that earlier occurrence (n at least, up to `max_match`): the longer the text has been a
+    copy, the further ahead the copy is likely to go on."""
+
+    free = True
+    max_match = 32
 
     def __init__(self, ids: Sequence[int], max_n: int = 3, min_n: int = 2):
         if not 1 <= min_n <= max_n:
@@ -67,6 +80,7 @@ class NgramDrafter:
         self.max_n, self.min_n = max_n, min_n
         self.history: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}
+        self.match = 0
         for t in ids:
             self.push(t)
 
@@ -84,8 +98,13 @@ class NgramDrafter:
         for n in range(self.max_n, self.min_n - 1, -1):
             if len(h) >= n:
                 end = self.index.get(tuple(h[-n:]))
-                if end is not None:
+                if end is not None:  # h[end - n + 1 .. end] == h[-n:]; extend the agreement leftwards
+                    m = n
+                    while m < self.max_match and m <= end and h[end - m] == h[-1 - m]:
+                        m += 1
+                    self.match = m
                     return h[end + 1:end + 1 + k]
+        self.match = 0
         return []
 
 
@@ -115,6 +134,7 @@ class ModelDrafter:
     it missed. Its drafts need not be exact: the target verifies every one."""
 
     resync_tokens = 16
+    free = False  # each drafted token is a step of the draft model: the stepper decides k first
 
     def __init__(self, draft: Draft, ids: Sequence[int]):
         self.engine = draft.engine
@@ -178,6 +198,7 @@ class Tuning:
     probe_every: int = 32  # while not speculating, a probe draft this often (tokens)
     probe_backoff: int = 16  # failed probes stretch the interval up to this many times probe_every
     probe_k: int = 2
+    match_discount: int = 2  # tokens of a free drafter's match that prove nothing (a short n-gram often matches by chance)
     ema: float = 0.2  # weight of the newest call in the running means of a and cost[s]
     decay: float = 0.9  # weight of the past in the acceptance counts
     fixed_k: int | None = None  # draft this many whenever a draft exists, measuring nothing (tests, benchmarks)
@@ -232,6 +253,9 @@ class SpeculativeStepper:
         self._since_probe = 0
         self._probe_interval = self.tuning.probe_every  # stretched by failed probes
         self._probing = False  # the draft in flight is a probe
+        # a free drafter's calibration: accepted tokens against those the match rule predicted (running sums)
+        self._calib = [1.0, 1.0]
+        self._predicted = 0.0  # what the rule predicted for the draft in flight
 
     def join(self, cache: RingKVCache) -> None:
         self.inner.join(cache)
@@ -273,30 +297,64 @@ class SpeculativeStepper:
 
     def _drafts(self, cache: RingKVCache) -> list[int]:
         room = min(self.budget - 1, self.engine.max_chunk - 1, cache.capacity - cache.n_valid - 1)
-        if not self.inner.alone(cache):
+        if room < 1 or not self.inner.alone(cache):
             return []
-        k = min(self.k(), room)
+        free = self.drafter.free and self.tuning.fixed_k is None
+        if free:  # draft first (it costs nothing), then keep what pays
+            draft = self.drafter.draft(min(self.tuning.k_max, room))
+            k = self._k_for_match(len(draft), self.drafter.match) if draft else 0
+        else:
+            k = min(self.k(), room)
         if k <= 0:
             self._since_probe += 1
-            if self._step_s is None or self._since_probe < self._probe_interval or room < 1:
+            if self._step_s is None or self._since_probe < self._probe_interval:
                 return []
             k = min(self.tuning.probe_k, room)
             self._probing = True
-        t0 = time.perf_counter()
-        draft = self.drafter.draft(k)
-        if not draft:
-            self._probing = False
+        if free:
+            draft = draft[:k]
+            self._predicted = sum(self._run_agrees(self.drafter.match, j, 1.0) for j in range(1, len(draft) + 1))
         else:
-            self._since_probe = 0
-            if self.stats.verify_calls:  # the first draft's time includes a draft model's prompt: not per token
+            t0 = time.perf_counter()
+            draft = self.drafter.draft(k)
+            if draft and self.stats.verify_calls:  # the first draft's time includes a draft model's prompt: not per token
                 self._draft_s = self._mean(self._draft_s if self._draft_measured else None,
                                            (time.perf_counter() - t0) / len(draft))
                 self._draft_measured = True
                 self._version += 1
+        if not draft:
+            self._probing = False
+        else:
+            self._since_probe = 0
         return draft
 
+    def _run_agrees(self, match: int, j: int, g: float) -> float:
+        """The chance that a free drafter's j-th draft is accepted after a match of `match` tokens: by
+        the rule of succession, after r - 1 tokens agreed the next j agree with probability
+        r / (r + j), r = match - `match_discount` + 1 (at least 1); scaled by g, this request's
+        calibration (accepted over predicted), and capped at 1."""
+        r = max(0, match - self.tuning.match_discount) + 1
+        return min(1.0, g * r / (r + j))
+
+    def _k_for_match(self, n: int, match: int) -> int:
+        """How many of a free drafter's n drafts to verify: the k with the most expected tokens per
+        second, (1 + the chances of the first k drafts) / cost[k + 1]; 0 when no k beats plain steps
+        by `margin`."""
+        a = self._step_s
+        if a is None:
+            return 0  # measure a plain step first
+        g = self._calib[0] / self._calib[1]
+        best_k, best, expected = 0, 1.0 + self.tuning.margin, 1.0
+        for k in range(1, n + 1):
+            expected += self._run_agrees(match, k, g)
+            gain = expected * a / self._verify_cost(k + 1)
+            if gain > best:
+                best_k, best = k, gain
+        return best_k
+
     def k(self) -> int:
-        """The draft length with the most expected tokens per second; 0: plain steps are better.
+        """The draft length with the most expected tokens per second for a drafter that is not free
+        (a draft model: k is chosen before drafting), or `fixed_k`; 0: plain steps are better.
         Recomputed when a measurement changed (`_version`; plain steps count once per 16, their
         running mean moving slowly), else the last answer: this runs before every step."""
         if self.tuning.fixed_k is not None:
@@ -346,6 +404,8 @@ class SpeculativeStepper:
             self._probe_interval = self.tuning.probe_every
         self._version += 1
         d, c = self.tuning.decay, self._counts[self._whole]
+        if self.drafter.free:
+            self._calib[0], self._calib[1] = self._calib[0] * d + accepted, self._calib[1] * d + self._predicted
         c[0], c[1] = c[0] * d + accepted, c[1] * d + (accepted < drafted)
         self._whole = accepted == drafted
 

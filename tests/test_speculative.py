@@ -34,6 +34,18 @@ def test_drafter_takes_the_latest_occurrence_of_the_longest_ngram():
     assert d.draft(2) == [6, 1]  # "1 2 3" twice before: the most recent one (followed by 6)
 
 
+def test_drafter_reports_how_far_the_text_agrees_before_its_match():
+    d = NgramDrafter([1, 2, 3, 4, 5, 9, 3, 4, 5])
+    # "3 4 5" occurred at 2..4, preceded by 2; now preceded by 9: the agreement is the trigram only
+    assert (d.draft(4), d.match) == ([9, 3, 4, 5], 3)
+    d = NgramDrafter([7, 1, 2, 3, 4, 7, 1, 2, 3])
+    assert (d.draft(2), d.match) == ([4, 7], 4)  # "7 1 2 3" agrees, back to the start of the history
+    d = NgramDrafter(list(range(50)) * 2)
+    assert (d.draft(3), d.match) == ([0, 1, 2], NgramDrafter.max_match)  # a long copy: capped
+    d.push(99)
+    assert (d.draft(3), d.match) == ([], 0)
+
+
 def test_drafter_without_a_match_or_history_drafts_nothing():
     assert NgramDrafter([]).draft(4) == []
     assert NgramDrafter([5]).draft(4) == []  # shorter than n
@@ -246,3 +258,25 @@ def test_adaptive_draft_length_follows_measured_costs():
     st._counts[True] = [200.0, 0.0]  # p = 201/202: k=4 gives 4.95 / 4 = 1.24; k=8 (cost 4 + 0.75) 8.8 / 4.75 = 1.85
     st._version += 1
     assert st.k() == 8
+
+
+def test_copied_text_gets_drafts_as_long_as_they_pay():
+    """Hand-computed, n-gram drafts (free): a = 1 s per plain step, a verify call of s rows costs
+    1 + (s - 1) / 2 s. After a match of 2 (r = 1: draft j accepted with chance 1 / (1 + j)) no k
+    pays: k=1 gives 1.5 / 1.5 = 1.0 < 1.05. After a match of 12 (r = 11: chances 11/12, 11/13, ..):
+    k=1 1.917 / 1.5 = 1.278, k=2 2.763 / 2 = 1.381, k=3 3.549 / 2.5 = 1.419, k=4 4.282 / 3 = 1.427,
+    k=5 4.970 / 3.5 = 1.420: k = 4. When this request's drafts were accepted a quarter as often as
+    predicted (g = 1/4), k=1 gives (1 + 0.229) / 1.5 = 0.82: none."""
+    st = speculative.SpeculativeStepper(engine=None, inner=None, history=[], max_new_tokens=100, tuning=Tuning())
+    assert st.drafter.free
+    assert st._k_for_match(8, 12) == 0  # no plain step measured yet
+    st._step_s, st._cost = 1.0, {s: 1 + (s - 1) / 2 for s in range(2, 10)}
+    assert st._k_for_match(8, 2) == 0
+    assert st._k_for_match(8, 12) == 4
+    assert st._k_for_match(2, 12) == 2  # only two drafts to verify
+    st._calib = [1.0, 4.0]
+    assert st._k_for_match(8, 12) == 0
+    # a settled draft moves the calibration: 0 accepted of 2.5 predicted
+    st._calib, st._predicted = [1.0, 1.0], 2.5
+    st._adapt(0, 3)
+    assert st._calib == pytest.approx([0.9, 0.9 + 2.5])
