@@ -2,12 +2,14 @@
 
 The ONNX Runtime IO binding points the graph straight at the cache's arrays, as the model's KV mode
 (`kv_mode.KVMode`, from the manifest) says: a mode that appends in place (GroupQueryAttention) gets
-the whole ring as past and present, bound once and reused across decode steps; otherwise `past` is
+the whole ring as past and present, bound once and reused across calls (one IO binding per call
+shape of up to `Engine.SHAPED_ROWS` rows, so decode steps and speculative verify calls alternate
+without rebinding; each holds its ring by a weak reference); otherwise `past` is
 the contiguous block of valid slots and the graph writes its new K/V rows into the slots right after
 them (`RingKVCache.write_offset`); a graph exported by Optimum (the optimum mode) also takes an
 attention_mask, all ones over those slots and the new ones. The last token's logits land in the
-cache's own buffer. Per call, only pointers and shapes change; no array of the model's or the
-cache's size is allocated.
+cache's own buffer (a verify call's rows in the caller's `out`). Per call, only pointers and shapes
+change; no array of the model's or the cache's size is allocated.
 
 One Engine serves any number of caches (conversations) from any number of threads: each call
 holds `lock` for the graph run and the cache's bookkeeping (the IO binding and run-state buffers are
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import threading
+import weakref
 
 import numpy as np
 
@@ -82,7 +85,10 @@ class Engine(ChunkedSteps):
         self._seq_axis = self.mode.seq_axis
         self._past_dims = list(self.mode.cache_shape(0, spec.num_kv_heads, spec.head_dim))
         self._new_dims = list(self._past_dims)
-        self._io = session.session.io_binding()
+        self._io = session.session.io_binding()  # the modes that are not in place: rebound every call
+        # the in-place modes: one binding per call shape (`_binding`), so that decode steps and
+        # verify calls of a few rows alternate without rebinding anything
+        self._bindings: dict[object, _Binding] = {}
         # the cache lives in host memory; with CUDA, ORT copies the bound blocks (a device-resident
         # cache is the Jetson profile's work)
         self._device = "cpu"
@@ -92,11 +98,6 @@ class Engine(ChunkedSteps):
         self._index = np.zeros(self.max_chunk, np.int64)
         self._seqlens = np.zeros(1, np.int32)
         self._total = np.zeros((), np.int32)
-        # what the in-place modes' IO binding points at now, so that a call rebinds only what changed:
-        # the KV arrays of a ring (or a BatchedKV; holding it keeps its buffers alive while bound), and
-        # the token inputs and logits output (their shapes and the logits buffer)
-        self._kv_bound: object | None = None
-        self._tokens_bound: tuple | None = None
         # the optimum mode's attention_mask: ones over the T + S attended slots (grown to a ring's rows once)
         self._masked = any(e.name == ATTENTION_MASK for e in self.mode.extra_inputs)
         self._ones = np.ones((1, 0), np.int64)
@@ -108,23 +109,36 @@ class Engine(ChunkedSteps):
         return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, self.mode, dtype=self.kv_dtype)
 
     def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False,
-                commit: bool = True) -> np.ndarray:
+                commit: bool = True, out: np.ndarray | None = None) -> np.ndarray:
         """Run up to `max_chunk` new tokens at the cache's next positions; return logits [N, V].
 
         N = len(ids) with `all_logits`, else 1 (the last position). N = 1: a view of the cache's
-        logits buffer, valid until the next call on the same cache; N > 1: a new array. Mutates
-        `cache` (its new rows and bookkeeping). Thread-safe across caches (see the module doc).
-        commit=False leaves the new rows uncommitted, just past the valid slots (a speculative
-        verify: the caller commits the accepted ones with `cache.commit`; the others are never read).
+        logits buffer, valid until the next call on the same cache; N > 1: a view of `out` (float32,
+        C-contiguous [1, R, V] with R >= N: the caller's buffer, reused call after call, so nothing
+        is allocated or rebound), or a new array without it. Mutates `cache` (its new rows and
+        bookkeeping). Thread-safe across caches (see the module doc). commit=False leaves the new
+        rows uncommitted, just past the valid slots (a speculative verify: the caller commits the
+        accepted ones with `cache.commit`; the others are never read).
         """
         s = len(ids)
         if not 0 < s <= self.max_chunk:
             raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {s}")
+        n = s if all_logits and s > 1 else 1
+        if n == 1:
+            logits = cache.logits
+        elif out is None:
+            logits = np.empty((1, n, self.spec.vocab_size), np.float32)
+        else:
+            if (out.dtype != np.float32 or out.ndim != 3 or out.shape[0] != 1 or out.shape[1] < n
+                    or out.shape[2] != self.spec.vocab_size or not out.flags.c_contiguous):
+                raise ValueError(f"out must be a C-contiguous float32 [1, >= {n}, {self.spec.vocab_size}] array, "
+                                 f"got {out.dtype} {out.shape}")
+            logits = out[:, :n]
         with self.lock:
-            return self._forward(cache, ids, s, s if all_logits and s > 1 else 1, commit)
+            return self._forward(cache, ids, s, n, logits, commit)
 
-    def _forward(self, cache: RingKVCache, ids: Sequence[int], s: int, n: int, commit: bool = True) -> np.ndarray:
-        logits = cache.logits if n == 1 else np.empty((1, n, self.spec.vocab_size), np.float32)
+    def _forward(self, cache: RingKVCache, ids: Sequence[int], s: int, n: int, logits: np.ndarray,
+                 commit: bool = True) -> np.ndarray:
         cache.rebase_if_due(s)
         t = cache.n_valid
         off = cache.write_offset(s)
@@ -139,15 +153,16 @@ class Engine(ChunkedSteps):
         if self.mode.in_place:  # the graph (GroupQueryAttention) appends in place: past and present are the ring
             self._seqlens[0] = t + s - 1
             self._total[()] = t + s
-            if self._kv_bound is not cache:  # the whole ring, whatever s: bound once per cache
+            b = self._binding(s if s <= self.SHAPED_ROWS else "prefill")
+            if b.kv() is not cache:  # the whole ring, whatever s: bound once per cache
                 shape = list(self.mode.cache_shape(cache.rows, self.spec.num_kv_heads, self.spec.head_dim))
-                self._bind_ring(cache.k, cache.v, shape, self._seqlens)
-                self._kv_bound = cache
+                self._bind_ring(b.io, cache.k, cache.v, shape, self._seqlens)
+                b.kv = weakref.ref(cache)
             key = (s, n, logits.ctypes.data)
-            if key != self._tokens_bound:  # every decode step after the first reuses the binding
-                self._bind_tokens(self._ids, self._pos, [1, s], n, logits)
-                self._tokens_bound = key if n == 1 else None  # a new logits array per call of several rows
-            return self._run(cache, s if commit else 0, logits)
+            if key != b.tokens:  # every call of this shape after the first reuses the binding
+                self._bind_tokens(b.io, self._ids, self._pos, [1, s], n, logits)
+                b.tokens = key
+            return self._run(b.io, cache, s if commit else 0, logits)
         else:  # past = the valid block; the graph's new rows are bound right after it
             io, dev, kvt = self._io, self._device, self.kv_dtype.type
             kv_past, kv_new = self._past_dims, self._new_dims  # bind_input copies the dims
@@ -161,13 +176,21 @@ class Engine(ChunkedSteps):
                 if self._ones.shape[1] < t + s:
                     self._ones = np.ones((1, cache.rows), np.int64)
                 io.bind_input(ATTENTION_MASK, "cpu", 0, np.int64, [1, t + s], self._ones.ctypes.data)
-        self._bind_tokens(self._ids, self._pos, [1, s], n, logits)
-        return self._run(cache, s if commit else 0, logits)
+        self._bind_tokens(self._io, self._ids, self._pos, [1, s], n, logits)
+        return self._run(self._io, cache, s if commit else 0, logits)
 
-    def _bind_ring(self, ks: list[np.ndarray], vs: list[np.ndarray], shape: list[int], seqlens: np.ndarray) -> None:
+    SHAPED_ROWS = 16  # calls of up to this many rows (decode steps, verify calls) get a binding each
+
+    def _binding(self, key: object) -> "_Binding":
+        b = self._bindings.get(key)
+        if b is None:
+            b = self._bindings[key] = _Binding(self.session.session.io_binding())
+        return b
+
+    def _bind_ring(self, io, ks: list[np.ndarray], vs: list[np.ndarray], shape: list[int], seqlens: np.ndarray) -> None:
         """Bind a call that appends in place: past and present are the same arrays, `seqlens` the
         valid slots per batch row (total - 1)."""
-        io, dev, kvt = self._io, self._device, self.kv_dtype.type
+        dev, kvt = self._device, self.kv_dtype.type
         io.bind_input(SEQLENS_K, "cpu", 0, np.int32, [seqlens.size], seqlens.ctypes.data)
         io.bind_input(TOTAL_SEQUENCE_LENGTH, "cpu", 0, np.int32, [], self._total.ctypes.data)
         for i, (k, v) in enumerate(zip(ks, vs)):
@@ -176,17 +199,16 @@ class Engine(ChunkedSteps):
             io.bind_output(self.names.present_key(i), dev, 0, kvt, shape, k.ctypes.data)
             io.bind_output(self.names.present_value(i), dev, 0, kvt, shape, v.ctypes.data)
 
-    def _bind_tokens(self, ids: np.ndarray, pos: np.ndarray, dims: list[int], n: int, logits: np.ndarray) -> None:
+    def _bind_tokens(self, io, ids: np.ndarray, pos: np.ndarray, dims: list[int], n: int, logits: np.ndarray) -> None:
         """Bind the token ids and positions ([B, S] = dims), which n positions get logits, and where."""
-        io = self._io
         io.bind_input("input_ids", "cpu", 0, np.int64, dims, ids.ctypes.data)
         io.bind_input("position_ids", "cpu", 0, np.int64, dims, pos.ctypes.data)
         io.bind_input("logits_index", "cpu", 0, np.int64, [n], self._index.ctypes.data)
         io.bind_output("logits", "cpu", 0, np.float32, [dims[0], n, self.spec.vocab_size], logits.ctypes.data)
 
-    def _run(self, cache: RingKVCache, s: int, logits: np.ndarray) -> np.ndarray:
+    def _run(self, io, cache: RingKVCache, s: int, logits: np.ndarray) -> np.ndarray:
         """Run the bound call; commit its s new rows (0: none)."""
-        self.session.session.run_with_iobinding(self._io)
+        self.session.session.run_with_iobinding(io)
         if s:
             cache.commit(s)
         self.calls += 1
@@ -209,16 +231,35 @@ class Engine(ChunkedSteps):
                 kv.seqlens[b] = cache.n_valid  # total - 1, total = valid slots + this token
             self._total[()] = int(kv.seqlens.max()) + 1
             self._index[0] = 0
-            if self._kv_bound is not kv:  # every batched step after the first reuses the binding
-                self._bind_ring(kv.k, kv.v, list(kv.k[0].shape), kv.seqlens)
-                self._kv_bound = kv
-                self._tokens_bound = None
-            key = ("batch", kv.logits.ctypes.data)
-            if key != self._tokens_bound:
-                self._bind_tokens(kv.ids, kv.positions, [len(caches), 1], 1, kv.logits)
-                self._tokens_bound = key
-            self.session.session.run_with_iobinding(self._io)
+            b = self._binding("batch")
+            if b.kv() is not kv:  # every batched step after the first reuses the binding
+                self._bind_ring(b.io, kv.k, kv.v, list(kv.k[0].shape), kv.seqlens)
+                b.kv = weakref.ref(kv)
+                b.tokens = None
+            key = (len(caches), kv.ids.ctypes.data, kv.logits.ctypes.data)
+            if key != b.tokens:
+                self._bind_tokens(b.io, kv.ids, kv.positions, [len(caches), 1], 1, kv.logits)
+                b.tokens = key
+            self.session.session.run_with_iobinding(b.io)
             self.calls += 1
             for b in tokens:
                 caches[b].commit(1)
                 caches[b].logits[0, 0] = kv.logits[b, 0]
+
+
+def _dead() -> None:
+    return None
+
+
+class _Binding:
+    """One ONNX Runtime IO binding of an in-place mode and what it points at: the KV arrays of `kv`
+    (a weak reference: a ring that is gone is never taken for a new one at the same address, and
+    a binding left idle keeps no ring alive) and the token inputs and logits output (`tokens`:
+    their shapes and the logits buffer)."""
+
+    __slots__ = ("io", "kv", "tokens")
+
+    def __init__(self, io):
+        self.io = io
+        self.kv = _dead
+        self.tokens: tuple | None = None

@@ -238,7 +238,8 @@ class SpeculativeStepper:
         self.drafter = drafter if drafter is not None else NgramDrafter(history)
         self.stats = Stats()
         self.budget = max_new_tokens  # tokens this request may still sample (drafting past it is waste)
-        self._rows: np.ndarray | None = None  # logits of the verified draft rows not yet served
+        self._rows: np.ndarray | None = None  # logits of the verified draft rows not yet served (a view of _out)
+        self._out: np.ndarray | None = None
         self._draft: list[int] = []  # the drafts those rows were computed for
         self._next = 0  # index in _draft of the next row to serve
         self._step_s: float | None = None  # a: seconds per plain step (running mean)
@@ -285,9 +286,11 @@ class SpeculativeStepper:
         if not draft:
             return self._plain(cache, token)
         t0 = time.perf_counter()  # 3.
-        rows = self.engine.forward(cache, [token] + draft, all_logits=True, commit=False)
-        cache.commit(1)
         n = len(draft) + 1
+        if self._out is None or self._out.shape[1] < n:  # the verify calls' logits: one buffer, reused
+            self._out = np.empty((1, max(n, self.tuning.k_max + 1), self.engine.spec.vocab_size), np.float32)
+        rows = self.engine.forward(cache, [token] + draft, all_logits=True, commit=False, out=self._out)
+        cache.commit(1)
         self._cost[n] = self._mean(self._cost.get(n), time.perf_counter() - t0)
         self._version += 1
         self.stats.verify_calls += 1

@@ -68,3 +68,44 @@ def test_prefill_never_ends_on_a_one_token_call_so_chunking_does_not_change_logi
     c = m.new_cache()
     m.engine.prefill(c, ids[:32], chunk=16)
     assert not np.array_equal(m.engine.decode_one(c, ids[32]), whole)
+
+
+def test_calls_of_mixed_shapes_on_interleaved_rings_match_each_ring_alone(folders):
+    """The in-place mode keeps one IO binding per call shape, each pointing at the ring it last ran;
+    calls of 1, 3 and 5 rows on two rings, interleaved (and a ring freed and replaced, which may
+    land at the same address), give the logits of each ring run alone on a fresh model."""
+    folder = folders("llama2_gqa_tied", "auto")
+    ids = np.random.default_rng(1).integers(3, 512, 60).tolist()
+    shapes = [1, 3, 1, 5, 1, 1, 3, 2, 1, 5]
+
+    def alone(start):
+        m = edgeinfer.load(folder)
+        cache, out, at = m.new_cache(), [], start
+        for s in shapes:
+            out.append(m.engine.forward(cache, ids[at:at + s], all_logits=True).copy())
+            at += s
+        return out
+
+    ref_a, ref_b = alone(0), alone(30)
+    m = edgeinfer.load(folder)
+    assert m.engine.mode is GQA
+    buf = np.full((1, 8, m.engine.spec.vocab_size), np.nan, np.float32)
+    for round_ in range(2):
+        a, b, at_a, at_b = m.new_cache(), m.new_cache(), 0, 30
+        for i, s in enumerate(shapes):
+            got_a = m.engine.forward(a, ids[at_a:at_a + s], all_logits=True, out=buf if i % 2 else None).copy()
+            got_b = m.engine.forward(b, ids[at_b:at_b + s], all_logits=True, out=buf).copy()
+            at_a, at_b = at_a + s, at_b + s
+            assert got_a.shape == ref_a[i].shape and np.abs(got_a - ref_a[i]).max() < 1e-5, (round_, i)
+            assert np.abs(got_b - ref_b[i]).max() < 1e-5, (round_, i)
+        del a, b  # the next round's rings may reuse these addresses: every binding must rebind
+
+
+def test_forward_refuses_an_out_buffer_it_cannot_fill(folders):
+    m = edgeinfer.load(folders("llama2_gqa_tied", "auto"))
+    v, cache = m.engine.spec.vocab_size, m.new_cache()
+    for bad in (np.empty((1, 2, v), np.float32), np.empty((1, 4, v + 1), np.float32), np.empty((1, 4, v), np.float64),
+                np.empty((4, v), np.float32), np.empty((1, 8, v), np.float32)[:, ::2]):
+        with pytest.raises(ValueError, match="out must be"):
+            m.engine.forward(cache, [5, 6, 7], all_logits=True, out=bad)
+    assert cache.n_valid == 0  # nothing ran
