@@ -103,7 +103,7 @@ class Engine(ChunkedSteps):
         self._ones = np.ones((1, 0), np.int64)
         self.calls = 0
         self.lock = threading.Lock()
-        self.draft = None  # a `speculative.Draft`: the small model `speculative="draft"` drafts with (Model.set_draft)
+        self.draft = None  # a `drafting.Draft`: the small model `speculative="draft"` drafts with (Model.set_draft)
 
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
         return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, self.mode, dtype=self.kv_dtype)

@@ -29,13 +29,14 @@ from dataclasses import dataclass
 from edgeinfer.batching import SoloStepper
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.detokenize import Detokenizer, StopFilter
+from edgeinfer.drafting import ModelDrafter
 from edgeinfer.engine import Engine
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.options import GenerationOptions
 from edgeinfer.overflow import fit_prompt
 from edgeinfer.sampling import Sampler
-from edgeinfer.speculative import ModelDrafter, SpeculativeStepper
+from edgeinfer.speculative import SpeculativeStepper
 from edgeinfer.tokenizer import Tokenizer
 
 STOP_MARKS = 64  # how many recent tokens' cache marks a request keeps, to take a stop string back out

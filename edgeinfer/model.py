@@ -40,7 +40,7 @@ from edgeinfer.power.sensors import Sensors
 from edgeinfer.power.threads import SPIN_DURATION_US
 from edgeinfer.manifest import read_manifest
 from edgeinfer.session import DecoderSession, check_threads
-from edgeinfer.speculative import Draft
+from edgeinfer.drafting import Draft
 from edgeinfer.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "stories260K-int8"

@@ -1,12 +1,7 @@
 """Speculative decoding: drafts checked in one graph call, the same tokens as plain decoding.
 
-Two drafters, one interface (`push(token)`, `draft(k) -> list of up to k ids`):
-- `NgramDrafter` ("ngram", prompt lookup): the tokens that followed the most recent earlier
-  occurrence of the last n tokens (n = max_n down to min_n) in the prompt and the text generated so
-  far: text that quotes, summarises or edits its input repeats it, and so does a model looping on its
-  own words.
-- `ModelDrafter` ("draft"): a small model of the same tokenizer (`Model.set_draft`) continues the
-  text greedily in its own ring.
+The drafts come from a drafter (`drafting.NgramDrafter` for "ngram", `drafting.ModelDrafter` for
+"draft"): `push(token)`, `draft(k) -> list of up to k ids`, `free`.
 
 `SpeculativeStepper.step(cache, token)` replaces a plain decode step (`Engine.decode_one`), same
 contract: feed `token`, return the logits [V] for the next one. Its numbered steps:
@@ -56,139 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgeinfer.drafting import NgramDrafter
 from edgeinfer.engine import Engine
-from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.kv_cache import RingKVCache
-
-
-class NgramDrafter:
-    """Drafts from the history: the continuation of the most recent earlier occurrence of its last n
-    tokens, longest n first. `index` maps every n-gram that ends before the last token to where its
-    latest occurrence ends; `push` keeps it so in O(max_n) per token.
-
-    Drafting costs next to nothing (`free`), so the stepper asks for the most it could verify and
-    keeps what pays. `match`, set by `draft`, is how many tokens before the draft agree with the text
-    before that earlier occurrence (n at least, up to `max_match`): the longer the text has been a
-    copy, the further ahead the copy is likely to go on."""
-
-    free = True
-    max_match = 32
-
-    def __init__(self, ids: Sequence[int], max_n: int = 3, min_n: int = 2):
-        if not 1 <= min_n <= max_n:
-            raise InvalidArgumentError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self.max_n, self.min_n = max_n, min_n
-        self.history: list[int] = []
-        self.index: dict[tuple[int, ...], int] = {}
-        self.match = 0
-        for t in ids:
-            self.push(t)
-
-    def push(self, token: int) -> None:
-        h = self.history
-        end = len(h) - 1  # the old last token: its n-grams become earlier occurrences
-        for n in range(self.min_n, self.max_n + 1):
-            if end - n + 1 >= 0:
-                self.index[tuple(h[end - n + 1:end + 1])] = end
-        h.append(int(token))
-
-    def draft(self, k: int) -> list[int]:
-        """Up to k tokens that followed the last n tokens' latest earlier occurrence ([] if none)."""
-        h = self.history
-        for n in range(self.max_n, self.min_n - 1, -1):
-            if len(h) >= n:
-                end = self.index.get(tuple(h[-n:]))
-                if end is not None:  # h[end - n + 1 .. end] == h[-n:]; extend the agreement leftwards
-                    m = n
-                    while m < self.max_match and m <= end and h[end - m] == h[-1 - m]:
-                        m += 1
-                    self.match = m
-                    return h[end + 1:end + 1 + k]
-        self.match = 0
-        return []
-
-
-@dataclass(frozen=True)
-class Draft:
-    """A draft model as the target's engine keeps it (`Engine.draft`, set by `Model.set_draft`): its
-    engine and the ring each request's `ModelDrafter` allocates."""
-
-    engine: Engine
-    capacity_tokens: int
-    n_sink: int
-
-
-class ModelDrafter:
-    """Drafts with a small model of the same tokenizer: its greedy continuation of the history.
-
-    One request owns one: a ring of the draft model (allocated here) that holds `fed`, the history's
-    tokens from `base` on that it has consumed, then the last draft's tokens. `push` only records the
-    true history; `draft(k)` first brings the ring in line with it (the drafts the target rejected are
-    dropped by rewinding to the mark taken before they were fed), then feeds the tokens not yet fed as
-    one prefill, and k - 1 decode steps follow (k at most capacity - 1). The ring never shifts: when
-    the next draft would not fit, it starts again from the history's last tokens (half the capacity,
-    less where the draft needs the room). The first draft feeds the prompt (up to that much): a
-    one-time cost, as the target's prefill is. After a long stretch of plain steps (more than 2
-    `resync_tokens` unfed: the stepper was not drafting) it starts again from the last
-    `resync_tokens`, so that a probe costs the draft model a bounded prefill, not one of everything
-    it missed. Its drafts need not be exact: the target verifies every one."""
-
-    resync_tokens = 16
-    free = False  # each drafted token is a step of the draft model: the stepper decides k first
-
-    def __init__(self, draft: Draft, ids: Sequence[int]):
-        self.engine = draft.engine
-        self.cache = draft.engine.new_cache(draft.capacity_tokens, draft.n_sink)
-        self.history: list[int] = [int(t) for t in ids]
-        self.base = 0  # history index of the ring's first token
-        self.fed: list[int] = []  # what the ring holds, in order
-        self._mark: tuple | None = None  # the ring before the last draft's tokens were fed
-        self._n_marked = 0  # len(fed) at that mark
-
-    def push(self, token: int) -> None:
-        self.history.append(int(token))
-
-    def draft(self, k: int) -> list[int]:
-        k = min(k, self.cache.capacity - 1)
-        if k < 1 or not self.history:
-            return []
-        logits = self._sync(k)
-        self._mark, self._n_marked = self.cache.mark(), len(self.fed)
-        out = [int(np.argmax(logits))]
-        while len(out) < k:
-            logits = self.engine.decode_one(self.cache, out[-1])
-            self.fed.append(out[-1])
-            out.append(int(np.argmax(logits)))
-        return out
-
-    def _sync(self, k: int) -> np.ndarray:
-        """Make the ring hold the history (from `base`) with room for k - 1 drafts; the logits after
-        the history's last token."""
-        h, fed = self.history[self.base:], self.fed
-        n = next((i for i, (a, b) in enumerate(zip(fed, h)) if a != b), min(len(fed), len(h)))
-        if n < len(fed) or n == len(h):  # drafts to drop (or nothing new to feed: feed the last token again)
-            if self._mark is not None and self._n_marked < len(h) and self.cache.rewind(self._mark):
-                del fed[self._n_marked:]
-            else:
-                self._restart(k)
-            self._mark = None
-        unfed = len(self.history) - self.base - len(fed)
-        if fed and unfed > 2 * self.resync_tokens:
-            self._restart(k, self.resync_tokens)  # a probe after plain steps: the recent text is enough
-        if self.cache.n_valid + len(self.history) - self.base - len(fed) + k - 1 > self.cache.capacity:
-            self._restart(k)  # the ring would shift: start again from the last tokens
-        tail = self.history[self.base + len(fed):]
-        logits = self.engine.prefill(self.cache, tail)
-        fed.extend(tail)
-        return logits
-
-    def _restart(self, k: int, keep: int | None = None) -> None:
-        """An empty ring, to be fed the history's last `keep` tokens (None: half the capacity), fewer
-        where k - 1 drafts would not fit after them (k < capacity: at least one token)."""
-        self.cache.reset()
-        self.fed.clear()
-        keep = min(keep or self.cache.capacity // 2, self.cache.capacity - k + 1)
-        self.base = max(0, len(self.history) - max(1, keep))
 
 
 @dataclass(frozen=True)

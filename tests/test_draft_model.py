@@ -1,4 +1,4 @@
-"""Draft-model speculative decoding (`speculative="draft"`, `Model.set_draft`, speculative.ModelDrafter).
+"""Draft-model speculative decoding (`speculative="draft"`, `Model.set_draft`, drafting.ModelDrafter).
 
 The target is fp32 stories260K (where a several-row call computes one-row calls' logits up to float
 rounding, so speculation is exact); the draft is the bundled int8 stories260K: the same tokenizer,
@@ -18,7 +18,8 @@ from conftest import STORIES_FIX, STORIES_SRC, TINY
 from edgeinfer import speculative
 from edgeinfer.errors import InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.model import default_model_path
-from edgeinfer.speculative import Draft, ModelDrafter, Tuning
+from edgeinfer.drafting import Draft, ModelDrafter
+from edgeinfer.speculative import Tuning
 
 GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
 SAMPLINGS = [dict(temperature=0), dict(temperature=0.8, seed=3),

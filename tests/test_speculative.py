@@ -17,7 +17,8 @@ import edgeinfer
 from conftest import STORIES_FIX, STORIES_SRC
 from edgeinfer.errors import InvalidArgumentError
 from edgeinfer import speculative
-from edgeinfer.speculative import NgramDrafter, Tuning
+from edgeinfer.drafting import NgramDrafter
+from edgeinfer.speculative import Tuning
 
 GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
 SAMPLINGS = [dict(temperature=0), dict(temperature=0.8, seed=3), dict(temperature=1.0, top_p=0.9, top_k=40, seed=11,
