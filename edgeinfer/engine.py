@@ -129,10 +129,7 @@ class Engine(ChunkedSteps):
         elif out is None:
             logits = np.empty((1, n, self.spec.vocab_size), np.float32)
         else:
-            if (out.dtype != np.float32 or out.ndim != 3 or out.shape[0] != 1 or out.shape[1] < n
-                    or out.shape[2] != self.spec.vocab_size or not out.flags.c_contiguous):
-                raise ValueError(f"out must be a C-contiguous float32 [1, >= {n}, {self.spec.vocab_size}] array, "
-                                 f"got {out.dtype} {out.shape}")
+            _check_out(out, n, self.spec.vocab_size)
             logits = out[:, :n]
         with self.lock:
             return self._forward(cache, ids, s, n, logits, commit)
@@ -245,6 +242,20 @@ class Engine(ChunkedSteps):
             for b in tokens:
                 caches[b].commit(1)
                 caches[b].logits[0, 0] = kv.logits[b, 0]
+
+
+def _check_out(out, n: int, vocab_size: int) -> None:
+    """Refuse an `out` the graph cannot write n rows of logits into (ONNX Runtime writes through the
+    raw pointer: a read-only or strided buffer would be corrupted, or crash the process)."""
+    if isinstance(out, np.ndarray):
+        if (out.dtype == np.float32 and out.ndim == 3 and out.shape[0] == 1 and out.shape[1] >= n
+                and out.shape[2] == vocab_size and out.flags.c_contiguous and out.flags.writeable):
+            return
+        got = f"{out.dtype} {out.shape}" + ("" if out.flags.c_contiguous else ", not C-contiguous") + \
+              ("" if out.flags.writeable else ", read-only")
+    else:
+        got = type(out).__name__
+    raise ValueError(f"out must be a writeable C-contiguous float32 [1, >= {n}, {vocab_size}] array, got {got}")
 
 
 def _dead() -> None:

@@ -4,6 +4,8 @@ greedy continuations, with any prefill chunking, and forget exactly what the rin
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -104,8 +106,14 @@ def test_calls_of_mixed_shapes_on_interleaved_rings_match_each_ring_alone(folder
 def test_forward_refuses_an_out_buffer_it_cannot_fill(folders):
     m = edgeinfer.load(folders("llama2_gqa_tied", "auto"))
     v, cache = m.engine.spec.vocab_size, m.new_cache()
-    for bad in (np.empty((1, 2, v), np.float32), np.empty((1, 4, v + 1), np.float32), np.empty((1, 4, v), np.float64),
-                np.empty((4, v), np.float32), np.empty((1, 8, v), np.float32)[:, ::2]):
-        with pytest.raises(ValueError, match="out must be"):
+    read_only = np.zeros((1, 4, v), np.float32)
+    read_only.flags.writeable = False
+    frozen = np.frombuffer(bytes(4 * 4 * v), np.float32).reshape(1, 4, v)  # a view of an immutable bytes object
+    for bad, why in ((np.empty((1, 2, v), np.float32), r"\(1, 2, "), (np.empty((1, 4, v + 1), np.float32), "float32"),
+                     (np.empty((1, 4, v), np.float64), "float64"), (np.empty((4, v), np.float32), "float32"),
+                     (np.empty((1, 8, v), np.float32)[:, ::2], "not C-contiguous"), (read_only, "read-only"),
+                     (frozen, "read-only"), ([[0.0] * v] * 4, "got list")):
+        with pytest.raises(ValueError, match="out must be a writeable") as e:
             m.engine.forward(cache, [5, 6, 7], all_logits=True, out=bad)
-    assert cache.n_valid == 0  # nothing ran
+        assert re.search(why, str(e.value)), (why, str(e.value))
+    assert cache.n_valid == 0 and not read_only.any()  # nothing ran, nothing written
