@@ -5,9 +5,10 @@ want them. The graph is built as for the CPU, then converted by ONNX Runtime's o
 becomes float16 (MatMulNBits' scales too; its packed weights are not floats), except:
 
 - the logits, kept float32 (the sampler's input);
-- the RoPE tables and the attention mask (`/model/rotary`, `/model/attn_mask` nodes), computed in
-  float32 and cast at their consumers: a position times a frequency in float16 loses whole
-  radians past position ~2,000.
+- the attention mask (`/model/attn_mask` nodes), computed in float32 and cast at its consumers.
+  RoPE's cos/sin rows are graph inputs (interface version 2) of the KV's float16: the runtime
+  computes the angles in float32 (a position times a frequency in float16 loses whole radians past
+  position ~2,000) and stores only their cosines and sines, which float16 holds well.
 
 The KV inputs and outputs are float16 (`interface.kv_dtype`), half the ring's memory. ONNX
 Runtime's CPU EP runs this graph too (slowly), which is how its numbers are checked without a GPU.
@@ -21,7 +22,7 @@ from pathlib import Path
 import onnx
 from onnx.external_data_helper import load_external_data_for_model
 
-KEEP_FP32_NODES = ("/model/rotary", "/model/attn_mask")
+KEEP_FP32_NODES = ("/model/attn_mask",)
 
 
 def to_fp16(model: onnx.ModelProto, folder: Path, data_file: str) -> onnx.ModelProto:

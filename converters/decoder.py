@@ -4,9 +4,12 @@ Families differ only in flags on the spec (biases, q/k norm, rope scaling); this
 layers once, reading one layer's tensors from the checkpoint at a time and streaming the
 (quantized) weights to the external-data file, so peak memory is about one layer.
 
-Graph interface (version 1; see docs/architecture.md):
+Graph interface (version 2; see docs/architecture.md):
   inputs   input_ids     int64 [B, S]
-           position_ids  int64 [B, S]          absolute positions (RoPE applied in graph)
+           position_ids  int64 [B, S]          absolute positions: the rows of the tables below
+           cos_cache     float32 [R, Dh/2]     cos / sin of RoPE's angles, row p for position p (the
+           sin_cache     float32 [R, Dh/2]       host's; R beyond every position and the total length,
+                                                 as GroupQueryAttention checks)
            logits_index  int64 [N]             which of the S positions get logits
            the KV mode's extra inputs          (`KVMode.extra_inputs`)
            past_key_values.{i}.key / .value    float32, `KVMode.past_dims`
@@ -33,7 +36,7 @@ from edgeinfer.converters.quantize import QuantScheme, bits_of, quantize_blockwi
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
 from edgeinfer.kv_mode import NAMES, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, KVMode
-from edgeinfer.manifest import io_names
+from edgeinfer.manifest import ROPE_COS, ROPE_SIN, io_names
 
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -216,12 +219,10 @@ def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer
     eps = spec.rms_norm_eps
 
     h, head = embedding_and_head(g, spec, src, scheme, "input_ids")
-    cos, sin, local_ids = G.rope_tables(g, "position_ids", spec.rope.inv_freq(Dh))
+    cos, sin, positions = ROPE_COS, ROPE_SIN, "position_ids"  # graph inputs: the host's table, row = position
     gqa = mode.in_place  # GroupQueryAttention reads the past and appends the new rows in the one buffer
     packed = gqa and not spec.qk_norm  # q/k norms sit between the projection and RoPE: those need them apart
     mask = None if gqa else G.causal_mask(g, "input_ids", names.past_key(0))
-    if packed:
-        cos_p, sin_p = G.pad_rope_tables(g, cos, sin, TOTAL_SEQUENCE_LENGTH)
 
     residual, normed, mlp_out = h, None, None
     for i in range(spec.num_layers):
@@ -245,14 +246,14 @@ def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer
                                                 names.present_value(i))
         if packed:  # one node: q|k|v in, RoPE and attention inside
             ctx = G.gqa_packed_attention(g, f"{p}/attn", qkv, past_k, past_v, SEQLENS_K, TOTAL_SEQUENCE_LENGTH,
-                                         cos_p, sin_p, local_ids, H, Hkv, present_k, present_v)
+                                         cos, sin, positions, H, Hkv, present_k, present_v)
         else:
             q, k, v = G.split_last(g, f"{p}/attn/qkv_proj", qkv, [H * Dh, Hkv * Dh, Hkv * Dh])
             if spec.qk_norm:
                 q = _head_norm(g, f"{p}/attn/q_norm", q, src.get(f"{a}.q_norm.weight", (Dh,)), H, Dh, eps)
                 k = _head_norm(g, f"{p}/attn/k_norm", k, src.get(f"{a}.k_norm.weight", (Dh,)), Hkv, Dh, eps)
-            q = G.rotary(g, f"{p}/attn/q_rotary", q, local_ids, cos, sin, H)
-            k = G.rotary(g, f"{p}/attn/k_rotary", k, local_ids, cos, sin, Hkv)
+            q = G.rotary(g, f"{p}/attn/q_rotary", q, positions, cos, sin, H)
+            k = G.rotary(g, f"{p}/attn/k_rotary", k, positions, cos, sin, Hkv)
             if gqa:
                 ctx = G.gqa_attention(g, f"{p}/attn", q, k, v, past_k, past_v, SEQLENS_K, TOTAL_SEQUENCE_LENGTH,
                                       H, Hkv, present_k, present_v)
@@ -297,8 +298,11 @@ def _model(g: G.Graph, spec: ArchSpec, names, mode: KVMode) -> "onnx.ModelProto"
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     kv = mode.past_dims(spec.num_kv_heads, spec.head_dim)
     new_kv = mode.present_dims(spec.num_kv_heads, spec.head_dim)
+    half = spec.head_dim // 2
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "sequence"]),
               helper.make_tensor_value_info("position_ids", i64, ["batch", "sequence"]),
+              helper.make_tensor_value_info(ROPE_COS, f32, ["rope_rows", half]),
+              helper.make_tensor_value_info(ROPE_SIN, f32, ["rope_rows", half]),
               helper.make_tensor_value_info("logits_index", i64, ["num_logits"])]
     inputs += [helper.make_tensor_value_info(e.name, helper.np_dtype_to_tensor_dtype(np.dtype(e.dtype)), list(e.dims))
                for e in mode.extra_inputs]

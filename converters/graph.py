@@ -97,32 +97,9 @@ def skip_rms_norm(g: Graph, prefix: str, x: str, skip: str, weight: np.ndarray, 
     return outs[0], outs[3]
 
 
-def rope_tables(g: Graph, position_ids: str, inv_freq: np.ndarray) -> tuple[str, str, str]:
-    """cos/sin rows for exactly the positions of this call, plus local indices into them.
-
-    position_ids [B, S] int64 (absolute, unbounded: the ring may run past any trained length)
-    -> cos, sin [B*S, Dh/2] and local_ids [B, S] = arange(B*S), which RotaryEmbedding uses
-    to index those rows. No max-position cache is baked into the graph.
-    """
-    p = "/model/rotary"
-    (pos_f,) = g.node("Cast", [position_ids], f"{p}/Cast", to=TensorProto.FLOAT)
-    (pos_col,) = g.node("Unsqueeze", [pos_f, g.const("const_axis_m1", np.array([-1], np.int64))], f"{p}/Unsqueeze")
-    (freqs,) = g.node("Mul", [pos_col, g.const("rope.inv_freq", inv_freq.astype(np.float32))], f"{p}/Mul")
-    half = inv_freq.shape[0]
-    (flat,) = g.node("Reshape", [freqs, g.const("rope.flat_shape", np.array([-1, half], np.int64))], f"{p}/Reshape")
-    (cos,) = g.node("Cos", [flat], f"{p}/Cos")
-    (sin,) = g.node("Sin", [flat], f"{p}/Sin")
-    (shape,) = g.node("Shape", [position_ids], f"{p}/Shape")
-    (count,) = g.node("ReduceProd", [shape], f"{p}/ReduceProd", keepdims=0)
-    (rng,) = g.node("Range", [g.const("const_i64_0", np.array(0, np.int64)), count,
-                              g.const("const_i64_1", np.array(1, np.int64))], f"{p}/Range")
-    (local,) = g.node("Reshape", [rng, shape], f"{p}/LocalIds")
-    return cos, sin, local
-
-
-def rotary(g: Graph, prefix: str, x: str, local_ids: str, cos: str, sin: str, num_heads: int) -> str:
-    """Rotate-half RoPE on x [B, S, heads * Dh]."""
-    (y,) = g.node("RotaryEmbedding", [x, local_ids, cos, sin], f"{prefix}/RotaryEmbedding", domain=MS,
+def rotary(g: Graph, prefix: str, x: str, positions: str, cos: str, sin: str, num_heads: int) -> str:
+    """Rotate-half RoPE on x [B, S, heads * Dh]: row `positions` of the cos/sin tables."""
+    (y,) = g.node("RotaryEmbedding", [x, positions, cos, sin], f"{prefix}/RotaryEmbedding", domain=MS,
                   interleaved=0, num_heads=num_heads)
     return y
 
@@ -182,33 +159,16 @@ def attention(g: Graph, prefix: str, q: str, k: str, v: str, past_k: str, past_v
     return ctx
 
 
-def pad_rope_tables(g: Graph, cos: str, sin: str, total_len: str) -> tuple[str, str]:
-    """GroupQueryAttention wants at least total_sequence_length rows in its cos/sin caches; only the
-    first S rows (this call's positions, indexed by the local ids) are read, so pad with zeros."""
-    p = "/model/rotary/pad"
-    (rows,) = g.node("Shape", [cos], f"{p}/Shape", end=1)
-    (total,) = g.node("Cast", [total_len], f"{p}/Cast", to=TensorProto.INT64)
-    (total,) = g.node("Reshape", [total, g.const("const_shape_1", np.array([1], np.int64))], f"{p}/Reshape")
-    (extra,) = g.node("Sub", [total, rows], f"{p}/Sub")
-    (extra,) = g.node("Max", [extra, g.const("const_i64_vec0", np.array([0], np.int64))], f"{p}/Max")
-    zeros = g.const("const_i64_zeros2", np.zeros(2, np.int64))
-    (pads,) = g.node("Concat", [zeros, extra, g.const("const_i64_vec0", np.array([0], np.int64))], f"{p}/Concat",
-                     axis=0)  # [0, 0, extra, 0]: rows appended at the end
-    (cos_p,) = g.node("Pad", [cos, pads], f"{p}/PadCos")
-    (sin_p,) = g.node("Pad", [sin, pads], f"{p}/PadSin")
-    return cos_p, sin_p
-
-
 def gqa_packed_attention(g: Graph, prefix: str, qkv: str, past_k: str, past_v: str, seqlens_k: str, total_len: str,
-                         cos: str, sin: str, local_ids: str, num_heads: int, num_kv_heads: int, present_k: str,
+                         cos: str, sin: str, positions: str, num_heads: int, num_kv_heads: int, present_k: str,
                          present_v: str) -> str:
     """GroupQueryAttention on the packed q|k|v projection, RoPE inside the op (one node per layer).
 
-    Same shared-buffer contract as `gqa_attention`; positions come from `local_ids` indexing this
-    call's cos/sin rows, so absolute positions stay unbounded.
+    Same shared-buffer contract as `gqa_attention`; each token's RoPE is row `positions` of the host's
+    cos/sin tables (rows beyond every position and total_sequence_length, as the op checks).
     """
     outs = [f"{prefix}/GroupQueryAttention/output_0", present_k, present_v]
-    g.node("GroupQueryAttention", [qkv, "", "", past_k, past_v, seqlens_k, total_len, cos, sin, local_ids],
+    g.node("GroupQueryAttention", [qkv, "", "", past_k, past_v, seqlens_k, total_len, cos, sin, positions],
            f"{prefix}/GroupQueryAttention", domain=MS, outputs=outs, num_heads=num_heads, kv_num_heads=num_kv_heads,
            do_rotary=1, rotary_interleaved=0)
     return outs[0]

@@ -8,8 +8,10 @@ without rebinding; each holds its ring by a weak reference); otherwise `past` is
 the contiguous block of valid slots and the graph writes its new K/V rows into the slots right after
 them (`RingKVCache.write_offset`); a graph exported by Optimum (the optimum mode) also takes an
 attention_mask, all ones over those slots and the new ones. The last token's logits land in the
-cache's own buffer (a verify call's rows in the caller's `out`). Per call, only pointers and shapes
-change; no array of the model's or the cache's size is allocated.
+cache's own buffer (a verify call's rows in the caller's `out`). RoPE's cos/sin table (a row per
+position) is computed here once and bound as an input (graph interface version 2; a version 1 graph
+computes its call's rows from position_ids). Per call, only pointers and shapes change; no array of
+the model's or the cache's size is allocated.
 
 One Engine serves any number of caches (conversations) from any number of threads: each call
 holds `lock` for the graph run and the cache's bookkeeping (the IO binding and run-state buffers are
@@ -28,6 +30,7 @@ import numpy as np
 
 from edgeinfer.kv_cache import BatchedKV, RingKVCache
 from edgeinfer.kv_mode import ATTENTION_MASK, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
+from edgeinfer.manifest import ROPE_COS, ROPE_SIN, host_rope
 from edgeinfer.session import DecoderSession
 
 
@@ -101,6 +104,13 @@ class Engine(ChunkedSteps):
         # the optimum mode's attention_mask: ones over the T + S attended slots (grown to a ring's rows once)
         self._masked = any(e.name == ATTENTION_MASK for e in self.mode.extra_inputs)
         self._ones = np.ones((1, 0), np.int64)
+        # RoPE (interface version 2): the graph takes the cos/sin table, row p for position p, computed
+        # here once and grown when a ring's positions or length would pass it (GroupQueryAttention checks
+        # its rows against the total length); a version 1 graph computes this call's rows itself
+        self.host_rope = host_rope(session.manifest.interface.version, self.mode)
+        self._inv_freq = spec.rope.inv_freq(spec.head_dim).astype(np.float32)  # the version 1 graph's float32 table
+        self._rope_cos = self._rope_sin = np.zeros((0, spec.head_dim // 2), self.kv_dtype)
+        self._rope_gen = 0  # bumped when the tables are replaced (the bindings then point at old ones)
         self.calls = 0
         self.lock = threading.Lock()
         self.draft = None  # a `drafting.Draft`: the small model `speculative="draft"` drafts with (Model.set_draft)
@@ -147,6 +157,8 @@ class Engine(ChunkedSteps):
             self._ids[0, :s] = ids
             self._pos[0, :s] = np.arange(cache.next_position, cache.next_position + s)
             self._index[:n] = np.arange(s) if n > 1 else s - 1
+        if self.host_rope and max(cache.next_position + s, cache.rows) > self._rope_cos.shape[0]:
+            self._rope_fit(max(cache.position_limit, cache.rows, cache.next_position + s))
         if self.mode.in_place:  # the graph (GroupQueryAttention) appends in place: past and present are the ring
             self._seqlens[0] = t + s - 1
             self._total[()] = t + s
@@ -155,7 +167,7 @@ class Engine(ChunkedSteps):
                 shape = list(self.mode.cache_shape(cache.rows, self.spec.num_kv_heads, self.spec.head_dim))
                 self._bind_ring(b.io, cache.k, cache.v, shape, self._seqlens)
                 b.kv = weakref.ref(cache)
-            key = (s, n, logits.ctypes.data)
+            key = (s, n, logits.ctypes.data, self._rope_gen)
             if key != b.tokens:  # every call of this shape after the first reuses the binding
                 self._bind_tokens(b.io, self._ids, self._pos, [1, s], n, logits)
                 b.tokens = key
@@ -197,11 +209,25 @@ class Engine(ChunkedSteps):
             io.bind_output(self.names.present_value(i), dev, 0, kvt, shape, v.ctypes.data)
 
     def _bind_tokens(self, io, ids: np.ndarray, pos: np.ndarray, dims: list[int], n: int, logits: np.ndarray) -> None:
-        """Bind the token ids and positions ([B, S] = dims), which n positions get logits, and where."""
+        """Bind the token ids and positions ([B, S] = dims) and RoPE's table (version 2), which n
+        positions get logits, and where."""
         io.bind_input("input_ids", "cpu", 0, np.int64, dims, ids.ctypes.data)
         io.bind_input("position_ids", "cpu", 0, np.int64, dims, pos.ctypes.data)
+        if self.host_rope:
+            table, dt = list(self._rope_cos.shape), self.kv_dtype.type
+            io.bind_input(ROPE_COS, "cpu", 0, dt, table, self._rope_cos.ctypes.data)
+            io.bind_input(ROPE_SIN, "cpu", 0, dt, table, self._rope_sin.ctypes.data)
         io.bind_input("logits_index", "cpu", 0, np.int64, [n], self._index.ctypes.data)
         io.bind_output("logits", "cpu", 0, np.float32, [dims[0], n, self.spec.vocab_size], logits.ctypes.data)
+
+    def _rope_fit(self, rows: int) -> None:
+        """RoPE's tables for positions 0..rows-1 (at least), in float32 as the version 1 graph computed
+        its rows (the position cast to float32, times the float32 inv_freq; then cos and sin, rounded
+        to float16 for the cuda target's tables)."""
+        rows = max(rows, 2 * self._rope_cos.shape[0])  # grown rarely: a ring's limit is known when it is bound
+        ang = np.arange(rows, dtype=np.float32)[:, None] * self._inv_freq[None, :]
+        self._rope_cos, self._rope_sin = np.cos(ang).astype(self.kv_dtype), np.sin(ang).astype(self.kv_dtype)
+        self._rope_gen += 1
 
     def _run(self, io, cache: RingKVCache, s: int, logits: np.ndarray) -> np.ndarray:
         """Run the bound call; commit its s new rows (0: none)."""
@@ -228,12 +254,16 @@ class Engine(ChunkedSteps):
                 kv.seqlens[b] = cache.n_valid  # total - 1, total = valid slots + this token
             self._total[()] = int(kv.seqlens.max()) + 1
             self._index[0] = 0
+            if self.host_rope:
+                rows = max(kv.k[0].shape[self._seq_axis], int(kv.positions.max()) + 1)
+                if rows > self._rope_cos.shape[0]:
+                    self._rope_fit(max(rows, *(c.position_limit for c in caches)))
             b = self._binding("batch")
             if b.kv() is not kv:  # every batched step after the first reuses the binding
                 self._bind_ring(b.io, kv.k, kv.v, list(kv.k[0].shape), kv.seqlens)
                 b.kv = weakref.ref(kv)
                 b.tokens = None
-            key = (len(caches), kv.ids.ctypes.data, kv.logits.ctypes.data)
+            key = (len(caches), kv.ids.ctypes.data, kv.logits.ctypes.data, self._rope_gen)
             if key != b.tokens:
                 self._bind_tokens(b.io, kv.ids, kv.positions, [len(caches), 1], 1, kv.logits)
                 b.tokens = key

@@ -20,6 +20,12 @@ Format version 1 stays readable as it was written:
   no EOS ids, no chat template).
 - Renaming or adding a field in a way this reader maps, as above, keeps version 1; a change an
   older reader would misread silently raises FORMAT_VERSION.
+
+The graph interface has its own version (`interface.version`). Version 2: a fused graph takes RoPE's
+cos/sin table from the host (`cos_cache`, `sin_cache`: a row per position, indexed by
+`position_ids`) instead of eighteen nodes that computed this call's rows. Version 1 folders load as
+they are (the runtime binds no table); an edgeinfer that runs only version 1 refuses a version 2
+folder by name ("upgrade edgeinfer").
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ from edgeinfer.portable import PortableInfo, logit_chunks
 from edgeinfer.quant_scheme import QuantScheme
 
 FORMAT_VERSION = 1
-INTERFACE_VERSION = 1
+INTERFACE_VERSION = 2  # 2: fused graphs take RoPE's cos/sin rows from the host (1: position_ids, tables in the graph)
+INTERFACE_VERSIONS = (1, 2)  # what this runtime reads
+ROPE_COS, ROPE_SIN = "cos_cache", "sin_cache"
 KV_DTYPE = "float32"  # the ring's element type (the fused and portable graphs)
 KV_DTYPES = ("float32", "float16")  # float16: the cuda target's graph (fp16 activations)
 TOKENIZER_KINDS = ("sentencepiece", "hf_tokenizers")
@@ -48,7 +56,7 @@ MODEL_FILE = "model.onnx"
 
 @dataclass(frozen=True)
 class IONames:
-    """Names of the graph's per-layer KV tensors (interface version 1)."""
+    """Names of the graph's per-layer KV tensors (every interface version)."""
 
     num_layers: int
 
@@ -85,7 +93,7 @@ class TensorDesc:
 
 @dataclass(frozen=True)
 class Interface:
-    """The graph's interface (version 1): its KV mode, KV element type, and every input and output."""
+    """The graph's interface: its version, KV mode, KV element type, and every input and output."""
 
     version: int
     kv_mode: KVMode
@@ -111,10 +119,11 @@ class Interface:
         except ValueError as e:
             raise FieldError(f"{where}.{e.args[0]}", e.args[1]) from None
         kw = json_fields(cls, d, where, skip=("kv_mode", "inputs", "outputs", *LEGACY_KEYS))
-        if kw["version"] != INTERFACE_VERSION:
-            newer = ": upgrade edgeinfer" if kw["version"] > INTERFACE_VERSION else ""
-            raise FieldError(f"{where}.version", f"{kw['version']}: this edgeinfer runs interface version "
-                             f"{INTERFACE_VERSION}{newer}")
+        version = kw["version"]
+        if version not in INTERFACE_VERSIONS:
+            newer = ": upgrade edgeinfer" if version > INTERFACE_VERSION else ""
+            raise FieldError(f"{where}.version", f"{version}: this edgeinfer runs interface versions "
+                             f"{', '.join(map(str, INTERFACE_VERSIONS))}{newer}")
         if spec.source_head_dim is not None and not mode.in_place:
             raise FieldError("architecture.source_head_dim", f"widened heads are for GroupQueryAttention, but the "
                              f"graph's KV mode is {mode.name!r}")
@@ -125,7 +134,8 @@ class Interface:
         if (mode is PORTABLE) != (portable is not None):
             raise FieldError(f"{where}.kv_mode", f"{mode.name!r} does not match the flavour (portable graphs have "
                              "the portable KV mode and a portable section, fused ones neither)")
-        want = graph_interface(spec, mode, kw["kv_dtype"]) if portable is None else portable_interface(spec, portable)
+        want = (graph_interface(spec, mode, kw["kv_dtype"], version) if portable is None
+                else portable_interface(spec, portable, version))
         for part in ("inputs", "outputs"):
             got, expected = d.get(part), getattr(want, part)
             if not isinstance(got, dict):
@@ -134,8 +144,7 @@ class Interface:
                 if key not in got:
                     raise FieldError(f"{where}.{part}.{key}", "missing")
                 if key not in expected:
-                    raise FieldError(f"{where}.{part}.{key}",
-                                     f"not an {part[:-1]} of interface version {INTERFACE_VERSION}")
+                    raise FieldError(f"{where}.{part}.{key}", f"not an {part[:-1]} of interface version {version}")
                 t = TensorDesc(**json_fields(TensorDesc, got[key], f"{where}.{part}.{key}"))
                 if t != expected[key]:
                     raise FieldError(f"{where}.{part}.{key}", f"{t.to_json()} does not match the {mode.name} KV mode "
@@ -166,10 +175,18 @@ class TokenizerInfo:
         return info
 
 
-def graph_interface(spec: ArchSpec, mode: KVMode, kv_dtype: str = KV_DTYPE) -> Interface:
+def host_rope(version: int, mode: KVMode) -> bool:
+    """Whether a fused graph of this interface version and KV mode takes RoPE's cos/sin table from
+    the host (cos_cache, sin_cache): version 2 on, except an Optimum export, whose graph computes
+    RoPE itself."""
+    return version >= 2 and mode is not OPTIMUM
+
+
+def graph_interface(spec: ArchSpec, mode: KVMode, kv_dtype: str = KV_DTYPE,
+                    version: int = INTERFACE_VERSION) -> Interface:
     """The interface of the graph `build_decoder` makes for `spec` in KV mode `mode` (docs/architecture.md,
-    "Graph interface"): ids, positions and logits_index in, logits out, the mode's extra inputs, and
-    per layer the past and present K/V in the mode's dims."""
+    "Graph interface"): ids, positions, RoPE's table (version 2, not Optimum graphs) and logits_index
+    in, logits out, the mode's extra inputs, and per layer the past and present K/V in the mode's dims."""
     n = io_names(spec.num_layers)
     past = tuple(mode.past_dims(spec.num_kv_heads, spec.head_dim))
     new = tuple(mode.present_dims(spec.num_kv_heads, spec.head_dim))
@@ -177,9 +194,13 @@ def graph_interface(spec: ArchSpec, mode: KVMode, kv_dtype: str = KV_DTYPE) -> I
     def layer(name: str) -> str:
         return name.replace(".0.", ".{i}.")
 
+    half = spec.head_dim // 2  # version 2: cos/sin of every position's angles, a row per position up to beyond both
+    table = {ROPE_COS: TensorDesc(kv_dtype, ("rope_rows", half)),  # the largest position and the total length
+             ROPE_SIN: TensorDesc(kv_dtype, ("rope_rows", half))} if host_rope(version, mode) else {}
     inputs = {
         "input_ids": TensorDesc("int64", ("batch", "sequence")),
         "position_ids": TensorDesc("int64", ("batch", "sequence")),
+        **table,
         "logits_index": TensorDesc("int64", ("num_logits",)),
         **{e.name: TensorDesc(e.dtype, tuple(e.dims)) for e in mode.extra_inputs},
         "past_key": TensorDesc(kv_dtype, past, layer(n.past_key(0))),
@@ -190,10 +211,10 @@ def graph_interface(spec: ArchSpec, mode: KVMode, kv_dtype: str = KV_DTYPE) -> I
         "present_key": TensorDesc(kv_dtype, new, layer(n.present_key(0))),
         "present_value": TensorDesc(kv_dtype, new, layer(n.present_value(0))),
     }
-    return Interface(INTERFACE_VERSION, mode, kv_dtype, MappingProxyType(inputs), MappingProxyType(outputs))
+    return Interface(version, mode, kv_dtype, MappingProxyType(inputs), MappingProxyType(outputs))
 
 
-def portable_interface(spec: ArchSpec, info: PortableInfo) -> Interface:
+def portable_interface(spec: ArchSpec, info: PortableInfo, version: int = INTERFACE_VERSION) -> Interface:
     """The interface of the portable decode graph (converters/portable.py; the prefill graph is the
     same with P for 1): static shapes, host-computed inputs, the logits in chunks."""
     n, Hkv, Dh, R = io_names(spec.num_layers), spec.num_kv_heads, spec.head_dim, info.ring_rows
@@ -212,7 +233,7 @@ def portable_interface(spec: ArchSpec, info: PortableInfo) -> Interface:
                for c, (lo, hi) in enumerate(logit_chunks(spec.vocab_size))}
     outputs.update(present_key=TensorDesc(KV_DTYPE, (1, Hkv, 1, Dh), layer(n.present_key(0))),
                    present_value=TensorDesc(KV_DTYPE, (1, Hkv, 1, Dh), layer(n.present_value(0))))
-    return Interface(INTERFACE_VERSION, PORTABLE, KV_DTYPE, MappingProxyType(inputs), MappingProxyType(outputs))
+    return Interface(version, PORTABLE, KV_DTYPE, MappingProxyType(inputs), MappingProxyType(outputs))
 
 
 SOURCE_FORMATS = ("huggingface", "gguf", "optimum")

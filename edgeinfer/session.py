@@ -1,4 +1,4 @@
-"""A thin ONNX Runtime session over a model folder's decoder graph (interface version 1).
+"""A thin ONNX Runtime session over a model folder's decoder graph.
 
 `DecoderSession` opens the graph (checked against the manifest's sha256 first) and owns nothing
 else: every run of the graph goes through `engine.Engine.forward`, for generation, evaluation and

@@ -23,6 +23,7 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 INNER = r"""
 import json, sys, time, statistics
@@ -73,6 +74,7 @@ def main() -> None:
     models = dict(m.split("=", 1) for m in args.model) if "=" in args.model[0] else dict.fromkeys(installs, args.model[0])
     if set(models) != set(installs):
         ap.error("-m NAME=FOLDER needs one folder for each --python NAME")
+    models = {name: str(Path(folder).resolve()) for name, folder in models.items()}  # the runs start in /
     runs: dict = {name: [] for name in installs}
     for r in range(args.rounds):
         for name, py in installs.items():
