@@ -6,9 +6,10 @@ becomes float16 (MatMulNBits' scales too; its packed weights are not floats), ex
 
 - the logits, kept float32 (the sampler's input);
 - the attention mask (`/model/attn_mask` nodes), computed in float32 and cast at its consumers.
-  RoPE's cos/sin rows are graph inputs (interface version 2) of the KV's float16: the runtime
+  RoPE's cos/sin table is a graph input (interface version 2) of the KV's float16: the runtime
   computes the angles in float32 (a position times a frequency in float16 loses whole radians past
-  position ~2,000) and stores only their cosines and sines, which float16 holds well.
+  position ~2,000; the version 1 graph did, despite keeping its RoPE nodes float32, because the
+  float16 pass put casts between them) and stores only their cosines and sines, which float16 holds.
 
 The KV inputs and outputs are float16 (`interface.kv_dtype`), half the ring's memory. ONNX
 Runtime's CPU EP runs this graph too (slowly), which is how its numbers are checked without a GPU.

@@ -27,6 +27,7 @@ import threading
 import weakref
 
 import numpy as np
+import onnxruntime as ort
 
 from edgeinfer.kv_cache import BatchedKV, RingKVCache
 from edgeinfer.kv_mode import ATTENTION_MASK, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
@@ -108,7 +109,7 @@ class Engine(ChunkedSteps):
         # here once and grown when a ring's positions or length would pass it (GroupQueryAttention checks
         # its rows against the total length); a version 1 graph computes this call's rows itself
         self.host_rope = host_rope(session.manifest.interface.version, self.mode)
-        self._inv_freq = spec.rope.inv_freq(spec.head_dim).astype(np.float32)  # the version 1 graph's float32 table
+        self._inv_freq = spec.rope.inv_freq(spec.head_dim).astype(np.float32)  # the graph's float32 inv_freq
         self._rope_cos = self._rope_sin = np.zeros((0, spec.head_dim // 2), self.kv_dtype)
         self._rope_gen = 0  # bumped when the tables are replaced (the bindings then point at old ones)
         self.calls = 0
@@ -158,7 +159,10 @@ class Engine(ChunkedSteps):
             self._pos[0, :s] = np.arange(cache.next_position, cache.next_position + s)
             self._index[:n] = np.arange(s) if n > 1 else s - 1
         if self.host_rope and max(cache.next_position + s, cache.rows) > self._rope_cos.shape[0]:
-            self._rope_fit(max(cache.position_limit, cache.rows, cache.next_position + s))
+            if cache.next_position + s > cache.position_limit:  # re-basing keeps them below: a forged snapshot
+                raise ValueError(f"positions up to {cache.next_position + s} pass the ring's limit "
+                                 f"{cache.position_limit}: the cache's bookkeeping is corrupted")
+            self._rope_fit(max(cache.position_limit, cache.rows))
         if self.mode.in_place:  # the graph (GroupQueryAttention) appends in place: past and present are the ring
             self._seqlens[0] = t + s - 1
             self._total[()] = t + s
@@ -221,12 +225,11 @@ class Engine(ChunkedSteps):
         io.bind_output("logits", "cpu", 0, np.float32, [dims[0], n, self.spec.vocab_size], logits.ctypes.data)
 
     def _rope_fit(self, rows: int) -> None:
-        """RoPE's tables for positions 0..rows-1 (at least), in float32 as the version 1 graph computed
-        its rows (the position cast to float32, times the float32 inv_freq; then cos and sin, rounded
-        to float16 for the cuda target's tables)."""
+        """RoPE's tables for positions 0..rows-1 (at least): `rope_table`, rounded to float16 for the
+        cuda target's tables."""
         rows = max(rows, 2 * self._rope_cos.shape[0])  # grown rarely: a ring's limit is known when it is bound
-        ang = np.arange(rows, dtype=np.float32)[:, None] * self._inv_freq[None, :]
-        self._rope_cos, self._rope_sin = np.cos(ang).astype(self.kv_dtype), np.sin(ang).astype(self.kv_dtype)
+        cos, sin = rope_table(rows, self._inv_freq)
+        self._rope_cos, self._rope_sin = cos.astype(self.kv_dtype), sin.astype(self.kv_dtype)
         self._rope_gen += 1
 
     def _run(self, io, cache: RingKVCache, s: int, logits: np.ndarray) -> np.ndarray:
@@ -272,6 +275,31 @@ class Engine(ChunkedSteps):
             for b in tokens:
                 caches[b].commit(1)
                 caches[b].logits[0, 0] = kv.logits[b, 0]
+
+
+def rope_table(rows: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [rows, Dh/2] (float32) of RoPE's angles for positions 0..rows-1, computed by ONNX
+    Runtime's own Cast, Mul, Cos and Sin (CPU, one thread), as a version 1 graph computed each call's
+    rows: numpy's cos/sin differ from ONNX Runtime's by an ulp in ~11 % of entries, enough to turn a
+    near-tie of an int8 model's greedy output the other way."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    f32 = TensorProto.FLOAT
+    nodes = [helper.make_node("Cast", ["positions"], ["pos_f"], to=f32),
+             helper.make_node("Unsqueeze", ["pos_f", "axis"], ["pos_col"]),
+             helper.make_node("Mul", ["pos_col", "inv_freq"], ["angles"]),
+             helper.make_node("Cos", ["angles"], ["cos"]), helper.make_node("Sin", ["angles"], ["sin"])]
+    consts = [numpy_helper.from_array(np.asarray(inv_freq, np.float32), "inv_freq"),
+              numpy_helper.from_array(np.array([-1], np.int64), "axis")]
+    graph = helper.make_graph(nodes, "rope_table", [helper.make_tensor_value_info("positions", TensorProto.INT64, ["P"])],
+                              [helper.make_tensor_value_info(n, f32, ["P", len(inv_freq)]) for n in ("cos", "sin")],
+                              consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    cos, sin = sess.run(None, {"positions": np.arange(rows, dtype=np.int64)})
+    return cos, sin
 
 
 def _check_out(out, n: int, vocab_size: int) -> None:

@@ -182,11 +182,12 @@ def host_rope(version: int, mode: KVMode) -> bool:
     return version >= 2 and mode is not OPTIMUM
 
 
-def graph_interface(spec: ArchSpec, mode: KVMode, kv_dtype: str = KV_DTYPE,
-                    version: int = INTERFACE_VERSION) -> Interface:
+def graph_interface(spec: ArchSpec, mode: KVMode, kv_dtype: str = KV_DTYPE, version: int | None = None) -> Interface:
     """The interface of the graph `build_decoder` makes for `spec` in KV mode `mode` (docs/architecture.md,
     "Graph interface"): ids, positions, RoPE's table (version 2, not Optimum graphs) and logits_index
     in, logits out, the mode's extra inputs, and per layer the past and present K/V in the mode's dims."""
+    if version is None:  # what the converter writes: the oldest version that describes the graph, so
+        version = INTERFACE_VERSION if mode is not OPTIMUM else 1  # older readers still open Optimum folders
     n = io_names(spec.num_layers)
     past = tuple(mode.past_dims(spec.num_kv_heads, spec.head_dim))
     new = tuple(mode.present_dims(spec.num_kv_heads, spec.head_dim))
@@ -214,9 +215,10 @@ def graph_interface(spec: ArchSpec, mode: KVMode, kv_dtype: str = KV_DTYPE,
     return Interface(version, mode, kv_dtype, MappingProxyType(inputs), MappingProxyType(outputs))
 
 
-def portable_interface(spec: ArchSpec, info: PortableInfo, version: int = INTERFACE_VERSION) -> Interface:
+def portable_interface(spec: ArchSpec, info: PortableInfo, version: int = 1) -> Interface:
     """The interface of the portable decode graph (converters/portable.py; the prefill graph is the
-    same with P for 1): static shapes, host-computed inputs, the logits in chunks."""
+    same with P for 1): static shapes, host-computed inputs, the logits in chunks. The same in every
+    interface version; written as version 1, so that older readers open it."""
     n, Hkv, Dh, R = io_names(spec.num_layers), spec.num_kv_heads, spec.head_dim, info.ring_rows
     g = spec.num_heads // Hkv
 

@@ -7,6 +7,7 @@ the tests alike.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import onnxruntime as ort
@@ -72,3 +73,21 @@ class DecoderSession:
                                                 providers=[PROVIDERS[self.provider]])
         except Exception as e:  # onnxruntime raises its own exception types for bad files
             raise ModelFormatError(f"cannot load {self.folder / MODEL_FILE}: {str(e).splitlines()[0][:300]}") from None
+        self._check_inputs()
+        if self.manifest.target == "cuda" and self.manifest.interface.version == 1:
+            warnings.warn(f"{self.folder}: a cuda-target folder of graph interface version 1 rounds RoPE's angles "
+                          "to float16 (wrong rotations past about 1,000 positions); re-convert it with this "
+                          "edgeinfer", stacklevel=3)
+
+    def _check_inputs(self) -> None:
+        """The graph takes exactly the inputs its manifest's interface names (a manifest edited to
+        another interface version, or a graph swapped for another, is refused here, not by ONNX
+        Runtime at the first call)."""
+        want = set()
+        for key, desc in self.manifest.interface.inputs.items():
+            want |= {desc.name.format(i=i) for i in range(self.manifest.arch.num_layers)} if desc.name else {key}
+        got = {i.name for i in self.session.get_inputs()}
+        if got != want:
+            raise ModelFormatError(f"{self.folder / MODEL_FILE} does not take the inputs its edgeinfer.json names "
+                                   f"(interface version {self.manifest.interface.version}): missing "
+                                   f"{sorted(want - got) or 'none'}, unexpected {sorted(got - want) or 'none'}")

@@ -5,6 +5,10 @@ converter of commit 50f5f50 (version 1), in both KV modes."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shutil
+
 import numpy as np
 import onnx
 import pytest
@@ -13,7 +17,7 @@ import edgeinfer
 from conftest import FIXTURES, TINY
 from edgeinfer.converters import convert
 from edgeinfer.kv_cache import BatchedKV
-from edgeinfer.manifest import INTERFACE_VERSION, ROPE_COS, ROPE_SIN, read_manifest
+from edgeinfer.manifest import INTERFACE_VERSION, MANIFEST_FILE, ROPE_COS, ROPE_SIN, graph_interface, read_manifest
 
 V1 = FIXTURES / "interface_v1"
 
@@ -74,3 +78,33 @@ def test_batched_steps_on_both_versions_agree(v2):
             out.append(kv.logits.copy())
         logits.append(np.stack(out))
     assert np.abs(logits[0] - logits[1]).max() < 1e-4
+
+
+@pytest.mark.parametrize("graph_version", [1, 2])
+def test_a_manifest_relabelled_to_the_other_version_is_refused_at_load(v2, tmp_path, graph_version):
+    """Version and inputs edited together pass the manifest's own checks; the graph's inputs do not
+    match them, which load says (not ONNX Runtime at the first call)."""
+    src = V1 / "llama2_gqa_tied-gqa" if graph_version == 1 else v2("gqa")
+    dst = tmp_path / "relabelled"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".edgeinfer-verified.json*"))
+    m = read_manifest(dst)
+    other = graph_interface(m.arch, m.interface.kv_mode, m.interface.kv_dtype, 3 - graph_version)
+    doc = json.loads((dst / MANIFEST_FILE).read_text())
+    doc["interface"] = other.to_json()
+    (dst / MANIFEST_FILE).write_text(json.dumps(doc))
+    assert read_manifest(dst).interface.version == 3 - graph_version  # a consistent manifest on its own
+    with pytest.raises(edgeinfer.ModelFormatError, match="does not take the inputs its edgeinfer.json names"):
+        edgeinfer.load(dst)
+
+
+def test_positions_past_the_rings_limit_are_refused_not_tabled(v2):
+    """A ring's positions stay below its `position_limit` (re-basing); bookkeeping that says otherwise
+    (a forged snapshot) is an error, not a table of 10^8 rows."""
+    m = edgeinfer.load(v2("gqa"), capacity_tokens=32, n_sink=4)
+    cache = m.new_cache()
+    m.engine.prefill(cache, [1, 5, 9])  # 3 tokens, all sinks: no re-basing would move them back
+    rows = m.engine._rope_cos.shape[0]
+    cache.restore(dataclasses.replace(cache.snapshot(), next_position=10 ** 8))
+    with pytest.raises(ValueError, match="pass the ring's limit"):
+        m.engine.decode_one(cache, 7)
+    assert m.engine._rope_cos.shape[0] == rows
