@@ -27,7 +27,6 @@ import threading
 import weakref
 
 import numpy as np
-import onnxruntime as ort
 
 from edgeinfer.kv_cache import BatchedKV, RingKVCache
 from edgeinfer.kv_mode import ATTENTION_MASK, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
@@ -278,28 +277,14 @@ class Engine(ChunkedSteps):
 
 
 def rope_table(rows: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [rows, Dh/2] (float32) of RoPE's angles for positions 0..rows-1, computed by ONNX
-    Runtime's own Cast, Mul, Cos and Sin (CPU, one thread), as a version 1 graph computed each call's
-    rows: numpy's cos/sin differ from ONNX Runtime's by an ulp in ~11 % of entries, enough to turn a
-    near-tie of an int8 model's greedy output the other way."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    f32 = TensorProto.FLOAT
-    nodes = [helper.make_node("Cast", ["positions"], ["pos_f"], to=f32),
-             helper.make_node("Unsqueeze", ["pos_f", "axis"], ["pos_col"]),
-             helper.make_node("Mul", ["pos_col", "inv_freq"], ["angles"]),
-             helper.make_node("Cos", ["angles"], ["cos"]), helper.make_node("Sin", ["angles"], ["sin"])]
-    consts = [numpy_helper.from_array(np.asarray(inv_freq, np.float32), "inv_freq"),
-              numpy_helper.from_array(np.array([-1], np.int64), "axis")]
-    graph = helper.make_graph(nodes, "rope_table", [helper.make_tensor_value_info("positions", TensorProto.INT64, ["P"])],
-                              [helper.make_tensor_value_info(n, f32, ["P", len(inv_freq)]) for n in ("cos", "sin")],
-                              consts)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = so.inter_op_num_threads = 1
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    cos, sin = sess.run(None, {"positions": np.arange(rows, dtype=np.int64)})
-    return cos, sin
+    """cos and sin [rows, Dh/2] (float32) of RoPE's angles for positions 0..rows-1, the angles in
+    float32 as a version 1 graph computed each call's rows (the position cast to float32, times the
+    float32 inv_freq). numpy's cos and sin differ from ONNX Runtime's kernels by an ulp in ~11 % of
+    entries, so logits differ from a version 1 graph's in the last bits (a near-tie of the int8
+    bundled model's greedy text went the other way once); computing the table with ONNX Runtime
+    instead would cost a cold start ~100 ms (importing onnx to build the graph)."""
+    ang = np.arange(rows, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
+    return np.cos(ang), np.sin(ang)
 
 
 def _check_out(out, n: int, vocab_size: int) -> None:
