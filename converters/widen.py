@@ -6,8 +6,8 @@ head size Dh is not (stories260K: 8) would otherwise take the standard-ops KV mo
 about ten attention nodes per layer and whose runtime rebinds every layer's KV arrays on every
 decode step. Widening each head to W = lcm(Dh, 16) keeps the model's function exactly (in real
 arithmetic; at fp32 the logits agree to ~2e-5; quantized, o_proj's blocks hold zeros beside the real
-inputs, so their rounding differs: stories260K int8 scores 5.6875 against the narrow int8's 5.6890) and lets it take the in-place mode: measured 2.5x the decode tokens/s on stories260K
-int8 (docs/benchmarks.md, "Decode step"), for W / Dh times the KV memory per token.
+inputs, so their rounding differs: stories260K int8 scores 5.6875 against the narrow int8's 5.6890)
+and lets it take the in-place mode: measured 2.5x the decode tokens/s on stories260K int8 (docs/benchmarks.md, "Decode step"), for W / Dh times the KV memory per token.
 
 How. Rotate-half RoPE pairs dim j with dim j + Dh/2 at frequency theta^(-2j/Dh). With m = W / Dh,
 dim pair m*j (with m*j + W/2) of the wider head has frequency theta^(-2mj/W) = theta^(-2j/Dh): the

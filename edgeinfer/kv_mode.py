@@ -31,9 +31,9 @@ The modes:
                attention_mask [1, T + S] (all ones: the ring holds only valid slots)
 
 `MODES` is the converter's order of preference (`--attention auto` takes gqa when the head size
-allows it or when widening the heads at most doubles them, converters/widen.py; else standard). `from_interface` reads a manifest's interface section: `kv_mode` by name,
-or an older manifest's `kv_io` ("shared_buffer" -> gqa, "runtime_append" -> standard; its
-`kv_layout` must then agree).
+allows it or when widening the heads at most doubles them, converters/widen.py; else standard).
+`from_interface` reads a manifest's interface section: `kv_mode` by name, or an older manifest's
+`kv_io` ("shared_buffer" -> gqa, "runtime_append" -> standard; its `kv_layout` must then agree).
 """
 
 from __future__ import annotations

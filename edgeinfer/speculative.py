@@ -272,7 +272,7 @@ class SpeculativeStepper:
             self._probe_interval = self.tuning.probe_every
         self._version += 1
         d, c = self.tuning.decay, self._counts[self._whole]
-        if self.drafter.free:
+        if self.drafter.free and self.tuning.fixed_k is None:  # what `_k_for_match` predicted
             self._calib[0], self._calib[1] = self._calib[0] * d + accepted, self._calib[1] * d + self._predicted
         c[0], c[1] = c[0] * d + accepted, c[1] * d + (accepted < drafted)
         self._whole = accepted == drafted
