@@ -7,12 +7,14 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 import edgeinfer
+from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.server.config import ServeConfig
 from edgeinfer.server.run import build, uvicorn_server
 
@@ -351,6 +353,34 @@ def test_print_systemd_unit_carries_config_and_no_key(tmp_path, capsys, monkeypa
     assert ["--config", str(conf.resolve())] == argv[argv.index("--config"):argv.index("--config") + 2]
     assert "--host" in argv and "0.0.0.0" in argv and "9000" in argv
     assert any(x.startswith("ReadWritePaths=") for x in unit.splitlines())  # the verification stamp
+
+
+def test_config_file_paths_are_relative_to_the_file(tmp_path, monkeypatch):
+    """A relative path in the TOML file names a file beside it, wherever the daemon starts (systemd
+    runs it from /); one on the command line stays relative to the working directory."""
+    from edgeinfer.server.config import load_config
+
+    conf_dir = tmp_path / "etc"
+    conf_dir.mkdir()
+    (conf_dir / "key.txt").write_text("a-key-of-some-length\n")
+    conf = conf_dir / "serve.toml"
+    conf.write_text('model = "../models/main"\nspeculative = "draft"\ndraft-model = "tiny"\n'
+                    'api-key-file = "key.txt"\nslots = 1\npower = "off"\n')
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    c = load_config(str(conf), {})
+    assert Path(c.model).resolve() == (tmp_path / "models" / "main").resolve()
+    assert Path(c.draft_model).resolve() == (conf_dir / "tiny").resolve()
+    assert c.api_key == "a-key-of-some-length"
+    flags = load_config(str(conf), {"model": "mine", "draft_model": str(tmp_path / "abs")})
+    assert flags.model == "mine" and flags.draft_model == str(tmp_path / "abs")
+    monkeypatch.chdir(tmp_path)  # the config named relatively: the same folders
+    again = load_config("etc/serve.toml", {})
+    assert Path(again.model).resolve() == Path(c.model).resolve()
+    conf.write_text('model = 5\n')
+    with pytest.raises(InvalidArgumentError, match="model must be a string"):
+        load_config(str(conf), {"slots": 1, "power": "off"})
 
 
 def test_chunks_that_pile_up_go_out_as_one_event(srv):

@@ -1,9 +1,11 @@
 """`ServeConfig`: the daemon's settings, from a TOML file and the command line (flags win), checked once.
 
 A TOML file holds the long option names, with dashes or underscores (`max-tokens-limit = 512` or
-`max_tokens_limit = 512`); an unknown key or a wrong type is refused with its name. The API key may
-also come from the environment variable EDGEINFER_API_KEY (how a systemd EnvironmentFile gives it),
-never from a file the server logs.
+`max_tokens_limit = 512`); an unknown key or a wrong type is refused with its name. A relative path
+in the file (`model`, `draft-model`, `api-key-file`) is relative to the file's folder (its real
+one, symlinks followed, as `--print-systemd-unit` writes it), as a path on the command line is to
+the working directory. The API key may also come from the environment variable EDGEINFER_API_KEY
+(how a systemd EnvironmentFile gives it), never from a file the server logs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from edgeinfer.options import SPECULATIVE
 from edgeinfer.overflow import OVERFLOW_POLICIES
 
 LOOPBACK_NAMES = ("localhost",)
+PATH_SETTINGS = ("model", "draft_model", "api_key_file")  # resolved against a config file's folder
 API_KEY_ENV = "EDGEINFER_API_KEY"
 
 
@@ -135,6 +138,8 @@ def _from_toml(path: str) -> dict:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise InvalidArgumentError(f"{path}: cors-origins must be a list of strings")
             value = tuple(value)
+        elif name in PATH_SETTINGS and isinstance(value, str) and value:  # a wrong type is refused later, by name
+            value = str(Path(path).resolve().parent / Path(value).expanduser())
         out[name] = value
     return out
 
