@@ -5,7 +5,7 @@ same ring would interleave their tokens and both get wrong output. So each conte
 `ContextLock`: a caller in another thread waits its turn (calls serialise), while the same thread
 asking again before its own stream is finished is refused with `ContextBusyError` (waiting would
 deadlock, sharing would corrupt). A stream holds the lock from its first `next()` until it ends,
-is closed, or is garbage-collected after being dropped.
+is closed, or is dropped (freed at once by reference counting: `generation.Generation`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from edgeinfer.chat import check_messages
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError
-from edgeinfer.generation import Completion, Generation
+from edgeinfer.generation import Completion, Generation, Request
 from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.overflow import fits_beside
 
@@ -70,7 +70,7 @@ class Conversation:
         its Generation completes; otherwise (refused, failed, abandoned) it is rolled back."""
         m, turn = self.model, {}
 
-        def begin() -> list[int]:  # under the lock, at the first next()
+        def begin(req: Request) -> list[int]:  # under the lock, at the first next()
             msgs = list(messages) if messages is not None else self.messages + [{"role": "user", "content": content}]
             full = m.template.render(msgs, add_generation_prompt=True)
             if not self.cache.intact:  # a mutation was cut short (Ctrl-C inside a step): start clean
@@ -81,16 +81,16 @@ class Conversation:
             turn.update(msgs=msgs, full=full, mark=self.cache.mark())
             return ids
 
-        def end(gen: Generation) -> None:
-            if gen.completion is not None:
-                self._commit(turn["msgs"], turn["full"], gen)
+        def end(req: Request) -> None:
+            if req.completion is not None:
+                self._commit(turn["msgs"], turn["full"], req)
             elif "mark" in turn and not self.cache.rewind(turn["mark"]):
                 self._forget()
 
         return Generation(m.engine, m.tokenizer, self.cache, opts, m.overflow, begin=begin, end=end, lock=self.lock,
                           load_ms=m.load_ms, power=m.power)
 
-    def _commit(self, msgs: list[dict], full: str, gen: Generation) -> None:
+    def _commit(self, msgs: list[dict], full: str, gen: Request) -> None:
         """The turn finished: the history gains the reply; the bookkeeping says what the cache holds
         (the reply's text less a stop string, the Generation having taken its tokens back out)."""
         self.messages = msgs + [{"role": "assistant", "content": gen.completion.text}]

@@ -85,14 +85,78 @@ class Generation:
     """Iterate for Chunks; `completion` is None until the request ends (and stays None if it was
     abandoned or failed). After it ends, for a conversation: `unfed` (the last sampled token, not yet
     in the cache: feed it first next turn), `cached_text` (the generated text whose tokens the cache
-    holds: the reply less a stop string) and `cache_stale` (the cache no longer matches: start over)."""
+    holds: the reply less a stop string) and `cache_stale` (the cache no longer matches: start over).
+
+    The request's state is a `Request`, which its steps (a generator) hold; nothing they hold refers
+    back to the Generation, so a Generation dropped half-way is freed at once (reference counting,
+    not the cycle collector's next pass): its steps close, `end` runs and the context's lock is
+    released (step 6) when the caller lets go, in whichever thread that is."""
 
     def __init__(self, engine: Engine, tok: Tokenizer, cache: RingKVCache, options: GenerationOptions, overflow: str,
-                 *, begin: Callable[[], list[int]], end: Callable[["Generation"], None] | None = None,
+                 **kwargs):
+        """The arguments are `Request`'s."""
+        self._request = Request(engine, tok, cache, options, overflow, **kwargs)
+        self._steps = self._request.steps()
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> Chunk:
+        return next(self._steps)
+
+    def run_to_end(self) -> Completion | None:
+        """Consume every chunk; the completion (the fold `generate`, `chat` and `say` are)."""
+        for _ in self:
+            pass
+        return self.completion
+
+    def close(self) -> None:
+        """Abandon the request now (what a dropped Generation does)."""
+        self._steps.close()
+
+    @property
+    def completion(self) -> Completion | None:
+        return self._request.completion
+
+    @property
+    def unfed(self) -> tuple[int, ...]:
+        return self._request.unfed
+
+    @property
+    def cached_text(self) -> str:
+        return self._request.cached_text
+
+    @property
+    def cache_stale(self) -> bool:
+        return self._request.cache_stale
+
+    @property
+    def prompt_dropped(self) -> int:
+        """Prompt tokens the overflow policy dropped before prefill."""
+        return self._request.prompt_dropped
+
+    @property
+    def prefix(self) -> list[int]:
+        """Tokens the cache already held just before the prompt (a reused prefix)."""
+        return self._request.prefix
+
+    @property
+    def speculation(self):
+        """With options.speculative: the request's `speculative.Stats`; else None."""
+        return self._request.speculation
+
+
+class Request:
+    """One request's state and steps (`steps()`), behind a `Generation`; `begin` and `end` get it."""
+
+    def __init__(self, engine: Engine, tok: Tokenizer, cache: RingKVCache, options: GenerationOptions, overflow: str,
+                 *, begin: Callable[["Request"], list[int]], end: Callable[["Request"], None] | None = None,
                  lock: ContextLock | None = None, load_ms: float = 0.0, logprobs: int | None = None,
                  stepper=None, prefix: Sequence[int] = (), cancelled: threading.Event | None = None,
                  power=None):
-        """logprobs: None (off) or n >= 0: each chunk carries its token's logprob and the n best.
+        """begin(request): run under the lock at the first `next()`, returns the prompt ids to feed
+        (it may set `request.prefix`: tokens the cache holds before them). end(request): step 6.
+        logprobs: None (off) or n >= 0: each chunk carries its token's logprob and the n best.
         stepper: how decode steps run (`batching.SoloStepper`, the default, or a `DecodeBatcher`
         that runs this conversation's steps together with others').
         prefix: tokens the cache already holds just before this prompt (a reused prefix): the
@@ -111,29 +175,15 @@ class Generation:
         self.cache_stale = False
         self.prompt_dropped = 0  # prompt tokens the overflow policy dropped before prefill
         self.speculation = None  # with options.speculative: the request's `speculative.Stats`
-        self._steps = self._hold(begin, end, lock)
+        self._begin, self._end, self._lock = begin, end, lock
 
-    def __iter__(self) -> "Generation":
-        return self
-
-    def __next__(self) -> Chunk:
-        return next(self._steps)
-
-    def run_to_end(self) -> Completion | None:
-        """Consume every chunk; the completion (the fold `generate`, `chat` and `say` are)."""
-        for _ in self:
-            pass
-        return self.completion
-
-    def close(self) -> None:
-        """Abandon the request now (what a dropped Generation does when it is collected)."""
-        self._steps.close()
-
-    def _hold(self, begin, end, lock) -> Iterator[Chunk]:
+    def steps(self) -> Iterator[Chunk]:
+        begin, end, lock = self._begin, self._end, self._lock
+        self._begin = self._end = self._lock = None  # a kept, finished Generation holds no Model through them
         if lock is not None:
             lock.acquire()
         try:
-            yield from self._run(begin())
+            yield from self._run(begin(self))
         finally:
             self.pacer = None  # a kept, finished Generation must not keep the Model's power control alive
             try:

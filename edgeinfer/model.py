@@ -29,7 +29,7 @@ from edgeinfer.portable_engine import open_engine
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.conversation import Conversation
-from edgeinfer.generation import Completion, Generation
+from edgeinfer.generation import Completion, Generation, Request
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.prefix_cache import PrefixSnapshot, held_after, reuse
@@ -190,20 +190,18 @@ class Model:
         raise ContextBusyError.
         """
         opts, ids = resolve(options, overrides), self.encode_prompt(prompt)
-        gen = None
 
-        def begin() -> list[int]:  # the longest prefix the default cache holds is kept, the rest prefilled
+        def begin(req: Request) -> list[int]:  # the longest prefix the default cache holds is kept, the rest prefilled
             held, self.held = self.held, None  # unknown while the request runs
             n = reuse(held, ids, self.cache, self.overflow, opts.max_new_tokens)
-            gen.prefix = ids[:n]
+            req.prefix = ids[:n]
             return ids[n:]
 
-        def end(g: Generation) -> None:
-            self.held = held_after(g, ids, self.cache)
+        def end(req: Request) -> None:
+            self.held = held_after(req, ids, self.cache)
 
-        gen = Generation(self.engine, self.tokenizer, self.cache, opts, self.overflow, begin=begin, end=end,
-                         lock=self.lock, load_ms=self.load_ms, power=self.power)
-        return gen
+        return Generation(self.engine, self.tokenizer, self.cache, opts, self.overflow, begin=begin, end=end,
+                          lock=self.lock, load_ms=self.load_ms, power=self.power)
 
     def generate(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
                  **overrides) -> Completion:

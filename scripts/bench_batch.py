@@ -56,7 +56,7 @@ def streams(m, rounds: int) -> dict:
 
     def run(i: int) -> None:
         ids, cache = base[:32 + 8 * i], kv.caches[i]
-        Generation(eng, m.tokenizer, cache, opts, "shift", begin=lambda: (cache.reset(), ids)[1],
+        Generation(eng, m.tokenizer, cache, opts, "shift", begin=lambda req: (cache.reset(), ids)[1],
                    stepper=batcher).run_to_end()
 
     def aggregate(n: int) -> float:

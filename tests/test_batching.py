@@ -58,7 +58,7 @@ def test_threads_through_the_batcher_equal_each_alone(gqa_model):
         try:
             ids = m.encode_prompt(prompts[i])
             cache = kv.caches[i]
-            gen = Generation(eng, m.tokenizer, cache, opts, "shift", begin=lambda: (cache.reset(), ids)[1],
+            gen = Generation(eng, m.tokenizer, cache, opts, "shift", begin=lambda req: (cache.reset(), ids)[1],
                              stepper=batcher)
             for _ in gen:
                 pass
@@ -85,8 +85,8 @@ def test_a_leaving_conversation_does_not_stall_the_others(gqa_model):
     batcher = DecodeBatcher(eng, kv)
     opts = edgeinfer.GenerationOptions.from_kwargs(max_new_tokens=40, temperature=0, ignore_eos=True)
     ids = m.encode_prompt("Once upon a time")
-    a = Generation(eng, m.tokenizer, kv.caches[0], opts, "shift", begin=lambda: ids, stepper=batcher)
-    b = Generation(eng, m.tokenizer, kv.caches[1], opts, "shift", begin=lambda: ids, stepper=batcher)
+    a = Generation(eng, m.tokenizer, kv.caches[0], opts, "shift", begin=lambda req: ids, stepper=batcher)
+    b = Generation(eng, m.tokenizer, kv.caches[1], opts, "shift", begin=lambda req: ids, stepper=batcher)
     next(a)  # a has joined and waits with its first token in hand
     done = threading.Event()
 

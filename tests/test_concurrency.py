@@ -93,6 +93,34 @@ def test_a_dropped_stream_frees_the_model(model, alone):
     assert got[0] == alone[PROMPTS[4]]
 
 
+def test_a_stream_left_by_break_frees_its_context_at_once(model, alone):
+    """Breaking out of a stream loop drops the Generation: its lock is released then, by reference
+    counting, not at the cycle collector's next pass (which is off here), whichever thread drops it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in model.stream(PROMPTS[2], **GREEDY):
+            break
+        assert model.generate(PROMPTS[3], **GREEDY).token_ids == alone[PROMPTS[3]]
+        conv = model.conversation()
+        for _ in conv.stream_say("Lily had a ball.", temperature=0, max_new_tokens=12):
+            break
+        assert conv.say("Lily had a ball.", temperature=0, max_new_tokens=12).text
+        assert conv.messages[-2:][0]["content"] == "Lily had a ball." and len(conv.messages) == 2
+
+        def drop_in_a_thread(i):
+            for _ in model.stream(PROMPTS[2], **GREEDY):
+                break
+
+        assert _threads(drop_in_a_thread, 1) == []
+        got = {}
+        assert _threads(lambda i: got.setdefault(i, model.generate(PROMPTS[4], **GREEDY).token_ids), 1) == []
+        assert got[0] == alone[PROMPTS[4]]
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_conversations_in_parallel_threads(model):
     turns = ["Lily had a ball.", "Then what?", "Who came?"]
     opts = dict(temperature=0, max_new_tokens=12)

@@ -54,7 +54,7 @@ def test_cancelling_a_paced_stream_is_prompt():
     m = edgeinfer.load(power=Policy("performance", max_tokens_per_s=2.0))
     ev = threading.Event()
     gen = edgeinfer.Generation(m.engine, m.tokenizer, m.new_cache(), edgeinfer.GenerationOptions(),
-                               "shift", begin=lambda: m.encode_prompt("Once"), power=m.power, cancelled=ev)
+                               "shift", begin=lambda req: m.encode_prompt("Once"), power=m.power, cancelled=ev)
     next(gen)  # first token: no wait yet
     threading.Timer(0.1, ev.set).start()
     import time

@@ -179,7 +179,7 @@ def test_logprobs_and_conversations_speculate_too(fp32):
         opts = GenerationOptions.from_kwargs(max_new_tokens=120, temperature=0.7, seed=2, ignore_eos=True,
                                              speculative=spec)
         m.cache.reset()
-        g = Generation(m.engine, m.tokenizer, m.cache, opts, "shift", begin=lambda: list(prompt), logprobs=2)
+        g = Generation(m.engine, m.tokenizer, m.cache, opts, "shift", begin=lambda req: list(prompt), logprobs=2)
         return [(c.token_id, c.logprob, c.top_logprobs) for c in g], g.speculation
     (a, _), (b, st) = run(None), run("ngram")
     assert [x[0] for x in a] == [x[0] for x in b] and st.accepted_tokens > 0

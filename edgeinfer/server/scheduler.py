@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from edgeinfer.batching import DecodeBatcher, SoloStepper
-from edgeinfer.generation import Chunk, Completion, Generation, GenerationCancelled
+from edgeinfer.generation import Chunk, Completion, Generation, GenerationCancelled, Request
 from edgeinfer.kv_cache import BatchedKV, RingKVCache
 from edgeinfer.options import GenerationOptions
 from edgeinfer.prefix_cache import common_prefix, held_after, reuse
@@ -168,17 +168,17 @@ class Job:
         model, prompt = self.scheduler.model, self.prompt
         slot.ids = None  # unknown while it runs
         gen = Generation(model.engine, model.tokenizer, slot.cache, self.options, model.overflow,
-                         begin=lambda: prompt[cached:], end=self._remember(slot, cached), logprobs=self.logprobs,
+                         begin=lambda req: prompt[cached:], end=self._remember(slot, cached), logprobs=self.logprobs,
                          load_ms=model.load_ms, stepper=self.scheduler.stepper, prefix=prompt[:cached],
                          cancelled=self.cancelled, power=model.power)
         for chunk in gen:
             self._emit("chunk", chunk)
         return gen.completion
 
-    def _remember(self, slot: Slot, cached: int) -> Callable[[Generation], None]:
+    def _remember(self, slot: Slot, cached: int) -> Callable[[Request], None]:
         """After the request: which tokens the slot's ring now holds, if that is known exactly."""
-        def end(gen: Generation) -> None:
-            slot.ids = held_after(gen, self.prompt, slot.cache)
+        def end(req: Request) -> None:
+            slot.ids = held_after(req, self.prompt, slot.cache)
         return end
 
 
