@@ -30,7 +30,7 @@ from edgeinfer.errors import EdgeInferError, InvalidArgumentError, InvalidArgume
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.conversation import Conversation
 from edgeinfer.generation import Completion, Generation, Request
-from edgeinfer.kv_cache import RingKVCache
+from edgeinfer.kv_cache import RingKVCache, Snapshot
 from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.prefix_cache import PrefixSnapshot, held_after, reuse
 from edgeinfer.overflow import check_policy, resolve_capacity
@@ -242,13 +242,19 @@ class Model:
             raise InvalidArgumentError("the snapshot was taken from another model (its weights differ)")
         spec, n = self.manifest.arch, len(snap.token_ids)
         want = (n, spec.num_kv_heads, spec.head_dim)
-        if n > self.capacity_tokens or len(snap.kv.k) != spec.num_layers or \
+        if n > self.capacity_tokens or len(snap.kv.k) != spec.num_layers or len(snap.kv.v) != spec.num_layers or \
                 any(a.shape != want or a.dtype != self.cache.dtype for a in snap.kv.k + snap.kv.v):
             raise InvalidArgumentError(f"the snapshot ({n} tokens) does not fit this model's ring "
                                        f"({self.capacity_tokens} tokens of {want[1:]} per layer)")
+        if any(not 0 <= t < spec.vocab_size for t in snap.token_ids):
+            raise InvalidArgumentError(f"the snapshot's token ids are outside the vocabulary [0, {spec.vocab_size})")
+        if not all(np.isfinite(a).all() for a in snap.kv.k + snap.kv.v):  # it would poison every reuse of it
+            raise InvalidArgumentError("the snapshot holds values that are not finite (NaN or infinity)")
+        # a prefix's bookkeeping, in this ring's terms (its own sinks), whatever the file said
+        kv = Snapshot(snap.kv.k, snap.kv.v, np.arange(n, dtype=self.cache.positions.dtype), n, self.cache.n_sink, n, 0, 0)
         with self.lock:
             self.held = None
-            self.cache.restore(snap.kv)
+            self.cache.restore(kv)
             self.held = list(snap.token_ids)
 
     def fingerprint(self) -> str:

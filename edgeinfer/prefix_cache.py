@@ -39,10 +39,13 @@ def reuse(held: list[int] | None, prompt: list[int], cache: RingKVCache, overflo
     """Keep in `cache` the longest prefix of `prompt` it holds (`held`: its ids, or None) and return its
     length; 0 with the cache reset when nothing can be kept. At least two prompt tokens are always
     fed: a one-row call takes MatMulNBits' single-row path, whose int8 activations give other logits
-    (engine.prefill_chunks), and the reply would depend on the reuse. Under overflow="truncate", a
-    prompt that would not fit beside the kept prefix is fed whole, so that truncation sees it all."""
+    (engine.prefill_chunks), and the reply would depend on the reuse. A prompt longer than the ring
+    is fed whole: the ring shifts inside the prefill, and which tokens a chunk sees then depends on
+    where the chunks start. Under overflow="truncate", a prompt that would not fit beside the kept
+    prefix is fed whole, so that truncation sees it all."""
     n = min(common_prefix(held, prompt), len(prompt) - 2) if held else 0
-    if n > 0 and not fits_beside(n, len(prompt) - n, cache.capacity, overflow, max_new_tokens):
+    if n > 0 and (len(prompt) > cache.capacity or
+                  not fits_beside(n, len(prompt) - n, cache.capacity, overflow, max_new_tokens)):
         n = 0
     if n <= 0 or not cache.keep_prefix(n):
         cache.reset()
@@ -70,16 +73,23 @@ class PrefixSnapshot:
     model: str
 
     def save(self, path: str | Path) -> None:
-        """Write to `path` (a .npz file; written whole to a temporary name, then renamed)."""
+        """Write to `path` (a .npz file; written whole to a temporary name beside it, then renamed:
+        a failed write leaves neither). InvalidArgumentError when it cannot be written there."""
         path = Path(path)
+        if path.is_dir():
+            raise InvalidArgumentError(f"{path} is a folder: give the snapshot a file name")
         kv = self.kv
         meta = {"format": SNAPSHOT_FORMAT, "model": self.model, "token_ids": list(self.token_ids),
                 "n_valid": kv.n_valid, "next_slot": kv.next_slot, "next_position": kv.next_position}
         arrays = {f"k{i}": k for i, k in enumerate(kv.k)} | {f"v{i}": v for i, v in enumerate(kv.v)}
         tmp = path.with_name(f".{path.name}.partial")
-        with open(tmp, "wb") as f:
-            np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), positions=kv.positions, **arrays)
-        tmp.replace(path)
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), positions=kv.positions, **arrays)
+            tmp.replace(path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise InvalidArgumentError(f"cannot write the snapshot to {path}: {e.strerror or e}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "PrefixSnapshot":
@@ -91,12 +101,15 @@ class PrefixSnapshot:
                 k = tuple(z[f"k{i}"] for i in range(layers))
                 v = tuple(z[f"v{i}"] for i in range(layers))
                 positions = z["positions"]
-            if meta.get("format") != SNAPSHOT_FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}")
+            if not isinstance(meta, dict) or meta.get("format") != SNAPSHOT_FORMAT:
+                raise ValueError(f"format {meta.get('format') if isinstance(meta, dict) else meta!r}")
             ids, n = tuple(int(t) for t in meta["token_ids"]), int(meta["n_valid"])
-            if len(ids) != n or positions.shape != (n,) or any(a.shape[0] != n for a in k + v):
+            if len(ids) != n or positions.shape != (n,) or any(a.ndim != 3 or a.shape[0] != n for a in k + v):
                 raise ValueError("its sizes disagree")
-            kv = Snapshot(k, v, positions, n, int(meta["next_slot"]), int(meta["next_position"]), 0, 0)
+            # a prefix: slot i holds token i at position i (Model.snapshot takes nothing else)
+            if int(meta["next_position"]) != n or not np.array_equal(positions, np.arange(n)):
+                raise ValueError("its positions are not a prefix's")
+            kv = Snapshot(k, v, positions, n, int(meta["next_slot"]), n, 0, 0)
             return cls(ids, kv, str(meta["model"]))
         except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
             raise InvalidArgumentError(f"{path} is not a prefix snapshot edgeinfer can read ({e})") from None

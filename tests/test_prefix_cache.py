@@ -5,6 +5,7 @@ The reference is a cold start: the same prompt on a freshly loaded model gives t
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -132,3 +133,71 @@ def test_snapshots_that_do_not_fit_are_refused(fp32, tmp_path):
     m.held = None
     with pytest.raises(InvalidArgumentError, match="no prefix"):
         m.snapshot()
+
+
+def _rewrite(src, dst, meta=None, **arrays):
+    """A copy of snapshot file `src` at `dst` with some of its meta fields or arrays replaced."""
+    with np.load(src) as z:
+        data = {name: z[name] for name in z.files}
+    m = json.loads(data["meta"].tobytes())
+    m = meta(m) if callable(meta) else m
+    data["meta"] = np.frombuffer(json.dumps(m).encode(), np.uint8)
+    data.update(arrays)
+    with open(dst, "wb") as f:
+        np.savez(f, **data)
+    return dst
+
+
+def test_tampered_snapshot_files_are_refused_and_leave_the_model_working(fp32, tmp_path):
+    """A file is untrusted: a NaN in its KV would poison every prompt that reuses the prefix, ids past
+    the vocabulary or positions that are not a prefix's would corrupt the ring; all are refused, and
+    the ring's own sinks decide where it wraps, not the file's bookkeeping."""
+    m = edgeinfer.load(fp32, capacity_tokens=64, n_sink=4)
+    system = ids_of(m, 20, 10)
+    want = m.generate(system, **GREEDY).token_ids
+    good = tmp_path / "good.npz"
+    m.snapshot(system, path=good)
+    nan_k = np.load(good)["k0"].copy()
+    nan_k[3, 0, 0] = np.nan
+    cases = {
+        "not finite": _rewrite(good, tmp_path / "nan.npz", k0=nan_k),
+        "outside the vocabulary": _rewrite(good, tmp_path / "ids.npz",
+                                           meta=lambda d: {**d, "token_ids": [m.manifest.arch.vocab_size] * 20}),
+        "not a prefix snapshot": _rewrite(good, tmp_path / "pos.npz", positions=np.arange(20) + 5),
+    }
+    (tmp_path / "list.npz").write_bytes(good.read_bytes())
+    cases["not a prefix snapshot "] = _rewrite(good, tmp_path / "list.npz", meta=lambda d: [1, 2])
+    for match, path in cases.items():
+        with pytest.raises(InvalidArgumentError, match=match.strip()):
+            m.restore(path)
+        assert m.generate(system, **GREEDY).token_ids == want
+    wide = edgeinfer.load(fp32, capacity_tokens=64, n_sink=8)  # the file says next_slot 4: this ring's sinks win
+    wide.restore(_rewrite(good, tmp_path / "slot.npz", meta=lambda d: {**d, "next_slot": 0}))
+    assert wide.cache.next_slot == 8 and wide.cache.n_sink == 8
+    cold = edgeinfer.load(fp32, capacity_tokens=64, n_sink=8)
+    tail = ids_of(m, 10, 11)[1:]
+    long = dict(temperature=0, max_new_tokens=80, ignore_eos=True)  # the ring wraps after its own sinks
+    got = wide.generate(system + tail, **long)
+    assert got.usage.cached_tokens == 20 and got.token_ids == cold.generate(system + tail, **long).token_ids
+
+
+def test_a_prompt_longer_than_the_ring_is_prefilled_whole_as_a_cold_start(fp32):
+    """With the ring shifting inside the prefill, the chunks' starts decide what each token sees: a
+    reused prefix would move them, so a prompt past the capacity is not reused."""
+    m = edgeinfer.load(fp32, capacity_tokens=64, n_sink=4)
+    system, tail = ids_of(m, 20, 13), ids_of(m, 80, 14)[1:]
+    m.snapshot(system)
+    c = m.generate(system + tail, **GREEDY)
+    cold = edgeinfer.load(fp32, capacity_tokens=64, n_sink=4).generate(system + tail, **GREEDY)
+    assert c.usage.cached_tokens == 0 and c.token_ids == cold.token_ids
+
+
+def test_snapshot_files_that_cannot_be_written_are_refused_cleanly(fp32, tmp_path):
+    m = edgeinfer.load(fp32, capacity_tokens=64)
+    snap = m.snapshot(ids_of(m, 10, 12))
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(InvalidArgumentError, match="is a folder"):
+        snap.save(tmp_path / "dir")
+    with pytest.raises(InvalidArgumentError, match="cannot write the snapshot"):
+        m.snapshot(path=tmp_path / "missing" / "s.npz")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir"] and not any((tmp_path / "dir").iterdir())
