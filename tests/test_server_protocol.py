@@ -233,6 +233,17 @@ def test_unknown_fields_are_ignored():
     assert comp(**extra, suffix=None, best_of=None) == comp()
 
 
+@pytest.mark.parametrize("changes", [dict(echo=True), dict(best_of=2), dict(best_of=True), dict(suffix="end"),
+                                     dict(echo=1)])
+def test_completion_features_not_implemented_are_refused_not_ignored(changes):
+    """echo (the prompt and its logprobs back: lm-eval's loglikelihood), best_of and suffix would
+    change the answer; a client that relies on them gets a 400 naming the field, not other numbers."""
+    (name,) = changes
+    err = refused(parse_completion, body(COMP, **changes))
+    assert (err.status, err.param) == (400, name) and "not supported" in err.message
+    assert comp(echo=False, best_of=1, suffix="") == comp()
+
+
 def test_sampling_fields_reach_the_options():
     r = chat(temperature=0, top_p=0.5, max_tokens=7, stop="\n", seed=-3, frequency_penalty=-2, presence_penalty=2,
              logit_bias={"5": -100, "17": 2.5}, top_k=3, min_p=0.1, typical_p=0.9, repetition_penalty=1.3,

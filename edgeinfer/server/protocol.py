@@ -4,7 +4,9 @@ Requests: `parse_chat` / `parse_completion` take a decoded JSON body and return 
 `options` come from `GenerationOptions.from_kwargs`, or raise `APIError` (an HTTP status and OpenAI's
 error body). Every bad field is a 400 whose `param` names it. A null optional field counts as absent
 (OpenAI's schema makes them nullable); an absent sampling field takes edgeinfer's default. Unknown
-fields are ignored, except `tools` / `functions` / `response_format`, refused unless null.
+fields are ignored, except `tools` / `functions` / `response_format`, refused unless null, and on
+completions `echo`, `best_of` and `suffix`, refused unless they ask for what this server does anyway
+(a client that relies on them must not get other numbers silently).
 
 Responses: the builders return dicts shaped field for field like OpenAI's objects (they validate as the
 official `openai` client's types). A finish reason may be edgeinfer's ("eos", "stop", "length") or
@@ -26,6 +28,8 @@ MAX_TOP_LOGPROBS = 20  # chat's top_logprobs
 MAX_LEGACY_LOGPROBS = 5  # completions' logprobs
 MIN_LOGPROB = -9999.0
 UNSUPPORTED = ("tools", "functions", "response_format")
+# completions' fields this server does not implement -> the values that ask for nothing
+UNSUPPORTED_COMPLETION = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 OWNED_BY = "edgeinfer"
@@ -289,6 +293,10 @@ def parse_completion(body, *, model_id: str, max_tokens_limit: int) -> Completio
     """A /v1/completions body -> CompletionRequest, or APIError (400 naming the field; 404 for
     another model). max_tokens is checked against `max_tokens_limit`, which is also the default."""
     _common(body, model_id)
+    for name, harmless in UNSUPPORTED_COMPLETION.items():
+        value = body.get(name)
+        if not any(value is h or (type(value) is type(h) and value == h) for h in harmless):
+            raise _bad(name, f"{name}={_show(value)} is not supported by this server")
     prompt = _prompt(body)
     options = _options(body, ("max_tokens",), max_tokens_limit)
     logprobs = _integer(body, "logprobs", 0, MAX_LEGACY_LOGPROBS)
