@@ -451,6 +451,11 @@ def test_a_stream_cut_by_the_end_of_the_grace_period_says_so():
         t.join(timeout=60)
         assert "the server shut down before this request finished" in got["raw"] and "shutting_down" in got["raw"]
         assert proc.wait(timeout=30) == 0
+        # its log line says so too (not 499, the client's leaving), with the tokens it had sent
+        line = next(x for x in proc.stderr.read().splitlines() if "path=/v1/completions" in x)
+        events = got["raw"].count('"text":"')  # the chunks' events: a token or more each
+        sent = int(line.split("completion_tokens=")[1].split()[0])
+        assert "status=503" in line and sent >= events > 0, (line, events)
     finally:
         if proc.poll() is None:
             proc.kill()

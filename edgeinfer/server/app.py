@@ -294,7 +294,7 @@ class _Reply:
 
     async def stream(self, first):
         """SSE events as OpenAI sends them; the job is cancelled if the client goes away."""
-        event, status, completion = first, 200, None
+        event, status, completion, tokens = first, 200, None, 0  # tokens: those sent, for the log of a cut stream
         try:
             if self.chat:
                 yield _sse(protocol.chat_chunk(id=self.id, created=self.created, model=self.model_id,
@@ -311,11 +311,13 @@ class _Reply:
                     event = None
                 if any(c.text or c.logprob is not None for c in chunks):
                     yield _sse(self._chunk_body(chunks))
+                tokens += sum(c.token_id is not None for c in chunks)
                 if event is None:
                     event = await self.job.events.get()
             if event[0] == "error":
                 if isinstance(event[1], Cancelled):  # the grace period ended (or the client left: nobody reads)
                     err = APIError(503, str(event[1]), type="server_error", code="shutting_down")
+                    status = 503 if self.server.draining else 499
                 else:
                     status = 500 if not isinstance(event[1], EdgeInferError) else 400
                     err = APIError(status, str(event[1]) or "generation failed", type="server_error")
@@ -341,9 +343,9 @@ class _Reply:
             self.job.cancel()
             if completion is not None:
                 self._finish_metrics(completion, event[2], status)
-            else:
+            else:  # cut short: by the client (499, nobody reads), the server stopping (503) or a failure
                 self.server.metrics.request(self.endpoint, 499 if status == 200 else status)
-                self._log(499 if status == 200 else status, 0)
+                self._log(499 if status == 200 else status, tokens)
 
     def _chunk_body(self, chunks: list) -> dict:
         """One SSE event for one or more consecutive chunks (their text joined, their logprobs in order)."""
