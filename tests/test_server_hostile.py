@@ -162,6 +162,31 @@ def test_client_gone_mid_body_is_not_logged_as_an_internal_error(srv):
             lg.removeHandler(handler)
 
 
+def test_a_body_that_never_arrives_is_answered_408_and_its_connection_closed(srv, monkeypatch):
+    """A client declares Content-Length: 400, sends 10 bytes and waits with the connection open (a
+    slow-loris): the server answers 408 when the body is late, instead of holding it for ever."""
+    import edgeinfer.server.app as app
+
+    monkeypatch.setattr(app, "BODY_READ_S", 0.5)
+    s = socket.create_connection(("127.0.0.1", srv.port))
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                  + b"\r\nContent-Type: application/json\r\nContent-Length: 400\r\n\r\n{\"model\": \"st")
+        s.settimeout(10)
+        t0 = time.monotonic()
+        reply = b""
+        while b"request_timeout" not in reply:
+            part = s.recv(4096)
+            if not part:
+                break
+            reply += part
+        assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply, reply[:300]
+        assert time.monotonic() - t0 < 5
+    finally:
+        s.close()
+    assert _health(srv)["slots_busy"] == 0
+
+
 def test_cors_preflight_is_not_refused_for_want_of_an_api_key(model):
     """A server with an API key and cors_origins (a browser app calling it). The browser's preflight
     (OPTIONS with Origin and Access-Control-Request-Method, never an Authorization header) must be

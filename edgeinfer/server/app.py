@@ -2,7 +2,7 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
 Every error is OpenAI-shaped ({"error": {"message", "type", "param", "code"}}) with its status:
-400 bad request, 401 bad or missing key, 404 unknown route or model, 405, 413 body too large,
+400 bad request, 401 bad or missing key, 404 unknown route or model, 405, 408 body too slow, 413 body too large,
 429 queue full (with Retry-After), 503 shutting down or a background request (header
 x-edgeinfer-priority) the power plan refuses (with Retry-After), 500 a bug (logged, the server goes on).
 
@@ -41,6 +41,7 @@ from edgeinfer.server.protocol import APIError
 from edgeinfer.server.scheduler import Cancelled, Job, QueueFull, Scheduler
 
 log = logging.getLogger("edgeinfer.server")
+BODY_READ_S = 30.0  # the most a request body may take to arrive (a 1 MiB body at 35 kB/s)
 DROPPED_HEADER = "X-Edgeinfer-Dropped-Tokens"
 
 
@@ -104,13 +105,20 @@ class Server:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"request body of {declared} bytes is over the limit of {limit}", code="body_too_large")
         body = bytearray()
-        try:
+
+        async def read() -> None:
             async for part in request.stream():
-                body += part
+                body.extend(part)
                 if len(body) > limit:
                     raise APIError(413, f"request body is over the limit of {limit} bytes", code="body_too_large")
+
+        try:  # a client that declares more than it sends would hold its connection open for ever
+            await asyncio.wait_for(read(), BODY_READ_S)
         except ClientDisconnect:  # nobody will read the answer; not a server error
             raise APIError(400, "the client went away while sending its body", code="client_disconnected") from None
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {BODY_READ_S:g} s",
+                           code="request_timeout") from None
         try:
             return json.loads(body)
         except RecursionError:
