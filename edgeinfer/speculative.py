@@ -24,13 +24,17 @@ The ring: a draft never runs past the ring's free slots (so no verified row evic
 plain step would still attend to, and a rejected row needs no undo: uncommitted rows past the valid
 slots are not read); with the ring full (shifting), decoding is plain.
 
-Adaptive (`Tuning`), by measurement: the seconds of a plain step (a), of a verify call of each
-row count s (cost[s]) and of drafting per drafted token (d: a draft model's steps) are running
-means of this request's own calls. Each step verifies the k drafts that maximise the expected
-tokens per second, (1 + the chances that drafts 1..k are accepted) / (cost[k + 1] + k d), and drafts
-nothing when no k beats plain steps (1 / a) by `margin`: a graph that verifies many rows for little
-more than one (a small model, int8 activations) speculates often and far, one whose multi-row calls
-cost several steps (accuracy level 0 on a larger model) only on long sure runs. The chances:
+Adaptive (`Tuning`), by measurement: r[s], what a verify call of s rows costs in one-row steps, is
+the engine's, measured once (`verify_ratios`) and the same for every request after, so that with
+n-grams which rows share a call depends on the tokens alone (at accuracy level 4 a row's logits
+depend on the size of its call, and so may the tokens: the same request then gives the same tokens
+every time). A draft model also needs the seconds of a plain step (a) and of drafting per drafted
+token (d), running means of this request's own calls. Each step verifies the k drafts that
+maximise the expected tokens per step, (1 + the chances that drafts 1..k are accepted) /
+(r[k + 1] + k d / a), and drafts nothing when no k beats plain steps by `margin`: a graph that
+verifies many rows for little more than one (a small model, int8 activations) speculates often and
+far, one whose multi-row calls cost several steps (accuracy level 0 on a larger model) only on long
+sure runs. The chances:
 - a free drafter (n-grams: drafting costs nothing, so it drafts first and the rule keeps what pays)
   says how many tokens before its draft agree with the earlier text it copies (`match`); by the
   rule of succession, after r - 1 agreed tokens the j-th draft is accepted with chance r / (r + j)
@@ -45,7 +49,10 @@ starts to repeat itself is noticed; each probe that gains nothing doubles that i
 
 from __future__ import annotations
 
+import statistics
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -70,6 +77,47 @@ class Tuning:
 
 
 TUNING = Tuning()  # what requests use
+CALIBRATION_ROWS = (1, 2, 3, 4, 6, 9)  # verify call sizes `verify_ratios` times (the others: interpolated)
+_RATIOS: "weakref.WeakKeyDictionary[Engine, tuple[float, ...]]" = weakref.WeakKeyDictionary()
+_RATIOS_LOCK = threading.Lock()
+
+
+def verify_ratios(engine: Engine, k_max: int) -> tuple[float, ...]:
+    """r[s - 1], s = 1 .. k_max + 1: the time of a call of s rows over a one-row step's, measured once
+    per engine (the first time asked), then the same for every request. Measured on a scratch ring
+    holding 32 tokens: each size of `CALIBRATION_ROWS` (and k_max + 1) once to warm it, then up to 5
+    interleaved rounds (at least 2, at most about half a second), medians; the sizes between are
+    interpolated linearly, and a larger call never counts as cheaper than a smaller one."""
+    with _RATIOS_LOCK:
+        r = _RATIOS.get(engine)
+        if r is not None and len(r) >= k_max + 1:
+            return r
+        top = min(k_max + 1, engine.max_chunk)
+        sizes = sorted({s for s in CALIBRATION_ROWS if s < top} | {1, top})
+        cache = engine.new_cache(64, 4)
+        ids = [(3 + i) % engine.spec.vocab_size for i in range(32 + top)]
+        engine.prefill(cache, ids[:32])
+        out = np.empty((1, top, engine.spec.vocab_size), np.float32)
+
+        def call(s: int) -> float:
+            t0 = time.perf_counter()
+            engine.forward(cache, ids[32:32 + s], all_logits=s > 1, commit=False, out=out)
+            return time.perf_counter() - t0
+
+        times: dict[int, list[float]] = {s: [] for s in sizes}
+        for s in sizes:
+            call(s)
+        deadline = time.perf_counter() + 0.5
+        for i in range(5):
+            for s in sizes:
+                times[s].append(call(s))
+            if i >= 1 and time.perf_counter() > deadline:
+                break
+        step = statistics.median(times[1])
+        measured = np.maximum.accumulate([statistics.median(times[s]) / step for s in sizes])
+        r = tuple(float(x) for x in np.interp(np.arange(1, k_max + 2), sizes, measured))
+        _RATIOS[engine] = r
+        return r
 
 
 @dataclass
@@ -107,8 +155,8 @@ class SpeculativeStepper:
         self._out: np.ndarray | None = None
         self._draft: list[int] = []  # the drafts those rows were computed for
         self._next = 0  # index in _draft of the next row to serve
-        self._step_s: float | None = None  # a: seconds per plain step (running mean)
-        self._cost: dict[int, float] = {}  # s -> seconds per verify call of s rows (running means)
+        self._step_s: float | None = None  # a: seconds per plain step (running mean; a draft model's k)
+        self._ratios: tuple[float, ...] | None = None  # r[s - 1]: the engine's `verify_ratios`, when first needed
         self._draft_s = 0.0  # d: seconds of drafting per drafted token (running mean)
         self._draft_measured = False
         self._version = 0  # bumped when a measurement changes what k() answers
@@ -150,14 +198,11 @@ class SpeculativeStepper:
         draft = self._drafts(cache)  # 2.
         if not draft:
             return self._plain(cache, token)
-        t0 = time.perf_counter()  # 3.
-        n = len(draft) + 1
+        n = len(draft) + 1  # 3.
         if self._out is None or self._out.shape[1] < n:  # the verify calls' logits: one buffer, reused
             self._out = np.empty((1, max(n, self.tuning.k_max + 1), self.engine.spec.vocab_size), np.float32)
         rows = self.engine.forward(cache, [token] + draft, all_logits=True, commit=False, out=self._out)
         cache.commit(1)
-        self._cost[n] = self._mean(self._cost.get(n), time.perf_counter() - t0)
-        self._version += 1
         self.stats.verify_calls += 1
         self.stats.drafted_tokens += len(draft)
         self._rows, self._draft, self._next = rows, draft, 0
@@ -175,7 +220,7 @@ class SpeculativeStepper:
             k = min(self.k(), room)
         if k <= 0:
             self._since_probe += 1
-            if self._step_s is None or self._since_probe < self._probe_interval:
+            if (not free and self._step_s is None) or self._since_probe < self._probe_interval:
                 return []
             k = min(self.tuning.probe_k, room)
             self._probing = True
@@ -206,16 +251,13 @@ class SpeculativeStepper:
 
     def _k_for_match(self, n: int, match: int) -> int:
         """How many of a free drafter's n drafts to verify: the k with the most expected tokens per
-        second, (1 + the chances of the first k drafts) / cost[k + 1]; 0 when no k beats plain steps
-        by `margin`."""
-        a = self._step_s
-        if a is None:
-            return 0  # measure a plain step first
+        step, (1 + the chances of the first k drafts) / r[k + 1]; 0 when no k beats plain steps by
+        `margin`. Nothing timed here: the same tokens give the same k."""
         g = self._calib[0] / self._calib[1]
         best_k, best, expected = 0, 1.0 + self.tuning.margin, 1.0
         for k in range(1, n + 1):
             expected += self._run_agrees(match, k, g)
-            gain = expected * a / self._verify_cost(k + 1)
+            gain = expected / self._ratio(k + 1)
             if gain > best:
                 best_k, best = k, gain
         return best_k
@@ -245,12 +287,13 @@ class SpeculativeStepper:
         return best_k
 
     def _verify_cost(self, s: int) -> float:
-        """Seconds for a verify call of s rows: measured, else from the nearest measured count below
-        (or a plain step) plus a quarter step per extra row (an optimistic guess, to be measured)."""
-        if s in self._cost:
-            return self._cost[s]
-        below = max((n for n in self._cost if n < s), default=1)
-        return (self._cost[below] if below > 1 else self._step_s) + (s - below) * self._step_s / 4
+        """Seconds for a verify call of s rows: r[s] plain steps of this request's."""
+        return self._ratio(s) * self._step_s
+
+    def _ratio(self, s: int) -> float:
+        if self._ratios is None:
+            self._ratios = verify_ratios(self.engine, self.tuning.k_max)
+        return self._ratios[min(s, len(self._ratios)) - 1]
 
     def _plain(self, cache: RingKVCache, token: int) -> np.ndarray:
         t0 = time.perf_counter()

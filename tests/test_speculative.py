@@ -239,39 +239,40 @@ def test_the_adaptive_rule_gives_the_same_tokens(fp32, sampling, monkeypatch):
 
 
 def test_adaptive_draft_length_follows_measured_costs():
-    """Hand-computed: a = 1 s per plain step. Verify calls costing 1.1 s for 2 rows and 1.2 s for 5
-    with drafts accepted whole (p = 5/6 after 4 whole runs of 4): k = 4 is best; when 2 rows cost 3 s
-    and 5 rows 4 s, no k pays unless nearly every draft is right."""
+    """Hand-computed, a draft model's drafts: a = 1 s per plain step; verify calls of s = 1..9 rows cost
+    r = 1, 1.1, 1.35, 1.6, 1.2, 1.45, 1.7, 1.95, 2.2 steps, with drafts accepted whole (p = 5/6 after
+    4 whole runs of 4): k = 4 is best; when 2 rows cost 3 steps and 5 rows 4, no k pays unless nearly
+    every draft is right."""
     st = speculative.SpeculativeStepper(engine=None, inner=None, history=[], max_new_tokens=100, tuning=Tuning())
-    st._step_s, st._cost = 1.0, {2: 1.1, 5: 1.2}
+    st._step_s, st._ratios = 1.0, (1.0, 1.1, 1.35, 1.6, 1.2, 1.45, 1.7, 1.95, 2.2)
     st._whole, st._counts[True] = True, [4.0, 0.0]  # p = (4 + 1) / (4 + 0 + 2) = 5/6
-    # k=4: (1 + p + p^2 + p^3 + p^4) / 1.2 = 3.39 / 1.2 = 2.83; k=1: 1.83 / 1.1 = 1.67; k=5: cost 1.2 + 0.25
+    # k=4: (1 + p + p^2 + p^3 + p^4) / 1.2 = 3.39 / 1.2 = 2.83; k=1: 1.83 / 1.1 = 1.67; k=5: 3.99 / 1.45 = 2.75
     assert st.k() == 4
     st._draft_s = 0.5  # drafting costs half a step per drafted token (a draft model): short drafts win
-    # k=1: 1.83 / (1.1 + 0.5) = 1.15; k=2: 2.53 / (1.1 + 0.25 + 1.0) = 1.08; k=4: 3.39 / (1.2 + 2.0) = 1.06
+    # k=1: 1.83 / (1.1 + 0.5) = 1.15; k=2: 2.53 / (1.35 + 1.0) = 1.08; k=4: 3.39 / (1.2 + 2.0) = 1.06
     st._version += 1  # the measurements changed behind k()'s back (the stepper bumps it itself)
     assert st.k() == 1
     st._draft_s = 0.0
-    st._cost = {2: 3.0, 5: 4.0}
+    st._ratios = (1.0, 3.0, 3.25, 3.5, 4.0, 4.25, 4.5, 4.75, 5.0)
     assert st.k() == 1  # nothing measured since: k() answers from its memo
     st._version += 1
     assert st.k() == 0  # k=4: 3.39 / 4 = 0.85 < 1.05
-    st._counts[True] = [200.0, 0.0]  # p = 201/202: k=4 gives 4.95 / 4 = 1.24; k=8 (cost 4 + 0.75) 8.8 / 4.75 = 1.85
+    st._counts[True] = [200.0, 0.0]  # p = 201/202: k=4 gives 4.95 / 4 = 1.24; k=8 8.8 / 5 = 1.76
     st._version += 1
     assert st.k() == 8
 
 
 def test_copied_text_gets_drafts_as_long_as_they_pay():
-    """Hand-computed, n-gram drafts (free): a = 1 s per plain step, a verify call of s rows costs
-    1 + (s - 1) / 2 s. After a match of 2 (r = 1: draft j accepted with chance 1 / (1 + j)) no k
+    """Hand-computed, n-gram drafts (free): a verify call of s rows costs r[s] = 1 + (s - 1) / 2 plain
+    steps. After a match of 2 (r = 1: draft j accepted with chance 1 / (1 + j)) no k
     pays: k=1 gives 1.5 / 1.5 = 1.0 < 1.05. After a match of 12 (r = 11: chances 11/12, 11/13, ..):
     k=1 1.917 / 1.5 = 1.278, k=2 2.763 / 2 = 1.381, k=3 3.549 / 2.5 = 1.419, k=4 4.282 / 3 = 1.427,
     k=5 4.970 / 3.5 = 1.420: k = 4. When this request's drafts were accepted a quarter as often as
-    predicted (g = 1/4), k=1 gives (1 + 0.229) / 1.5 = 0.82: none."""
+    predicted (g = 1/4), k=1 gives (1 + 0.229) / 1.5 = 0.82: none. No time is measured: the same
+    tokens give the same k."""
     st = speculative.SpeculativeStepper(engine=None, inner=None, history=[], max_new_tokens=100, tuning=Tuning())
     assert st.drafter.free
-    assert st._k_for_match(8, 12) == 0  # no plain step measured yet
-    st._step_s, st._cost = 1.0, {s: 1 + (s - 1) / 2 for s in range(2, 10)}
+    st._ratios = tuple(1 + (s - 1) / 2 for s in range(1, 10))
     assert st._k_for_match(8, 2) == 0
     assert st._k_for_match(8, 12) == 4
     assert st._k_for_match(2, 12) == 2  # only two drafts to verify
@@ -281,3 +282,39 @@ def test_copied_text_gets_drafts_as_long_as_they_pay():
     st._calib, st._predicted = [1.0, 1.0], 2.5
     st._adapt(0, 3)
     assert st._calib == pytest.approx([0.9, 0.9 + 2.5])
+
+
+def test_verify_ratios_are_measured_once_per_engine(fp32):
+    """The engine's r[s]: one row is 1, a larger call never cheaper than a smaller, one per size up
+    to k_max + 1; asked again (any request, any k_max it covers), the same tuple, not re-measured."""
+    m = edgeinfer.load(fp32, capacity_tokens=128)
+    r = speculative.verify_ratios(m.engine, 8)
+    assert len(r) == 9 and r[0] == 1.0 and all(b >= a > 0 for a, b in zip(r, r[1:]))
+    assert speculative.verify_ratios(m.engine, 4) is r and speculative.verify_ratios(m.engine, 8) is r
+
+
+def test_the_same_request_gives_the_same_tokens_every_time_at_accuracy_level_4(monkeypatch):
+    """The bundled int8 model (accuracy level 4: a row's logits depend a little on its call's size):
+    which rows share a verify call follows the tokens alone, not the times measured, so the same
+    request speculates the same way and gives the same tokens every time, other requests between
+    (hostile review: 10 runs gave 3 different texts). The clock is made erratic once the engine's
+    ratios are measured: the rule must not read it."""
+    monkeypatch.setattr(speculative, "TUNING", Tuning())  # the adaptive rule, not the fixture's fixed k
+    m = edgeinfer.load()
+    p = "Once upon a time, there was a little girl named Lily. She liked to play. Once upon a time, there was a little"
+    speculative.verify_ratios(m.engine, Tuning().k_max)
+    rng, now = np.random.default_rng(0), [0.0]
+
+    def erratic() -> float:
+        now[0] += float(rng.choice([1e-6, 1e-3, 0.1]))
+        return now[0]
+
+    monkeypatch.setattr(speculative.time, "perf_counter", erratic)
+    got, verified = set(), set()
+    for k in range(6):
+        if k % 2:
+            m.generate("Tom had a dog.", max_new_tokens=3)
+        g = m.stream(p, max_new_tokens=300, temperature=0, speculative="ngram")
+        got.add(g.run_to_end().token_ids)
+        verified.add((g.speculation.verify_calls, g.speculation.drafted_tokens))
+    assert len(got) == 1 and len(verified) == 1 and min(verified)[0] > 0
