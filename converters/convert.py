@@ -75,21 +75,82 @@ def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | No
                        scale_dtype=scale_dtype)
 
 
-def _tokenizer_info(src: Path, spec) -> TokenizerInfo:
+def _json_object(path: Path) -> dict:
+    """A source's optional JSON settings file ({} when absent); ConvertError when it is not an object."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConvertError(f"{path} is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(data, dict):
+        raise ConvertError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _chat_template(template, where: Path, log) -> str | None:
+    """Hugging Face's forms of a chat template: text, or a list of {"name", "template"} of which
+    apply_chat_template uses the one named "default" (none: no template, said in the log). One that
+    does not parse is kept and said in the log: chat refuses it when used, completion still works."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if not isinstance(named.get("default"), str):
+            log(f"note: {where} lists chat templates {sorted(map(str, named))} but none named 'default': the "
+                "folder gets none (chat renders plain 'User: ...' lines)")
+            return None
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise ConvertError(f"{where}: chat_template must be text or a list of named templates, "
+                           f"got {type(template).__name__}")
+    if template:
+        from edgeinfer.chat import compile_template
+        from edgeinfer.errors import InvalidArgumentError
+
+        try:
+            compile_template(template)
+        except InvalidArgumentError as e:
+            log(f"note: {where}: {e}; kept as it is, chat will refuse it")
+    return template or None
+
+
+def _tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
     cfg_path = src / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    cfg = _json_object(cfg_path)
     gen_path = src / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-    template = cfg.get("chat_template")
+    gen = _json_object(gen_path)
+    template, where = cfg.get("chat_template"), cfg_path
     if (src / "chat_template.jinja").exists():
-        template = (src / "chat_template.jinja").read_text()
+        template, where = (src / "chat_template.jinja").read_text(), src / "chat_template.jinja"
+    template = _chat_template(template, where, log)
     kind = "sentencepiece" if (src / "tokenizer.model").exists() else "hf_tokenizers"
     eos = gen.get("eos_token_id", list(spec.eos_token_ids))
-    eos = eos if isinstance(eos, list) else [eos]
+    eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
     bos = gen.get("bos_token_id", spec.bos_token_id)
+
+    def token_id(v) -> bool:
+        return type(v) is int and 0 <= v < spec.vocab_size
+
+    if not all(map(token_id, eos)) or not (bos is None or token_id(bos)):
+        raise ConvertError(f"{gen_path if gen else src / 'config.json'}: bos_token_id {bos!r} and eos_token_id "
+                           f"{eos!r} must be token ids in [0, {spec.vocab_size})")
     return TokenizerInfo(kind=kind, add_bos=bool(cfg.get("add_bos_token", kind == "sentencepiece")),
-                         bos_token_id=bos, eos_token_ids=tuple(int(e) for e in eos if e is not None),
-                         chat_template=template)
+                         bos_token_id=bos, eos_token_ids=tuple(eos), chat_template=template)
+
+
+def _check_tokenizer(folder: Path, manifest: Manifest) -> None:
+    """The folder's tokenizer loads and knows its BOS and EOS ids, as `edgeinfer.load` will need:
+    a source whose tokenizer files are corrupt is refused here, not after a successful convert."""
+    from edgeinfer.errors import EdgeInferError
+    from edgeinfer.tokenizer import Tokenizer
+
+    info = manifest.tokenizer
+    try:
+        tok = Tokenizer(folder, info)
+        for t in [info.bos_token_id, *info.eos_token_ids]:
+            if t is not None:
+                tok.token_string(t)
+    except EdgeInferError as e:
+        raise ConvertError(f"the source's tokenizer cannot be used: {e}") from None
 
 
 def _check_source(src: Path) -> None:
@@ -325,7 +386,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
             names = ["config.json", *[f.name for f in ckpt.files], *tokenizer_files]
             if (src / "model.safetensors.index.json").exists():
                 names.append("model.safetensors.index.json")
-            tokenizer, sources = _tokenizer_info(src, spec), {n: sha256_file(src / n) for n in names}
+            tokenizer, sources = _tokenizer_info(src, spec, log), {n: sha256_file(src / n) for n in names}
             origin = Origin(format="huggingface", file=src.name)
         outputs = [*graphs, DATA_FILE, *tokenizer_files]
         files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in outputs}
@@ -338,6 +399,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
             files=files, source=sources, converter_version=__version__,
         )
         manifest.write(tmp)
+        _check_tokenizer(tmp, manifest)
         _replace_atomically(tmp, dst, force)
         return manifest
     finally:

@@ -160,7 +160,7 @@ def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transfor
         sources = ["config.json", *sorted({p.name for pat in WEIGHT_FILES for p in src.glob(pat)}), *tokenizer_files]
         manifest = Manifest(
             arch=spec, quantization=scheme, target="cpu", flavour="fused", interface=graph_interface(spec, OPTIMUM),
-            tokenizer=_tokenizer_info(src, spec),
+            tokenizer=_tokenizer_info(src, spec, log),
             default_capacity_tokens=min(spec.max_position_embeddings, MAX_DEFAULT_CAPACITY),
             files={n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in outputs},
             source={n: sha256_file(src / n) for n in sources}, converter_version=__version__,

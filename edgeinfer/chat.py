@@ -31,27 +31,50 @@ def check_messages(messages: Sequence[dict]) -> list[dict]:
     return out
 
 
+def compile_template(template: str):
+    """The Jinja template object for `template`, in the sandbox Hugging Face templates expect (with
+    `raise_exception`, and `{% generation %}` blocks rendered as their body: transformers' tag that
+    marks the assistant's tokens for training); InvalidArgumentError when it does not parse."""
+    import jinja2  # only models with a template pay for importing it (about 30 ms)
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation])
+    env.globals["raise_exception"] = _raise
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as e:
+        raise InvalidArgumentError(f"the model's chat template does not parse: {e}") from None
+
+
 class ChatTemplate:
     """Renders messages to prompt text. `bos_token` / `eos_token` are the tokens' own strings ("<s>",
-    "<|im_end|>": `Tokenizer.token_string`), as Hugging Face templates expect; "" for none."""
+    "<|im_end|>": `Tokenizer.token_string`), as Hugging Face templates expect; "" for none. A template
+    that does not parse is refused when rendering (InvalidArgumentError), not when the model loads:
+    the model still completes plain prompts."""
 
     def __init__(self, template: str | None, bos_token: str = "", eos_token: str = ""):
         self.source = template
         self.bos_token, self.eos_token = bos_token, eos_token
         self._tpl = None
+        self._error: InvalidArgumentError | None = None
         if template:
-            import jinja2  # only models with a template pay for importing it (about 30 ms)
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
             try:
-                self._tpl = env.from_string(template)
-            except jinja2.TemplateError as e:
-                raise InvalidArgumentError(f"the model's chat template does not parse: {e}") from None
+                self._tpl = compile_template(template)
+            except InvalidArgumentError as e:
+                self._error = e
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         messages = check_messages(messages)
+        if self._error is not None:
+            raise self._error
         if self._tpl is None:
             lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
             if add_generation_prompt:

@@ -260,3 +260,45 @@ def test_bad_option_values(capsys, src, tmp_path):
     assert "invalid choice: 'int3'" in capsys.readouterr().err
     rc, err = run_convert(capsys, src, tmp_path / "out", "--quant", "int4", "--int8-tensors", "attn")
     assert_user_error(rc, err, "unknown projection(s) attn")
+
+
+@pytest.mark.parametrize("name,content,needle", [
+    ("tokenizer_config.json", "[[[", "tokenizer_config.json is not valid JSON"),
+    ("generation_config.json", "not json", "generation_config.json is not valid JSON"),
+    ("generation_config.json", json.dumps({"eos_token_id": "x"}), "must be token ids"),
+    ("generation_config.json", json.dumps({"bos_token_id": 10 ** 6}), "must be token ids"),
+    ("tokenizer.model", "\x00\x01garbage" * 10, "tokenizer cannot be used"),
+])
+def test_settings_and_tokenizer_files_the_folder_could_not_use_are_refused(capsys, src, tmp_path, name, content,
+                                                                           needle):
+    """Refused at convert, not accepted and then failing at every load (hostile review)."""
+    (src / name).write_text(content)
+    assert_user_error(*run_convert(capsys, src, tmp_path / "out"), needle)
+    assert_no_partial(tmp_path)
+
+
+def test_chat_templates_in_hugging_face_s_forms_convert_and_load(capsys, src, tmp_path):
+    """A list of named templates (the one named "default" is used), transformers' {% generation %}
+    tag, and a template that does not parse: each folder loads and completes; chat renders the first
+    two and refuses the third by name."""
+    import edgeinfer
+    from edgeinfer.errors import InvalidArgumentError
+
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    templates = {
+        "list": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ messages[0].content }}!"}],
+        "generation": "{% for m in messages %}{% generation %}{{ m.content }}!{% endgeneration %}{% endfor %}",
+        "broken": "{% for m in messages %}{{ m.content }",
+    }
+    for kind, template in templates.items():
+        (src / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+        out = tmp_path / kind
+        assert main(["convert", str(src), "-o", str(out), "--quant", "fp32"]) == 0, kind
+        assert "does not parse" in capsys.readouterr().err or kind != "broken"
+        m = edgeinfer.load(out)
+        assert m.generate("hello", max_new_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+        if kind == "broken":
+            with pytest.raises(InvalidArgumentError, match="does not parse"):
+                m.chat([{"role": "user", "content": "hi"}])
+        else:
+            assert m.template.render([{"role": "user", "content": "hi"}]) == "hi!"

@@ -192,7 +192,12 @@ def test_jinja_chat_template():
     assert tpl.render([{"role": "user", "content": "Hi"}]) == (
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="does not parse"):
-        ChatTemplate("{% for %}")
+        ChatTemplate("{% for %}").render([{"role": "user", "content": "Hi"}])
+    # transformers' {% generation %} (the assistant's tokens, for training masks) renders its body
+    tpl = ChatTemplate("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}[{{ m.content }}]"
+                       "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+    assert tpl.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+                      add_generation_prompt=False) == "Hi[Yo]"
 
 
 def test_eval_stream_ring_forgets(converted):

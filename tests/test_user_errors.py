@@ -198,7 +198,7 @@ def test_error_types_and_exports():
     with pytest.raises(InvalidArgumentError, match="provider"):
         resolve_provider("tpu")
     with pytest.raises(InvalidArgumentError, match="does not parse"):
-        ChatTemplate("{% for %}")
+        ChatTemplate("{% for %}").render([{"role": "user", "content": "x"}])  # refused when used, not when loaded
     tpl = ChatTemplate("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(InvalidArgumentError, match="roles must alternate"):
         tpl.render([{"role": "user", "content": "x"}])
