@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import glob
 import importlib.util
 import json
 import os
@@ -412,9 +413,30 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
 
 def temp_folder(dst: Path) -> Path:
     """A new, empty folder next to `dst` for building it: `.DST.partial-PID-N`, unique to this call
-    (two threads converting into one destination never share one)."""
+    (two threads converting into one destination never share one), with the permissions the umask
+    gives a new folder (mkdtemp's are 0700: a daemon's own user could not read the result). Those
+    that a conversion killed outright left behind (their process gone) are removed first."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-{os.getpid()}-", dir=dst.parent))
+    _remove_orphans(dst)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-{os.getpid()}-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    return tmp
+
+
+def _remove_orphans(dst: Path) -> None:
+    prefix = f".{dst.name}.partial-"
+    for p in dst.parent.glob(glob.escape(prefix) + "*"):
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or not p.is_dir() or p.is_symlink():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its conversion is gone: nobody will finish or remove it
+            shutil.rmtree(p, ignore_errors=True)
+        except (PermissionError, OverflowError):  # alive (another user's), or no such pid at all
+            pass
 
 
 def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 
 TARGET_HELP = ("cpu (default): the fused graph; cuda: the fused graph with fp16 activations and KV; coreml / "
@@ -55,7 +57,24 @@ def add_convert_parser(sub) -> None:
     c.set_defaults(func=run)
 
 
+def _on_signal(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: the conversion's temporary folder is removed
+
+
 def run(args: argparse.Namespace) -> int:
+    """`edgeinfer convert`. SIGTERM and SIGHUP (`timeout`, a closed terminal, systemd) end it as Ctrl-C
+    does, removing its temporary folder, with the exit status 128 + the signal's number."""
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args)
+    before = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run(args)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _run(args: argparse.Namespace) -> int:
     from edgeinfer.converters import convert, default_scheme
     from edgeinfer.converters.gguf_import import is_gguf
     from edgeinfer.errors import EdgeInferError

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from edgeinfer.arch import ArchSpec
-from edgeinfer.errors import InvalidArgumentError, ModelFormatError
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError
 from edgeinfer.integrity import STAMP_FILE, check
 from edgeinfer.manifest import MANIFEST_FILE, Manifest, read_manifest
 from edgeinfer.overflow import resolve_capacity
@@ -114,7 +114,8 @@ def verify(folder: Path | str, out=print) -> bool:
     file as it is checked ("ok  NAME" or "MISMATCH  NAME: problem"). True when every file matches.
     Raises ModelFormatError for a manifest without file checksums (an older converter's)."""
     folder = Path(folder)
-    files = read_manifest(folder).files
+    manifest = read_manifest(folder)
+    files = manifest.files
     if not files:
         raise ModelFormatError(f"{folder / MANIFEST_FILE} lists no file checksums (an older converter wrote it): "
                                "nothing to verify; convert again")
@@ -122,6 +123,15 @@ def verify(folder: Path | str, out=print) -> bool:
     for name, problem in check(folder, files):
         ok = ok and problem is None
         out(f"ok        {name}" if problem is None else f"MISMATCH  {name}: {problem}")
+    if ok and manifest.flavour == "fused":  # is the manifest what the graph says? (load's own checks)
+        from edgeinfer.session import DecoderSession
+
+        try:
+            DecoderSession(folder, threads=1, provider="cpu")
+            out("ok        loads (the graph takes the inputs its manifest describes)")
+        except EdgeInferError as e:
+            ok = False
+            out(f"MISMATCH  {MANIFEST_FILE}: {e}")
     return ok
 
 

@@ -39,8 +39,14 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+# what a converter lists whenever the folder holds it: graphs, their weights, the tokenizer
+MUST_LIST = ("*.onnx", "*.onnx.data", "*.ort", "tokenizer.model", "tokenizer.json")
+
+
 def _entries(folder: Path, files: dict) -> dict:
-    """`files` checked for shape: plain file names -> {"bytes": int, "sha256": str}."""
+    """`files` checked for shape (plain file names -> {"bytes": int, "sha256": str}) and for what
+    it leaves out: a graph, weights or tokenizer file in the folder that it does not list would go
+    unchecked (an entry deleted from the manifest must not switch the check off)."""
     if not isinstance(files, dict):
         raise ModelFormatError(f"{folder / MANIFEST_FILE} is corrupted (bad files section)")
     for name, want in files.items():
@@ -48,6 +54,10 @@ def _entries(folder: Path, files: dict) -> dict:
                 or not isinstance(want, dict)
                 or not isinstance(want.get("bytes"), int) or not isinstance(want.get("sha256"), str)):
             raise ModelFormatError(f"{folder / MANIFEST_FILE} is corrupted (bad files entry {name!r})")
+    unlisted = sorted({p.name for pattern in MUST_LIST for p in folder.glob(pattern)} - set(files))
+    if unlisted:
+        raise ModelFormatError(f"{folder / MANIFEST_FILE} is corrupted: it does not list {', '.join(unlisted)}, "
+                               "which the folder holds")
     return files
 
 

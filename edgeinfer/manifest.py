@@ -349,9 +349,13 @@ def read_manifest(folder: Path) -> Manifest:
     if not path.exists():
         raise ModelFormatError(f"{folder} is not an edgeinfer model folder (no {MANIFEST_FILE}); "
                                "convert a Hugging Face folder with `edgeinfer convert`")
+    if not path.is_file():  # a folder, or a FIFO that would block the read for ever
+        raise ModelFormatError(f"{path} is not a file")
     try:
         d = json.loads(path.read_text())
         version = d["format_version"]
+    except OSError as e:  # unreadable: another user's folder, say
+        raise ModelFormatError(f"cannot read {path}: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         raise ModelFormatError(f"{path} is corrupted (not a valid manifest)") from None
     if not isinstance(version, int) or version > FORMAT_VERSION:

@@ -253,6 +253,55 @@ def test_ctrl_c_half_way(capsys, monkeypatch, src, tmp_path):
     assert_no_partial(tmp_path)
 
 
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_sigterm_half_way_cleans_up_as_ctrl_c_does(capsys, monkeypatch, src, tmp_path, signame):
+    """`timeout`, a closed terminal or systemd stopping a conversion: its temporary folder (a whole
+    model's size) is removed, as with Ctrl-C, and it exits 128 + the signal (hostile review: a hidden
+    .out.partial-PID folder stayed for ever)."""
+    import os
+    import signal
+
+    from edgeinfer.converters import onnx_writer
+
+    real_add, count = onnx_writer.WeightWriter.add, {"n": 0}
+
+    def add(self, name, array):
+        count["n"] += 1
+        if count["n"] == 5:
+            os.kill(os.getpid(), getattr(signal, signame))
+        return real_add(self, name, array)
+
+    monkeypatch.setattr(onnx_writer.WeightWriter, "add", add)
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
+    with pytest.raises(SystemExit) as e:
+        main(["convert", str(src), "-o", str(tmp_path / "out"), "-q"])
+    assert e.value.code == 128 + getattr(signal, signame)
+    assert not (tmp_path / "out").exists()
+    assert_no_partial(tmp_path)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == handlers  # put back
+
+
+def test_the_folder_takes_the_umask_and_orphans_of_killed_conversions_go(capsys, src, tmp_path):
+    """A converted folder is readable as the umask says (mkdtemp's 0700 kept a daemon's own user
+    out); a temporary folder whose conversion was killed outright (its process gone) is removed by
+    the next conversion there, one whose process lives is not."""
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / f".out.partial-{dead}-abc").mkdir()
+    (tmp_path / f".out.partial-{os.getppid()}-abc").mkdir()  # a live process's: not ours to remove
+    old = os.umask(0o022)
+    try:
+        assert main(["convert", str(src), "-o", str(tmp_path / "out"), "-q"]) == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+    assert sorted(p.name for p in tmp_path.iterdir() if ".partial-" in p.name) == [f".out.partial-{os.getppid()}-abc"]
+
+
 def test_bad_option_values(capsys, src, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["convert", str(src), "-o", str(tmp_path / "out"), "--quant", "int3"])

@@ -75,9 +75,12 @@ def test_flipped_bit_in_weights_refused_at_load(capsys, folder):
     assert rc == 1 and len(err.splitlines()) == 1 and "model.onnx.data does not match" in err, err
 
 
+LOADS = "ok        loads (the graph takes the inputs its manifest describes)"
+
+
 def test_inspect_verify_reports_each_file(capsys, folder):
     rc, lines = verify_cli(capsys, folder)
-    assert rc == 0 and lines == [f"ok        {n}" for n in listed(folder)]
+    assert rc == 0 and lines == [f"ok        {n}" for n in listed(folder)] + [LOADS]
     flip_bit(folder / "model.onnx.data", 1234)
     rc, lines = verify_cli(capsys, folder)
     assert rc == 1 and len(lines) == len(listed(folder))
@@ -174,7 +177,7 @@ def test_manifest_without_files_loads_unchecked(capsys, folder, hashes):
 def test_bundled_model_loads_and_verifies(capsys):
     edgeinfer.load()
     rc = main(["inspect", str(BUNDLED), "--verify"])
-    assert rc == 0 and capsys.readouterr().out.count("ok ") == len(listed(BUNDLED))
+    assert rc == 0 and capsys.readouterr().out.count("ok ") == len(listed(BUNDLED)) + 1  # + "loads"
 
 
 def test_stamp_file_is_ignored_by_git():
@@ -201,3 +204,34 @@ def test_bit_flip_with_mtime_restored_is_caught_at_load(tmp_path, monkeypatch):
     os.utime(data, ns=(old_ns, old_ns))  # size, mtime and inode as stamped
     with pytest.raises(edgeinfer.ModelFormatError, match="does not match its sha256"):
         edgeinfer.load(d)
+
+
+def test_verify_and_load_refuse_a_manifest_that_leaves_out_a_file_or_mislabels_the_graph(capsys, folder):
+    """Deleting the weights' entry from `files` must not switch their check off, and a manifest
+    whose architecture the graph contradicts fails `inspect --verify` as it fails load (hostile
+    review: verify said ok to both)."""
+    import json
+
+    manifest = folder / "edgeinfer.json"
+    original = manifest.read_text()
+    m = json.loads(original)
+    del m["files"]["model.onnx.data"]
+    manifest.write_text(json.dumps(m))
+    with pytest.raises(edgeinfer.ModelFormatError, match="does not list model.onnx.data"):
+        edgeinfer.load(folder)
+    assert verify_cli(capsys, folder)[0] == 1
+    m = json.loads(original)
+    m["architecture"]["num_layers"] -= 1
+    manifest.write_text(json.dumps(m))
+    rc, lines = verify_cli(capsys, folder)
+    assert rc == 1 and lines[-1].startswith("MISMATCH  edgeinfer.json:") and "does not take the inputs" in lines[-1]
+    manifest.write_text(original)
+    assert verify_cli(capsys, folder) == (0, [f"ok        {n}" for n in listed(folder)] + [LOADS])
+
+
+def test_a_manifest_that_is_not_a_file_is_a_clear_error(folder):
+    """A folder (or a FIFO, which would block the read for ever) named edgeinfer.json."""
+    (folder / "edgeinfer.json").unlink()
+    (folder / "edgeinfer.json").mkdir()
+    with pytest.raises(edgeinfer.ModelFormatError, match="edgeinfer.json is not a file"):
+        edgeinfer.load(folder)
