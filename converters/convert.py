@@ -63,6 +63,17 @@ def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | No
     is 1.7x faster per decode step on this CPU and moves stories260K's perplexity by < 0.1 %.
     fp16 / fp32: plain weights. `int8_tensors` keeps chosen int4 projections at int8.
     """
+    if recipe != "rtn" and quant != "int4":
+        raise ConvertError(f"--recipe {recipe} chooses how int4 blocks are rounded: it goes with --quant int4, "
+                           f"not {quant}")
+    if recipe == "mse" and not symmetric:
+        raise ConvertError("--recipe mse searches symmetric scales: with --asymmetric, choose --recipe asym")
+    if recipe == "q4_1" and block_size != 32:
+        raise ConvertError(f"--recipe q4_1 stores llama.cpp's blocks of 32, not {block_size}")
+    if int8_tensors and quant != "int4":
+        raise ConvertError(f"--int8-tensors keeps chosen int4 projections at int8: it goes with --quant int4, "
+                           f"not {quant}")
+    int8_tensors = tuple(dict.fromkeys(int8_tensors))  # a name given twice is one choice
     if embedding is None:
         embedding = quant
     if accuracy_level is None:

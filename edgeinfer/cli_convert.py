@@ -99,6 +99,10 @@ def _run(args: argparse.Namespace) -> int:
         if given:
             raise EdgeInferError(f"{', '.join(given)}: --target {args.target} stores weights per output channel "
                                  "(--quant only); these flags are for the cpu and cuda graphs")
+    elif args.quant in ("fp16", "fp32") and scheme_flags + (["--accuracy-level"] if args.accuracy_level else []):
+        given = scheme_flags + (["--accuracy-level"] if args.accuracy_level else [])
+        raise EdgeInferError(f"{', '.join(given)}: --quant {args.quant} stores plain weights; these flags are for "
+                             "--quant int4 and int8")
     elif scheme_flags:
         scheme = default_scheme(args.quant or "int4", args.block_size or 32, accuracy_level=args.accuracy_level,
                                 embedding=args.embedding, symmetric=not args.asymmetric,

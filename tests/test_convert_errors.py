@@ -351,3 +351,24 @@ def test_chat_templates_in_hugging_face_s_forms_convert_and_load(capsys, src, tm
                 m.chat([{"role": "user", "content": "hi"}])
         else:
             assert m.template.render([{"role": "user", "content": "hi"}]) == "hi!"
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--quant", "int4", "--recipe", "mse", "--asymmetric"], "choose --recipe asym"),
+    (["--quant", "int8", "--recipe", "q4_1"], "goes with --quant int4, not int8"),
+    (["--quant", "int8", "--int8-tensors", "qkv_proj"], "goes with --quant int4, not int8"),
+    (["--quant", "int4", "--recipe", "q4_1", "--block-size", "64"], "blocks of 32, not 64"),
+    (["--quant", "fp32", "--int8-tensors", "qkv_proj", "--accuracy-level", "4"], "--quant fp32 stores plain weights"),
+    (["--quant", "fp16", "--block-size", "16"], "--block-size: --quant fp16 stores plain weights"),
+])
+def test_flags_the_conversion_would_ignore_are_refused(capsys, src, tmp_path, flags, needle):
+    """Each was accepted, changed nothing in the weights, and was recorded in the manifest (and shown
+    by inspect) as if applied (hostile review)."""
+    assert_user_error(*run_convert(capsys, src, tmp_path / "out", *flags), needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_projection_named_twice_is_one_choice():
+    from edgeinfer.converters import default_scheme
+
+    assert default_scheme("int4", int8_tensors=("qkv_proj", "qkv_proj")).int8_tensors == ("qkv_proj",)
