@@ -186,6 +186,8 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
     """
     if dst.exists() and not dst.is_dir():
         raise ConvertError(f"destination is a file, not a folder: {dst}")
+    if dst.parent == dst:  # "/": no folder to build it beside, and never one to replace
+        raise ConvertError(f"the destination cannot be the root folder {dst}")
     above = next(p for p in Path(os.path.abspath(dst)).parents if p.exists())
     if not above.is_dir():
         raise ConvertError(f"cannot create {dst}: {above} is a file, not a folder")

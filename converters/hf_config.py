@@ -45,8 +45,11 @@ def _positive(v, key: str) -> float:
 
 def parse_rope(cfg: dict) -> RopeSpec:
     """transformers 5 writes `rope_parameters`; 4.x writes `rope_theta` and `rope_scaling`."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
+    params, scaling = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
+    for key, v in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(v, dict):
+            raise ConvertError(f"config.json: field {key!r} must be an object, got {v!r:.80}")
+    params = dict(params)
     merged = {**scaling, **params}
     theta = _positive(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta")
     rtype = merged.get("rope_type", merged.get("type", "default"))

@@ -121,6 +121,11 @@ def test_unsupported_architecture_lists_supported(capsys, src, tmp_path):
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_size": -64}, "'hidden_size' must be a positive integer"),
+    ({"rope_scaling": "linear"}, "'rope_scaling' must be an object"),
+    ({"rope_parameters": "x"}, "'rope_parameters' must be an object"),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": "abc"}, "sliding_window"),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 3}, "integer >= 16"),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": [4096]}, "sliding_window"),
 ])
 def test_unsupported_config_field(capsys, src, tmp_path, changes, needle):
     edit_config(src, **changes)
@@ -372,3 +377,8 @@ def test_a_projection_named_twice_is_one_choice():
     from edgeinfer.converters import default_scheme
 
     assert default_scheme("int4", int8_tensors=("qkv_proj", "qkv_proj")).int8_tensors == ("qkv_proj",)
+
+
+def test_the_root_folder_is_never_a_destination(capsys, src):
+    for extra in ((), ("--force",)):
+        assert_user_error(*run_convert(capsys, src, Path("/"), *extra), "cannot be the root folder")
