@@ -60,8 +60,13 @@ class TensorSource:
         self.requantized: dict[str, str] = {}  # name -> "Q6_K -> int8"
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The tensor as a float array; ConvertError if it holds NaN or infinity (quantizing would
+        hide it: a block's scale skips a NaN, and the weight becomes an arbitrary code)."""
         self.used.add(name)
-        return self.ckpt.read(name, shape)
+        w = self.ckpt.read(name, shape)
+        if not np.isfinite(w).all():
+            raise ConvertError(f"{name}: the weights hold NaN or infinity (the source is broken)")
+        return w
 
     def maybe(self, name: str, shape: tuple[int, ...], present: bool) -> np.ndarray | None:
         if not present:

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from edgeinfer.errors import ConvertError
+
 DATA_FILE = "model.onnx.data"
 INLINE_MAX_BYTES = 1024
 PAGE = 4096
@@ -26,7 +28,11 @@ class WeightWriter:
         self.external_bytes = 0
 
     def add(self, name: str, array: np.ndarray) -> TensorProto:
+        """Store `array` as initializer `name`; ConvertError for a float array holding NaN or infinity
+        (broken source weights, or their quantization's scales: the model would compute nothing)."""
         array = np.ascontiguousarray(array)
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise ConvertError(f"{name}: the weights hold NaN or infinity (the source is broken)")
         if array.nbytes <= INLINE_MAX_BYTES:
             return numpy_helper.from_array(array, name)
         align = PAGE if array.nbytes >= 16 * PAGE else 64

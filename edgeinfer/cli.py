@@ -28,8 +28,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                                  "--path applies to window scoring")
         if args.capacity is None:
             raise EdgeInferError("--stream needs --capacity N (the ring size)")
-        r = stream_perplexity(args.model, args.text, capacity=args.capacity, sinks=args.sinks, threads=args.threads)
+        r = stream_perplexity(args.model, args.text, capacity=args.capacity,
+                              sinks=4 if args.sinks is None else args.sinks, threads=args.threads)
     else:
+        if args.capacity is not None or args.sinks is not None:
+            raise EdgeInferError("--capacity and --sinks set the ring of --stream scoring: add --stream, or drop them")
         r = perplexity(args.model, args.text, window=args.window, threads=args.threads, path=args.path)
     if args.json:
         print(json.dumps(r.to_json()))
@@ -300,14 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="perplexity of a model on a text file (one story per line)")
     e.add_argument("-m", "--model", type=Path, required=True)
     e.add_argument("--text", type=Path, required=True)
-    e.add_argument("--window", type=int, default=512)
+    e.add_argument("--window", type=int, default=None, help="tokens per scored window (default 512, or the "
+                   "model's context if shorter)")
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--path", choices=("prefill", "decode"), default="prefill",
                    help="prefill: each window in one forward call (as a prompt); decode: one call per token (as "
                    "generation feeds tokens back; what generation computes at accuracy level 4)")
     e.add_argument("--stream", action="store_true", help="each story as one stream through the KV ring")
     e.add_argument("--capacity", type=int, default=None, help="ring capacity in tokens (with --stream)")
-    e.add_argument("--sinks", type=int, default=4, help="attention sinks kept by the ring (with --stream)")
+    e.add_argument("--sinks", type=int, default=None, help="attention sinks kept by the ring (with --stream; default 4)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_eval)
 

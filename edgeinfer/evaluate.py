@@ -23,7 +23,7 @@ import numpy as np
 
 from edgeinfer.engine import Engine
 from edgeinfer.portable_engine import open_engine
-from edgeinfer.errors import EdgeInferError
+from edgeinfer.errors import EdgeInferError, ModelFormatError
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.session import DecoderSession
 from edgeinfer.tokenizer import Tokenizer
@@ -49,8 +49,10 @@ class PerplexityResult:
 
 
 def _read_stories(text_path: Path) -> list[str]:
-    if not text_path.is_file():
+    if not text_path.exists():
         raise EdgeInferError(f"text file not found: {text_path}")
+    if not text_path.is_file():
+        raise EdgeInferError(f"{text_path} is not a regular file")
     try:
         stories = [line for line in text_path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except UnicodeDecodeError:
@@ -58,6 +60,16 @@ def _read_stories(text_path: Path) -> list[str]:
     if not stories:
         raise EdgeInferError(f"{text_path} has no non-empty line to score")
     return stories
+
+
+DEFAULT_WINDOW = 512
+
+
+def _finite(mean_nll: float, model_dir) -> float:
+    if not math.isfinite(mean_nll):
+        raise ModelFormatError(f"{model_dir} computed logits that are not finite (NaN or infinity): its weights "
+                               "are broken (`edgeinfer inspect --verify` checks the files against the conversion)")
+    return mean_nll
 
 
 def _nll(logits: np.ndarray, targets: list[int]) -> float:
@@ -84,14 +96,20 @@ def window_nll(engine: Engine, cache: RingKVCache, ids: list[int], path: str = "
     return _nll(logits[:n - 1], ids[1:]), n - 1
 
 
-def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int = 512, threads: int | None = None,
+def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | None = None, threads: int | None = None,
                session: DecoderSession | None = None, path: str = "prefill") -> PerplexityResult:
-    if window < 2:
+    """window: tokens scored per window (None: 512, or the model's context if shorter)."""
+    if window is not None and window < 2:
         raise EdgeInferError(f"--window must be at least 2, got {window}")
     if path not in PATHS:
         raise EdgeInferError(f"unknown --path {path!r} (choose from {', '.join(PATHS)})")
     stories = _read_stories(Path(text_path))
     session = session or DecoderSession(model_dir, threads=threads)
+    context = session.manifest.arch.max_position_embeddings
+    window = min(DEFAULT_WINDOW, context) if window is None else window
+    if window > context:  # positions past what the model was trained on: a number that means nothing
+        raise EdgeInferError(f"--window {window} is over the model's context of {context} tokens: use --window "
+                             f"{context} or less")
     built = session.manifest.portable.capacity_tokens if session.manifest.portable is not None else None
     if built is not None and window > built:
         raise EdgeInferError(f"--window {window} is over the {built} tokens this portable model holds: "
@@ -108,7 +126,7 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int = 51
             total, count, windows = total + nll, count + n, windows + 1
     if count == 0:
         raise EdgeInferError(f"{text_path}: no token to score")
-    mean = total / count
+    mean = _finite(total / count, model_dir)
     return PerplexityResult(math.exp(mean), mean, count, len(stories), windows, time.perf_counter() - t0, path)
 
 
@@ -142,6 +160,6 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
             pos += s
     if count == 0:
         raise EdgeInferError(f"{text_path}: no token to score")
-    mean = total / count
+    mean = _finite(total / count, model_dir)
     return PerplexityResult(math.exp(mean), mean, count, len(stories), len(stories), time.perf_counter() - t0,
                             "stream")

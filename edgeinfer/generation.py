@@ -31,7 +31,7 @@ from edgeinfer.context_lock import ContextLock
 from edgeinfer.detokenize import Detokenizer, StopFilter
 from edgeinfer.drafting import ModelDrafter
 from edgeinfer.engine import Engine
-from edgeinfer.errors import EdgeInferError, InvalidArgumentError
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.options import GenerationOptions
 from edgeinfer.overflow import fit_prompt
@@ -264,11 +264,16 @@ class Request:
         pace = self.pacer.pace if self.pacer is not None else None
         lp, top, text_len, t_first = None, (), 0, None
         while True:
-            if self.logprobs is None:
-                token = sampler.sample(logits)
-            else:
-                r = sampler.sample_with_logprobs(logits, top_n=self.logprobs)
-                token, lp, top = r.token, r.logprob, r.top
+            try:
+                if self.logprobs is None:
+                    token = sampler.sample(logits)
+                else:
+                    r = sampler.sample_with_logprobs(logits, top_n=self.logprobs)
+                    token, lp, top = r.token, r.logprob, r.top
+            except ValueError as e:  # the ids and biases were checked: the model's logits are what is wrong
+                raise ModelFormatError(f"the model computed logits the sampler cannot use ({e}) at generated token "
+                                       f"{len(generated) + 1}: its weights are broken (`edgeinfer inspect --verify` "
+                                       "checks the files against the conversion)") from None
             if t_first is None:
                 t_first = time.perf_counter()
             if token in eos:

@@ -382,3 +382,59 @@ def test_a_projection_named_twice_is_one_choice():
 def test_the_root_folder_is_never_a_destination(capsys, src):
     for extra in ((), ("--force",)):
         assert_user_error(*run_convert(capsys, src, Path("/"), *extra), "cannot be the root folder")
+
+
+def test_weights_holding_nan_are_refused_at_convert(capsys, src, tmp_path):
+    import numpy as np
+
+    raw = (src / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    start, end = header["model.layers.0.self_attn.q_proj.weight"]["data_offsets"]
+    assert header["model.layers.0.self_attn.q_proj.weight"]["dtype"] == "F32"
+    data = bytearray(raw)
+    data[8 + n + start:8 + n + start + 4] = np.array([np.nan], np.float32).tobytes()
+    (src / "model.safetensors").write_bytes(bytes(data))
+    for quant in ("fp32", "int4"):
+        assert_user_error(*run_convert(capsys, src, tmp_path / quant, "--quant", quant), "NaN or infinity")
+    assert_no_partial(tmp_path)
+
+
+def test_a_folder_whose_weights_compute_nan_is_a_clear_error(capsys, src, tmp_path):
+    """Weights broken after conversion (and re-stamped, so that load's checks pass): generate and eval
+    say the logits are not finite and exit 1, instead of a ValueError traceback or "perplexity nan"."""
+    import hashlib
+
+    import numpy as np
+
+    out = tmp_path / "out"
+    assert main(["convert", str(src), "-o", str(out), "--quant", "fp32", "-q"]) == 0
+    data = out / "model.onnx.data"
+    data.write_bytes(np.full(data.stat().st_size // 4, np.nan, np.float32).tobytes())
+    m = json.loads((out / "edgeinfer.json").read_text())
+    m["files"]["model.onnx.data"]["sha256"] = hashlib.sha256(data.read_bytes()).hexdigest()
+    (out / "edgeinfer.json").write_text(json.dumps(m))
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a dog.\n")
+    capsys.readouterr()
+    assert main(["generate", "-m", str(out), "Once", "--max-tokens", "3"]) == 1
+    assert "logits the sampler cannot use" in capsys.readouterr().err
+    assert main(["eval", "-m", str(out), "--text", str(text)]) == 1
+    assert "not finite" in capsys.readouterr().err
+
+
+def test_eval_refuses_what_it_would_score_wrongly(capsys, src, tmp_path):
+    """A window past the model's context (positions it never saw: a number that means nothing), ring
+    settings without --stream (they were ignored), and a folder given as the text."""
+    out = tmp_path / "out"
+    assert main(["convert", str(src), "-o", str(out), "--quant", "fp32", "-q"]) == 0
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a dog.\n")
+    context = json.loads((out / "edgeinfer.json").read_text())["architecture"]["max_position_embeddings"]
+    capsys.readouterr()
+    for args, needle in ((["--window", str(context + 1)], "over the model's context"),
+                         (["--capacity", "64"], "add --stream"), (["--sinks", "2"], "add --stream")):
+        assert main(["eval", "-m", str(out), "--text", str(text), *args]) == 1
+        assert needle in capsys.readouterr().err
+    assert main(["eval", "-m", str(out), "--text", str(tmp_path)]) == 1
+    assert "is not a regular file" in capsys.readouterr().err
