@@ -31,7 +31,7 @@ from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter
 from edgeinfer.converters import cuda_graph
 from edgeinfer.converters.ort_format import write_ort_format
 from edgeinfer.converters.portable import build_portable
-from edgeinfer.integrity import sha256_file
+from edgeinfer.integrity import STAMP_FILE, sha256_file
 from edgeinfer.converters.quantize import QUANTS, QuantScheme
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.converters.widen import WidenedSource, choose_kv_mode, widened_spec
@@ -191,6 +191,8 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
     above = next(p for p in Path(os.path.abspath(dst)).parents if p.exists())
     if not above.is_dir():
         raise ConvertError(f"cannot create {dst}: {above} is a file, not a folder")
+    if dst.is_symlink() and not dst.exists():
+        raise ConvertError(f"destination {dst} is a link to nothing ({os.readlink(dst)}): remove it or choose another")
     if not dst.exists():
         return
     if not force:
@@ -204,6 +206,23 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
     if not (dst / MANIFEST_FILE).is_file() and any(dst.iterdir()):
         raise ConvertError(f"destination {dst} is not an edgeinfer model folder (no {MANIFEST_FILE}): --force "
                            "replaces only a model folder or an empty folder; remove it yourself or choose another")
+    theirs = _not_the_converters(dst)
+    if theirs:
+        raise ConvertError(f"{dst} also holds {', '.join(theirs[:5])}{' ...' if len(theirs) > 5 else ''}, which no "
+                           "conversion wrote: --force would delete it; move it out first")
+
+
+def _not_the_converters(folder: Path) -> list[str]:
+    """What in a model folder its manifest does not list (a user's notes, a saved prefix snapshot):
+    names, sorted; a manifest that cannot be read lists nothing but itself and the stamp file."""
+    try:
+        listed = set(json.loads((folder / MANIFEST_FILE).read_text()).get("files") or {})
+    except (OSError, ValueError, AttributeError):
+        listed = set()
+    if not listed:  # an older converter's manifest (no file list) or an empty folder: nothing to compare
+        return []
+    ours = listed | {MANIFEST_FILE, STAMP_FILE} | {p.name for p in folder.glob(f"{STAMP_FILE}.*.tmp")}
+    return sorted(p.name for p in folder.iterdir() if p.name not in ours)
 
 
 def _os_error(e: OSError, dst: Path) -> ConvertError:

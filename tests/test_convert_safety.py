@@ -207,3 +207,30 @@ def test_os_error_at_the_final_rename_is_a_convert_error(monkeypatch, work, tmp_
         convert_module.convert(work / "src", tmp_path / "out", quant="fp32")
     assert not (tmp_path / "out").exists()
     assert_no_leftovers(tmp_path)
+
+
+def test_force_refuses_a_model_folder_holding_files_no_conversion_wrote(capsys, work, tmp_path):
+    """A saved prefix snapshot or notes inside a model folder: --force replacing the folder would
+    delete them with it (hostile review); it is refused, naming them, and nothing changes."""
+    dst = tmp_path / "model"
+    assert run_convert(capsys, work / "src", dst)[0] == 0
+    (dst / "system.npz").write_bytes(b"a snapshot")
+    (dst / "notes").mkdir()
+    before = snapshot(dst)
+    rc, err = run_convert(capsys, work / "src", dst, "--force")
+    assert_user_error(rc, err, "also holds notes, system.npz", "move it out first")
+    assert snapshot(dst) == before
+    (dst / "system.npz").unlink()
+    (dst / "notes").rmdir()
+    import edgeinfer
+
+    edgeinfer.load(dst)  # its verification stamp is the converter's own: not in the way
+    assert run_convert(capsys, work / "src", dst, "--force")[0] == 0
+    assert_no_leftovers(tmp_path)
+
+
+def test_a_destination_that_links_to_nothing_is_refused_before_any_work(capsys, work, tmp_path, monkeypatch):
+    convert_module = importlib.import_module("edgeinfer.converters.convert")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    monkeypatch.setattr(convert_module, "temp_folder", lambda dst: pytest.fail("work began"))
+    assert_user_error(*run_convert(capsys, work / "src", tmp_path / "dangling"), "is a link to nothing")
