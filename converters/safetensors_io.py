@@ -104,8 +104,12 @@ class Checkpoint:
                 raise ConvertError(f"no *.safetensors file in {folder}")
         self.files = files
         self.tensors: dict[str, TensorInfo] = {}
+        where: dict[str, str] = {}
         for f in files:
-            self.tensors.update(_read_header(f))
+            for name, info in _read_header(f).items():
+                if name in self.tensors:  # which of the two is the model's? Not ours to guess
+                    raise ConvertError(f"tensor {name!r} is in both {where[name]} and {f.name}")
+                self.tensors[name], where[name] = info, f.name
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors

@@ -343,6 +343,14 @@ class Manifest:
 
 def read_manifest(folder: Path) -> Manifest:
     folder = Path(folder)
+    if folder.is_file():
+        try:
+            with open(folder, "rb") as f:
+                gguf = f.read(4) == b"GGUF"
+        except OSError:
+            gguf = False
+        raise ModelFormatError(f"{folder} is {'a GGUF file' if gguf else 'a file'}, not an edgeinfer model folder"
+                               + (f": convert it first (edgeinfer convert {folder} -o FOLDER)" if gguf else ""))
     if not folder.is_dir():
         raise ModelFormatError(f"model folder not found: {folder}")
     path = folder / MANIFEST_FILE

@@ -122,6 +122,7 @@ def test_unsupported_architecture_lists_supported(capsys, src, tmp_path):
     ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_size": -64}, "'hidden_size' must be a positive integer"),
     ({"rope_scaling": "linear"}, "'rope_scaling' must be an object"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures must be a list of names"),
     ({"rope_parameters": "x"}, "'rope_parameters' must be an object"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": "abc"}, "sliding_window"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 3}, "integer >= 16"),
@@ -189,6 +190,16 @@ def test_sharded_index_with_missing_shard(capsys, src, tmp_path):
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     rc, err = run_convert(capsys, src, tmp_path / "out")
     assert_user_error(rc, err, "missing shard", "model-00002-of-00002.safetensors")
+
+
+def test_a_tensor_in_two_shards_is_refused(capsys, src, tmp_path):
+    """Two copies of one tensor (a stale shard left beside new ones): which is the model's? The later
+    file silently won before."""
+    import shutil as sh
+
+    sh.copyfile(src / "model.safetensors", src / "model-extra.safetensors")
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "is in both model-extra.safetensors and model.safetensors")
 
 
 def _existing_dst(tmp_path: Path) -> Path:

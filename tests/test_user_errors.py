@@ -269,6 +269,21 @@ def test_bad_threads_are_refused(threads):
         edgeinfer.load(threads=threads)
 
 
+def test_threads_past_the_cores_warn_and_past_the_limit_are_refused():
+    """10,000 threads held this machine for minutes; 64 on 2 cores decoded about 25x slower (hostile
+    review): the first is refused, the second warned about (the cores may be counted wrongly in a
+    container, so it is not refused)."""
+    import os
+
+    from edgeinfer.session import MAX_THREADS
+
+    with pytest.raises(InvalidArgumentError, match=f"at most {MAX_THREADS}"):
+        edgeinfer.load(threads=10_000)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with pytest.warns(UserWarning, match=f"more than the {cores} cores"):
+        edgeinfer.load(threads=cores + 1)
+
+
 def test_good_threads_load():
     assert edgeinfer.load(threads=1).generate("Once", max_new_tokens=2, seed=0).usage.completion_tokens == 2
 
@@ -301,3 +316,13 @@ def test_conversation_cache_is_checked_too(monkeypatch):
     monkeypatch.setattr(kv_cache_mod.psutil, "virtual_memory", lambda: mem(10**5))
     with pytest.raises(InvalidArgumentError, match="only 100,000 bytes"):
         m.conversation()
+
+
+def test_a_gguf_file_given_as_the_model_says_to_convert_it(tmp_path):
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(edgeinfer.ModelFormatError, match="is a GGUF file, not an edgeinfer model folder: convert it"):
+        edgeinfer.load(f)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(edgeinfer.ModelFormatError, match="is a file, not an edgeinfer model folder"):
+        edgeinfer.load(tmp_path / "notes.txt")

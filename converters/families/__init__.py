@@ -23,6 +23,8 @@ ARCHITECTURES = {
 
 def spec_from_config(cfg: dict) -> ArchSpec:
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConvertError(f"config.json: architectures must be a list of names, got {archs!r:.80}")
     model_type = cfg.get("model_type") or (ARCHITECTURES.get(archs[0]) if archs else None)
     if model_type not in REGISTRY or (archs and archs[0] not in ARCHITECTURES):
         name = archs[0] if archs else model_type
