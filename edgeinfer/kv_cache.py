@@ -127,8 +127,9 @@ class RingKVCache:
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {v!r}")
         if n_sink >= capacity_tokens:
-            raise InvalidArgumentError(f"n_sink must be in [0, capacity_tokens), got {n_sink} for capacity "
-                                       f"{capacity_tokens}")
+            raise InvalidArgumentError(f"a ring of capacity {capacity_tokens} tokens leaves no room beside its "
+                                       f"{n_sink} attention sinks (n_sink): give a capacity of at least "
+                                       f"{n_sink + 1}, or fewer sinks")
         rows = max(capacity_tokens + max_chunk, rows or 0)
         per_row = spec.kv_bytes_per_token * itemsize // 4  # kv_bytes_per_token counts 4-byte elements
         need, free = rings * per_row * rows, psutil.virtual_memory().available
