@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgeinfer.errors import EdgeInferError
+from edgeinfer.errors import EdgeInferError, ModelFormatError
 from edgeinfer.overflow import ContextOverflowError
 from edgeinfer.server import protocol
 from edgeinfer.server.config import ServeConfig
@@ -231,6 +231,9 @@ class _Reply:
                 if self.server.draining else APIError(499, "the client closed the request", code="client_closed")
         elif isinstance(exc, ContextOverflowError):
             err = APIError(400, str(exc), param="messages" if self.chat else "prompt", code="context_length_exceeded")
+        elif isinstance(exc, ModelFormatError):  # the model's own fault (non-finite logits): not the request's
+            log.error("generation failed: %s", exc)
+            err = APIError(500, str(exc), type="server_error")
         elif isinstance(exc, EdgeInferError):
             err = APIError(400, str(exc))
         else:
@@ -327,7 +330,8 @@ class _Reply:
                     err = APIError(503, str(event[1]), type="server_error", code="shutting_down")
                     status = 503 if self.server.draining else 499
                 else:
-                    status = 500 if not isinstance(event[1], EdgeInferError) else 400
+                    status = 400 if isinstance(event[1], EdgeInferError) and \
+                        not isinstance(event[1], ModelFormatError) else 500
                     err = APIError(status, str(event[1]) or "generation failed", type="server_error")
                 yield _sse(err.body())
                 yield "data: [DONE]\n\n"
