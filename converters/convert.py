@@ -14,8 +14,8 @@ import glob
 import importlib.util
 import json
 import os
+import secrets
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -222,7 +222,12 @@ def _not_the_converters(folder: Path) -> list[str]:
     if not listed:  # an older converter's manifest (no file list) or an empty folder: nothing to compare
         return []
     ours = listed | {MANIFEST_FILE, STAMP_FILE} | {p.name for p in folder.glob(f"{STAMP_FILE}.*.tmp")}
-    return sorted(p.name for p in folder.iterdir() if p.name not in ours)
+    return sorted(p.name for p in folder.iterdir() if p.name not in ours and not _os_clutter(p.name))
+
+
+def _os_clutter(name: str) -> bool:
+    """Files a desktop makes by itself in any folder it shows (Finder, Explorer): not the user's work."""
+    return name in (".DS_Store", "Thumbs.db", "desktop.ini") or name.startswith("._")
 
 
 def _os_error(e: OSError, dst: Path) -> ConvertError:
@@ -444,17 +449,25 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
 
 
 def temp_folder(dst: Path) -> Path:
-    """A new, empty folder next to `dst` for building it: `.DST.partial-PID-N`, unique to this call
-    (two threads converting into one destination never share one), with the permissions the umask
-    gives a new folder (mkdtemp's are 0700: a daemon's own user could not read the result). Those
-    that a conversion killed outright left behind (their process gone) are removed first."""
+    """A new, empty folder next to `dst` for building it: `.DST.partial-PID-RANDOM`, unique to this
+    call (two threads converting into one destination never share one), made with the permissions
+    the umask gives a new folder (mkdtemp's are 0700: a daemon's own user could not read the
+    result). Those that a conversion killed outright left behind are removed first: their process
+    is gone and nothing in them changed for `ORPHAN_AGE_S` (a conversion on another host or in
+    another container sharing the folder shows no process here)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphans(dst)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-{os.getpid()}-", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
-    return tmp
+    for _ in range(100):
+        tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir(0o777)  # the kernel applies the umask: no process-wide umask change (threads)
+            return tmp
+        except FileExistsError:
+            continue
+    raise ConvertError(f"cannot make a temporary folder beside {dst}")
+
+
+ORPHAN_AGE_S = 3600
 
 
 def _remove_orphans(dst: Path) -> None:
@@ -465,8 +478,13 @@ def _remove_orphans(dst: Path) -> None:
             continue
         try:
             os.kill(int(pid), 0)
-        except ProcessLookupError:  # its conversion is gone: nobody will finish or remove it
-            shutil.rmtree(p, ignore_errors=True)
+        except ProcessLookupError:  # its conversion is gone here; untouched for an hour: gone anywhere
+            try:
+                newest = max([p.stat().st_mtime] + [q.stat().st_mtime for q in p.iterdir()])
+            except OSError:
+                continue
+            if time.time() - newest > ORPHAN_AGE_S:
+                shutil.rmtree(p, ignore_errors=True)
         except (PermissionError, OverflowError):  # alive (another user's), or no such pid at all
             pass
 

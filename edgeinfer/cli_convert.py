@@ -63,10 +63,13 @@ def _on_signal(signum, frame):
 
 def run(args: argparse.Namespace) -> int:
     """`edgeinfer convert`. SIGTERM and SIGHUP (`timeout`, a closed terminal, systemd) end it as Ctrl-C
-    does, removing its temporary folder, with the exit status 128 + the signal's number."""
+    does, removing its temporary folder, with the exit status 128 + the signal's number; a signal
+    the process was told to ignore (`nohup`, `trap '' TERM`) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         return _run(args)
-    before = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    sigs = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
+            if s is not None and signal.getsignal(s) is signal.SIG_DFL]
+    before = {sig: signal.signal(sig, _on_signal) for sig in sigs}
     try:
         return _run(args)
     finally:
@@ -99,8 +102,8 @@ def _run(args: argparse.Namespace) -> int:
         if given:
             raise EdgeInferError(f"{', '.join(given)}: --target {args.target} stores weights per output channel "
                                  "(--quant only); these flags are for the cpu and cuda graphs")
-    elif args.quant in ("fp16", "fp32") and scheme_flags + (["--accuracy-level"] if args.accuracy_level else []):
-        given = scheme_flags + (["--accuracy-level"] if args.accuracy_level else [])
+    elif args.quant in ("fp16", "fp32") and scheme_flags + (["--accuracy-level"] if args.accuracy_level is not None else []):
+        given = scheme_flags + (["--accuracy-level"] if args.accuracy_level is not None else [])
         raise EdgeInferError(f"{', '.join(given)}: --quant {args.quant} stores plain weights; these flags are for "
                              "--quant int4 and int8")
     elif scheme_flags:

@@ -56,8 +56,8 @@ def _entries(folder: Path, files: dict) -> dict:
             raise ModelFormatError(f"{folder / MANIFEST_FILE} is corrupted (bad files entry {name!r})")
     unlisted = sorted({p.name for pattern in MUST_LIST for p in folder.glob(pattern)} - set(files))
     if unlisted:
-        raise ModelFormatError(f"{folder / MANIFEST_FILE} is corrupted: it does not list {', '.join(unlisted)}, "
-                               "which the folder holds")
+        raise ModelFormatError(f"{folder} holds {', '.join(unlisted)}, which its {MANIFEST_FILE} does not list "
+                               "(so nothing would check it): move it out of the folder, or convert again")
     return files
 
 

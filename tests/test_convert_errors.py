@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -297,25 +298,56 @@ def test_sigterm_half_way_cleans_up_as_ctrl_c_does(capsys, monkeypatch, src, tmp
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == handlers  # put back
 
 
+def test_a_signal_the_process_ignores_stays_ignored(capsys, monkeypatch, src, tmp_path):
+    """Under `nohup` SIGHUP is ignored: closing the terminal must not stop the conversion."""
+    import os
+    import signal
+
+    from edgeinfer.converters import onnx_writer
+
+    real_add, count = onnx_writer.WeightWriter.add, {"n": 0}
+
+    def add(self, name, array):
+        count["n"] += 1
+        if count["n"] == 5:
+            os.kill(os.getpid(), signal.SIGHUP)
+        return real_add(self, name, array)
+
+    monkeypatch.setattr(onnx_writer.WeightWriter, "add", add)
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert main(["convert", str(src), "-o", str(tmp_path / "out"), "-q"]) == 0
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 def test_the_folder_takes_the_umask_and_orphans_of_killed_conversions_go(capsys, src, tmp_path):
     """A converted folder is readable as the umask says (mkdtemp's 0700 kept a daemon's own user
-    out); a temporary folder whose conversion was killed outright (its process gone) is removed by
-    the next conversion there, one whose process lives is not."""
+    out); a temporary folder whose conversion was killed outright (its process gone, nothing written
+    for an hour) is removed by the next conversion there; one whose process lives, or that changed
+    lately (a conversion on another host sharing the folder), is not."""
     import os
     import subprocess
     import sys
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
-    (tmp_path / f".out.partial-{dead}-abc").mkdir()
-    (tmp_path / f".out.partial-{os.getppid()}-abc").mkdir()  # a live process's: not ours to remove
+    hour_ago = time.time() - 3700
+    for name in (f".out.partial-{dead}-abc", f".out.partial-{dead}-new", f".out.partial-{os.getppid()}-abc"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.onnx.data").write_bytes(b"x")
+        if not name.endswith("new"):  # new: its process gone here, but written to a minute ago (another host's?)
+            for q in (tmp_path / name / "model.onnx.data", tmp_path / name):
+                os.utime(q, (hour_ago, hour_ago))
     old = os.umask(0o022)
     try:
         assert main(["convert", str(src), "-o", str(tmp_path / "out"), "-q"]) == 0
     finally:
         os.umask(old)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
-    assert sorted(p.name for p in tmp_path.iterdir() if ".partial-" in p.name) == [f".out.partial-{os.getppid()}-abc"]
+    assert sorted(p.name for p in tmp_path.iterdir() if ".partial-" in p.name) == sorted(
+        [f".out.partial-{dead}-new", f".out.partial-{os.getppid()}-abc"])
 
 
 def test_bad_option_values(capsys, src, tmp_path):
@@ -376,6 +408,7 @@ def test_chat_templates_in_hugging_face_s_forms_convert_and_load(capsys, src, tm
     (["--quant", "int4", "--recipe", "q4_1", "--block-size", "64"], "blocks of 32, not 64"),
     (["--quant", "fp32", "--int8-tensors", "qkv_proj", "--accuracy-level", "4"], "--quant fp32 stores plain weights"),
     (["--quant", "fp16", "--block-size", "16"], "--block-size: --quant fp16 stores plain weights"),
+    (["--quant", "fp16", "--accuracy-level", "0"], "--accuracy-level: --quant fp16 stores plain weights"),
 ])
 def test_flags_the_conversion_would_ignore_are_refused(capsys, src, tmp_path, flags, needle):
     """Each was accepted, changed nothing in the weights, and was recorded in the manifest (and shown

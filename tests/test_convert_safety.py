@@ -222,6 +222,7 @@ def test_force_refuses_a_model_folder_holding_files_no_conversion_wrote(capsys, 
     assert snapshot(dst) == before
     (dst / "system.npz").unlink()
     (dst / "notes").rmdir()
+    (dst / ".DS_Store").write_bytes(b"Finder")  # a desktop's own clutter is not the user's work
     import edgeinfer
 
     edgeinfer.load(dst)  # its verification stamp is the converter's own: not in the way

@@ -217,7 +217,7 @@ def test_verify_and_load_refuse_a_manifest_that_leaves_out_a_file_or_mislabels_t
     m = json.loads(original)
     del m["files"]["model.onnx.data"]
     manifest.write_text(json.dumps(m))
-    with pytest.raises(edgeinfer.ModelFormatError, match="does not list model.onnx.data"):
+    with pytest.raises(edgeinfer.ModelFormatError, match="holds model.onnx.data, which its edgeinfer.json does not list"):
         edgeinfer.load(folder)
     assert verify_cli(capsys, folder)[0] == 1
     m = json.loads(original)
