@@ -116,11 +116,11 @@ def _chat_template(template, where: Path, log) -> str | None:
                            f"got {type(template).__name__}")
     if template:
         from edgeinfer.chat import compile_template
-        from edgeinfer.errors import InvalidArgumentError
+        from edgeinfer.errors import ModelFormatError
 
         try:
             compile_template(template)
-        except InvalidArgumentError as e:
+        except ModelFormatError as e:
             log(f"note: {where}: {e}; kept as it is, chat will refuse it")
     return template or None
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.errors import InvalidArgumentError, ModelFormatError
 
 ROLES = ("system", "user", "assistant")
 
@@ -34,7 +34,8 @@ def check_messages(messages: Sequence[dict]) -> list[dict]:
 def compile_template(template: str):
     """The Jinja template object for `template`, in the sandbox Hugging Face templates expect (with
     `raise_exception`, and `{% generation %}` blocks rendered as their body: transformers' tag that
-    marks the assistant's tokens for training); InvalidArgumentError when it does not parse."""
+    marks the assistant's tokens for training); ModelFormatError when it does not parse (the
+    model's fault, not the caller's: the daemon answers 500)."""
     import jinja2  # only models with a template pay for importing it (about 30 ms)
     from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -51,30 +52,30 @@ def compile_template(template: str):
     try:
         return env.from_string(template)
     except jinja2.TemplateError as e:
-        raise InvalidArgumentError(f"the model's chat template does not parse: {e}") from None
+        raise ModelFormatError(f"the model's chat template does not parse: {e}") from None
 
 
 class ChatTemplate:
     """Renders messages to prompt text. `bos_token` / `eos_token` are the tokens' own strings ("<s>",
     "<|im_end|>": `Tokenizer.token_string`), as Hugging Face templates expect; "" for none. A template
-    that does not parse is refused when rendering (InvalidArgumentError), not when the model loads:
-    the model still completes plain prompts."""
+    that does not parse is refused when rendering (`error`, a ModelFormatError), not when the model
+    loads: the model still completes plain prompts."""
 
     def __init__(self, template: str | None, bos_token: str = "", eos_token: str = ""):
         self.source = template
         self.bos_token, self.eos_token = bos_token, eos_token
         self._tpl = None
-        self._error: InvalidArgumentError | None = None
+        self.error: ModelFormatError | None = None
         if template:
             try:
                 self._tpl = compile_template(template)
-            except InvalidArgumentError as e:
-                self._error = e
+            except ModelFormatError as e:
+                self.error = e
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         messages = check_messages(messages)
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            raise self.error
         if self._tpl is None:
             lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
             if add_generation_prompt:

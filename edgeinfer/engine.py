@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -114,9 +115,53 @@ class Engine(ChunkedSteps):
         self.calls = 0
         self.lock = threading.Lock()
         self.draft = None  # a `drafting.Draft`: the small model `speculative="draft"` drafts with (Model.set_draft)
+        self._ratios: tuple[float, ...] | None = None  # `verify_ratios`, once measured
+        self._ratios_lock = threading.Lock()
 
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
         return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, self.mode, dtype=self.kv_dtype)
+
+    CALIBRATION_ROWS = (1, 2, 3, 4, 6, 9)  # call sizes `verify_ratios` times (the others: interpolated)
+
+    def verify_ratios(self, k_max: int) -> tuple[float, ...]:
+        """r[s - 1], s = 1 .. k_max + 1: the time of a call of s rows (a speculative verify) over a
+        one-row step's, measured the first time asked and kept for the engine's life (speculation's
+        rule reads it: with n-grams which rows share a call then follows the tokens alone). Measured
+        with the engine to itself (its lock held: another request's calls would count as these), on a
+        scratch ring holding 32 tokens: each size of CALIBRATION_ROWS (and k_max + 1) once to warm it,
+        then up to 5 interleaved rounds (at least 2, about half a second at most), medians; the sizes
+        between interpolated linearly, a larger call never counted cheaper than a smaller one."""
+        with self._ratios_lock:
+            if self._ratios is not None and len(self._ratios) >= k_max + 1:
+                return self._ratios
+            top = min(k_max + 1, self.max_chunk)
+            sizes = sorted({s for s in self.CALIBRATION_ROWS if s < top} | {1, top})
+            cache = self.new_cache(64, 4)
+            ids = [(3 + i) % self.spec.vocab_size for i in range(32 + top)]
+            self.prefill(cache, ids[:32])
+            out = np.empty((1, top, self.spec.vocab_size), np.float32)
+
+            def call(s: int) -> float:
+                logits = cache.logits if s == 1 else out[:, :s]
+                t0 = time.perf_counter()
+                self._forward(cache, ids[32:32 + s], s, s, logits, commit=False)
+                return time.perf_counter() - t0
+
+            times: dict[int, list[float]] = {s: [] for s in sizes}
+            with self.lock:
+                for s in sizes:
+                    call(s)
+                deadline = time.perf_counter() + 0.5
+                for i in range(5):
+                    for s in sizes:
+                        times[s].append(call(s))
+                    if i >= 1 and time.perf_counter() > deadline:
+                        break
+            step = float(np.median(times[1]))
+            measured = np.maximum.accumulate([float(np.median(times[s])) / step for s in sizes])
+            ratios = np.interp(np.arange(1, k_max + 2), sizes, measured)
+            self._ratios = tuple(float(x) for x in ratios)
+            return self._ratios
 
     def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False,
                 commit: bool = True, out: np.ndarray | None = None) -> np.ndarray:

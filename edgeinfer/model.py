@@ -17,6 +17,7 @@ import hashlib
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -84,7 +85,7 @@ class Model:
                                            f"got {type(path).__name__}")
         folder = Path(path) if path is not None else default_model_path()
         check_policy(overflow)
-        check_threads(threads)
+        check_threads(threads, warn=False)  # early, before any work; the session warns
         if threads is None:  # the device profile's thread count ("auto" leaves ONNX Runtime's choice)
             from edgeinfer.platforms import detect
             threads = detect().profile.session_threads
@@ -115,6 +116,8 @@ class Model:
         tk = self.manifest.tokenizer
         self.template = ChatTemplate(tk.chat_template, self._piece(tk.bos_token_id),
                                      self._piece((tk.eos_token_ids or (None,))[0]))
+        if self.template.error is not None:  # completions work; chat will refuse (said now, not first in a request)
+            warnings.warn(f"{folder}: {self.template.error}; chat and conversations will refuse it", stacklevel=2)
         self.power = PowerController(policy, Sensors()).start() if policy is not None else None
         self.load_ms = (time.perf_counter() - t0) * 1e3
         if verbose:

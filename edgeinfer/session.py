@@ -39,17 +39,18 @@ def resolve_provider(provider: str, target: str = "cpu") -> str:
 MAX_THREADS = 256
 
 
-def check_threads(threads: int | None) -> None:
+def check_threads(threads: int | None, warn: bool = True) -> None:
     """threads is None (onnxruntime's default: one per physical core) or an int in 1..MAX_THREADS;
     anything else (0, -1, a bool, a float, a string, 10000) raises InvalidArgumentError. More than
-    the cores this process may run on is allowed with a warning: the pool's threads then wait for
-    each other (64 threads on 2 cores decoded about 25x slower; 10,000 held the machine for minutes)."""
+    the cores this process may run on is allowed, with a warning (`warn`): the pool's threads then
+    wait for each other (64 threads on 2 cores decoded about 25x slower; 10,000 held the machine
+    for minutes)."""
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise InvalidArgumentError(f"threads must be a positive integer or None (the default), got {threads!r}")
     if threads is not None and threads > MAX_THREADS:
         raise InvalidArgumentError(f"threads must be at most {MAX_THREADS}, got {threads}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if threads is not None and threads > cores:
+    if warn and threads is not None and threads > cores:
         warnings.warn(f"threads={threads} is more than the {cores} cores this process may use: the threads wait "
                       "for each other and decoding slows down many times over", stacklevel=4)
 

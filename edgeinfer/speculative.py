@@ -25,10 +25,10 @@ plain step would still attend to, and a rejected row needs no undo: uncommitted 
 slots are not read); with the ring full (shifting), decoding is plain.
 
 Adaptive (`Tuning`), by measurement: r[s], what a verify call of s rows costs in one-row steps, is
-the engine's, measured once (`verify_ratios`) and the same for every request after, so that with
+the engine's, measured once (`Engine.verify_ratios`) and the same for every request after, so that with
 n-grams which rows share a call depends on the tokens alone (at accuracy level 4 a row's logits
 depend on the size of its call, and so may the tokens: the same request then gives the same tokens
-every time). A draft model also needs the seconds of a plain step (a) and of drafting per drafted
+for as long as the model stays loaded; a new process measures afresh, and may differ at a near-tie). A draft model also needs the seconds of a plain step (a) and of drafting per drafted
 token (d), running means of this request's own calls. Each step verifies the k drafts that
 maximise the expected tokens per step, (1 + the chances that drafts 1..k are accepted) /
 (r[k + 1] + k d / a), and drafts nothing when no k beats plain steps by `margin`: a graph that
@@ -49,10 +49,7 @@ starts to repeat itself is noticed; each probe that gains nothing doubles that i
 
 from __future__ import annotations
 
-import statistics
-import threading
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,53 +68,12 @@ class Tuning:
     probe_backoff: int = 16  # failed probes stretch the interval up to this many times probe_every
     probe_k: int = 2
     match_discount: int = 2  # tokens of a free drafter's match that prove nothing (a short n-gram often matches by chance)
-    ema: float = 0.2  # weight of the newest call in the running means of a and cost[s]
+    ema: float = 0.2  # weight of the newest call in the running means of a and d (a draft model's)
     decay: float = 0.9  # weight of the past in the acceptance counts
     fixed_k: int | None = None  # draft this many whenever a draft exists, measuring nothing (tests, benchmarks)
 
 
 TUNING = Tuning()  # what requests use
-CALIBRATION_ROWS = (1, 2, 3, 4, 6, 9)  # verify call sizes `verify_ratios` times (the others: interpolated)
-_RATIOS: "weakref.WeakKeyDictionary[Engine, tuple[float, ...]]" = weakref.WeakKeyDictionary()
-_RATIOS_LOCK = threading.Lock()
-
-
-def verify_ratios(engine: Engine, k_max: int) -> tuple[float, ...]:
-    """r[s - 1], s = 1 .. k_max + 1: the time of a call of s rows over a one-row step's, measured once
-    per engine (the first time asked), then the same for every request. Measured on a scratch ring
-    holding 32 tokens: each size of `CALIBRATION_ROWS` (and k_max + 1) once to warm it, then up to 5
-    interleaved rounds (at least 2, at most about half a second), medians; the sizes between are
-    interpolated linearly, and a larger call never counts as cheaper than a smaller one."""
-    with _RATIOS_LOCK:
-        r = _RATIOS.get(engine)
-        if r is not None and len(r) >= k_max + 1:
-            return r
-        top = min(k_max + 1, engine.max_chunk)
-        sizes = sorted({s for s in CALIBRATION_ROWS if s < top} | {1, top})
-        cache = engine.new_cache(64, 4)
-        ids = [(3 + i) % engine.spec.vocab_size for i in range(32 + top)]
-        engine.prefill(cache, ids[:32])
-        out = np.empty((1, top, engine.spec.vocab_size), np.float32)
-
-        def call(s: int) -> float:
-            t0 = time.perf_counter()
-            engine.forward(cache, ids[32:32 + s], all_logits=s > 1, commit=False, out=out)
-            return time.perf_counter() - t0
-
-        times: dict[int, list[float]] = {s: [] for s in sizes}
-        for s in sizes:
-            call(s)
-        deadline = time.perf_counter() + 0.5
-        for i in range(5):
-            for s in sizes:
-                times[s].append(call(s))
-            if i >= 1 and time.perf_counter() > deadline:
-                break
-        step = statistics.median(times[1])
-        measured = np.maximum.accumulate([statistics.median(times[s]) / step for s in sizes])
-        r = tuple(float(x) for x in np.interp(np.arange(1, k_max + 2), sizes, measured))
-        _RATIOS[engine] = r
-        return r
 
 
 @dataclass
@@ -156,7 +112,7 @@ class SpeculativeStepper:
         self._draft: list[int] = []  # the drafts those rows were computed for
         self._next = 0  # index in _draft of the next row to serve
         self._step_s: float | None = None  # a: seconds per plain step (running mean; a draft model's k)
-        self._ratios: tuple[float, ...] | None = None  # r[s - 1]: the engine's `verify_ratios`, when first needed
+        self._ratios: tuple[float, ...] | None = None  # r[s - 1]: `Engine.verify_ratios`, when first needed
         self._draft_s = 0.0  # d: seconds of drafting per drafted token (running mean)
         self._draft_measured = False
         self._version = 0  # bumped when a measurement changes what k() answers
@@ -292,7 +248,7 @@ class SpeculativeStepper:
 
     def _ratio(self, s: int) -> float:
         if self._ratios is None:
-            self._ratios = verify_ratios(self.engine, self.tuning.k_max)
+            self._ratios = self.engine.verify_ratios(self.tuning.k_max)
         return self._ratios[min(s, len(self._ratios)) - 1]
 
     def _plain(self, cache: RingKVCache, token: int) -> np.ndarray:

@@ -191,7 +191,7 @@ def test_jinja_chat_template():
                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     assert tpl.render([{"role": "user", "content": "Hi"}]) == (
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-    with pytest.raises(ValueError, match="does not parse"):
+    with pytest.raises(edgeinfer.ModelFormatError, match="does not parse"):
         ChatTemplate("{% for %}").render([{"role": "user", "content": "Hi"}])
     # transformers' {% generation %} (the assistant's tokens, for training masks) renders its body
     tpl = ChatTemplate("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}[{{ m.content }}]"

@@ -459,3 +459,30 @@ def test_a_stream_cut_by_the_end_of_the_grace_period_says_so():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_model_whose_chat_template_does_not_parse_serves_completions_and_answers_chat_500(tmp_path):
+    """The model's fault, not the client's: chat is a 500 naming the template (it was a 400, and the
+    daemon started as if healthy without a word); completions still work."""
+    import json as js
+    import shutil
+
+    from conftest import TINY
+    from edgeinfer.converters import convert
+
+    src = tmp_path / "src"
+    shutil.copytree(TINY / "llama2_gqa_tied", src, ignore=shutil.ignore_patterns("reference.npz"))
+    cfg = js.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(js.dumps({**cfg, "chat_template": "{% for m in messages %}"}))
+    convert(src, tmp_path / "m", quant="fp32")
+    with pytest.warns(UserWarning, match="chat template does not parse"):
+        model = edgeinfer.load(tmp_path / "m")
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=8), model=model)
+    try:
+        chat = httpx.post(r.url + "/v1/chat/completions", json={"model": "m", "max_tokens": 2,
+                                                               "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 500 and "does not parse" in chat.json()["error"]["message"]
+        comp = httpx.post(r.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+        assert comp.status_code == 200, comp.text
+    finally:
+        r.stop()

@@ -288,21 +288,32 @@ def test_verify_ratios_are_measured_once_per_engine(fp32):
     """The engine's r[s]: one row is 1, a larger call never cheaper than a smaller, one per size up
     to k_max + 1; asked again (any request, any k_max it covers), the same tuple, not re-measured."""
     m = edgeinfer.load(fp32, capacity_tokens=128)
-    r = speculative.verify_ratios(m.engine, 8)
+    r = m.engine.verify_ratios(8)
     assert len(r) == 9 and r[0] == 1.0 and all(b >= a > 0 for a, b in zip(r, r[1:]))
-    assert speculative.verify_ratios(m.engine, 4) is r and speculative.verify_ratios(m.engine, 8) is r
+    assert m.engine.verify_ratios(4) is r and m.engine.verify_ratios(8) is r
+    # measured with the engine to itself: another request's calls must not count as these (review)
+    other = edgeinfer.load(fp32, capacity_tokens=128)
+    real, held = other.engine._forward, []
+
+    def forward(*a, **kw):
+        held.append(other.engine.lock.locked())
+        return real(*a, **kw)
+
+    other.engine._forward = forward
+    other.engine.verify_ratios(8)
+    assert held and all(held)
 
 
 def test_the_same_request_gives_the_same_tokens_every_time_at_accuracy_level_4(monkeypatch):
     """The bundled int8 model (accuracy level 4: a row's logits depend a little on its call's size):
     which rows share a verify call follows the tokens alone, not the times measured, so the same
     request speculates the same way and gives the same tokens every time, other requests between
-    (hostile review: 10 runs gave 3 different texts). The clock is made erratic once the engine's
-    ratios are measured: the rule must not read it."""
+    (hostile review: 10 runs gave 3 different texts), for as long as the model stays loaded. The clock
+    is made erratic once the engine's ratios are measured: the rule must not read it."""
     monkeypatch.setattr(speculative, "TUNING", Tuning())  # the adaptive rule, not the fixture's fixed k
     m = edgeinfer.load()
     p = "Once upon a time, there was a little girl named Lily. She liked to play. Once upon a time, there was a little"
-    speculative.verify_ratios(m.engine, Tuning().k_max)
+    m.engine.verify_ratios(Tuning().k_max)
     rng, now = np.random.default_rng(0), [0.0]
 
     def erratic() -> float:

@@ -197,7 +197,7 @@ def test_error_types_and_exports():
         check_messages("hi")
     with pytest.raises(InvalidArgumentError, match="provider"):
         resolve_provider("tpu")
-    with pytest.raises(InvalidArgumentError, match="does not parse"):
+    with pytest.raises(edgeinfer.ModelFormatError, match="does not parse"):
         ChatTemplate("{% for %}").render([{"role": "user", "content": "x"}])  # refused when used, not when loaded
     tpl = ChatTemplate("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(InvalidArgumentError, match="roles must alternate"):

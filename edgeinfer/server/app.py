@@ -187,7 +187,11 @@ class Server:
             self.metrics.request(endpoint, e.status)
             headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None
             return error_response(e, headers)
-        except EdgeInferError as e:  # the prompt itself (vocabulary, empty, template)
+        except ModelFormatError as e:  # the model's own (a chat template that does not parse): not the client's
+            log.error("cannot prepare the prompt: %s", e)
+            self.metrics.request(endpoint, 500)
+            return error_response(APIError(500, str(e), type="server_error"))
+        except EdgeInferError as e:  # the prompt itself (vocabulary, empty, a template's raise_exception)
             self.metrics.request(endpoint, 400)
             return error_response(APIError(400, str(e)))
         if self.config.log_prompts:

@@ -67,6 +67,10 @@ def build(config: ServeConfig, model=None) -> Server:
                                overflow=config.overflow, power=config.power_policy())
         if config.draft_model is not None:
             model.set_draft(config.draft_model)
+    if config.speculative != "off" and hasattr(model.engine, "verify_ratios"):  # measured now, not in a request
+        from edgeinfer.speculative import TUNING
+
+        model.engine.verify_ratios(TUNING.k_max)
     return Server(model, config)
 
 
