@@ -346,11 +346,16 @@ def _check_portable(target: str, quant: str | None, capacity_tokens, prefill_tok
         raise ConvertError(f"--target {target} builds the portable graph: quantization schemes and --attention "
                            "apply to the cpu/cuda graph")
     cap = DEFAULT_PORTABLE_CAPACITY if capacity_tokens is None else capacity_tokens
-    pre = DEFAULT_PREFILL_TOKENS if prefill_tokens is None else prefill_tokens
+    pre = prefill_tokens
+    if pre is None:  # the default chunk, or the ring if that is smaller
+        pre = min(DEFAULT_PREFILL_TOKENS, cap) if isinstance(cap, int) and not isinstance(cap, bool) else cap
     for name, v, low in (("--capacity", cap, MIN_PORTABLE_CAPACITY), ("--prefill-tokens", pre, 2)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             why = " (room for load's 4 attention sinks and new tokens)" if name == "--capacity" else ""
             raise ConvertError(f"{name} must be an integer >= {low}{why}, got {v!r}")
+    if pre > cap:  # every prompt runs the whole chunk: 8188 rows for an 8-token ring took 10 GB and 37 s
+        raise ConvertError(f"--prefill-tokens {pre} is over the ring's --capacity {cap}: a chunk larger than the "
+                           f"ring gains nothing and every prompt pays for all of it; give at most {cap}")
     if cap + 2 * pre > MAX_DIM:
         raise ConvertError(f"--capacity {cap} with --prefill-tokens {pre} makes attention rows of {cap + 2 * pre} "
                            f"columns, over CoreML's limit of {MAX_DIM}: lower --capacity or --prefill-tokens")

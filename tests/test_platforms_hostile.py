@@ -177,7 +177,7 @@ def test_grouped_query_rows_over_coreml_limit_are_refused(tmp_path):
     prefill graph has a dimension of 20,000 (converters/portable.py computes Gq and never uses it)."""
     out = tmp_path / "out"
     with pytest.raises(ConvertError, match="16384"):
-        convert(TINY / "llama3_mqa_untied_bf16", out, target="coreml", capacity_tokens=8, prefill_tokens=5000)
+        convert(TINY / "llama3_mqa_untied_bf16", out, target="coreml", capacity_tokens=5000, prefill_tokens=5000)
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
@@ -503,7 +503,8 @@ def test_tampered_portable_folder_is_a_clear_load_error(folders, tmp_path, what)
                                 dict(capacity_tokens=10**20), dict(capacity_tokens="64"), dict(capacity_tokens=64.0),
                                 dict(capacity_tokens=True), dict(capacity_tokens=np.int64(64)),
                                 dict(prefill_tokens=0), dict(prefill_tokens=1), dict(prefill_tokens=None, capacity_tokens=16330),
-                                dict(capacity_tokens=2, prefill_tokens=8192)])
+                                dict(capacity_tokens=2, prefill_tokens=8192),
+                                dict(capacity_tokens=8, prefill_tokens=64)])  # a chunk past the ring: 10 GB for 8188
 def test_bad_portable_geometry_is_refused_before_any_work(tmp_path, kw):
     with pytest.raises(ConvertError, match="--capacity|--prefill-tokens"):
         convert(STORIES_SRC, tmp_path / "out", target="nnapi", **kw)
@@ -607,3 +608,8 @@ def test_serve_profile_defaults_follow_detection_and_yield_to_the_config(tmp_pat
     f.write_text("slots = 0\n")
     with pytest.raises(InvalidArgumentError, match="slots"):
         load_config(str(f), {})
+
+
+def test_a_small_ring_gets_a_prefill_chunk_no_larger_than_itself(tmp_path):
+    m = convert(STORIES_SRC, tmp_path / "out", target="nnapi", capacity_tokens=8)
+    assert (m.portable.capacity_tokens, m.portable.prefill_tokens) == (8, 8)
