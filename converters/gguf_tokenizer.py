@@ -52,6 +52,12 @@ def tokenizer_json(meta: dict, name: str) -> str:
     types = _numbers(meta, "tokenizer.ggml.token_type", len(tokens), name, integer=True)
     types = [1] * len(tokens) if types is None else [int(t) for t in types]
     vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):  # a normal token twice: a text would encode to one id, the other decode to ""
+        first: dict[str, int] = {}
+        for i, (t, ty) in enumerate(zip(tokens, types)):
+            if ty == 1 and t in first:
+                raise ConvertError(f"{name} metadata: the token {t!r} is both id {first[t]} and id {i}")
+            first.setdefault(t, i) if ty == 1 else None
     if kind == "llama":
         scores = _numbers(meta, "tokenizer.ggml.scores", len(tokens), name)
         if scores is None:
@@ -178,13 +184,14 @@ def tokenizer_info(meta: dict, name: str = "") -> TokenizerInfo:
 
 
 def _check_template(template: str, name: str) -> None:
-    """The chat template parses as the runtime will compile it (edgeinfer.chat.ChatTemplate)."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    """The chat template compiles as the runtime will compile it (`edgeinfer.chat.compile_template`:
+    its sandbox, its `{% generation %}` tag; an unknown filter fails there, not only bad syntax)."""
+    from edgeinfer.chat import compile_template
+    from edgeinfer.errors import ModelFormatError
 
     try:
-        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(template)
-    except jinja2.TemplateError as e:
+        compile_template(template)
+    except ModelFormatError as e:
         raise ConvertError(f"{name}: the GGUF's chat template does not parse ({e})") from None
 
 

@@ -36,6 +36,17 @@ def _int(cfg: dict, key: str, default: int | None = None) -> int:
     return v
 
 
+MIN_CONTEXT = 16  # fewer positions leave no ring to decode in beside load's attention sinks
+
+
+def _context(cfg: dict) -> int:
+    n = _int(cfg, "max_position_embeddings", 2048)
+    if n < MIN_CONTEXT:  # it converted, then no folder of it could load with the defaults
+        raise ConvertError(f"config.json: max_position_embeddings (the context) must be at least {MIN_CONTEXT}, "
+                           f"got {n}")
+    return n
+
+
 def _positive(v, key: str) -> float:
     """A finite positive number (a float field: eps, rope theta, a scaling factor), or ConvertError."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -120,7 +131,7 @@ def common_spec(cfg: dict, family: str, *, qkv_bias: bool, o_bias: bool = False,
         vocab_size=_int(cfg, "vocab_size"),
         rms_norm_eps=_positive(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         rope=parse_rope(cfg),
-        max_position_embeddings=_int(cfg, "max_position_embeddings", 2048),
+        max_position_embeddings=_context(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,

@@ -124,6 +124,7 @@ def test_unsupported_architecture_lists_supported(capsys, src, tmp_path):
     ({"hidden_size": -64}, "'hidden_size' must be a positive integer"),
     ({"rope_scaling": "linear"}, "'rope_scaling' must be an object"),
     ({"architectures": "LlamaForCausalLM"}, "architectures must be a list of names"),
+    ({"max_position_embeddings": 2}, "must be at least 16"),
     ({"rope_parameters": "x"}, "'rope_parameters' must be an object"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": "abc"}, "sliding_window"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 3}, "integer >= 16"),

@@ -113,8 +113,9 @@ def test_wrong_typed_metadata_is_a_convert_error(tmp_path, fields):
     {"tokenizer.ggml.eos_token_id": (99999, V.UINT32)},
     {"tokenizer.ggml.bos_token_id": ("1", V.STRING)},  # the manifest written fails its own schema
     {"tokenizer.chat_template": ("{% if %}", V.STRING)},  # load refuses the whole model
+    {"tokenizer.chat_template": ("{{ messages | nosuchfilter }}", V.STRING)},  # parses, does not compile
 ], ids=["eps_neg", "eps_nan", "theta_0", "theta_neg", "theta_nan", "linear_factor_0", "bos_oob", "eos_oob",
-        "bos_str", "template_unparsable"])
+        "bos_str", "template_unparsable", "template_unknown_filter"])
 def test_metadata_that_breaks_the_model_is_refused_at_convert(tmp_path, fields):
     _converts_cleanly_or_refuses(tmp_path, _mutate(Q8, tmp_path / "bad.gguf", fields))
 
@@ -271,3 +272,17 @@ def test_llama_bpe_without_add_bos_key_adds_bos_as_llama_cpp_does():
     file has no tokenizer.ggml.add_bos_token; we add none."""
     meta = _bpe_meta(pre="llama-bpe", bos_token_id=1)
     assert tokenizer_info(meta).add_bos
+
+
+def test_a_normal_token_twice_in_the_vocabulary_is_refused(tmp_path):
+    """Token 511 renamed to "," (id 432's text): "," encoded as 511 and a generated 432 decoded to
+    nothing, so commas vanished from the text and perplexity went 5.84 -> 10.25 (hostile review)."""
+    r = gguf.GGUFReader(Q8)
+    tokens = r.fields["tokenizer.ggml.tokens"].contents()
+    types = r.fields["tokenizer.ggml.token_type"].contents()
+    comma = tokens.index(",")
+    last = max(i for i, t in enumerate(types) if t == 1 and i != comma)
+    tokens[last] = ","
+    src = _mutate(Q8, tmp_path / "dup.gguf", {"tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING)})
+    with pytest.raises(ConvertError, match="the token ',' is both id"):
+        convert(src, tmp_path / "out")
