@@ -416,11 +416,13 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
         log(f"graph built and weights written in {time.perf_counter() - t0:.1f} s")
         if gguf:
             quant_used = "keep" if keep else (portable.weights if portable else scheme.weights)
-            sources, origin = {src.name: sha256_file(src)}, gguf_import.origin(ckpt, quant_used, src_tensors.requantized)
+            sources, origin = {src.name: sha256_file(src)}, gguf_import.origin(ckpt, quant_used, src_tensors.requantized,
+                                                                           src_tensors.kept_types)
             if origin.kept_exact:
                 log(f"kept exactly as in the file: {', '.join(origin.kept_exact)} blocks")
             if origin.requantized:
-                log(f"re-quantized ({len(origin.requantized)} tensors of types we cannot keep): "
+                log(f"not kept as their blocks ({len(origin.requantized)} tensors: a type we cannot keep, or mixed "
+                    "with one in a stacked projection): "
                     + "; ".join(origin.requantized[:3]) + (" ..." if len(origin.requantized) > 3 else ""))
         else:
             tokenizer_files = [n for n in TOKENIZER_FILES if (src / n).exists()]

@@ -57,7 +57,8 @@ class TensorSource:
         self.ckpt = ckpt
         self.keep = keep
         self.used: set[str] = set()
-        self.requantized: dict[str, str] = {}  # name -> "Q6_K -> int8"
+        self.requantized: dict[str, str] = {}  # name -> "Q6_K -> int8": what it was, what it is stored as
+        self.kept_types: set[str] = set()  # GGUF types of the tensors whose blocks were taken over exactly
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """The tensor as a float array; ConvertError if it holds NaN or infinity (quantizing would
@@ -82,24 +83,36 @@ class TensorSource:
 
     def stored_kind(self, name: str) -> str:
         """With `keep`: how a tensor that is not taken over as blocks is stored (its type's kind)."""
-        qtype = self.ckpt.gguf_type(name)
-        kind = self.ckpt.stored_kind(qtype)
-        if qtype not in FLOAT_TYPES:
-            self.requantized[name] = f"{qtype} -> {kind}"
+        return self.stored_as([name], self.ckpt.stored_kind(self.ckpt.gguf_type(name)))
+
+    def stored_as(self, names: list[str], kind: str) -> str:
+        """Record that tensors `names` are stored as `kind` though not as their blocks (the manifest's
+        `requantized`: each quantized one as it really is stored, a kept type included); returns kind."""
+        for name in names:
+            qtype = self.ckpt.gguf_type(name)
+            if qtype not in FLOAT_TYPES:
+                self.requantized[name] = f"{qtype} -> {kind}"
         return kind
+
+    def kept(self, names: list[str], b: Blocks) -> Blocks:
+        """Record that tensors `names` are stored as their own blocks `b`; returns b."""
+        self.kept_types.update(self.ckpt.gguf_type(n) for n in names)
+        return b
 
     def projection(self, parts: list[tuple[str, tuple[int, int]]], kind: str) -> tuple[np.ndarray | Blocks, str]:
         """One projection's [N, K] weight with its parts (q|k|v, gate|up) stacked along N, and the
         kind to store it as: `kind`, or with `keep` the parts' blocks stacked exactly, or else the
-        widest kind the parts' types imply."""
+        widest kind the parts' types imply (every part then stored at that kind, and recorded so)."""
+        names = [n for n, _ in parts]
         if self.keep:
             blocks = [self.blocks(n, s) for n, s in parts]
             if all(b is not None for b in blocks):
                 try:
-                    return (blocks[0] if len(blocks) == 1 else stack(blocks)), kind
+                    return self.kept(names, blocks[0] if len(blocks) == 1 else stack(blocks)), kind
                 except ValueError:
                     pass
-            kind = max((self.stored_kind(n) for n, _ in parts), key=KIND_WIDTH.index)
+            widest = max((self.ckpt.stored_kind(self.ckpt.gguf_type(n)) for n in names), key=KIND_WIDTH.index)
+            kind = self.stored_as(names, widest)
         arrays = [self.get(n, s) for n, s in parts]
         return (arrays[0] if len(arrays) == 1 else np.concatenate(arrays)), kind
 
@@ -120,6 +133,8 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
     V, D = spec.vocab_size, spec.hidden_size
     tied = spec.tie_word_embeddings or "lm_head.weight" not in src.ckpt
     kept = src.blocks("model.embed_tokens.weight", (V, D))
+    if kept is not None:
+        src.kept(["model.embed_tokens.weight"], kept)
     if kept is None and not src.keep and scheme.recipe == "q4_1" and scheme.embedding == "int4" and D % 32 == 0:
         kept = q4_1_blocks(src.get("model.embed_tokens.weight", (V, D)))
     if kept is not None:

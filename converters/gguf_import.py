@@ -84,10 +84,11 @@ def keep_scheme(ckpt: GGUFCheckpoint, spec: ArchSpec, accuracy_level: int | None
                        embedding=embedding, lm_head=head, int8_tensors=int8, scale_dtype="float16")
 
 
-def origin(ckpt: GGUFCheckpoint, quant: str, requantized: dict[str, str]) -> Origin:
-    """The manifest's origin for a GGUF converted with `quant` ("keep", or a width)."""
+def origin(ckpt: GGUFCheckpoint, quant: str, requantized: dict[str, str], kept_types=()) -> Origin:
+    """The manifest's origin for a GGUF converted with `quant` ("keep", or a width): `kept_types`, the
+    types of the tensors whose blocks were taken over exactly (`TensorSource.kept_types`)."""
     types = ckpt.type_counts()
-    kept = tuple(t for t in types if t in KEPT_TYPES) if quant == "keep" else ()
+    kept = tuple(t for t in types if t in kept_types) if quant == "keep" else ()
     return Origin(format="gguf", file=ckpt.path.name, tensor_types=types, quant=quant, kept_exact=kept,
                   requantized=tuple(f"{n}: {how}" for n, how in sorted(requantized.items())))
 

@@ -62,7 +62,7 @@ def origin_line(m: Manifest) -> str:
     if o.quant != "keep":
         kept = f"; every tensor re-quantized ({o.quant})" if o.quant else ""
     else:
-        kept = f"; kept exactly: {', '.join(o.kept_exact)}" if o.kept_exact else "; tensors kept as the file holds them"
+        kept = f"; kept exactly: {', '.join(o.kept_exact)}" if o.kept_exact else "; no tensor's blocks kept exactly"
     requant = f"; re-quantized: {len(o.requantized)} tensors ({o.requantized[0]}{', ...' if len(o.requantized) > 1 else ''})" \
         if o.requantized else ""
     return f"GGUF {o.file} ({types}){kept}{requant}"
