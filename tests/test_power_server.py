@@ -42,8 +42,13 @@ def hot_srv():
 
 
 def _set(srv, readings):
+    """The device reads `readings` from now on: ticks until the controller's median of the last
+    temperatures is theirs (one reading alone is taken for a glitch)."""
+    from edgeinfer.power.controller import TEMP_MEDIAN_OF
+
     srv.sensors.now = readings
-    srv.server.model.power.tick()
+    for _ in range(TEMP_MEDIAN_OF):
+        srv.server.model.power.tick()
 
 
 def test_background_is_refused_while_hot_and_interactive_runs_paced(hot_srv):

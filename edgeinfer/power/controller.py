@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, replace
 
 from edgeinfer.power.policy import MIN_TOKENS_PER_S, Load, Plan, Policy, decide, safe_plan
@@ -32,6 +33,7 @@ from edgeinfer.power.threads import CoreLimit
 log = logging.getLogger("edgeinfer.power")
 
 DEFAULT_INTERVAL_S = 0.5
+TEMP_MEDIAN_OF = 5  # readings a temperature is the median of (2 s at the default interval)
 MAX_SLEEP_S = 1.0 / MIN_TOKENS_PER_S
 
 
@@ -58,6 +60,7 @@ class PowerController:
         self.cores = cores if cores is not None else CoreLimit.shared()
         self.interval_s, self.clock, self.sleep = float(interval_s), clock, sleep
         self.readings: Readings | None = None
+        self._temps: deque = deque(maxlen=TEMP_MEDIAN_OF)  # the last temperatures read, for `_smoothed`
         self.plan: Plan | None = None
         self.paced_s_total = 0.0
         self._lock = threading.Lock()  # the step statistics
@@ -77,7 +80,7 @@ class PowerController:
                     tokens_per_s=steps / span if steps else None,
                     unpaced_tokens_per_s=steps / compute_s if steps and compute_s > 0 else None)
         try:
-            readings = replace(self.sensors.read(), time_s=now)  # one clock for plans and pacing
+            readings = self._smoothed(replace(self.sensors.read(), time_s=now))  # one clock for plans and pacing
             for w in readings.warnings:
                 self._warn(f"sensor: {w}")
             plan = decide(readings, self.policy, load, self.plan)
@@ -89,6 +92,16 @@ class PowerController:
         if plan.threads != self.cores.applied:
             self.cores.apply(plan.threads)
         return plan
+
+    def _smoothed(self, r: Readings) -> Readings:
+        """The readings with temp_c the median of the last TEMP_MEDIAN_OF read: a sensor glitch (52 ->
+        120 -> 52 °C in half a second; a real die does not jump 68 °C) must not throttle decoding to
+        1 token/s for the plan's hold time. A real rise shows after TEMP_MEDIAN_OF // 2 + 1 samples."""
+        if r.temp_c is None:
+            self._temps.clear()
+            return r
+        self._temps.append(r.temp_c)
+        return replace(r, temp_c=sorted(self._temps)[len(self._temps) // 2])
 
     def set_policy(self, policy: Policy) -> Plan:
         """Switch policy now (e.g. the user changed a limit); the next plan is decided at once."""
