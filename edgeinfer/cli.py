@@ -274,8 +274,8 @@ def _cmd_power(args: argparse.Namespace) -> int:
     from edgeinfer.power.report import format_report, report
     from edgeinfer.power.sensors import Sensors, sensors_from_fixture
 
-    if args.watch and not (math.isfinite(args.interval_s) and args.interval_s > 0):
-        raise EdgeInferError(f"--interval-s must be a positive number of seconds, got {args.interval_s}")
+    if args.watch and not (math.isfinite(args.interval_s) and 0 < args.interval_s <= 86400):
+        raise EdgeInferError(f"--interval-s must be a number of seconds in (0, 86400], got {args.interval_s}")
     if args.root is not None and not (args.root / "root").is_dir() and not (args.root / "platform.txt").is_file():
         raise EdgeInferError(f"{args.root} is not a recorded device (a folder with root/ and platform.txt)")
     sensors = sensors_from_fixture(args.root) if args.root is not None else Sensors()
@@ -375,9 +375,17 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader went away: Python's docs (signal, "Note on SIGPIPE") advise pointing stdout at
         # devnull, so that flushing it again at exit does not raise, and leaving quietly.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _drop_stdout()
         return 141
+    except OSError as e:  # the output cannot be written (a full disk: > /dev/full), a file that vanished
+        print(f"edgeinfer: error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""), file=sys.stderr)
+        _drop_stdout()  # what is still buffered would fail again at exit, with a traceback
+        return 1
+
+
+def _drop_stdout() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -86,3 +86,24 @@ def test_closed_pipe_ends_quietly():
     rc = p.wait(timeout=120)
     assert "Traceback" not in err and "Broken pipe" not in err and "Exception ignored" not in err, err
     assert rc == 141  # the writer did meet the closed pipe (128 + SIGPIPE)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("extra", [[], ["--stream"]])
+def test_output_to_a_full_disk_is_one_line(extra):
+    """`edgeinfer generate ... > /dev/full`: an OSError traceback (twice: again at exit) before."""
+    argv = [sys.executable, "-m", "edgeinfer", "generate", "Once", "--max-tokens", "20", *extra]
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, timeout=120)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and err.strip().splitlines() == ["edgeinfer: error: No space left on device"], err
+
+
+def test_power_limits_past_any_float_and_a_watch_interval_past_a_day_are_one_line_errors(capsys):
+    from edgeinfer.errors import InvalidArgumentError
+    from edgeinfer.power.policy import Policy
+
+    with pytest.raises(InvalidArgumentError, match="max_tokens_per_s must be a number"):
+        Policy("balanced", max_tokens_per_s=10 ** 400)
+    assert main(["power", "--watch", "--interval-s", "1e10"]) == 1
+    assert "--interval-s must be a number of seconds in (0, 86400]" in capsys.readouterr().err

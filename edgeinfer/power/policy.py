@@ -71,8 +71,8 @@ class Policy:
             v = getattr(self, field)
             if v is None:
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-                raise InvalidArgumentError(f"power policy {field} must be a number in [{lo:g}, {hi:g}], got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or not math.isfinite(v):
+                raise InvalidArgumentError(f"power policy {field} must be a number in [{lo:g}, {hi:g}], got {v!r:.40}")
         if self.hysteresis_c >= self.warm_band_c:
             raise InvalidArgumentError(f"hysteresis_c ({self.hysteresis_c}) must be less than warm_band_c "
                                        f"({self.warm_band_c}): the warm level would never be left")
