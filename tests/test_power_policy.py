@@ -310,3 +310,18 @@ def test_one_absurd_temperature_sample_does_not_throttle():
     ctl = PowerController(Policy("balanced"), Script(*rise), cores(), clock=FakeClock())
     levels = [ctl.tick().level for _ in rise]
     assert levels[:4] != ["hot"] * 4 and levels[4] == "hot" and ctl.readings.temp_c == 95.0
+
+
+def test_a_limit_no_sensor_here_can_enforce_is_said_once(caplog):
+    """A device with no power or temperature reading (hostile review: --max-temp-c 40 and
+    --power-budget-w 0.5 were accepted without a word, and nothing was paced)."""
+    import logging
+
+    ctl = PowerController(Policy("thermal-guard", max_temp_c=60.0, power_budget_w=5.0), Script(Readings()), cores(),
+                          clock=FakeClock())
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            ctl.tick()
+    said = [r.getMessage() for r in caplog.records if "is not enforced" in r.getMessage()]
+    assert sorted(said) == ["edgeinfer power: max_temp_c is not enforced: no temperature can be read on this device",
+                            "edgeinfer power: power_budget_w is not enforced: no power draw can be read on this device"]

@@ -83,6 +83,10 @@ class PowerController:
             readings = self._smoothed(replace(self.sensors.read(), time_s=now))  # one clock for plans and pacing
             for w in readings.warnings:
                 self._warn(f"sensor: {w}")
+            for limit, reading, what in (("max_temp_c", "temp_c", "temperature"), ("power_budget_w", "power_w", "power draw"),
+                                         ("min_battery_pct", "battery_pct", "battery level")):
+                if getattr(self.policy, limit) is not None and getattr(readings, reading) is None:
+                    self._warn(f"{limit} is not enforced: no {what} can be read on this device")
             plan = decide(readings, self.policy, load, self.plan)
         except Exception as e:  # a reader or the policy failed: run safe, say it once
             self._warn(f"power control failed ({type(e).__name__}: {e}); running the safe plan")
