@@ -325,3 +325,24 @@ def test_a_limit_no_sensor_here_can_enforce_is_said_once(caplog):
     said = [r.getMessage() for r in caplog.records if "is not enforced" in r.getMessage()]
     assert sorted(said) == ["edgeinfer power: max_temp_c is not enforced: no temperature can be read on this device",
                             "edgeinfer power: power_budget_w is not enforced: no power draw can be read on this device"]
+
+
+def test_garbage_sensor_text_is_not_a_reading(tmp_path):
+    """Python's float() and int() take what no sensor writes (hostile review): "8_5_000" read as
+    85 °C made the plan hot; a 5,000-digit vcgencmd mask set every throttle bit; a 5,000-digit thermal
+    level was an internal error that lost the field."""
+    from edgeinfer.power.android import parse_thermal_status
+    from edgeinfer.power.linux_sysfs import SysfsTree
+    from edgeinfer.power.macos import parse_pmset_therm
+    from edgeinfer.power.raspberry_pi import parse_throttle_mask
+    from edgeinfer.power.linux_sysfs import Report
+
+    report = Report()
+    tree = SysfsTree(tmp_path)
+    for text, want in (("8_5_000", None), ("85000", 85000.0), ("41.5", 41.5), ("nan", None), ("1e5", None)):
+        (tmp_path / "t").write_text(text)
+        assert tree.number(tmp_path / "t", report) == want, text
+    assert parse_throttle_mask("throttled=0x" + "f" * 5000) is None
+    assert parse_throttle_mask("throttled=0x50005") == 0x50005
+    assert parse_pmset_therm("Thermal warning level = " + "9" * 5000, Report())["thermal_status"] is None
+    assert parse_thermal_status("Thermal Status: " + "9" * 5000, Report()) is None

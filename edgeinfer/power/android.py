@@ -88,7 +88,7 @@ def parse_thermal_status(text: str, report: Report) -> str | None:
     if m is None:
         report.warn(f"dumpsys thermalservice: no Thermal Status line: {text.strip()[:32]!r}")
         return None
-    if not m.group(1).isdigit() or int(m.group(1)) >= len(ANDROID_THERMAL_STATUS):
+    if not m.group(1).isdigit() or len(m.group(1)) > 2 or int(m.group(1)) >= len(ANDROID_THERMAL_STATUS):
         report.warn(f"dumpsys thermalservice: unknown thermal status {m.group(1)[:24]!r}")
         return None
     return ANDROID_THERMAL_STATUS[int(m.group(1))]

@@ -141,8 +141,12 @@ class SysfsTree:
         text = self.text(path, report)
         if text is None:
             return None
-        try:
-            return float(int(text)) if re.fullmatch(r"[+-]?\d+", text) else float(text)
+        try:  # a plain integer or decimal only: float() would take "8_5_000" (85 °C) and "nan"
+            if re.fullmatch(r"[+-]?\d{1,30}", text):
+                return float(int(text))
+            if not re.fullmatch(r"[+-]?\d{1,30}\.\d{1,30}", text):
+                raise ValueError(text)
+            return float(text)
         except (ValueError, OverflowError):  # garbage, or an integer too long for a float
             report.warn(f"{self.rel(path)}: not a number: {text[:24]!r}")
             return None

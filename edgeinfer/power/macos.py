@@ -32,7 +32,7 @@ PMSET_CACHE_S = 5.0
 _SOURCE = re.compile(r"Now drawing from '([^']+)'")
 _BATTERY = re.compile(r"(-?\d+(?:\.\d+)?)%;\s*([^;\n]+)")
 _SPEED = re.compile(r"^\s*CPU_Speed_Limit\s*=\s*(\S+)", re.MULTILINE)
-_LEVEL = re.compile(r"thermal[ _]*(?:warning[ _]*)?level\s*[=:]\s*(\d+)", re.IGNORECASE)
+_LEVEL = re.compile(r"thermal[ _]*(?:warning[ _]*)?level\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE)  # a level, not 5,000 digits
 _CHARGING = {"charging": True, "charged": True, "finishing charge": True,
              "discharging": False, "ac attached": False}
 

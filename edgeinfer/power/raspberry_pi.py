@@ -38,7 +38,7 @@ def parse_throttle_mask(text: str) -> int | None:
     text = text.strip()
     if text.startswith("throttled="):
         text = text[len("throttled="):]
-    if not re.fullmatch(r"(0[xX])?[0-9a-fA-F]+", text):
+    if not re.fullmatch(r"(0[xX])?[0-9a-fA-F]{1,8}", text):  # the firmware's mask is 32 bits (bits 0-19 used)
         return None
     return int(text, 16)
 
