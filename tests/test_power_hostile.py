@@ -688,3 +688,28 @@ def test_background_refused_without_key_is_a_401_not_a_plan_leak(srv):
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Once"},
                    headers={"x-edgeinfer-priority": "background"})
     assert r.status_code == 401 and "power plan" not in r.text
+
+
+@needs_affinity
+def test_a_pin_made_after_the_first_model_is_honoured_and_given_back(restore_affinity):
+    """A power-controlled Model loaded and dropped, then the user pins the process to one core, then
+    a second Model confines on battery (hostile review: it moved the process to the core the user had
+    excluded, and dropping it undid the pin)."""
+    m = edgeinfer.load(power=Policy("battery", hold_s=0.0))
+    del m
+    gc.collect()
+    allowed = sorted(os.sched_getaffinity(0))
+    pin = {allowed[-1]}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), pin)
+        except OSError:
+            pass
+    m = edgeinfer.load(power=Policy("battery", hold_s=0.0))
+    m.power.sensors = Switch(BATTERY)
+    m.power.tick()
+    assert os.sched_getaffinity(0) == pin
+    ref = weakref.ref(m.power)
+    del m
+    gc.collect()
+    assert ref() is None and os.sched_getaffinity(0) == pin

@@ -33,9 +33,10 @@ def allowed_cores() -> list[int]:
 
 
 class CoreLimit:
-    """Confine the process to `k` of the cores it had when this was made. Affinity is the process's,
-    so every controller of a live process shares one (`shared()`): with two Models under power
-    control the last plan applied wins."""
+    """Confine the process to `k` of the cores it may use, and give them back. The cores are read
+    again each time it starts to confine (the user may have pinned the process since), and those
+    are what it gives back. Affinity is the process's, so every controller of a live process shares
+    one (`shared()`): with two Models under power control the last plan applied wins."""
 
     _shared: "CoreLimit | None" = None
     _shared_lock = threading.Lock()
@@ -49,6 +50,7 @@ class CoreLimit:
 
     def __init__(self, cores: list[int] | None = None, task_dir: str = "/proc/self/task"):
         self.cores = list(cores) if cores is not None else allowed_cores()
+        self._follow = cores is None  # re-read the allowed cores whenever this does not confine them
         self.task_dir = task_dir
         self.supported = hasattr(os, "sched_setaffinity") and os.path.isdir(task_dir)
         self.applied = len(self.cores)  # cores the process is confined to now
@@ -61,8 +63,12 @@ class CoreLimit:
     def apply(self, k: int) -> int:
         """Confine every thread of the process to the first k cores (1 <= k <= max_threads, clamped);
         return the count now in force. Threads that exit meanwhile are skipped; never raises."""
-        k = max(1, min(int(k), len(self.cores)))
         with self._lock:
+            if self._follow and self.applied == len(self.cores):  # not confined by us: the user's pin now
+                now = allowed_cores()
+                if now and now != self.cores:
+                    self.cores, self.applied = now, len(now)
+            k = max(1, min(int(k), len(self.cores)))
             if not self.supported:  # reported only
                 self.applied = k
                 return k
