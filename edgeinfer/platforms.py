@@ -267,7 +267,7 @@ def detect_from_fixture(folder: Path | str, profiles: dict[str, Profile] | None 
 
     try:
         env = json.loads(text("env.json", "{}"))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's limit
         raise InvalidArgumentError(f"{folder / 'env.json'}: not JSON: {str(e)[:200]}") from None
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise InvalidArgumentError(f"{folder / 'env.json'} must be a JSON object of name -> string")

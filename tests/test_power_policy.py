@@ -346,3 +346,24 @@ def test_garbage_sensor_text_is_not_a_reading(tmp_path):
     assert parse_throttle_mask("throttled=0x50005") == 0x50005
     assert parse_pmset_therm("Thermal warning level = " + "9" * 5000, Report())["thermal_status"] is None
     assert parse_thermal_status("Thermal Status: " + "9" * 5000, Report()) is None
+
+
+def test_the_power_report_escapes_control_characters_from_the_device():
+    from edgeinfer.power.report import format_report, report
+
+    text = format_report(report(Readings(device="Pi \x1b]0;pwned\x07 5", temp_c=50.0)))
+    assert "\x1b" not in text and "\x07" not in text and "Pi \\x1b]0;pwned\\x07 5" in text
+
+
+def test_deeply_nested_recorded_device_files_are_one_line_errors(tmp_path):
+    from edgeinfer.errors import InvalidArgumentError
+    from edgeinfer.platforms import detect_from_fixture
+    from edgeinfer.power.sensors import sensors_from_fixture
+
+    (tmp_path / "root").mkdir()
+    (tmp_path / "commands.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(InvalidArgumentError, match="not a readable recorded device"):
+        sensors_from_fixture(tmp_path)
+    (tmp_path / "env.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(InvalidArgumentError, match="env.json: not JSON"):
+        detect_from_fixture(tmp_path)

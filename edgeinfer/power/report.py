@@ -53,4 +53,10 @@ def format_report(data: dict) -> str:
         cap = f"{p['max_tokens_per_s']:.1f} tok/s" if p["max_tokens_per_s"] else "unpaced"
         lines.append(f"  {name:<13} {p['threads']} cores, {cap}, background "
                      f"{'admitted' if p['admit_background'] else 'refused'}  ({p['reason'] or p['level']})")
-    return "\n".join(lines)
+    return "\n".join(map(_printable, lines))
+
+
+def _printable(line: str) -> str:
+    """The device's own strings (its model name, a command's output) with control characters escaped:
+    an escape sequence in a device-tree model must not reach the terminal (a title change, a clear)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)

@@ -131,7 +131,7 @@ def sensors_from_fixture(folder: Path | str,
     try:
         outputs = json.loads(commands_file.read_text(encoding="utf-8")) if commands_file.is_file() else {}
         platform = platform_file.read_text(encoding="utf-8").strip() if platform_file.is_file() else "linux"
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deeply
         raise InvalidArgumentError(f"{folder} is not a readable recorded device: {str(e)[:200]}") from None
     if not isinstance(outputs, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
                                                 for k, v in outputs.items()):
