@@ -99,6 +99,8 @@ def _load(args: argparse.Namespace):
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.stream and args.json:
+        raise EdgeInferError("--json prints the whole completion as one object: it does not go with --stream")
     opts = _options(args)  # a bad option fails before the model loads
     model = _load(args)
     if args.stream:
@@ -133,11 +135,15 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         except UnicodeDecodeError as e:  # stdin decoded strictly (a UTF-8 locale) met a bad byte
             print(f"edgeinfer: error: the input is not valid UTF-8 ({e.reason}); line skipped", file=sys.stderr)
             continue
-        if line.strip() in ("/quit", "/exit"):
+        command = line.strip().lower()
+        if command in ("/quit", "/exit"):
             return 0
-        if line.strip() == "/reset":
+        if command == "/reset":
             conv.reset()
             print("(context cleared)", file=sys.stderr)
+            continue
+        if command in ("/help", "/?"):  # not a message to the model
+            print("/reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
             continue
         if not line.strip():
             continue

@@ -107,3 +107,18 @@ def test_power_limits_past_any_float_and_a_watch_interval_past_a_day_are_one_lin
         Policy("balanced", max_tokens_per_s=10 ** 400)
     assert main(["power", "--watch", "--interval-s", "1e10"]) == 1
     assert "--interval-s must be a number of seconds in (0, 86400]" in capsys.readouterr().err
+
+
+def test_chat_help_is_not_a_message_and_json_does_not_go_with_stream(capsys):
+    """/help (and /RESET in capitals) were sent to the model as prompts; --json with --stream was
+    ignored (hostile review). power="off" loads as serve --power off does."""
+    import edgeinfer
+
+    argv = [sys.executable, "-m", "edgeinfer", "chat", "--max-tokens", "3"]
+    r = subprocess.run(argv, input=b"/help\n/RESET\n/quit\n", capture_output=True, timeout=120)
+    err = r.stderr.decode()
+    assert r.returncode == 0 and r.stdout.decode().replace("> ", "").strip() == "", (r.stdout, err)
+    assert "/reset clears the context" in err.splitlines()[-2] and "(context cleared)" in err
+    assert main(["generate", "Once", "--stream", "--json"]) == 1
+    assert "does not go with --stream" in capsys.readouterr().err
+    assert edgeinfer.load(power="off").power is None

@@ -97,9 +97,12 @@ class Policy:
 
 
 def resolve_policy(power) -> Policy | None:
-    """`load(power=...)`: None (off), a policy name, or a Policy; anything else is refused."""
+    """`load(power=...)`: None or "off" (off, as `serve --power off`), a policy name, or a Policy;
+    anything else is refused."""
     if power is None or isinstance(power, Policy):
         return power
+    if power == "off":
+        return None
     if isinstance(power, str):
         return Policy(power)
     raise InvalidArgumentError(f"power must be None, one of {', '.join(POLICY_NAMES)}, or a Policy, got {power!r}")
