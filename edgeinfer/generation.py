@@ -111,8 +111,14 @@ class Generation:
         return self.completion
 
     def close(self) -> None:
-        """Abandon the request now (what a dropped Generation does)."""
+        """Abandon the request now (what a dropped Generation does), from the thread iterating it."""
         self._steps.close()
+
+    def cancel(self) -> None:
+        """Stop the request from any thread: the thread iterating it gets GenerationCancelled at the
+        next prefill chunk or token, also from inside a power plan's pacing sleep (close() from
+        another thread while it runs is refused by Python: "generator already executing")."""
+        self._request.cancelled.set()
 
     @property
     def completion(self) -> Completion | None:
@@ -167,8 +173,9 @@ class Request:
         self.engine, self.tok, self.cache, self.options, self.overflow = engine, tok, cache, options, overflow
         self.load_ms, self.logprobs = load_ms, logprobs
         self.stepper = stepper if stepper is not None else SoloStepper(engine)
-        self.prefix, self.cancelled = list(prefix), cancelled
-        self.pacer = power.pacer(cancelled) if power is not None else None
+        # the event `Generation.cancel` sets (the daemon passes its own, set when a client leaves)
+        self.prefix, self.cancelled = list(prefix), cancelled if cancelled is not None else threading.Event()
+        self.pacer = power.pacer(self.cancelled) if power is not None else None
         self.completion: Completion | None = None
         self.unfed: tuple[int, ...] = ()
         self.cached_text = ""
