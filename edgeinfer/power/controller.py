@@ -198,9 +198,9 @@ class Pacer:
             target = self._release + period
             wait = min(target - now, MAX_SLEEP_S)
             if wait > 0:
-                if self.cancelled is not None:
+                if self.cancelled is not None and c.sleep is time.sleep:  # cancel() wakes it at once
                     self.cancelled.wait(wait)
-                else:
+                else:  # a simulation's clock (or no cancel event): its own sleep, as given
                     c.sleep(wait)
                 after = clock()
                 self.paced_s += after - now
