@@ -192,7 +192,7 @@ def _check_template(template: str, name: str) -> None:
     try:
         compile_template(template)
     except ModelFormatError as e:
-        raise ConvertError(f"{name}: the GGUF's chat template does not parse ({e})") from None
+        raise ConvertError(f"{name}: {e}") from None  # "the model's chat template does not parse: ..."
 
 
 def write_tokenizer(meta: dict, name: str, folder: Path) -> list[str]:

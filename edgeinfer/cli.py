@@ -10,6 +10,7 @@ reports a command killed by SIGPIPE). None of them prints a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -383,8 +384,10 @@ def main(argv: list[str] | None = None) -> int:
         # devnull, so that flushing it again at exit does not raise, and leaving quietly.
         _drop_stdout()
         return 141
-    except OSError as e:  # the output cannot be written (a full disk: > /dev/full), a file that vanished
-        print(f"edgeinfer: error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""), file=sys.stderr)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            raise  # anything else is not expected here: a traceback says where
+        print(f"edgeinfer: error: cannot write the output: {e.strerror}", file=sys.stderr)  # > /dev/full, a full disk
         _drop_stdout()  # what is still buffered would fail again at exit, with a traceback
         return 1
 

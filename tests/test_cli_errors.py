@@ -96,7 +96,8 @@ def test_output_to_a_full_disk_is_one_line(extra):
     with open("/dev/full", "w") as full:
         r = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, timeout=120)
     err = r.stderr.decode()
-    assert r.returncode == 1 and err.strip().splitlines() == ["edgeinfer: error: No space left on device"], err
+    assert r.returncode == 1 and err.strip().splitlines() == [
+        "edgeinfer: error: cannot write the output: No space left on device"], err
 
 
 def test_power_limits_past_any_float_and_a_watch_interval_past_a_day_are_one_line_errors(capsys):

@@ -310,6 +310,14 @@ def test_one_absurd_temperature_sample_does_not_throttle():
     ctl = PowerController(Policy("balanced"), Script(*rise), cores(), clock=FakeClock())
     levels = [ctl.tick().level for _ in rise]
     assert levels[:4] != ["hot"] * 4 and levels[4] == "hot" and ctl.readings.temp_c == 95.0
+    # a missed read or a NaN between does not restart the window (review: 52, None, 120 went hot)
+    flaky = [Readings(temp_c=t, throttle_temp_c=85.0) for t in (52, 52, None, 120, float("nan"), 52, 52)]
+    ctl = PowerController(Policy("balanced"), Script(*flaky), cores(), clock=FakeClock())
+    assert all(ctl.tick().level != "hot" for _ in flaky)
+    # at or past the critical point it acts at once, and power_state shows the reading itself
+    crit = [Readings(temp_c=t, throttle_temp_c=85.0, critical_temp_c=105.0) for t in (60, 60, 60, 60, 120)]
+    ctl = PowerController(Policy("balanced"), Script(*crit), cores(), clock=FakeClock())
+    assert [ctl.tick().level for _ in crit][-1] == "hot" and ctl.readings.temp_c == 120.0
 
 
 def test_a_limit_no_sensor_here_can_enforce_is_said_once(caplog):
@@ -322,6 +330,10 @@ def test_a_limit_no_sensor_here_can_enforce_is_said_once(caplog):
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
             ctl.tick()
+        flaky = PowerController(Policy("balanced", max_temp_c=60.0), Script(Readings(temp_c=50.0), Readings(),
+                                                                            Readings(temp_c=50.0)), cores(), clock=FakeClock())
+        for _ in range(4):  # one missed read is not a missing sensor
+            flaky.tick()
     said = [r.getMessage() for r in caplog.records if "is not enforced" in r.getMessage()]
     assert sorted(said) == ["edgeinfer power: max_temp_c is not enforced: no temperature can be read on this device",
                             "edgeinfer power: power_budget_w is not enforced: no power draw can be read on this device"]

@@ -20,6 +20,7 @@ message; nothing on the token path can raise from here.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -34,6 +35,7 @@ log = logging.getLogger("edgeinfer.power")
 
 DEFAULT_INTERVAL_S = 0.5
 TEMP_MEDIAN_OF = 5  # readings a temperature is the median of (2 s at the default interval)
+UNENFORCED_AFTER = 3  # readings without a field before its limit is said to be unenforced
 MAX_SLEEP_S = 1.0 / MIN_TOKENS_PER_S
 
 
@@ -61,6 +63,7 @@ class PowerController:
         self.interval_s, self.clock, self.sleep = float(interval_s), clock, sleep
         self.readings: Readings | None = None
         self._temps: deque = deque(maxlen=TEMP_MEDIAN_OF)  # the last temperatures read, for `_smoothed`
+        self._reads, self._seen = 0, set()  # readings taken, and which fields were ever read (`_say_unenforced`)
         self.plan: Plan | None = None
         self.paced_s_total = 0.0
         self._lock = threading.Lock()  # the step statistics
@@ -80,14 +83,11 @@ class PowerController:
                     tokens_per_s=steps / span if steps else None,
                     unpaced_tokens_per_s=steps / compute_s if steps and compute_s > 0 else None)
         try:
-            readings = self._smoothed(replace(self.sensors.read(), time_s=now))  # one clock for plans and pacing
+            readings = replace(self.sensors.read(), time_s=now)  # one clock for plans and pacing
             for w in readings.warnings:
                 self._warn(f"sensor: {w}")
-            for limit, reading, what in (("max_temp_c", "temp_c", "temperature"), ("power_budget_w", "power_w", "power draw"),
-                                         ("min_battery_pct", "battery_pct", "battery level")):
-                if getattr(self.policy, limit) is not None and getattr(readings, reading) is None:
-                    self._warn(f"{limit} is not enforced: no {what} can be read on this device")
-            plan = decide(readings, self.policy, load, self.plan)
+            self._say_unenforced(readings)
+            plan = decide(self._smoothed(readings), self.policy, load, self.plan)
         except Exception as e:  # a reader or the policy failed: run safe, say it once
             self._warn(f"power control failed ({type(e).__name__}: {e}); running the safe plan")
             readings, plan = self.readings, safe_plan(load, f"power control failed: {type(e).__name__}",
@@ -98,14 +98,30 @@ class PowerController:
         return plan
 
     def _smoothed(self, r: Readings) -> Readings:
-        """The readings with temp_c the median of the last TEMP_MEDIAN_OF read: a sensor glitch (52 ->
-        120 -> 52 °C in half a second; a real die does not jump 68 °C) must not throttle decoding to
-        1 token/s for the plan's hold time. A real rise shows after TEMP_MEDIAN_OF // 2 + 1 samples."""
-        if r.temp_c is None:
-            self._temps.clear()
+        """What a plan decides on: temp_c the median of the last TEMP_MEDIAN_OF temperatures read (a
+        missed read or a NaN skipped, not a reset), so that a sensor glitch (52 -> 120 -> 52 °C in half
+        a second; a real die does not jump 68 °C) does not throttle decoding to 1 token/s for the
+        plan's hold time; a real rise shows after TEMP_MEDIAN_OF // 2 + 1 samples. A reading at or past
+        the device's critical point acts at once: there, a false alarm costs less than a late one."""
+        t = r.temp_c
+        if t is None or not math.isfinite(t):
+            return replace(r, temp_c=None)
+        self._temps.append(t)
+        if r.critical_temp_c is not None and t >= r.critical_temp_c:
             return r
-        self._temps.append(r.temp_c)
         return replace(r, temp_c=sorted(self._temps)[len(self._temps) // 2])
+
+    def _say_unenforced(self, r: Readings) -> None:
+        """Say once a limit that no sensor of this device can enforce: one that has never been read in
+        the first UNENFORCED_AFTER readings (a missed read now and then is not a missing sensor)."""
+        self._reads += 1
+        for limit, reading, what in (("max_temp_c", "temp_c", "temperature"), ("power_budget_w", "power_w", "power draw"),
+                                     ("min_battery_pct", "battery_pct", "battery level")):
+            if getattr(r, reading) is not None:
+                self._seen.add(reading)
+            elif (getattr(self.policy, limit) is not None and reading not in self._seen
+                  and self._reads >= UNENFORCED_AFTER):
+                self._warn(f"{limit} is not enforced: no {what} can be read on this device")
 
     def set_policy(self, policy: Policy) -> Plan:
         """Switch policy now (e.g. the user changed a limit); the next plan is decided at once."""

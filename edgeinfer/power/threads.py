@@ -26,9 +26,14 @@ SPIN_DURATION_US = 20
 
 
 def allowed_cores() -> list[int]:
-    """The cores this process may run on now (all online CPUs where affinity is not supported)."""
+    """The cores this process may run on now, as its main thread's affinity says (the one `taskset
+    -p` sets; the caller may be the power controller's own thread); all online CPUs where affinity
+    is not supported."""
     if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
+        try:
+            return sorted(os.sched_getaffinity(os.getpid()))  # on Linux the main thread's id is the pid
+        except OSError:
+            return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
 
 
@@ -64,9 +69,10 @@ class CoreLimit:
         """Confine every thread of the process to the first k cores (1 <= k <= max_threads, clamped);
         return the count now in force. Threads that exit meanwhile are skipped; never raises."""
         with self._lock:
-            if self._follow and self.applied == len(self.cores):  # not confined by us: the user's pin now
+            if self._follow and self.supported and self.applied >= 1:  # has the user pinned the process since?
                 now = allowed_cores()
-                if now and now != self.cores:
+                ours = self.cores[:self.applied]  # what the process has if nobody else moved it
+                if now and now != ours:  # they did: their cores are the ones to confine within, and give back
                     self.cores, self.applied = now, len(now)
             k = max(1, min(int(k), len(self.cores)))
             if not self.supported:  # reported only
