@@ -713,3 +713,20 @@ def test_a_pin_made_after_the_first_model_is_honoured_and_given_back(restore_aff
     del m
     gc.collect()
     assert ref() is None and os.sched_getaffinity(0) == pin
+
+
+@needs_affinity
+def test_a_pin_made_while_confined_is_kept_when_the_cores_are_given_back(restore_affinity):
+    """Confined to one core, the user pins every thread to the other; giving the cores back must not
+    undo that pin (review). A pin on the main thread alone (taskset -p) is what counts."""
+    limit = CoreLimit()
+    allowed = sorted(os.sched_getaffinity(os.getpid()))
+    limit.apply(1)
+    assert os.sched_getaffinity(0) == {allowed[0]}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {allowed[-1]})
+        except OSError:
+            pass
+    limit.apply(limit.max_threads)
+    assert os.sched_getaffinity(os.getpid()) == {allowed[-1]}
