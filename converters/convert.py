@@ -9,12 +9,9 @@ only an existing edgeinfer model folder (or an empty one), never one holding the
 from __future__ import annotations
 
 import dataclasses
-import errno
-import glob
 import importlib.util
 import json
 import os
-import secrets
 import shutil
 import time
 from pathlib import Path
@@ -25,19 +22,20 @@ import onnx
 from edgeinfer import __version__
 from edgeinfer.converters import gguf_import
 from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_decoder
+from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, temp_folder
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter
 from edgeinfer.converters import cuda_graph
 from edgeinfer.converters.ort_format import write_ort_format
 from edgeinfer.converters.portable import build_portable
-from edgeinfer.integrity import STAMP_FILE, sha256_file
+from edgeinfer.integrity import sha256_file
 from edgeinfer.converters.quantize import QUANTS, QuantScheme
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.converters.widen import WidenedSource, choose_kv_mode, widened_spec
 from edgeinfer.errors import ConvertError
 from edgeinfer.kv_mode import PORTABLE
-from edgeinfer.manifest import (MANIFEST_FILE, MODEL_FILE, Manifest, Origin, TokenizerInfo, graph_interface,
+from edgeinfer.manifest import (MODEL_FILE, Manifest, Origin, TokenizerInfo, graph_interface,
                                 portable_interface)
 from edgeinfer.portable import MAX_DIM, PORTABLE_TARGETS, PortableInfo
 
@@ -174,68 +172,6 @@ def _check_source(src: Path) -> None:
         raise ConvertError(f"source must be a Hugging Face model folder or a GGUF file, got another file: {src}")
     if not any((src / f).exists() for f in ("tokenizer.model", "tokenizer.json")):
         raise ConvertError(f"no tokenizer in {src} (need tokenizer.model or tokenizer.json)")
-
-
-def _check_destination(src: Path, dst: Path, force: bool) -> None:
-    """Refuse, before any work, a destination that `convert` must not create or replace.
-
-    DST must be a folder path whose nearest existing ancestor is a folder. An existing DST is
-    replaced only with `force`, and only if it is an edgeinfer model folder (has edgeinfer.json)
-    or an empty folder; never if it is, or contains, the source folder or the current folder
-    (compared both as resolved paths, through symlinks, and as written).
-    """
-    if dst.exists() and not dst.is_dir():
-        raise ConvertError(f"destination is a file, not a folder: {dst}")
-    if dst.parent == dst:  # "/": no folder to build it beside, and never one to replace
-        raise ConvertError(f"the destination cannot be the root folder {dst}")
-    above = next(p for p in Path(os.path.abspath(dst)).parents if p.exists())
-    if not above.is_dir():
-        raise ConvertError(f"cannot create {dst}: {above} is a file, not a folder")
-    if dst.is_symlink() and not dst.exists():
-        raise ConvertError(f"destination {dst} is a link to nothing ({os.readlink(dst)}): remove it or choose another")
-    if not dst.exists():
-        return
-    if not force:
-        raise ConvertError(f"destination exists: {dst} (use --force to replace it)")
-    real = dst.resolve()
-    if real == src.resolve():
-        raise ConvertError("destination must differ from the source folder")
-    for what, p in (("the source folder", src), ("the current folder", Path.cwd())):
-        if any(real == q or real in q.parents for q in (p.resolve(), Path(os.path.abspath(p)))):
-            raise ConvertError(f"destination {dst} is or contains {what}: --force would delete it")
-    if not (dst / MANIFEST_FILE).is_file() and any(dst.iterdir()):
-        raise ConvertError(f"destination {dst} is not an edgeinfer model folder (no {MANIFEST_FILE}): --force "
-                           "replaces only a model folder or an empty folder; remove it yourself or choose another")
-    theirs = _not_the_converters(dst)
-    if theirs:
-        raise ConvertError(f"{dst} also holds {', '.join(theirs[:5])}{' ...' if len(theirs) > 5 else ''}, which no "
-                           "conversion wrote: --force would delete it; move it out first")
-
-
-def _not_the_converters(folder: Path) -> list[str]:
-    """What in a model folder its manifest does not list (a user's notes, a saved prefix snapshot):
-    names, sorted; a manifest that cannot be read lists nothing but itself and the stamp file."""
-    try:
-        listed = set(json.loads((folder / MANIFEST_FILE).read_text()).get("files") or {})
-    except (OSError, ValueError, AttributeError):
-        listed = set()
-    if not listed:  # an older converter's manifest (no file list) or an empty folder: nothing to compare
-        return []
-    ours = listed | {MANIFEST_FILE, STAMP_FILE} | {p.name for p in folder.glob(f"{STAMP_FILE}.*.tmp")}
-    return sorted(p.name for p in folder.iterdir() if p.name not in ours and not _os_clutter(p.name))
-
-
-def _os_clutter(name: str) -> bool:
-    """Files a desktop makes by itself in any folder it shows (Finder, Explorer): not the user's work."""
-    return name in (".DS_Store", "Thumbs.db", "desktop.ini") or name.startswith("._")
-
-
-def _os_error(e: OSError, dst: Path) -> ConvertError:
-    """One line for an OSError met while converting (full disk, permission, read-only, not a folder)."""
-    if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        return ConvertError(f"disk full while writing {dst.name}: nothing was written")
-    where = f": {e.filename}" if e.filename is not None else ""
-    return ConvertError(f"cannot convert into {dst}: {e.strerror or e}{where}")
 
 
 def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block_size: int = 32, target: str = "cpu",
@@ -453,75 +389,6 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
                 writer.close()
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def temp_folder(dst: Path) -> Path:
-    """A new, empty folder next to `dst` for building it: `.DST.partial-PID-RANDOM`, unique to this
-    call (two threads converting into one destination never share one), made with the permissions
-    the umask gives a new folder (mkdtemp's are 0700: a daemon's own user could not read the
-    result). Those that a conversion killed outright left behind are removed first: their process
-    is gone and nothing in them changed for `ORPHAN_AGE_S` (a conversion on another host or in
-    another container sharing the folder shows no process here)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    _remove_orphans(dst)
-    for _ in range(100):
-        tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            tmp.mkdir(0o777)  # the kernel applies the umask: no process-wide umask change (threads)
-            return tmp
-        except FileExistsError:
-            continue
-    raise ConvertError(f"cannot make a temporary folder beside {dst}")
-
-
-ORPHAN_AGE_S = 3600
-
-
-def _remove_orphans(dst: Path) -> None:
-    prefix = f".{dst.name}.partial-"
-    for p in dst.parent.glob(glob.escape(prefix) + "*"):
-        pid = p.name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or not p.is_dir() or p.is_symlink():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:  # its conversion is gone here; untouched for an hour: gone anywhere
-            try:
-                newest = max([p.stat().st_mtime] + [q.stat().st_mtime for q in p.iterdir()])
-            except OSError:
-                continue
-            if time.time() - newest > ORPHAN_AGE_S:
-                shutil.rmtree(p, ignore_errors=True)
-        except (PermissionError, OverflowError):  # alive (another user's), or no such pid at all
-            pass
-
-
-def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:
-    """Rename the finished `tmp` to `dst`. Without `force`, a `dst` that appeared meanwhile (another
-    conversion into it finished first) is left alone: ConvertError, and `tmp` is removed by the caller."""
-    if not force:
-        try:
-            os.rename(tmp, dst)  # fails if dst exists and is not an empty folder: never replaces one
-        except OSError as e:
-            if os.path.lexists(dst) and e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
-                raise ConvertError(f"destination exists: {dst} (another conversion created it meanwhile; use "
-                                   "--force to replace it)") from None
-            raise
-        return
-    if not os.path.lexists(dst):
-        os.replace(tmp, dst)
-        return
-    old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-    os.replace(dst, old)
-    try:
-        os.replace(tmp, dst)
-    except BaseException:
-        os.replace(old, dst)
-        raise
-    if old.is_symlink():
-        old.unlink()  # DST was a link to a model folder: the link is replaced, its target left alone
-    else:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 __all__ = ["convert", "default_scheme", "QuantScheme"]

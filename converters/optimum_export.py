@@ -32,8 +32,8 @@ from pathlib import Path
 
 from edgeinfer import __version__
 from edgeinfer.arch import ArchSpec
-from edgeinfer.converters.convert import (MAX_DEFAULT_CAPACITY, TOKENIZER_FILES, _check_destination, _check_source,
-                                          _os_error, _replace_atomically, _tokenizer_info, temp_folder)
+from edgeinfer.converters.convert import MAX_DEFAULT_CAPACITY, TOKENIZER_FILES, _check_source, _tokenizer_info
+from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, temp_folder
 from edgeinfer.converters.hf_config import _eos_ids, _int, parse_rope, read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE
 from edgeinfer.errors import ConvertError

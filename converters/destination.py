@@ -1,0 +1,154 @@
+"""Where a conversion writes: the destination's checks, the temporary folder it is built in, and the
+atomic replacement of the destination by it (shared by `convert` and `optimum_export`).
+
+Refusals happen before any work: a destination that is a file, the root, a link to nothing, or
+(with force) one that is not a model folder, holds the source or the current folder, or holds
+files no conversion wrote. The temporary folder is `.DST.partial-PID-RANDOM` next to `dst`; it
+is renamed into place at the end, and `dst` is replaced only then.
+"""
+
+from __future__ import annotations
+
+import errno
+import glob
+import json
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+from edgeinfer.errors import ConvertError
+from edgeinfer.integrity import STAMP_FILE
+from edgeinfer.manifest import MANIFEST_FILE
+
+
+def _check_destination(src: Path, dst: Path, force: bool) -> None:
+    """Refuse, before any work, a destination that `convert` must not create or replace.
+
+    DST must be a folder path whose nearest existing ancestor is a folder. An existing DST is
+    replaced only with `force`, and only if it is an edgeinfer model folder (has edgeinfer.json)
+    or an empty folder; never if it is, or contains, the source folder or the current folder
+    (compared both as resolved paths, through symlinks, and as written).
+    """
+    if dst.exists() and not dst.is_dir():
+        raise ConvertError(f"destination is a file, not a folder: {dst}")
+    if dst.parent == dst:  # "/": no folder to build it beside, and never one to replace
+        raise ConvertError(f"the destination cannot be the root folder {dst}")
+    above = next(p for p in Path(os.path.abspath(dst)).parents if p.exists())
+    if not above.is_dir():
+        raise ConvertError(f"cannot create {dst}: {above} is a file, not a folder")
+    if dst.is_symlink() and not dst.exists():
+        raise ConvertError(f"destination {dst} is a link to nothing ({os.readlink(dst)}): remove it or choose another")
+    if not dst.exists():
+        return
+    if not force:
+        raise ConvertError(f"destination exists: {dst} (use --force to replace it)")
+    real = dst.resolve()
+    if real == src.resolve():
+        raise ConvertError("destination must differ from the source folder")
+    for what, p in (("the source folder", src), ("the current folder", Path.cwd())):
+        if any(real == q or real in q.parents for q in (p.resolve(), Path(os.path.abspath(p)))):
+            raise ConvertError(f"destination {dst} is or contains {what}: --force would delete it")
+    if not (dst / MANIFEST_FILE).is_file() and any(dst.iterdir()):
+        raise ConvertError(f"destination {dst} is not an edgeinfer model folder (no {MANIFEST_FILE}): --force "
+                           "replaces only a model folder or an empty folder; remove it yourself or choose another")
+    theirs = _not_the_converters(dst)
+    if theirs:
+        raise ConvertError(f"{dst} also holds {', '.join(theirs[:5])}{' ...' if len(theirs) > 5 else ''}, which no "
+                           "conversion wrote: --force would delete it; move it out first")
+
+
+def _not_the_converters(folder: Path) -> list[str]:
+    """What in a model folder its manifest does not list (a user's notes, a saved prefix snapshot):
+    names, sorted; a manifest that cannot be read lists nothing but itself and the stamp file."""
+    try:
+        listed = set(json.loads((folder / MANIFEST_FILE).read_text()).get("files") or {})
+    except (OSError, ValueError, AttributeError):
+        listed = set()
+    if not listed:  # an older converter's manifest (no file list) or an empty folder: nothing to compare
+        return []
+    ours = listed | {MANIFEST_FILE, STAMP_FILE} | {p.name for p in folder.glob(f"{STAMP_FILE}.*.tmp")}
+    return sorted(p.name for p in folder.iterdir() if p.name not in ours and not _os_clutter(p.name))
+
+
+def _os_clutter(name: str) -> bool:
+    """Files a desktop makes by itself in any folder it shows (Finder, Explorer): not the user's work."""
+    return name in (".DS_Store", "Thumbs.db", "desktop.ini") or name.startswith("._")
+
+
+def _os_error(e: OSError, dst: Path) -> ConvertError:
+    """One line for an OSError met while converting (full disk, permission, read-only, not a folder)."""
+    if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return ConvertError(f"disk full while writing {dst.name}: nothing was written")
+    where = f": {e.filename}" if e.filename is not None else ""
+    return ConvertError(f"cannot convert into {dst}: {e.strerror or e}{where}")
+
+
+def temp_folder(dst: Path) -> Path:
+    """A new, empty folder next to `dst` for building it: `.DST.partial-PID-RANDOM`, unique to this
+    call (two threads converting into one destination never share one), made with the permissions
+    the umask gives a new folder (mkdtemp's are 0700: a daemon's own user could not read the
+    result). Those that a conversion killed outright left behind are removed first: their process
+    is gone and nothing in them changed for `ORPHAN_AGE_S` (a conversion on another host or in
+    another container sharing the folder shows no process here)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _remove_orphans(dst)
+    for _ in range(100):
+        tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir(0o777)  # the kernel applies the umask: no process-wide umask change (threads)
+            return tmp
+        except FileExistsError:
+            continue
+    raise ConvertError(f"cannot make a temporary folder beside {dst}")
+
+
+ORPHAN_AGE_S = 3600
+
+
+def _remove_orphans(dst: Path) -> None:
+    prefix = f".{dst.name}.partial-"
+    for p in dst.parent.glob(glob.escape(prefix) + "*"):
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or not p.is_dir() or p.is_symlink():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its conversion is gone here; untouched for an hour: gone anywhere
+            try:
+                newest = max([p.stat().st_mtime] + [q.stat().st_mtime for q in p.iterdir()])
+            except OSError:
+                continue
+            if time.time() - newest > ORPHAN_AGE_S:
+                shutil.rmtree(p, ignore_errors=True)
+        except (PermissionError, OverflowError):  # alive (another user's), or no such pid at all
+            pass
+
+
+def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:
+    """Rename the finished `tmp` to `dst`. Without `force`, a `dst` that appeared meanwhile (another
+    conversion into it finished first) is left alone: ConvertError, and `tmp` is removed by the caller."""
+    if not force:
+        try:
+            os.rename(tmp, dst)  # fails if dst exists and is not an empty folder: never replaces one
+        except OSError as e:
+            if os.path.lexists(dst) and e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+                raise ConvertError(f"destination exists: {dst} (another conversion created it meanwhile; use "
+                                   "--force to replace it)") from None
+            raise
+        return
+    if not os.path.lexists(dst):
+        os.replace(tmp, dst)
+        return
+    old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+    os.replace(dst, old)
+    try:
+        os.replace(tmp, dst)
+    except BaseException:
+        os.replace(old, dst)
+        raise
+    if old.is_symlink():
+        old.unlink()  # DST was a link to a model folder: the link is replaced, its target left alone
+    else:
+        shutil.rmtree(old, ignore_errors=True)
