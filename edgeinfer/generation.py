@@ -258,7 +258,7 @@ class Request:
             yield final
 
     def _check_cancelled(self) -> None:
-        if self.cancelled is not None and self.cancelled.is_set():
+        if self.cancelled.is_set():
             raise GenerationCancelled("the request was cancelled")
 
     def _decode(self, logits, sampler: Sampler, detok: Detokenizer, stops: StopFilter, generated: list[int],
@@ -297,7 +297,7 @@ class Request:
             yield Chunk(text, token, lp, top)
             if pace is not None:
                 pace()
-            if cancelled is not None and cancelled.is_set():
+            if cancelled.is_set():
                 raise GenerationCancelled("the request was cancelled")
             logits = step(cache, token)
             if want_marks:

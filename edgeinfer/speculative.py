@@ -252,6 +252,9 @@ class SpeculativeStepper:
         return self._ratios[min(s, len(self._ratios)) - 1]
 
     def _plain(self, cache: RingKVCache, token: int) -> np.ndarray:
+        if self.drafter.free and self.tuning.fixed_k is None:  # n-grams: the rule reads the engine's ratios, no time
+            self.stats.plain_steps += 1
+            return self.inner.step(cache, token)
         t0 = time.perf_counter()
         logits = self.inner.step(cache, token)
         self._step_s = self._mean(self._step_s, time.perf_counter() - t0)
