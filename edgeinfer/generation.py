@@ -206,6 +206,9 @@ class Request:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if opts.speculative and not isinstance(engine, Engine):  # it would run plain: say so
+            raise InvalidArgumentError(f"speculative={opts.speculative!r} needs a fused graph; this model's portable graph "
+                                       "(--target coreml/nnapi) has fixed shapes and verifies no drafts")
         draft = getattr(engine, "draft", None)  # read once: set_draft may change it while this request runs
         if opts.speculative == "draft" and draft is None:
             raise InvalidArgumentError("speculative='draft' needs a draft model: model.set_draft(DIR)")
@@ -226,7 +229,7 @@ class Request:
         marks.append((0, 0, True, cache.mark()))
         t_prefill = time.perf_counter()
         stepper = self.stepper
-        if opts.speculative and isinstance(engine, Engine):  # the portable engine's fixed shapes verify nothing
+        if opts.speculative:
             drafter = ModelDrafter(draft, self.prefix + feed) if opts.speculative == "draft" else None
             stepper = SpeculativeStepper(engine, stepper, self.prefix + feed, opts.max_new_tokens, drafter=drafter)
             self.speculation = stepper.stats

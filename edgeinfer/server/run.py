@@ -14,6 +14,7 @@ import time
 
 import uvicorn
 
+from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.server.app import Server
 from edgeinfer.server.config import ServeConfig
 
@@ -67,10 +68,13 @@ def build(config: ServeConfig, model=None) -> Server:
                                overflow=config.overflow, power=config.power_policy())
         if config.draft_model is not None:
             model.set_draft(config.draft_model)
-    if config.speculative != "off" and hasattr(model.engine, "verify_ratios"):  # measured now, not in a request
+    if config.speculative != "off":
+        if not hasattr(model.engine, "verify_ratios"):  # every request would be refused
+            raise InvalidArgumentError(f"speculative = {config.speculative} needs a fused graph; {config.model} is a "
+                                       "portable graph (--target coreml/nnapi) that verifies no drafts")
         from edgeinfer.speculative import TUNING
 
-        model.engine.verify_ratios(TUNING.k_max)
+        model.engine.verify_ratios(TUNING.k_max)  # measured now, not in a request
     return Server(model, config)
 
 
