@@ -7,7 +7,8 @@
    prefilled; or "decode", one call per token, as generated tokens are fed back. The two compute
    the same function but not the same arithmetic: MatMulNBits at accuracy level 4 quantizes a
    single row's activations differently from a block of rows, so a decode-path figure is the one
-   that scores what generation computes.
+   that scores what generation computes. A portable model (one position's logits per call) is
+   always scored on its decode graph, token by token, and the result says "decode".
 4. Within a window every token but the first is scored: NLL = -log_softmax(logits[t-1])[ids[t]] (float32).
 5. perplexity = exp(sum NLL / number of scored tokens).
 """
@@ -116,6 +117,8 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
                              f"use --window {built} or less")
     tok = Tokenizer(session.folder, session.manifest.tokenizer)
     engine = open_engine(session, max_chunk=window)
+    if built is not None:  # a portable graph gives one position's logits per call: it scores token by token
+        path = "decode"
     cache = engine.new_cache(window, 0)
     t0 = time.perf_counter()
     total, count, windows = 0.0, 0, 0
