@@ -613,3 +613,43 @@ def test_serve_profile_defaults_follow_detection_and_yield_to_the_config(tmp_pat
 def test_a_small_ring_gets_a_prefill_chunk_no_larger_than_itself(tmp_path):
     m = convert(STORIES_SRC, tmp_path / "out", target="nnapi", capacity_tokens=8)
     assert (m.portable.capacity_tokens, m.portable.prefill_tokens) == (8, 8)
+
+
+def test_speculation_on_a_portable_graph_is_refused_not_run_plain(folders):
+    """A portable graph verifies no drafts: speculative="ngram" ran plain decoding without a word."""
+    m = edgeinfer.load(folders("p32"))
+    with pytest.raises(InvalidArgumentError, match="portable graph"):
+        greedy(m, PROMPT, 4, speculative="ngram")
+    assert greedy(m, PROMPT, 4).finish_reason == "length"  # the refusal left the model usable
+
+
+def test_serve_with_speculation_on_a_portable_folder_is_refused_at_start(folders):
+    from edgeinfer.server.config import ServeConfig
+    from edgeinfer.server.run import build
+
+    with pytest.raises(InvalidArgumentError, match="portable graph"):
+        build(ServeConfig(model=str(folders("p32")), speculative="ngram"))
+
+
+def test_eval_of_a_portable_folder_says_it_scored_the_decode_graph(folders, tmp_path):
+    """Its forward gives one position's logits per call, so every window runs token by token: the
+    result said "prefill"."""
+    from edgeinfer.evaluate import perplexity
+
+    text = tmp_path / "t.txt"
+    text.write_text(PROMPT + "\n")
+    r = perplexity(folders("p32"), text, window=C)
+    fused = perplexity(folders("f32"), text, window=C, path="decode")
+    assert r.path == "decode" and r.scored_tokens == fused.scored_tokens
+    assert r.perplexity == pytest.approx(fused.perplexity, rel=1e-3)
+
+
+def test_bench_defaults_on_a_small_portable_folder(folders, capsys):
+    """The defaults (512 + 128 tokens) do not fit a 64-token portable ring: the error named
+    capacity_tokens=648, a number the user never gave."""
+    rc = main(["bench", "-m", str(folders("p32")), "--runs", "1"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--capacity 64" in err and "--prompt-tokens + --gen-tokens up to 56" in err, err
+    assert main(["bench", "-m", str(folders("p32")), "--runs", "1", "--prompt-tokens", "40", "--gen-tokens", "16",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["capacity_tokens"] == 64
