@@ -7,9 +7,11 @@ attribute. A Pacer lives for one generation and runs once before each decode ste
 1. Apply the plan's core count if it differs from the one in force (`CoreLimit.apply`: effective
    from this step).
 2. Sleep until this step's release time under the plan's cap (release_k >= release_(k-1) + 1/cap,
-   release 0 being the first call, right after the first token;
-   the schedule is kept exact unless a step ran a whole period late), at most 1 s, waking at once
-   if the request is cancelled.
+   release 0 being the first call, right after the first token), at most 1 s, waking at once if
+   the request is cancelled. A wait under `MIN_SLEEP_S` is not slept but carried: the schedule
+   stays exact and a later step sleeps it, since a short sleep overshoots by as much as it lasts.
+   The schedule restarts from now only after a step later than a period and `LATE_S` (a stall:
+   no burst makes up for it).
 3. Report the previous step's compute time (release to this call, sleeps excluded), from which the
    controller knows the unpaced rate that `decide` needs.
 
@@ -37,6 +39,8 @@ DEFAULT_INTERVAL_S = 0.5
 TEMP_MEDIAN_OF = 5  # readings a temperature is the median of (2 s at the default interval)
 UNENFORCED_AFTER = 3  # readings without a field before its limit is said to be unenforced
 MAX_SLEEP_S = 1.0 / MIN_TOKENS_PER_S
+MIN_SLEEP_S = 0.001  # the pacer sleeps only when this far ahead of its schedule (sleeps wake ~0.1-0.3 ms late)
+LATE_S = 0.005  # a step later than this (or a period, if longer) restarts the schedule instead of catching up
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,7 @@ class Pacer:
             period = 1.0 / cap
             target = self._release + period
             wait = min(target - now, MAX_SLEEP_S)
-            if wait > 0:
+            if wait >= MIN_SLEEP_S:  # a shorter wait is carried to later steps: a short sleep overshoots as much
                 if self.cancelled is not None and c.sleep is time.sleep:  # cancel() wakes it at once
                     self.cancelled.wait(wait)
                 else:  # a simulation's clock (or no cancel event): its own sleep, as given
@@ -223,7 +227,9 @@ class Pacer:
                 with c._lock:
                     c.paced_s_total += after - now
                 now = after
-            self._release = target if now - target < period else now
+            # on schedule, or late by less than a sleep's overshoot: keep it (the next steps catch up); later
+            # (a stall): restart it from now, so that no burst makes up for the stall
+            self._release = target if now - target < max(period, LATE_S) else now
         else:
             self._release = now
         self._started = now
