@@ -199,15 +199,24 @@ class GGUFCheckpoint:
                "tie_word_embeddings": "lm_head.weight" not in self,
                "bos_token_id": m.get("tokenizer.ggml.bos_token_id"), "eos_token_id": m.get("tokenizer.ggml.eos_token_id"),
                "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self}
+        for k in ("attention.key_length", "attention.value_length"):
+            v = key(k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConvertError(f"{self.path.name} metadata: {arch}.{k} must be a positive integer, got {v!r:.40}")
         if key("attention.key_length") is not None:
             cfg["head_dim"] = key("attention.key_length")
             if key("attention.value_length", cfg["head_dim"]) != cfg["head_dim"]:
                 raise ConvertError(f"{self.path.name} metadata: key and value head sizes differ "
-                                   f"({cfg['head_dim']} and {key('attention.value_length')})")
+                                   f"({arch}.attention.key_length {cfg['head_dim']}, "
+                                   f"{arch}.attention.value_length {key('attention.value_length')})")
         if isinstance(heads, int) and heads > 0 and isinstance(hidden, int):
             head_dim = cfg.get("head_dim", hidden // heads)
-            if dims is not None and dims != head_dim:
-                cfg["partial_rotary_factor"] = dims / max(head_dim, 1) if isinstance(head_dim, int) else 0.5
+            if dims is not None and dims != head_dim:  # RoPE on part of each head: not something we build
+                source = f"{arch}.attention.key_length" if "head_dim" in cfg else \
+                    f"{arch}.embedding_length / {arch}.attention.head_count"
+                raise ConvertError(f"{self.path.name} metadata: {arch}.rope.dimension_count {dims} differs from the "
+                                   f"head size {head_dim} ({source}): RoPE on part of each head (partial rotary) "
+                                   "is not supported")
         scaling = key("rope.scaling.type")
         if scaling not in (None, "none"):
             cfg["rope_scaling"] = {"type": scaling, "factor": key("rope.scaling.factor", 1.0)}

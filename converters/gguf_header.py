@@ -100,6 +100,8 @@ def read_header(path: Path) -> tuple[dict, list[TensorEntry]]:
         meta = {}
         for _ in range(n_kv):
             key = r.string("a metadata key")
+            if key in meta:  # which one is meant? (llama.cpp refuses such a file too)
+                raise HeaderError(f"metadata key {key!r:.80} appears twice")
             meta[key] = r.value(r.unpack("<I", f"metadata {key!r}"), f"metadata {key!r}")
         entries = []
         for _ in range(n_tensors):

@@ -286,3 +286,35 @@ def test_a_normal_token_twice_in_the_vocabulary_is_refused(tmp_path):
     src = _mutate(Q8, tmp_path / "dup.gguf", {"tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING)})
     with pytest.raises(ConvertError, match="the token ',' is both id"):
         convert(src, tmp_path / "out")
+
+
+def test_a_metadata_key_given_twice_is_refused(tmp_path):
+    """The second value silently won; llama.cpp's reader refuses such a file ("duplicate key")."""
+    def kv(key: str, value: int) -> bytes:
+        k = key.encode()
+        return struct.pack("<Q", len(k)) + k + struct.pack("<II", 4, value)  # type 4: uint32
+
+    path = tmp_path / "twice.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 3) + kv("llama.block_count", 5)
+                     + kv("llama.context_length", 512) + kv("llama.block_count", 6))
+    with pytest.raises(ValueError, match="'llama.block_count' appears twice"):
+        read_header(path)
+    with pytest.raises(ConvertError, match="appears twice"):
+        convert(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"llama.attention.key_length": ("8", V.STRING)}, "key_length must be a positive integer, got '8'"),
+    ({"llama.attention.key_length": (0, V.UINT32)}, "key_length must be a positive integer, got 0"),
+    ({"llama.attention.key_length": (16, V.UINT32), "llama.attention.value_length": (16, V.UINT32)},
+     "rope.dimension_count 8 differs from the head size 16 (llama.attention.key_length)"),
+    ({"llama.rope.dimension_count": (6, V.UINT32)}, "rope.dimension_count 6 differs from the head size 8"),
+])
+def test_head_size_metadata_errors_name_the_keys(tmp_path, fields, says):
+    """These said "key and value head sizes differ (8 and 8)" (a string against an int) or
+    "rope.dimension_count other than 1.0 is not supported" (a ratio under the name of a count)."""
+    src = _mutate(Q8, tmp_path / "m.gguf", fields)
+    with pytest.raises(ConvertError) as e:
+        convert(src, tmp_path / "out")
+    assert says in str(e.value)
