@@ -1,6 +1,6 @@
 """Decode speed with speculation against plain decoding, side by side in one run.
 
-    python scripts/bench_speculative.py -m MODEL [-m MODEL ...] [--rounds 5] [--tokens 200]
+    python scripts/bench_speculative.py -m MODEL [-m MODEL ...] [--rounds 9] [--tokens 200]
         [--text EVAL_TXT] [--draft DRAFT_MODEL] [--out FILE.json]
 
 Per model, three kinds of prompt, each run plain and with speculative="ngram" (with --draft:
@@ -11,8 +11,11 @@ speculative="draft", that folder drafting) in alternating order
            model continues its own story (its greedy story, then the story's prompt again)
   random   random token ids (64): nothing repeats, so speculation should cost nothing
 Reports, per model and kind, the median over rounds of decode tokens/s (`Completion.timings`) for
-both, their ratio, speculation's acceptance rate and mean accepted drafts per verify call, and
-whether the tokens were identical. JSON out.
+both, their ratio, the lowest, median and highest of the per-round ratios (the two sides of one
+round run within a second of each other: their spread is the box's noise, which on a tiny model
+moves the ratio by more than the differences sought; give more rounds there), speculation's
+acceptance rate and mean accepted drafts per verify call, and whether the tokens were identical.
+JSON out.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def run(m, prompt, n_new, spec):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", action="append", required=True)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--text", type=Path, default=None, help="paragraphs for a chat model's tasks")
@@ -94,7 +97,7 @@ def main() -> None:
         if args.draft:
             m.set_draft(args.draft)
         for kind, prompts in (("repeat", repeat_prompts(m, args.text, args.tokens)), ("random", random_prompts(m))):
-            tps = {None: [], drafter: []}
+            tps: dict = {None: [], drafter: []}
             drafted = accepted = calls = 0
             same = True
             for r in range(args.rounds):
@@ -109,8 +112,11 @@ def main() -> None:
                             same &= c.token_ids == run(m, p, args.tokens, None)[0].token_ids
                     tps[spec].append(statistics.median(per))
             plain, spec = statistics.median(tps[None]), statistics.median(tps[drafter])
+            per_round = sorted(b / a for a, b in zip(tps[None], tps[drafter]))
             row = {"model": str(path), "kind": kind, "prompts": len(prompts), "tokens": args.tokens,
                    "plain_tok_s": round(plain, 1), f"{drafter}_tok_s": round(spec, 1), "speedup": round(spec / plain, 3),
+                   "round_speedups": [round(per_round[0], 3), round(statistics.median(per_round), 3),
+                                      round(per_round[-1], 3)],
                    "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
                    "mean_accepted_per_verify": round(accepted / calls, 2) if calls else 0.0,
                    "identical_tokens": same}
