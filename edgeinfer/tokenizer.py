@@ -61,6 +61,9 @@ class Tokenizer:
             self._n_vocab = self._hf.get_vocab_size(with_added_tokens=True)
             self._token_string = lambda i: self._hf.id_to_token(i)
 
+        self._texts: dict[int, str | bytes] = {}  # token_text's cache
+        self._anchor = self._encode("a")[-1:]  # a plain token for token_text to put before another
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text` (valid Unicode: a lone surrogate, e.g. an undecodable byte of a
         command line, raises InvalidArgumentError), with BOS first when `add_bos` (default: the
@@ -90,11 +93,22 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._decode([int(i) for i in ids])
 
-    def token_text(self, token_id: int) -> str:
-        """A token's text on its own, leading space kept ("▁the" -> " the"; byte tokens as their
-        piece): what an API shows as one token of logprobs."""
-        piece = self.token_string(token_id)
-        return piece.replace("\u2581", " ") if self.kind == "sentencepiece" else self.decode([token_id])
+    def token_text(self, token_id: int) -> str | bytes:
+        """What the token adds to a text, as an API shows one token of logprobs: its text after other
+        text (leading space kept: "▁the" -> " the"; "<0x0A>" -> "\n"; "" for a special token, which
+        decodes to nothing), or its bytes where they are not whole UTF-8 (a byte-fallback or byte-level
+        piece of a character: "<0xE4>" -> b"\xe4"). So the texts of generated tokens, with runs of
+        bytes decoded together, join to their decoded text. Cached per id."""
+        token_id = int(token_id)
+        text = self._texts.get(token_id)
+        if text is None:
+            piece = self.token_string(token_id)  # checks the id
+            anchor = self.decode(self._anchor)  # the token after other text: its leading space is kept
+            text = self.decode(self._anchor + [token_id])[len(anchor):]
+            if "\ufffd" in text:
+                text = _piece_bytes(piece) or text
+            self._texts[token_id] = text
+        return text
 
     def token_string(self, token_id: int) -> str:
         """The token's own string in the vocabulary, special tokens included ("<s>" for Llama's BOS,
@@ -113,3 +127,34 @@ class Tokenizer:
                 (other._n_vocab, other.bos_id, tuple(other.eos_ids), other.add_bos):
             return False
         return all(self._token_string(i) == other._token_string(i) for i in range(self._n_vocab))
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character each byte is written as in a byte-level BPE
+    vocabulary ("Ġ" for a space), inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def _piece_bytes(piece: str) -> bytes | None:
+    """The bytes a token's piece stands for, when it is a byte-fallback piece ("<0xE4>") or written
+    in the byte-level alphabet ("ä½"); None otherwise."""
+    m = _BYTE_PIECE.fullmatch(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    if piece and all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    return None

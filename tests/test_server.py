@@ -486,3 +486,22 @@ def test_a_model_whose_chat_template_does_not_parse_serves_completions_and_answe
         assert comp.status_code == 200, comp.text
     finally:
         r.stop()
+
+
+def test_logprob_tokens_are_the_text_they_add(srv):
+    """A newline came back as its raw piece "<0x0A>" (bytes [60, 48, 120, 48, 65, 62]), a BOS as "<s>":
+    the tokens did not join to the text and every legacy text_offset after a newline was 5 off."""
+    cl = srv.client()
+    newlines = 0
+    for prompt in ("Once upon a time", "Lily and Ben", "Tell me a story."):
+        c = cl.completions.create(model="stories260K-int8", prompt=prompt, max_tokens=64, temperature=0, logprobs=1)
+        text, lp = c.choices[0].text, c.choices[0].logprobs
+        assert "".join(lp.tokens) == text
+        assert all((prompt + text)[o:o + len(t)] == t for t, o in zip(lp.tokens, lp.text_offset))
+        r = cl.chat.completions.create(model="stories260K-int8", messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=64, temperature=0, logprobs=True, top_logprobs=2)
+        content, reply = r.choices[0].logprobs.content, r.choices[0].message.content
+        assert "".join(e.token for e in content) == reply
+        assert b"".join(bytes(e.bytes) for e in content) == reply.encode()
+        newlines += sum(e.token == "\n" and e.bytes == [10] for e in content) + text.count("\n")
+    assert newlines  # the stories have line breaks within 64 tokens: the case that broke

@@ -469,3 +469,11 @@ def test_official_client_sees_the_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=LIMIT + 1)
     assert e.value.param == "max_tokens"
+
+
+def test_legacy_text_offsets_count_a_character_in_pieces_once():
+    """Byte tokens of one character (here 你, 3 bytes in 2 tokens) share its offset; the text after it
+    is one character further on, not one per piece."""
+    entries = [token_logprob(" ", -0.1, []), token_logprob(b"\xe4\xbd", -0.2, []), token_logprob(b"\xa0", -0.3, []),
+               token_logprob("!", -0.1, []), token_logprob(b"\xff", -0.1, []), token_logprob("x", -0.1, [])]
+    assert completion_logprobs(entries, text_offset=10)["text_offset"] == [10, 11, 11, 12, 13, 14]

@@ -326,3 +326,23 @@ def test_a_gguf_file_given_as_the_model_says_to_convert_it(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(edgeinfer.ModelFormatError, match="is a file, not an edgeinfer model folder"):
         edgeinfer.load(tmp_path / "notes.txt")
+
+
+def test_token_text_is_what_each_token_adds(bundled, hf_tokenizer):
+    """Byte pieces gave their piece ("<0x0A>") and special tokens their string ("<s>"): the texts of a
+    generation's tokens did not join to its text. Now: joined (runs of bytes decoded together), they
+    are the decode after the context."""
+    for tok in (bundled.tokenizer, hf_tokenizer):
+        ctx = tok.encode("Once upon a", add_bos=False)
+        ids = tok.encode("Once upon a time,\n caf\u00e9 \u4f60\u597d! the end", add_bos=False)[len(ctx):]
+        parts = [tok.token_text(i) for i in ids]
+        joined, pending = "", b""
+        for p in parts:
+            if isinstance(p, bytes):
+                pending += p
+            else:
+                joined, pending = joined + pending.decode() + p, b""
+        assert joined + pending.decode() == tok.decode(ctx + ids)[len(tok.decode(ctx)):]
+    t = bundled.tokenizer
+    assert t.token_text(t.encode("\n", add_bos=False)[-1]) == "\n" and t.token_text(t.bos_id) == ""
+    assert any(isinstance(p, bytes) for p in (t.token_text(i) for i in t.encode("\u4f60", add_bos=False)))

@@ -344,15 +344,24 @@ def token_logprob(token_text: str | bytes, logprob: float, top: list[tuple[str |
 def completion_logprobs(entries: list[dict], *, text_offset: int) -> dict:
     """Legacy completions' logprobs {"tokens", "token_logprobs", "top_logprobs", "text_offset"} from
     `token_logprob` dicts; `text_offset` is the first token's character offset (the prompt's length,
-    plus the text already sent when streaming). Tokens with the same text keep the first's logprob."""
-    tops, offsets = [], []
+    plus the text already sent when streaming). Tokens with the same text keep the first's logprob.
+    A token that is a piece of a character (its "bytes" not whole UTF-8) has that character's offset,
+    and the character counts once, after its last piece."""
+    tops, offsets, pending = [], [], b""
     for e in entries:
         top = {}
         for t in e["top_logprobs"]:
             top.setdefault(t["token"], t["logprob"])
         tops.append(top)
         offsets.append(text_offset)
-        text_offset += len(e["token"])
+        pending += bytes(e["bytes"])
+        try:
+            text_offset, pending = text_offset + len(pending.decode("utf-8")), b""
+        except UnicodeDecodeError as err:
+            if err.reason == "unexpected end of data" and len(pending) - err.start < 4:  # the rest follows
+                text_offset, pending = text_offset + len(pending[:err.start].decode("utf-8")), pending[err.start:]
+            else:  # bytes that never make a character: counted as the decode shows them
+                text_offset, pending = text_offset + len(pending.decode("utf-8", errors="replace")), b""
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": tops, "text_offset": offsets}
 
