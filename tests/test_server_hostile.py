@@ -187,6 +187,45 @@ def test_a_body_that_never_arrives_is_answered_408_and_its_connection_closed(srv
     assert _health(srv)["slots_busy"] == 0
 
 
+def test_connections_that_never_finish_a_request_head_are_closed(srv, monkeypatch):
+    """Connections that sent nothing, half a head, or a head one byte at a time were held for ever
+    (uvicorn times out only after a response): enough of them ran the daemon out of file
+    descriptors and /health stopped answering. Each is now closed when its head is late, however it
+    trickles; a client that keeps its connection alive for a second request, a request whose body is
+    still coming (it has the body's own timeout) and /health are untouched."""
+    import edgeinfer.server.run as run
+
+    monkeypatch.setattr(run, "HEAD_READ_S", 1.0)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+            + b"\r\nContent-Type: application/json\r\n")
+    idle, half, trickle, slow = (socket.create_connection(("127.0.0.1", srv.port)) for _ in range(4))
+    keep = httpx.Client(base_url=srv.url)
+    try:
+        half.sendall(head[:40])
+        body = json.dumps({"model": "stories260K-int8", "prompt": "Once", "max_tokens": 4}).encode()
+        slow.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body))  # the head in time, the body late
+        t0 = time.monotonic()
+        with pytest.raises(OSError):  # the server closed it: a byte sent after that fails
+            for i in range(15):  # a byte every 0.2 s: 3 s of a head that never ends
+                trickle.sendall(head[i:i + 1])
+                time.sleep(0.2)
+        assert time.monotonic() - t0 < 2.5
+        assert keep.get("/health").status_code == 200
+        for s in (idle, half):
+            s.settimeout(5)
+            assert s.recv(4096) == b"", "the server closes it"
+        assert time.monotonic() - t0 < 6
+        time.sleep(1.2)  # past the deadline since the first response on `keep`
+        assert keep.get("/health").status_code == 200  # its head came in time after the response: not closed
+        slow.sendall(body)  # 2.5 s after its head: a request in progress has the body's own timeout (30 s)
+        slow.settimeout(10)
+        assert slow.recv(4096).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in (idle, half, trickle, slow):
+            s.close()
+        keep.close()
+
+
 def test_cors_preflight_is_not_refused_for_want_of_an_api_key(model):
     """A server with an API key and cors_origins (a browser app calling it). The browser's preflight
     (OPTIONS with Origin and Access-Control-Request-Method, never an Authorization header) must be

@@ -6,19 +6,60 @@ then uvicorn closes and the process exits 0. A second signal stops at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import sys
 import threading
 import time
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.server.app import Server
 from edgeinfer.server.config import ServeConfig
 
 log = logging.getLogger("edgeinfer.server")
+
+
+HEAD_READ_S = 30.0  # the most a connection may take to send a request's head, from its opening or last response
+
+
+class HeadTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol, plus a deadline for the request head: a connection that has not sent
+    a whole request line and headers within `HEAD_READ_S` of opening (or of its last response, for
+    the next request) is closed. uvicorn times a connection out only once a response is sent (its
+    keep-alive), and any byte cancels that: connections that sent nothing, or half a head, were held
+    for ever, and enough of them ran the process out of file descriptors (accept() failed, /health
+    stopped answering). The deadline is absolute: trickling bytes does not extend it."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(HEAD_READ_S, self._head_timeout)
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        waiting = self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+        if waiting and not self.transport.is_closing():  # a request in progress has the app's own timeouts
+            self.transport.close()
 
 
 class DrainingServer(uvicorn.Server):
@@ -81,7 +122,7 @@ def build(config: ServeConfig, model=None) -> Server:
 def uvicorn_server(server: Server, sock: socket.socket | None = None) -> DrainingServer:
     c = server.config
     cfg = uvicorn.Config(server.app, host=c.host, port=c.port, log_level="warning", access_log=False, lifespan="off",
-                         timeout_graceful_shutdown=max(1, int(c.grace_s)))
+                         timeout_graceful_shutdown=max(1, int(c.grace_s)), http=HeadTimeoutH11)
     return DrainingServer(cfg, server, c.grace_s)
 
 
