@@ -238,7 +238,7 @@ def fake_server():
 
     app = starlette.Starlette(routes=[Route("/v1/models", models),
                                       Route("/v1/chat/completions", chat, methods=["POST"])])
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY on TCP by number
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import sys
 import threading
 import time
@@ -119,7 +118,10 @@ def build(config: ServeConfig, model=None) -> Server:
     return Server(model, config)
 
 
-def uvicorn_server(server: Server, sock: socket.socket | None = None) -> DrainingServer:
+def uvicorn_server(server: Server) -> DrainingServer:
+    """The uvicorn server for `server`: it binds config.host:port itself when run(), or serves the
+    sockets run(sockets=...) is given (tests: make them with IPPROTO_TCP, so that asyncio sets
+    TCP_NODELAY; with proto 0 every reply on a kept-alive connection waits ~40 ms for a delayed ACK)."""
     c = server.config
     cfg = uvicorn.Config(server.app, host=c.host, port=c.port, log_level="warning", access_log=False, lifespan="off",
                          timeout_graceful_shutdown=max(1, int(c.grace_s)), http=HeadTimeoutH11)
