@@ -14,13 +14,15 @@ how a prompt was split into calls of two or more rows, `engine.prefill_chunks`).
 from __future__ import annotations
 
 import json
+import os
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.errors import InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.kv_cache import RingKVCache, Snapshot
 from edgeinfer.overflow import fits_beside
 
@@ -74,7 +76,10 @@ class PrefixSnapshot:
 
     def save(self, path: str | Path) -> None:
         """Write to `path` (a .npz file; written whole to a temporary name beside it, then renamed:
-        a failed write leaves neither). InvalidArgumentError when it cannot be written there."""
+        a failed write leaves neither; the temporary name is this thread's own, so writers of one
+        path at once each rename a whole file). InvalidArgumentError when it cannot be written there."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidArgumentTypeError(f"path must be a str or a path, got {type(path).__name__}")
         path = Path(path)
         if path.is_dir():
             raise InvalidArgumentError(f"{path} is a folder: give the snapshot a file name")
@@ -82,14 +87,18 @@ class PrefixSnapshot:
         meta = {"format": SNAPSHOT_FORMAT, "model": self.model, "token_ids": list(self.token_ids),
                 "n_valid": kv.n_valid, "next_slot": kv.next_slot, "next_position": kv.next_position}
         arrays = {f"k{i}": k for i, k in enumerate(kv.k)} | {f"v{i}": v for i, v in enumerate(kv.v)}
-        tmp = path.with_name(f".{path.name}.partial")
+        tmp = path.with_name(f".{path.name}.partial-{os.getpid()}-{threading.get_ident()}")
         try:
             with open(tmp, "wb") as f:
                 np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), positions=kv.positions, **arrays)
             tmp.replace(path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise InvalidArgumentError(f"cannot write the snapshot to {path}: {e.strerror or e}") from None
+        except (OSError, ValueError) as e:  # ValueError: a NUL or a lone surrogate in the name
+            try:
+                tmp.unlink(missing_ok=True)
+            except (OSError, ValueError):
+                pass
+            raise InvalidArgumentError(f"cannot write the snapshot to {str(path)!r}: "
+                                       f"{getattr(e, 'strerror', None) or e}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "PrefixSnapshot":

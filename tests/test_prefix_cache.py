@@ -13,7 +13,7 @@ import pytest
 
 import edgeinfer
 from conftest import STORIES_SRC
-from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.errors import InvalidArgumentError, InvalidArgumentTypeError
 
 GREEDY = dict(temperature=0, max_new_tokens=24, ignore_eos=True)
 
@@ -201,3 +201,42 @@ def test_snapshot_files_that_cannot_be_written_are_refused_cleanly(fp32, tmp_pat
     with pytest.raises(InvalidArgumentError, match="cannot write the snapshot"):
         m.snapshot(path=tmp_path / "missing" / "s.npz")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir"] and not any((tmp_path / "dir").iterdir())
+
+
+def test_threads_saving_to_one_path_each_write_a_whole_file(fp32, tmp_path):
+    """The temporary name was the same for every writer (".s.npz.partial"): two saves at once wrote into
+    one file, a rename failed ("No such file") and readers got torn files ("Bad CRC-32")."""
+    from edgeinfer.prefix_cache import PrefixSnapshot
+
+    m = edgeinfer.load(fp32, capacity_tokens=64)
+    snaps = [m.snapshot(ids_of(m, 12 + i, 20 + i)) for i in range(3)]
+    path, errors, reads = tmp_path / "s.npz", [], []
+    snaps[0].save(path)
+
+    def write(snap):
+        for _ in range(30):
+            try:
+                snap.save(path)
+            except Exception as e:  # noqa: BLE001 (any failure is the defect)
+                errors.append(e)
+
+    def read():
+        for _ in range(60):
+            try:
+                reads.append(len(PrefixSnapshot.load(path).token_ids))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(s,)) for s in snaps] + [threading.Thread(target=read)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert errors == [] and set(reads) <= {12, 13, 14}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.npz"]  # no temporary file left
+
+
+@pytest.mark.parametrize("path, error", [(123, InvalidArgumentTypeError), (b"s.npz", InvalidArgumentTypeError),
+                                         ("a\x00b.npz", InvalidArgumentError), ("\ud800.npz", InvalidArgumentError)])
+def test_a_snapshot_path_of_the_wrong_kind_is_an_edgeinfer_error(fp32, path, error):
+    m = edgeinfer.load(fp32, capacity_tokens=64)
+    with pytest.raises(error):
+        m.snapshot(ids_of(m, 10, 12), path=path)
