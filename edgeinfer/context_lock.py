@@ -5,7 +5,11 @@ same ring would interleave their tokens and both get wrong output. So each conte
 `ContextLock`: a caller in another thread waits its turn (calls serialise), while the same thread
 asking again before its own stream is finished is refused with `ContextBusyError` (waiting would
 deadlock, sharing would corrupt). A stream holds the lock from its first `next()` until it ends,
-is closed, or is dropped (freed at once by reference counting: `generation.Generation`).
+is closed, or is dropped (freed at once by reference counting: `generation.Generation`); its holder
+is the thread that advanced it last (`hand_to`), so a stream handed to another thread makes that
+thread's own second call a refusal, not a wait on itself. (An executor that runs a stream's `next()`
+and other calls on its pool threads may so refuse a call on a thread that last advanced the stream:
+give each concurrent task its own conversation.)
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ class ContextLock:
                 "close() first, or use model.conversation() for a second, independent context")
         self._lock.acquire()
         self._owner = me
+
+    def hand_to(self, thread: threading.Thread) -> None:
+        """The holder's stream is now advanced by `thread` (called by the holder, in that thread)."""
+        self._owner = thread
 
     def release(self) -> None:
         self._owner = None

@@ -102,6 +102,9 @@ class Generation:
         return self
 
     def __next__(self) -> Chunk:
+        held = self._request.held
+        if held is not None:  # the thread advancing a stream holds its context (a stream may change threads)
+            held.hand_to(threading.current_thread())
         return next(self._steps)
 
     def run_to_end(self) -> Completion | None:
@@ -183,12 +186,14 @@ class Request:
         self.prompt_dropped = 0  # prompt tokens the overflow policy dropped before prefill
         self.speculation = None  # with options.speculative: the request's `speculative.Stats`
         self._begin, self._end, self._lock = begin, end, lock
+        self.held: ContextLock | None = None  # the context's lock while the steps hold it
 
     def steps(self) -> Iterator[Chunk]:
         begin, end, lock = self._begin, self._end, self._lock
         self._begin = self._end = self._lock = None  # a kept, finished Generation holds no Model through them
         if lock is not None:
             lock.acquire()
+            self.held = lock
         try:
             yield from self._run(begin(self))
         finally:
@@ -198,6 +203,7 @@ class Request:
                     end(self)
             finally:
                 if lock is not None:
+                    self.held = None
                     lock.release()
 
     def _run(self, prompt_ids: list[int]) -> Iterator[Chunk]:

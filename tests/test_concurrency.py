@@ -144,3 +144,29 @@ def test_one_conversation_from_two_threads_serialises(model):
     fresh = model.conversation()
     nxt = conv.say("And then?", **opts).text
     assert fresh.reply(conv.messages[:-1], **opts).text == nxt
+
+
+def test_a_stream_handed_to_another_thread_refuses_that_threads_second_call(model, alone):
+    """Thread A takes a stream's first chunk and hands the stream to thread B; B, with the stream still
+    open, calls generate: it waited for ever on the lock its own stream held (the rule knew only A)."""
+    s = model.stream("Once upon a time", max_new_tokens=20, temperature=0)
+    a = threading.Thread(target=lambda: next(s))
+    a.start()
+    a.join()
+    outcome = []
+
+    def b():
+        next(s)
+        try:
+            model.generate("Lily", max_new_tokens=4)
+        except ContextBusyError:
+            outcome.append("refused")
+        rest = list(s)
+        outcome.append(len(rest))
+
+    t = threading.Thread(target=b, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "thread B deadlocked on its own stream"
+    assert outcome == ["refused", 18]
+    assert model.generate("Lily", max_new_tokens=4).finish_reason == "length"  # the stream ended: free again
