@@ -36,6 +36,10 @@ class Conversation:
     """`say(content)` adds a user message and returns the reply; `reply(messages)` continues with a
     full message list (its already-seen prefix is not re-prefilled). `reset()` forgets everything."""
 
+    def __reduce__(self):  # pickle: its cache lives in this process's Model
+        raise InvalidArgumentTypeError("a Conversation cannot be pickled: pass its messages to the other process "
+                                       "and continue them with conversation().reply(messages)")
+
     def __init__(self, model: "Model"):
         self.model = model
         self.cache = model.new_cache()

@@ -75,6 +75,10 @@ def load(path: str | Path | None = None, *, provider: str = "auto", threads: int
 
 
 class Model:
+    def __reduce__(self):  # pickle (multiprocessing's spawn, Pool.map): a session does not travel
+        raise InvalidArgumentTypeError("a Model cannot be pickled: pass its folder to the other process and "
+                                       "load it there")
+
     def __init__(self, path, *, provider, threads, capacity_tokens, n_sink, overflow, prefill_chunk, verbose, power,
                  spin_duration_us: int | None = None):
         """`load`'s arguments; spin_duration_us: how long the session's idle workers spin (None: ONNX
@@ -85,6 +89,8 @@ class Model:
                                            f"got {type(path).__name__}")
         folder = Path(path) if path is not None else default_model_path()
         check_policy(overflow)
+        if not isinstance(verbose, bool):
+            raise InvalidArgumentError(f"verbose must be True or False, got {verbose!r}")
         check_threads(threads, warn=False)  # early, before any work; the session warns
         if threads is None:  # the device profile's thread count ("auto" leaves ONNX Runtime's choice)
             from edgeinfer.platforms import detect

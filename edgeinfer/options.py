@@ -46,7 +46,7 @@ class GenerationOptions:
             raise InvalidArgumentError(f"seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if self.speculative is not None and self.speculative not in SPECULATIVE:
+        if self.speculative is not None and (not isinstance(self.speculative, str) or self.speculative not in SPECULATIVE):
             raise InvalidArgumentError(f"speculative must be None or one of {', '.join(map(repr, SPECULATIVE))}, "
                                        f"got {self.speculative!r}")
         if not isinstance(self.sampling, SamplingParams):

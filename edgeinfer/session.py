@@ -25,7 +25,7 @@ def resolve_provider(provider: str, target: str = "cpu") -> str:
     suits a folder converted for `target` (`platforms.auto_provider`; a cuda folder on a Jetson with
     the CUDA build: "cuda"; else "cpu"); "cpu" and "cuda" as given. An unknown or unavailable
     provider raises InvalidArgumentError."""
-    if provider == "auto":
+    if isinstance(provider, str) and provider == "auto":
         from edgeinfer.platforms import auto_provider, available_providers, detect
 
         return auto_provider(target, detect().profile, available_providers(), tuple(PROVIDERS))

@@ -346,3 +346,23 @@ def test_token_text_is_what_each_token_adds(bundled, hf_tokenizer):
     t = bundled.tokenizer
     assert t.token_text(t.encode("\n", add_bos=False)[-1]) == "\n" and t.token_text(t.bos_id) == ""
     assert any(isinstance(p, bytes) for p in (t.token_text(i) for i in t.encode("\u4f60", add_bos=False)))
+
+
+@pytest.mark.parametrize("call", ["speculative", "power", "provider", "verbose", "pickle_model", "pickle_conversation"])
+def test_arguments_of_other_types_are_edgeinfer_errors(bundled, call):
+    """A numpy array as speculative=, power= or provider= escaped as numpy's "truth value of an array
+    is ambiguous"; verbose="yes" was accepted; pickling a Model raised a bare "cannot pickle
+    'mappingproxy' object"."""
+    import pickle
+
+    arr = np.array([1, 2])
+    calls = {
+        "speculative": lambda: bundled.generate("Once", max_new_tokens=2, speculative=arr),
+        "power": lambda: edgeinfer.load(power=arr),
+        "provider": lambda: edgeinfer.load(provider=arr),
+        "verbose": lambda: edgeinfer.load(verbose="yes"),
+        "pickle_model": lambda: pickle.dumps(bundled),
+        "pickle_conversation": lambda: pickle.dumps(bundled.conversation()),
+    }
+    with pytest.raises(edgeinfer.EdgeInferError):
+        calls[call]()

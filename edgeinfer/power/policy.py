@@ -101,10 +101,8 @@ def resolve_policy(power) -> Policy | None:
     anything else is refused."""
     if power is None or isinstance(power, Policy):
         return power
-    if power == "off":
-        return None
     if isinstance(power, str):
-        return Policy(power)
+        return None if power == "off" else Policy(power)
     raise InvalidArgumentError(f"power must be None, one of {', '.join(POLICY_NAMES)}, or a Policy, got {power!r}")
 
 
