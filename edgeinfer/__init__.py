@@ -6,7 +6,7 @@ Runtime modules never import torch or transformers; the converter lives in `edge
 __version__ = "0.1.0"
 
 from edgeinfer.errors import (  # noqa: E402
-    ConvertError, EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelFormatError)
+    ConvertError, EdgeInferError, ForkedBusyError, InvalidArgumentError, InvalidArgumentTypeError, ModelFormatError)
 from edgeinfer.context_lock import ContextBusyError  # noqa: E402
 from edgeinfer.overflow import ContextOverflowError  # noqa: E402
 from edgeinfer.options import GenerationOptions  # noqa: E402
@@ -16,4 +16,4 @@ from edgeinfer.model import Conversation, Model, load  # noqa: E402
 
 __all__ = ["load", "Model", "Conversation", "Generation", "GenerationOptions", "SamplingParams", "Chunk",
            "Completion", "ContextOverflowError", "ContextBusyError", "EdgeInferError", "ConvertError",
-           "ModelFormatError", "InvalidArgumentError", "InvalidArgumentTypeError", "__version__"]
+           "ModelFormatError", "InvalidArgumentError", "InvalidArgumentTypeError", "ForkedBusyError", "__version__"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 
+from edgeinfer import fork_safety
 from edgeinfer.errors import EdgeInferError
 
 
@@ -30,6 +31,7 @@ class ContextLock:
         # the holder's Thread object (not its ident: the OS reuses a finished thread's ident, and a new
         # thread must wait, not be refused); only the holder sets it to itself
         self._owner: threading.Thread | None = None
+        fork_safety.watch(self, "_lock", what)  # held at a fork: the child refuses it rather than hang
 
     def acquire(self) -> None:
         me = threading.current_thread()

@@ -29,6 +29,7 @@ import weakref
 
 import numpy as np
 
+from edgeinfer import fork_safety
 from edgeinfer.kv_cache import BatchedKV, RingKVCache
 from edgeinfer.kv_mode import ATTENTION_MASK, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
 from edgeinfer.manifest import ROPE_COS, ROPE_SIN, host_rope
@@ -114,6 +115,7 @@ class Engine(ChunkedSteps):
         self._rope_gen = 0  # bumped when the tables are replaced (the bindings then point at old ones)
         self.calls = 0
         self.lock = threading.Lock()
+        fork_safety.watch(self, "lock", "the model's engine")
         self.draft = None  # a `drafting.Draft`: the small model `speculative="draft"` drafts with (Model.set_draft)
         self._ratios: tuple[float, ...] | None = None  # `verify_ratios`, once measured
         self._ratios_lock = threading.Lock()

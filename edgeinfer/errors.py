@@ -28,3 +28,8 @@ class InvalidArgumentError(EdgeInferError, ValueError):
 class InvalidArgumentTypeError(EdgeInferError, TypeError):
     """An argument has the wrong type (e.g. a prompt that is neither text nor token ids). Still a
     TypeError."""
+
+
+class ForkedBusyError(EdgeInferError, RuntimeError):
+    """In a process made by fork(): the parent's Model (or one of its contexts) was in use by another
+    thread at the fork, and that thread does not exist here (`fork_safety`)."""

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnxruntime as ort
 
+from edgeinfer import fork_safety
 from edgeinfer.engine import ChunkedSteps
 from edgeinfer.errors import ModelFormatError
 from edgeinfer.kv_cache import RingKVCache
@@ -63,6 +64,7 @@ class PortableEngine(ChunkedSteps):
         self.chunks = logit_chunks(self.spec.vocab_size)
         self.inv_freq = self.spec.rope.inv_freq(self.spec.head_dim)
         self.lock = threading.Lock()
+        fork_safety.watch(self, "lock", "the model's engine")
         self.calls = 0
 
     def _check_graph(self, sess, s: int, path) -> None:
