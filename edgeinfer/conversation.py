@@ -11,6 +11,12 @@ refused (ContextOverflowError under overflow="error", a bad option), fails, or i
 stream closed or dropped half-way, Ctrl-C) is rolled back: `messages` is left as it was, and the
 cache is rewound to where the turn started; if the turn's tokens already evicted or moved older ones
 (the ring wrapped or re-based), the cache is emptied instead and the next turn re-prefills the history.
+That rebuild (also after a stop string that could not be taken back out of a wrapped ring, or a step
+cut short) feeds, under overflow="shift", only what the ring can hold: the history's first `n_sink`
+tokens and its last `capacity - n_sink` (the rest counted as dropped). Feeding all of it would end
+in the same ring but cost time in proportion to the whole conversation (17,539 tokens for one turn
+after 400 turns in a 64-token ring); the ring's older tokens then see less context than when they
+were first fed, so the next reply may differ from one the rolled-back turn never preceded.
 
 One turn at a time: another thread waits; a second live stream in the same thread is refused
 (`ContextBusyError`). Conversations of one Model run in parallel, each with its own cache.
@@ -53,6 +59,7 @@ class Conversation:
         self._prompt_text = ""  # the last turn's rendered prompt (its tokens are in the cache)
         self._reply = ""  # the reply generated after it (its tokens are in the cache, but the last)
         self._unfed: list[int] = []  # last sampled token, not yet fed to the cache
+        self._rebuild = False  # emptied to recover (a failed rollback): the next turn feeds what the ring holds
 
     def reset(self) -> None:
         with self.lock:
@@ -78,8 +85,8 @@ class Conversation:
             msgs = list(messages) if messages is not None else self.messages + [{"role": "user", "content": content}]
             full = m.template.render(msgs, add_generation_prompt=True)
             if not self.cache.intact:  # a mutation was cut short (Ctrl-C inside a step): start clean
-                self._forget()
-            ids = self._ids_for(full, opts)
+                self._recover()
+            ids, req.cut = self._ids_for(full, opts)
             if not ids:
                 raise EdgeInferError("nothing new to say: the messages add no text")
             turn.update(msgs=msgs, full=full, mark=self.cache.mark())
@@ -89,7 +96,7 @@ class Conversation:
             if req.completion is not None:
                 self._commit(turn["msgs"], turn["full"], req)
             elif "mark" in turn and not self.cache.rewind(turn["mark"]):
-                self._forget()
+                self._recover()
 
         return Generation(m.engine, m.tokenizer, self.cache, opts, m.overflow, begin=begin, end=end, lock=self.lock,
                           load_ms=m.load_ms, power=m.power)
@@ -99,22 +106,35 @@ class Conversation:
         (the reply's text less a stop string, the Generation having taken its tokens back out)."""
         self.messages = msgs + [{"role": "assistant", "content": gen.completion.text}]
         if gen.cache_stale:
-            self._forget()
+            self._recover()
         else:
             self._prompt_text, self._reply, self._unfed = full, gen.cached_text, list(gen.unfed)
+            self._rebuild = False
 
-    def _ids_for(self, full: str, opts: GenerationOptions) -> list[int]:
-        """Token ids this turn feeds: the new text after what the cache holds, or (starting over) the
-        whole rendering. Under overflow="truncate", a turn that would not fit beside what the cache
-        holds starts over, so that truncation drops the oldest turns, not the new one."""
-        m = self.model
+    def _recover(self) -> None:
+        """The cache no longer matches the history: empty it, and have the next turn rebuild it."""
+        self._forget()
+        self._rebuild = True
+
+    def _ids_for(self, full: str, opts: GenerationOptions) -> tuple[list[int], int]:
+        """(token ids this turn feeds, rendered tokens left out): the new text after what the cache
+        holds, or (starting over) the whole rendering; rebuilding after a recovery under
+        overflow="shift", only its first n_sink and last capacity - n_sink tokens (the module doc).
+        Under overflow="truncate", a turn that would not fit beside what the cache holds starts over,
+        so that truncation drops the oldest turns, not the new one."""
+        m, cache = self.model, self.cache
         new_text = self._new_text(full)
         if new_text is not None:
             ids = self._unfed + m.tokenizer.encode(new_text, add_bos=False)
-            if fits_beside(self.cache.n_valid, len(ids), self.cache.capacity, m.overflow, opts.max_new_tokens):
-                return ids
-        self._forget()  # first turn, a template whose earlier turns render differently, or truncation
-        return m.encode_rendered(full)
+            if fits_beside(cache.n_valid, len(ids), cache.capacity, m.overflow, opts.max_new_tokens):
+                return ids, 0
+        rebuild = self._rebuild
+        self._forget()  # first turn, a template whose earlier turns render differently, truncation, a recovery
+        ids = m.encode_rendered(full)
+        if rebuild and m.overflow == "shift" and len(ids) > cache.capacity:
+            tail = cache.capacity - cache.n_sink
+            return ids[:cache.n_sink] + ids[len(ids) - tail:], len(ids) - cache.capacity
+        return ids, 0
 
     def _new_text(self, full: str) -> str | None:
         """The part of this turn's rendering that the cache has not seen, or None to start over.

@@ -164,7 +164,8 @@ class Request:
                  stepper=None, prefix: Sequence[int] = (), cancelled: threading.Event | None = None,
                  power=None):
         """begin(request): run under the lock at the first `next()`, returns the prompt ids to feed
-        (it may set `request.prefix`: tokens the cache holds before them). end(request): step 6.
+        (it may set `request.prefix`: tokens the cache holds before them; and `request.cut`: prompt
+        tokens it left out, counted in usage as prompt tokens dropped). end(request): step 6.
         logprobs: None (off) or n >= 0: each chunk carries its token's logprob and the n best.
         stepper: how decode steps run (`batching.SoloStepper`, the default, or a `DecodeBatcher`
         that runs this conversation's steps together with others').
@@ -183,7 +184,8 @@ class Request:
         self.unfed: tuple[int, ...] = ()
         self.cached_text = ""
         self.cache_stale = False
-        self.prompt_dropped = 0  # prompt tokens the overflow policy dropped before prefill
+        self.prompt_dropped = 0  # prompt tokens the overflow policy dropped before prefill (and `cut`)
+        self.cut = 0  # prompt tokens `begin` left out (a conversation rebuilding its cache feeds what the ring holds)
         self.speculation = None  # with options.speculative: the request's `speculative.Stats`
         self._begin, self._end, self._lock = begin, end, lock
         self.held: ContextLock | None = None  # the context's lock while the steps hold it
@@ -222,7 +224,7 @@ class Request:
         if bad:
             raise InvalidArgumentError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         feed, dropped = fit_prompt(cache, prompt_ids, self.overflow, opts.max_new_tokens)
-        self.prompt_dropped = dropped
+        self.prompt_dropped = self.cut + dropped
         dropped_before = cache.dropped
         detok, stops = Detokenizer(tok, self.prefix + prompt_ids), StopFilter(opts.stop)
         generated: list[int] = []
@@ -256,8 +258,8 @@ class Request:
         n, decode_s = len(generated), t_end - t_first
         self.completion = Completion(
             text=stops.text, token_ids=tuple(generated), finish_reason=finish,
-            usage=Usage(len(self.prefix) + len(prompt_ids), n, dropped + cache.dropped - dropped_before,
-                        len(self.prefix)),
+            usage=Usage(len(self.prefix) + self.cut + len(prompt_ids), n,
+                        self.prompt_dropped + cache.dropped - dropped_before, len(self.prefix)),
             timings=Timings(load_ms=self.load_ms, ttft_ms=(t_first - t0) * 1e3,
                             tpot_ms=decode_s * 1e3 / (n - 1) if n > 1 else 0.0,
                             prefill_tok_s=len(feed) / max(t_prefill - t0, 1e-9),

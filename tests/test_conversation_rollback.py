@@ -123,3 +123,31 @@ def test_numpy_ids_through_a_conversation_free_path():
     m = edgeinfer.load()
     ids = np.array(m.tokenizer.encode("Once upon a time"), np.int32)
     assert m.generate(ids, **OPTS).token_ids == m.generate(ids.tolist(), **OPTS).token_ids
+
+
+def test_the_turn_after_a_rollback_in_a_wrapped_ring_feeds_only_what_the_ring_holds():
+    """After 60 turns in a 64-token ring, an abandoned turn cannot be rewound (it evicted older
+    tokens), so the next turn rebuilt the cache by feeding the whole history through the ring:
+    2,600 tokens here, 17,539 after 400 turns, growing with the conversation. Now it feeds the
+    history's first n_sink tokens and its last capacity - n_sink (what a full refeed leaves in the
+    ring), counting the rest as dropped; the history is rolled back exactly."""
+    m = edgeinfer.load(capacity_tokens=64, n_sink=4)
+    conv = m.conversation()
+    for i in range(60):
+        conv.say(f"Turn {i}: and then?", temperature=0, max_new_tokens=16)
+    history = list(conv.messages)
+    s = conv.stream_say("Something else entirely.", temperature=0, max_new_tokens=20, ignore_eos=True)
+    for _ in range(3):
+        next(s)
+    s.close()
+    assert conv.messages == history
+    fed, forward = [], m.engine.forward
+    m.engine.forward = lambda cache, ids, *a, **k: fed.append(len(ids)) or forward(cache, ids, *a, **k)
+    r = conv.say("What did the dog do?", temperature=0, max_new_tokens=8, ignore_eos=True)
+    rendered = m.encode_rendered(m.template.render(history + [{"role": "user", "content": "What did the dog do?"}],
+                                                   add_generation_prompt=True))
+    assert len(rendered) > 1000 and sum(fed) == 64 + 7  # the ring's worth, then 7 decode steps
+    assert r.usage.prompt_tokens == len(rendered) and r.usage.dropped_tokens >= len(rendered) - 64
+    assert conv.messages[:-1] == history + [{"role": "user", "content": "What did the dog do?"}]
+    again = conv.say("Then what?", temperature=0, max_new_tokens=8)  # and the conversation goes on, cheaply
+    assert again.usage.prompt_tokens < 64 and again.finish_reason in ("length", "eos")
