@@ -477,3 +477,17 @@ def test_legacy_text_offsets_count_a_character_in_pieces_once():
     entries = [token_logprob(" ", -0.1, []), token_logprob(b"\xe4\xbd", -0.2, []), token_logprob(b"\xa0", -0.3, []),
                token_logprob("!", -0.1, []), token_logprob(b"\xff", -0.1, []), token_logprob("x", -0.1, [])]
     assert completion_logprobs(entries, text_offset=10)["text_offset"] == [10, 11, 11, 12, 13, 14]
+
+
+def test_streamed_text_offsets_carry_a_split_character_across_chunks():
+    """Chunk by chunk (a stream), the offsets must equal the whole reply's: the app added each chunk's
+    token lengths ("\\ufffd" for each piece), so a character split across chunks moved every later
+    offset by one per piece."""
+    from edgeinfer.server.protocol import TextOffsets
+
+    entries = [token_logprob(" ", -0.1, []), token_logprob(b"\xe4\xbd", -0.2, []), token_logprob(b"\xa0", -0.3, []),
+               token_logprob("!", -0.1, [])]
+    whole = completion_logprobs(entries, text_offset=10)["text_offset"]
+    offsets = TextOffsets(10)
+    streamed = [o for e in entries for o in completion_logprobs([e], text_offset=offsets)["text_offset"]]
+    assert streamed == whole == [10, 11, 11, 12]

@@ -227,7 +227,7 @@ class _Reply:
         self.model_id = server.model_id
         self.ttft_s: float | None = None
         self.tok = server.model.tokenizer
-        self._offset = len(req.prompt) if not chat and isinstance(req.prompt, str) else 0  # legacy text_offset
+        self._offsets = protocol.TextOffsets(len(req.prompt) if not chat and isinstance(req.prompt, str) else 0)
 
     def failed(self, exc: BaseException) -> Response:
         if isinstance(exc, Cancelled):  # the client left (nobody reads this) or the server is stopping
@@ -303,9 +303,7 @@ class _Reply:
         if self.req.logprobs is None:
             return None
         entries = [e for c in chunks for e in (self._token_logprobs(c) or [])]
-        out = protocol.completion_logprobs(entries, text_offset=self._offset)
-        self._offset += sum(len(e["token"]) for e in entries)
-        return out
+        return protocol.completion_logprobs(entries, text_offset=self._offsets)
 
     async def stream(self, first):
         """SSE events as OpenAI sends them; the job is cancelled if the client goes away."""

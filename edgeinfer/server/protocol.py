@@ -341,29 +341,43 @@ def token_logprob(token_text: str | bytes, logprob: float, top: list[tuple[str |
     return {**_entry(token_text, logprob), "top_logprobs": [_entry(t, lp) for t, lp in top]}
 
 
-def completion_logprobs(entries: list[dict], *, text_offset: int) -> dict:
+class TextOffsets:
+    """Legacy completions' `text_offset`, token after token, across the chunks of a reply: each
+    token's character offset in prompt + text. A token that is a piece of a character (its "bytes"
+    not whole UTF-8) has that character's offset, and the character counts once, after its last
+    piece (the pieces pending may end one chunk and go on in the next)."""
+
+    def __init__(self, start: int):
+        self.next, self.pending = start, b""
+
+    def take(self, entry: dict) -> int:
+        """The offset of `entry` (a `token_logprob` dict); moves past its text."""
+        at, self.pending = self.next, self.pending + bytes(entry["bytes"])
+        try:
+            self.next, self.pending = self.next + len(self.pending.decode("utf-8")), b""
+        except UnicodeDecodeError as err:
+            if err.reason == "unexpected end of data" and len(self.pending) - err.start < 4:  # the rest follows
+                self.next += len(self.pending[:err.start].decode("utf-8"))
+                self.pending = self.pending[err.start:]
+            else:  # bytes that never make a character: counted as the decode shows them
+                self.next, self.pending = self.next + len(self.pending.decode("utf-8", errors="replace")), b""
+        return at
+
+
+def completion_logprobs(entries: list[dict], *, text_offset: "int | TextOffsets") -> dict:
     """Legacy completions' logprobs {"tokens", "token_logprobs", "top_logprobs", "text_offset"} from
-    `token_logprob` dicts; `text_offset` is the first token's character offset (the prompt's length,
-    plus the text already sent when streaming). Tokens with the same text keep the first's logprob.
-    A token that is a piece of a character (its "bytes" not whole UTF-8) has that character's offset,
-    and the character counts once, after its last piece."""
-    tops, offsets, pending = [], [], b""
+    `token_logprob` dicts; `text_offset`: the first token's character offset (the prompt's length),
+    or a stream's `TextOffsets`, which goes on from chunk to chunk. Tokens with the same text keep
+    the first's logprob."""
+    offsets = text_offset if isinstance(text_offset, TextOffsets) else TextOffsets(text_offset)
+    tops = []
     for e in entries:
         top = {}
         for t in e["top_logprobs"]:
             top.setdefault(t["token"], t["logprob"])
         tops.append(top)
-        offsets.append(text_offset)
-        pending += bytes(e["bytes"])
-        try:
-            text_offset, pending = text_offset + len(pending.decode("utf-8")), b""
-        except UnicodeDecodeError as err:
-            if err.reason == "unexpected end of data" and len(pending) - err.start < 4:  # the rest follows
-                text_offset, pending = text_offset + len(pending[:err.start].decode("utf-8")), pending[err.start:]
-            else:  # bytes that never make a character: counted as the decode shows them
-                text_offset, pending = text_offset + len(pending.decode("utf-8", errors="replace")), b""
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": tops, "text_offset": offsets}
+            "top_logprobs": tops, "text_offset": [offsets.take(e) for e in entries]}
 
 
 def _chat_logprobs(entries: list[dict] | None) -> dict | None:

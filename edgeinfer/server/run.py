@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 
-import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -29,10 +28,11 @@ HEAD_READ_S = 30.0  # the most a connection may take to send a request's head, f
 class HeadTimeoutH11(H11Protocol):
     """uvicorn's h11 protocol, plus a deadline for the request head: a connection that has not sent
     a whole request line and headers within `HEAD_READ_S` of opening (or of its last response, for
-    the next request) is closed. uvicorn times a connection out only once a response is sent (its
-    keep-alive), and any byte cancels that: connections that sent nothing, or half a head, were held
-    for ever, and enough of them ran the process out of file descriptors (accept() failed, /health
-    stopped answering). The deadline is absolute: trickling bytes does not extend it."""
+    the next request) is closed; so is one still sending a body that was already answered (an early
+    413 or 408). uvicorn times a connection out only once a response is sent (its keep-alive), and
+    any byte cancels that: connections that sent nothing, or half a head, were held for ever, and
+    enough of them ran the process out of file descriptors (accept() failed, /health stopped
+    answering). The deadline is absolute: trickling bytes does not extend it."""
 
     _head_timer: asyncio.TimerHandle | None = None
 
@@ -56,8 +56,10 @@ class HeadTimeoutH11(H11Protocol):
 
     def _head_timeout(self) -> None:
         self._head_timer = None
-        waiting = self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
-        if waiting and not self.transport.is_closing():  # a request in progress has the app's own timeouts
+        # no request in progress (one has the app's own timeouts): what the client sends now is a next
+        # head, or the rest of a body the server already answered (an early 413 or 408), trickled
+        waiting = self.cycle is None or self.cycle.response_complete
+        if waiting and not self.transport.is_closing():
             self.transport.close()
 
 
