@@ -31,7 +31,7 @@ class ContextLock:
         # the holder's Thread object (not its ident: the OS reuses a finished thread's ident, and a new
         # thread must wait, not be refused); only the holder sets it to itself
         self._owner: threading.Thread | None = None
-        fork_safety.watch(self, "_lock", what)  # held at a fork: the child refuses it rather than hang
+        fork_safety.watch(self, "_lock", what, "held_here")  # held by another thread at a fork: refused there
 
     def acquire(self) -> None:
         me = threading.current_thread()
@@ -43,8 +43,13 @@ class ContextLock:
         self._owner = me
 
     def hand_to(self, thread: threading.Thread) -> None:
-        """The holder's stream is now advanced by `thread` (called by the holder, in that thread)."""
+        """The holder's stream is now advanced by `thread` (called in that thread, from inside the
+        stream's steps: only the thread running them gets there)."""
         self._owner = thread
+
+    def held_here(self) -> bool:
+        """Whether the current thread holds it (its stream is open here)."""
+        return self._owner is threading.current_thread()
 
     def release(self) -> None:
         self._owner = None

@@ -119,6 +119,7 @@ class Engine(ChunkedSteps):
         self.draft = None  # a `drafting.Draft`: the small model `speculative="draft"` drafts with (Model.set_draft)
         self._ratios: tuple[float, ...] | None = None  # `verify_ratios`, once measured
         self._ratios_lock = threading.Lock()
+        fork_safety.watch(self, "_ratios_lock", "the model's speculation timing")  # held ~0.5 s while it measures
 
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
         return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, self.mode, dtype=self.kv_dtype)

@@ -5,8 +5,9 @@ moment works in the child as in the parent. But a lock that another thread held 
 during a graph call; a context's, while a stream was open) stays held in the child by a thread that
 does not exist there, so the child's next call on it would wait for ever (and ONNX Runtime may be
 halfway through a call). `watch(obj, attr)` registers such a lock; in the child, each watched lock
-that is held is replaced by one that refuses at once with `ForkedBusyError`, naming what to do.
-Locks that were free are left alone.
+that another thread held is replaced by one that refuses at once with `ForkedBusyError`, naming
+what to do. Locks that were free, or held by the thread that forked (a stream it has open), are
+left alone.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import weakref
 
 from edgeinfer.errors import ForkedBusyError
 
-_WATCHED: "weakref.WeakKeyDictionary[object, tuple[str, str]]" = weakref.WeakKeyDictionary()
+_WATCHED: "weakref.WeakKeyDictionary[object, dict[str, tuple[str, str | None]]]" = weakref.WeakKeyDictionary()
 _GUARD = threading.Lock()
 
 
@@ -43,19 +44,25 @@ class _Refusing:
         return True
 
 
-def watch(obj: object, attr: str, what: str) -> None:
-    """In a forked child, refuse `obj.<attr>` (a threading.Lock) if it was held at the fork."""
+def watch(obj: object, attr: str, what: str, held_here: str | None = None) -> None:
+    """In a forked child, refuse `obj.<attr>` (a threading.Lock) if another thread held it at the
+    fork. held_here: the name of a method of obj that says whether the current thread holds it
+    (the thread that forks is the child's: its own locks stay as they are); None: a lock held only
+    inside a call, which no thread can fork from."""
     with _GUARD:
-        _WATCHED[obj] = (attr, what)
+        _WATCHED.setdefault(obj, {})[attr] = (what, held_here)
 
 
 def _after_fork_in_child() -> None:
     global _GUARD
     _GUARD = threading.Lock()  # it may have been held by a thread that is gone
-    for obj, (attr, what) in list(_WATCHED.items()):
-        lock = getattr(obj, attr, None)
-        if lock is not None and lock.locked() and not isinstance(lock, _Refusing):
-            setattr(obj, attr, _Refusing(what))
+    for obj, locks in list(_WATCHED.items()):
+        for attr, (what, held_here) in locks.items():
+            lock = getattr(obj, attr, None)
+            if lock is None or not lock.locked() or isinstance(lock, _Refusing):
+                continue
+            if held_here is None or not getattr(obj, held_here)():
+                setattr(obj, attr, _Refusing(what))
 
 
 if hasattr(os, "register_at_fork"):

@@ -102,9 +102,6 @@ class Generation:
         return self
 
     def __next__(self) -> Chunk:
-        held = self._request.held
-        if held is not None:  # the thread advancing a stream holds its context (a stream may change threads)
-            held.hand_to(threading.current_thread())
         return next(self._steps)
 
     def run_to_end(self) -> Completion | None:
@@ -280,6 +277,7 @@ class Request:
         eos = set() if opts.ignore_eos else set(self.tok.eos_ids)
         step, cancelled, max_new, want_marks = stepper.step, self.cancelled, opts.max_new_tokens, bool(opts.stop)
         pace = self.pacer.pace if self.pacer is not None else None
+        held = self.held
         lp, top, text_len, t_first = None, (), 0, None
         while True:
             try:
@@ -306,6 +304,8 @@ class Request:
             if len(generated) >= max_new or (overflow != "shift" and cache.full):
                 return "length", Chunk(text + stops.flush(), token, lp, top), t_first
             yield Chunk(text, token, lp, top)
+            if held is not None:  # the thread that resumed the steps holds the context (a stream may change threads)
+                held.hand_to(threading.current_thread())
             if pace is not None:
                 pace()
             if cancelled.is_set():

@@ -76,8 +76,8 @@ def load(path: str | Path | None = None, *, provider: str = "auto", threads: int
 
 class Model:
     def __reduce__(self):  # pickle (multiprocessing's spawn, Pool.map): a session does not travel
-        raise InvalidArgumentTypeError("a Model cannot be pickled: pass its folder to the other process and "
-                                       "load it there")
+        raise InvalidArgumentTypeError("a Model cannot be pickled or copied: pass its folder to the other process "
+                                       "and load it there (in this one, share the Model itself)")
 
     def __init__(self, path, *, provider, threads, capacity_tokens, n_sink, overflow, prefill_chunk, verbose, power,
                  spin_duration_us: int | None = None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 import threading
 
 import pytest
@@ -231,3 +232,61 @@ def test_a_child_forked_while_another_thread_generates_refuses_at_once_and_an_id
     want = alone[PROMPTS[0]]
     assert _in_child(lambda: model.generate(PROMPTS[0], **GREEDY).token_ids == want) == "True"
     assert model.generate(PROMPTS[0], **GREEDY).token_ids == want
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
+def test_a_child_forked_by_the_thread_whose_stream_is_open_keeps_it(model, alone):
+    """The forking thread is the child's: a stream it has open goes on there, and once it ends the
+    child's generate works (the first fork fix refused it for ever as "another thread's")."""
+    import warnings
+
+    s = model.stream(PROMPTS[0], **GREEDY)
+    head = [next(s).token_id]
+
+    def child():
+        rest = [c.token_id for c in s if c.token_id is not None]
+        return tuple(head + rest) == alone[PROMPTS[0]] and model.generate(PROMPTS[0], **GREEDY).token_ids == alone[PROMPTS[0]]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert _in_child(child) == "True"
+    s.close()
+
+
+def test_a_thread_refused_by_a_running_stream_does_not_take_its_context(model, alone):
+    """Thread B's next() on a stream that thread A is running fails ("generator already executing"),
+    but it handed the context to B before failing: A's own generate, with its stream still open,
+    then waited for ever on itself instead of being refused."""
+    s = model.stream(PROMPTS[0], **GREEDY)
+    next(s)
+    inside, seen = threading.Event(), []
+    orig = model.engine.forward
+
+    def slow_forward(*a, **k):  # A's step runs long enough for B to try
+        inside.set()
+        time.sleep(0.2)
+        return orig(*a, **k)
+
+    def a():
+        next(s)
+        seen.append(type(_try(lambda: model.generate(PROMPTS[1], max_new_tokens=2))).__name__)
+
+    model.engine.forward = slow_forward
+    try:
+        t = threading.Thread(target=a, daemon=True)
+        t.start()
+        inside.wait(5)
+        seen.append(str(_try(lambda: next(s))))
+        t.join(10)
+    finally:
+        del model.engine.forward
+    assert not t.is_alive(), "thread A waited on its own stream"
+    assert "already executing" in seen[0] and seen[1] == "ContextBusyError"
+    s.close()
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        return e

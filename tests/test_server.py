@@ -24,7 +24,8 @@ KEY = "test-key-123456"
 class Running:
     def __init__(self, config: ServeConfig, model=None):
         self.server = build(config, model)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP by number: asyncio then sets TCP_NODELAY (else keep-alive replies wait 40 ms on delayed ACKs)
+        # TCP by number: asyncio then sets TCP_NODELAY (else kept-alive replies wait 40 ms for delayed ACKs)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.uv = uvicorn_server(self.server)
