@@ -241,6 +241,27 @@ def test_connections_that_never_finish_a_request_head_are_closed(srv, monkeypatc
                 s.close()
 
 
+def test_an_early_413_closes_its_connection_once_answered(srv):
+    """A body declared too large is refused before it is read, so the connection cannot carry another
+    request: the answer says Connection: close and the server closes it then, rather than leaving a
+    client still uploading to be cut off at the head deadline (30 s later) before it reads the 413."""
+    s = socket.create_connection(("127.0.0.1", srv.port))
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                  + b"\r\nContent-Type: application/json\r\nContent-Length: 99999999\r\n\r\n{")
+        s.settimeout(10)
+        t0, reply = time.monotonic(), b""
+        while True:
+            part = s.recv(65536)
+            if not part:
+                break
+            reply += part
+        assert reply.startswith(b"HTTP/1.1 413") and b"connection: close" in reply.lower()
+        assert time.monotonic() - t0 < 5  # closed once answered, not at a deadline
+    finally:
+        s.close()
+
+
 def test_cors_preflight_is_not_refused_for_want_of_an_api_key(model):
     """A server with an API key and cors_origins (a browser app calling it). The browser's preflight
     (OPTIONS with Origin and Access-Control-Request-Method, never an Authorization header) must be

@@ -53,6 +53,8 @@ class JSON(JSONResponse):
 
 
 def error_response(e: APIError, headers: dict | None = None) -> JSONResponse:
+    if e.status in (408, 413):  # the body was not read to its end: the connection cannot carry another request,
+        headers = {**(headers or {}), "Connection": "close"}  # so it closes once the answer is out (as nginx does)
     return JSON(e.body(), status_code=e.status, headers=headers)
 
 
