@@ -32,7 +32,7 @@ from edgeinfer.context_lock import ContextLock
 from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError
 from edgeinfer.generation import Completion, Generation, Request
 from edgeinfer.options import GenerationOptions, resolve
-from edgeinfer.overflow import fits_beside
+from edgeinfer.overflow import fits_beside, sinks_and_tail
 
 if TYPE_CHECKING:
     from edgeinfer.model import Model
@@ -132,8 +132,7 @@ class Conversation:
         self._forget()  # first turn, a template whose earlier turns render differently, truncation, a recovery
         ids = m.encode_rendered(full)
         if rebuild and m.overflow == "shift" and len(ids) > cache.capacity:
-            tail = cache.capacity - cache.n_sink
-            return ids[:cache.n_sink] + ids[len(ids) - tail:], len(ids) - cache.capacity
+            return sinks_and_tail(ids, cache.n_sink, cache.capacity), len(ids) - cache.capacity
         return ids, 0
 
     def _new_text(self, full: str) -> str | None:

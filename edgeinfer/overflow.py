@@ -73,6 +73,12 @@ def fit_prompt(cache, ids: list[int], overflow: str, max_new_tokens: int) -> tup
     budget = max(1, room - truncate_reserve(cache.capacity, max_new_tokens))
     if len(ids) <= budget:
         return ids, 0
-    keep_head = min(cache.n_sink, budget - 1) if cache.n_valid == 0 else 0
-    kept = ids[:keep_head] + ids[len(ids) - (budget - keep_head):]
+    kept = sinks_and_tail(ids, cache.n_sink if cache.n_valid == 0 else 0, budget)
     return kept, len(ids) - len(kept)
+
+
+def sinks_and_tail(ids: list[int], n_sink: int, budget: int) -> list[int]:
+    """What `budget` slots keep of a longer sequence: its first n_sink ids (at most budget - 1: the
+    sinks, BOS and the start of a system prompt) and the most recent ones after them."""
+    head = min(n_sink, budget - 1)
+    return ids[:head] + ids[len(ids) - (budget - head):]
