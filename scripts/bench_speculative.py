@@ -14,8 +14,10 @@ Reports, per model and kind, the median over rounds of decode tokens/s (`Complet
 both, their ratio, the lowest, median and highest of the per-round ratios (the two sides of one
 round run within a second of each other: their spread is the box's noise, which on a tiny model
 moves the ratio by more than the differences sought; give more rounds there), speculation's
-acceptance rate and mean accepted drafts per verify call, and whether the tokens were identical.
-JSON out.
+acceptance rate and mean accepted drafts per verify call, whether the tokens were identical, and
+`copyable`: the share of plain decoding's tokens that prompt lookup's next draft would have got
+right (the n-gram drafter replayed over prompt and output: how much the text repeats its input,
+which bounds what any rule can gain). JSON out.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 import edgeinfer
+from edgeinfer.drafting import NgramDrafter
 
 TASKS = ("Repeat the following text exactly, word for word:\n\n{text}",
          "Fix the spelling mistakes in this text and write it out again in full:\n\n{typos}",
@@ -80,6 +83,16 @@ def run(m, prompt, n_new, spec):
     return c, g.speculation
 
 
+def copyable(prompt: list[int], tokens: list[int]) -> float:
+    """The share of `tokens` that the n-gram drafter, fed the prompt and the tokens before, drafts
+    first."""
+    d, hits = NgramDrafter(prompt), 0
+    for t in tokens:
+        hits += d.draft(1) == [t]
+        d.push(t)
+    return hits / max(1, len(tokens))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", action="append", required=True)
@@ -100,6 +113,7 @@ def main() -> None:
             tps: dict = {None: [], drafter: []}
             drafted = accepted = calls = 0
             same = True
+            copied = []
             for r in range(args.rounds):
                 for spec in ((None, drafter) if r % 2 == 0 else (drafter, None)):
                     per = []
@@ -109,7 +123,9 @@ def main() -> None:
                         if spec and r == 0:
                             drafted, accepted, calls = drafted + st.drafted_tokens, accepted + st.accepted_tokens, \
                                 calls + st.verify_calls
-                            same &= c.token_ids == run(m, p, args.tokens, None)[0].token_ids
+                            plain_ids = list(run(m, p, args.tokens, None)[0].token_ids)
+                            same &= list(c.token_ids) == plain_ids
+                            copied.append(copyable(list(p), plain_ids))
                     tps[spec].append(statistics.median(per))
             plain, spec = statistics.median(tps[None]), statistics.median(tps[drafter])
             per_round = sorted(b / a for a, b in zip(tps[None], tps[drafter]))
@@ -119,7 +135,7 @@ def main() -> None:
                                       round(per_round[-1], 3)],
                    "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
                    "mean_accepted_per_verify": round(accepted / calls, 2) if calls else 0.0,
-                   "identical_tokens": same}
+                   "identical_tokens": same, "copyable": round(statistics.mean(copied), 3) if copied else None}
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
