@@ -11,9 +11,10 @@ from edgeinfer.chat import check_messages
 from edgeinfer.options import GenerationOptions
 from edgeinfer.sampling import SamplingParams
 from edgeinfer.sampling.params import INT32_MAX
-from edgeinfer.server.protocol import (
-    APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response, completion_chunk, completion_logprobs,
-    completion_response, finish_reason, models_list, parse_chat, parse_completion, token_logprob, usage)
+from edgeinfer.server.protocol import APIError, ChatRequest, CompletionRequest, parse_chat, parse_completion
+from edgeinfer.server.replies import (
+    chat_chunk, chat_response, completion_chunk, completion_logprobs, completion_response, finish_reason,
+    models_list, token_logprob, usage)
 
 MODEL, LIMIT = "stories260K", 256
 DROP = object()  # in a table: remove this field from the base body
@@ -483,7 +484,7 @@ def test_streamed_text_offsets_carry_a_split_character_across_chunks():
     """Chunk by chunk (a stream), the offsets must equal the whole reply's: the app added each chunk's
     token lengths ("\\ufffd" for each piece), so a character split across chunks moved every later
     offset by one per piece."""
-    from edgeinfer.server.protocol import TextOffsets
+    from edgeinfer.server.replies import TextOffsets
 
     entries = [token_logprob(" ", -0.1, []), token_logprob(b"\xe4\xbd", -0.2, []), token_logprob(b"\xa0", -0.3, []),
                token_logprob("!", -0.1, [])]

@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from edgeinfer.errors import EdgeInferError, ModelFormatError
 from edgeinfer.overflow import ContextOverflowError
-from edgeinfer.server import protocol
+from edgeinfer.server import protocol, replies
 from edgeinfer.server.config import ServeConfig
 from edgeinfer.server.metrics import Metrics
 from edgeinfer.server.protocol import APIError
@@ -145,7 +145,7 @@ class Server:
     # ---- routes -------------------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
-        return JSON(protocol.models_list(self.model_id, self.created))
+        return JSON(replies.models_list(self.model_id, self.created))
 
     async def health(self, request: Request) -> Response:
         s, power = self.scheduler, self.model.power_state()
@@ -229,7 +229,7 @@ class _Reply:
         self.model_id = server.model_id
         self.ttft_s: float | None = None
         self.tok = server.model.tokenizer
-        self._offsets = protocol.TextOffsets(len(req.prompt) if not chat and isinstance(req.prompt, str) else 0)
+        self._offsets = replies.TextOffsets(len(req.prompt) if not chat and isinstance(req.prompt, str) else 0)
 
     def failed(self, exc: BaseException) -> Response:
         if isinstance(exc, Cancelled):  # the client left (nobody reads this) or the server is stopping
@@ -251,13 +251,13 @@ class _Reply:
 
     def _usage(self, completion, cached: int) -> dict:
         u = completion.usage
-        return protocol.usage(len(self.prompt), u.completion_tokens, cached, u.dropped_tokens)
+        return replies.usage(len(self.prompt), u.completion_tokens, cached, u.dropped_tokens)
 
     def _token_logprobs(self, chunk) -> list[dict] | None:
         if chunk.logprob is None or chunk.token_id is None:
             return None
         top = [(self.tok.token_text(i), lp) for i, lp in chunk.top_logprobs]
-        return [protocol.token_logprob(self.tok.token_text(chunk.token_id), chunk.logprob, top)]
+        return [replies.token_logprob(self.tok.token_text(chunk.token_id), chunk.logprob, top)]
 
     def _log(self, status: int, completion_tokens: int) -> None:
         total_ms = (time.perf_counter() - self.t0) * 1e3
@@ -287,13 +287,13 @@ class _Reply:
             return self.failed(event[1])
         _, completion, cached = event
         usage = self._usage(completion, cached)
-        reason = protocol.finish_reason(completion.finish_reason)
+        reason = replies.finish_reason(completion.finish_reason)
         if self.chat:
             lps = [lp for c in chunks for lp in (self._token_logprobs(c) or [])] if self.req.logprobs else None
-            body = protocol.chat_response(id=self.id, created=self.created, model=self.model_id, text=completion.text,
+            body = replies.chat_response(id=self.id, created=self.created, model=self.model_id, text=completion.text,
                                           finish_reason=reason, usage=usage, logprobs=lps)
         else:
-            body = protocol.completion_response(id=self.id, created=self.created, model=self.model_id,
+            body = replies.completion_response(id=self.id, created=self.created, model=self.model_id,
                                                 text=completion.text, finish_reason=reason, usage=usage,
                                                 logprobs=self._legacy_logprobs(chunks))
         self._finish_metrics(completion, cached)
@@ -305,14 +305,14 @@ class _Reply:
         if self.req.logprobs is None:
             return None
         entries = [e for c in chunks for e in (self._token_logprobs(c) or [])]
-        return protocol.completion_logprobs(entries, text_offset=self._offsets)
+        return replies.completion_logprobs(entries, text_offset=self._offsets)
 
     async def stream(self, first):
         """SSE events as OpenAI sends them; the job is cancelled if the client goes away."""
         event, status, completion, tokens = first, 200, None, 0  # tokens: those sent, for the log of a cut stream
         try:
             if self.chat:
-                yield _sse(protocol.chat_chunk(id=self.id, created=self.created, model=self.model_id,
+                yield _sse(replies.chat_chunk(id=self.id, created=self.created, model=self.model_id,
                                                delta={"role": "assistant", "content": ""}))
             while event[0] == "chunk":
                 if self.ttft_s is None:
@@ -341,16 +341,16 @@ class _Reply:
                 yield "data: [DONE]\n\n"
                 return
             _, completion, cached = event
-            reason = protocol.finish_reason(completion.finish_reason)
+            reason = replies.finish_reason(completion.finish_reason)
             if self.chat:
-                yield _sse(protocol.chat_chunk(id=self.id, created=self.created, model=self.model_id, delta={},
+                yield _sse(replies.chat_chunk(id=self.id, created=self.created, model=self.model_id, delta={},
                                                finish_reason=reason))
             else:
-                yield _sse(protocol.completion_chunk(id=self.id, created=self.created, model=self.model_id, text="",
+                yield _sse(replies.completion_chunk(id=self.id, created=self.created, model=self.model_id, text="",
                                                      finish_reason=reason))
             if self.req.include_usage:
                 usage = self._usage(completion, cached)
-                build = protocol.chat_chunk if self.chat else protocol.completion_chunk
+                build = replies.chat_chunk if self.chat else replies.completion_chunk
                 extra = {"delta": {}} if self.chat else {"text": ""}
                 body = build(id=self.id, created=self.created, model=self.model_id, usage=usage, **extra)
                 yield _sse(body)
@@ -368,9 +368,9 @@ class _Reply:
         text = "".join(c.text for c in chunks)
         if self.chat:
             lps = [e for c in chunks for e in (self._token_logprobs(c) or [])] if self.req.logprobs else None
-            return protocol.chat_chunk(id=self.id, created=self.created, model=self.model_id,
+            return replies.chat_chunk(id=self.id, created=self.created, model=self.model_id,
                                        delta={"content": text}, logprobs=lps)
-        return protocol.completion_chunk(id=self.id, created=self.created, model=self.model_id, text=text,
+        return replies.completion_chunk(id=self.id, created=self.created, model=self.model_id, text=text,
                                          logprobs=self._legacy_logprobs(chunks))
 
 

@@ -1,4 +1,4 @@
-"""OpenAI's HTTP JSON <-> edgeinfer's types, for the OpenAI-compatible daemon. Pure functions, no I/O.
+"""OpenAI's HTTP JSON requests -> edgeinfer's types, for the OpenAI-compatible daemon. Pure functions, no I/O.
 
 Requests: `parse_chat` / `parse_completion` take a decoded JSON body and return a frozen request whose
 `options` come from `GenerationOptions.from_kwargs`, or raise `APIError` (an HTTP status and OpenAI's
@@ -8,10 +8,7 @@ fields are ignored, except `tools` / `functions` / `response_format`, refused un
 completions `echo`, `best_of` and `suffix`, refused unless they ask for what this server does anyway
 (a client that relies on them must not get other numbers silently).
 
-Responses: the builders return dicts shaped field for field like OpenAI's objects (they validate as the
-official `openai` client's types). A finish reason may be edgeinfer's ("eos", "stop", "length") or
-OpenAI's; a logprob below -9999.0 (or -inf, which JSON cannot carry) is sent as -9999.0, OpenAI's
-value for "very unlikely".
+Responses are built in `replies`.
 """
 
 from __future__ import annotations
@@ -26,13 +23,10 @@ from edgeinfer.sampling.params import INT32_MAX
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs
 MAX_LEGACY_LOGPROBS = 5  # completions' logprobs
-MIN_LOGPROB = -9999.0
 UNSUPPORTED = ("tools", "functions", "response_format")
 # completions' fields this server does not implement -> the values that ask for nothing
 UNSUPPORTED_COMPLETION = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-OWNED_BY = "edgeinfer"
 
 # (field, test, range in words): numbers passed through to the sampler once checked
 _NUMBERS = (
@@ -305,141 +299,4 @@ def parse_completion(body, *, model_id: str, max_tokens_limit: int) -> Completio
                              include_usage=include_usage, logprobs=logprobs)
 
 
-# ---- responses ------------------------------------------------------------------------------------
-
-def finish_reason(edgeinfer_reason: str) -> str:
-    """"eos" -> "stop", "stop" -> "stop", "length" -> "length"; anything else is a bug (ValueError)."""
-    if edgeinfer_reason not in FINISH:
-        raise ValueError(f"unknown finish reason {edgeinfer_reason!r}")
-    return FINISH[edgeinfer_reason]
-
-
-_finish = finish_reason  # the builders' keyword argument `finish_reason` shadows the function
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, dropped_tokens: int = 0) -> dict:
-    """OpenAI's usage object, plus edgeinfer's `dropped_tokens` (prompt tokens truncated and tokens
-    the ring forgot), an extra field clients keep."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}, "dropped_tokens": dropped_tokens}
-
-
-def _logprob(v: float) -> float:
-    return float(v) if v >= MIN_LOGPROB else MIN_LOGPROB  # also NaN -> MIN_LOGPROB
-
-
-def _entry(token: str | bytes, logprob: float) -> dict:
-    if isinstance(token, bytes):  # a byte token that is not whole UTF-8: its bytes are exact, its text is not
-        return {"token": token.decode("utf-8", errors="replace"), "logprob": _logprob(logprob), "bytes": list(token)}
-    return {"token": token, "logprob": _logprob(logprob), "bytes": list(token.encode("utf-8"))}
-
-
-def token_logprob(token_text: str | bytes, logprob: float, top: list[tuple[str | bytes, float]]) -> dict:
-    """Chat's per-token logprob {"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
-    "bytes"}]}. A token may be given as bytes (a piece of a UTF-8 character): "bytes" keeps them exact."""
-    return {**_entry(token_text, logprob), "top_logprobs": [_entry(t, lp) for t, lp in top]}
-
-
-class TextOffsets:
-    """Legacy completions' `text_offset`, token after token, across the chunks of a reply: each
-    token's character offset in prompt + text. A token that is a piece of a character (its "bytes"
-    not whole UTF-8) has that character's offset, and the character counts once, after its last
-    piece (the pieces pending may end one chunk and go on in the next)."""
-
-    def __init__(self, start: int):
-        self.next, self.pending = start, b""
-
-    def take(self, entry: dict) -> int:
-        """The offset of `entry` (a `token_logprob` dict); moves past its text."""
-        at, self.pending = self.next, self.pending + bytes(entry["bytes"])
-        try:
-            self.next, self.pending = self.next + len(self.pending.decode("utf-8")), b""
-        except UnicodeDecodeError as err:
-            if err.reason == "unexpected end of data" and len(self.pending) - err.start < 4:  # the rest follows
-                self.next += len(self.pending[:err.start].decode("utf-8"))
-                self.pending = self.pending[err.start:]
-            else:  # bytes that never make a character: counted as the decode shows them
-                self.next, self.pending = self.next + len(self.pending.decode("utf-8", errors="replace")), b""
-        return at
-
-
-def completion_logprobs(entries: list[dict], *, text_offset: "int | TextOffsets") -> dict:
-    """Legacy completions' logprobs {"tokens", "token_logprobs", "top_logprobs", "text_offset"} from
-    `token_logprob` dicts; `text_offset`: the first token's character offset (the prompt's length),
-    or a stream's `TextOffsets`, which goes on from chunk to chunk. Tokens with the same text keep
-    the first's logprob."""
-    offsets = text_offset if isinstance(text_offset, TextOffsets) else TextOffsets(text_offset)
-    tops = []
-    for e in entries:
-        top = {}
-        for t in e["top_logprobs"]:
-            top.setdefault(t["token"], t["logprob"])
-        tops.append(top)
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": tops, "text_offset": [offsets.take(e) for e in entries]}
-
-
-def _chat_logprobs(entries: list[dict] | None) -> dict | None:
-    return None if entries is None else {"content": list(entries), "refusal": None}
-
-
-def _head(id: str, obj: str, created: int, model: str) -> dict:
-    return {"id": id, "object": obj, "created": created, "model": model, "system_fingerprint": None}
-
-
-def _usage_only(chunk: dict, usage: dict, leftovers: tuple) -> dict:
-    """The last chunk of a stream with include_usage: choices [] and the usage."""
-    if any(x not in (None, "", {}) for x in leftovers):
-        raise ValueError("a usage chunk carries no choice: send the delta / finish_reason in the chunk before")
-    return {**chunk, "choices": [], "usage": usage}
-
-
-def chat_response(*, id: str, created: int, model: str, text: str, finish_reason: str, usage: dict,
-                  logprobs: list[dict] | None = None) -> dict:
-    """A chat.completion; `logprobs`: `token_logprob` dicts (None when not requested)."""
-    return {**_head(id, "chat.completion", created, model),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                         "logprobs": _chat_logprobs(logprobs), "finish_reason": _finish(finish_reason)}],
-            "usage": usage}
-
-
-def chat_chunk(*, id: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
-               logprobs: list[dict] | None = None, usage: dict | None = None) -> dict:
-    """A chat.completion.chunk. With `usage`: the usage-only final chunk (choices []), and then `delta`
-    must be {} and finish_reason / logprobs None (ValueError otherwise)."""
-    chunk = _head(id, "chat.completion.chunk", created, model)
-    if usage is not None:
-        return _usage_only(chunk, usage, (delta, finish_reason, logprobs))
-    reason = None if finish_reason is None else _finish(finish_reason)
-    return {**chunk, "choices": [{"index": 0, "delta": dict(delta), "logprobs": _chat_logprobs(logprobs),
-                                  "finish_reason": reason}]}
-
-
-def completion_response(*, id: str, created: int, model: str, text: str, finish_reason: str, usage: dict,
-                        logprobs: dict | None = None) -> dict:
-    """A text_completion; `logprobs`: the legacy dict (`completion_logprobs`), None when not requested."""
-    return {**_head(id, "text_completion", created, model),
-            "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": _finish(finish_reason)}],
-            "usage": usage}
-
-
-def completion_chunk(*, id: str, created: int, model: str, text: str, finish_reason: str | None = None,
-                     logprobs: dict | None = None, usage: dict | None = None) -> dict:
-    """A streamed text_completion (same object as the response; finish_reason null until the last).
-    With `usage`: the usage-only final chunk (choices []), and then `text` must be ""."""
-    chunk = _head(id, "text_completion", created, model)
-    if usage is not None:
-        return _usage_only(chunk, usage, (text, finish_reason, logprobs))
-    reason = None if finish_reason is None else _finish(finish_reason)
-    return {**chunk, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": reason}]}
-
-
-def models_list(model_id: str, created: int) -> dict:
-    """GET /v1/models: the one served model."""
-    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": OWNED_BY}]}
-
-
-__all__ = ["APIError", "ChatRequest", "CompletionRequest", "chat_chunk", "chat_response", "completion_chunk",
-           "completion_logprobs", "completion_response", "finish_reason", "models_list", "parse_chat",
-           "parse_completion", "token_logprob", "usage"]
+__all__ = ["APIError", "ChatRequest", "CompletionRequest", "parse_chat", "parse_completion"]
