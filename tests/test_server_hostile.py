@@ -492,3 +492,43 @@ def test_second_sigterm_answers_queued_requests_openai_shaped():
             proc.kill()
         proc.wait()
         proc.stderr.close()
+
+
+def test_a_freed_slot_goes_to_the_waiting_request_admitted_first():
+    """The queue is first come, first served: waiters were woken all at once and the quickest took
+    the slot, so under load a request could be overtaken again and again (served seventh of nine).
+    Here the waiters reach `take` in the reverse of their admission; one withdraws before it gets
+    there and one is cancelled while it waits: neither holds up the line."""
+    import threading
+
+    from edgeinfer.server.scheduler import Cancelled, Scheduler
+
+    sched = Scheduler(edgeinfer.load(capacity_tokens=64), slots=1, queue=10)
+    slot, _ = sched.take(sched.admit(), [1, 2], threading.Event(), 4)
+    gone = sched.admit()  # admitted, then never queued (withdrawn)
+    order, cancelled, threads = [], {}, []
+
+    def wait(ticket: int, i: int) -> None:
+        try:
+            s, _ = sched.take(ticket, [1, 2], cancelled[i], 4)
+        except Cancelled:
+            order.append(("cancelled", i))
+            return
+        order.append(i)
+        time.sleep(0.01)  # holds the slot a moment: every other waiter wakes meanwhile
+        sched.give_back(s)
+
+    for i in range(8):
+        cancelled[i] = threading.Event()
+        threads.append(threading.Thread(target=wait, args=(sched.admit(), i)))
+    for t in reversed(threads):
+        t.start()
+        time.sleep(0.01)
+    sched.withdraw(gone)
+    cancelled[2].set()
+    time.sleep(0.3)  # every waiter has reached take; 2 has given up its place
+    sched.give_back(slot)
+    for t in threads:
+        t.join(10)
+    assert order == [("cancelled", 2), 0, 1, 3, 4, 5, 6, 7]
+    assert sched.waiting == 0 and not sched._line and sched.busy == 0

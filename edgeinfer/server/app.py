@@ -180,7 +180,7 @@ class Server:
                 prompt = self.model.encode_prompt(req.prompt if isinstance(req.prompt, str) else list(req.prompt))
                 logprobs = req.logprobs
             try:
-                self.scheduler.admit()
+                ticket = self.scheduler.admit()
             except QueueFull:
                 raise APIError(429, f"the server is busy: {len(self.scheduler.slots)} slots and a queue of "
                                     f"{self.config.queue} are full; retry shortly", type="rate_limit_error",
@@ -201,8 +201,12 @@ class Server:
         options = req.options
         if self.config.speculative != "off":
             options = dataclasses.replace(options, speculative=self.config.speculative)
-        job = Job(self.scheduler, prompt, options, logprobs, asyncio.get_running_loop())
-        self.pool.submit(job.run)
+        try:
+            job = Job(self.scheduler, ticket, prompt, options, logprobs, asyncio.get_running_loop())
+            self.pool.submit(job.run)
+        except BaseException:  # never queued (the pool shut down): its place must not hold the line
+            self.scheduler.withdraw(ticket)
+            raise
         reply = _Reply(self, req, chat, prompt, job, t0, endpoint)
         watch = asyncio.ensure_future(_cancel_on_disconnect(request, job))
         try:

@@ -1,8 +1,9 @@
 """Slots and the bounded queue: who generates now, who waits, who is turned away at once.
 
 A slot is a KV ring of its own over the one shared Model (weights, session, Engine). `slots`
-requests generate at once; up to `queue` more wait for a free slot; one more is refused at once
-(`QueueFull`, answered 429). When the model's KV mode appends in place (GroupQueryAttention), the
+requests generate at once; up to `queue` more wait for a free slot, first come first served (a
+freed slot goes to the request admitted earliest, so a waiting request is never overtaken); one
+more is refused at once (`QueueFull`, answered 429). When the model's KV mode appends in place (GroupQueryAttention), the
 slots are rows of one `BatchedKV` and their decode steps run as one graph call (`DecodeBatcher`:
 continuous batching, requests join and leave between steps); otherwise their graph calls
 interleave on the Engine's lock, step by step. Either way no request waits for another's whole reply. Prefix reuse: each slot remembers the token ids its ring
@@ -17,7 +18,9 @@ event loop; `cancel()` (the client went away) stops it within one token and free
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,6 +63,8 @@ class Scheduler:
         self._free = list(self.slots)
         self._cond = threading.Condition()
         self.waiting = 0  # admitted, not yet in a slot
+        self._tickets = itertools.count(1)
+        self._line: deque[int] = deque()  # the waiting requests' tickets, in the order they were admitted
         self._clock = 0
         self.prefix_hits = 0  # requests that reused a cached prefix
         self.cached_tokens = 0  # prompt tokens not prefilled thanks to that
@@ -75,12 +80,26 @@ class Scheduler:
         with self._cond:
             return self.busy + self.waiting
 
-    def admit(self) -> None:
-        """Reserve a place (a free slot or the queue), or raise QueueFull at once."""
+    def admit(self) -> int:
+        """Reserve a place (a free slot or the queue), or raise QueueFull at once. Returns the request's
+        ticket, its place in line: pass it to `take`, or to `withdraw` if the request never gets there."""
         with self._cond:
             if self.waiting - len(self._free) >= self.queue_limit:  # those beyond the free slots would queue
                 raise QueueFull
             self.waiting += 1
+            ticket = next(self._tickets)
+            self._line.append(ticket)
+            return ticket
+
+    def withdraw(self, ticket: int) -> None:
+        """Give up an admitted request's place without taking a slot."""
+        with self._cond:
+            self._leave_line(ticket)
+
+    def _leave_line(self, ticket: int) -> None:  # under _cond
+        self._line.remove(ticket)
+        self.waiting -= 1
+        self._cond.notify_all()  # the next in line may now be first
 
     def cancel_all(self) -> None:
         """Stop every request (shutdown): each stops at its next prefill chunk or token, or leaves the queue."""
@@ -90,16 +109,18 @@ class Scheduler:
         for job in jobs:
             job.cancel()
 
-    def take(self, prompt: list[int], cancelled: threading.Event, max_new_tokens: int) -> tuple[Slot, int]:
-        """Wait for a free slot (after `admit`); returns it and how many prompt tokens it already holds."""
+    def take(self, ticket: int, prompt: list[int], cancelled: threading.Event,
+             max_new_tokens: int) -> tuple[Slot, int]:
+        """Wait until a slot is free and `ticket` (from `admit`) is first in line; returns the slot and
+        how many prompt tokens it already holds. Raises Cancelled (its place given up) once `cancelled`
+        is set while it waits."""
         with self._cond:
-            while not self._free:
+            while not (self._free and self._line[0] == ticket):
                 if cancelled.is_set():
-                    self.waiting -= 1
-                    self._cond.notify_all()
+                    self._leave_line(ticket)
                     raise Cancelled(self.cancel_reason)
                 self._cond.wait(timeout=0.1)
-            self.waiting -= 1
+            self._leave_line(ticket)
             best, best_n = None, -1
             for slot in self._free:  # longest reusable prefix, then least recently used
                 n = common_prefix(slot.ids, prompt) if slot.ids else 0
@@ -129,9 +150,10 @@ class Job:
     ("error", exception). Nothing after that.
     """
 
-    def __init__(self, scheduler: Scheduler, prompt: list[int], options: GenerationOptions, logprobs: int | None,
-                 loop: asyncio.AbstractEventLoop):
-        self.scheduler, self.prompt, self.options, self.logprobs = scheduler, prompt, options, logprobs
+    def __init__(self, scheduler: Scheduler, ticket: int, prompt: list[int], options: GenerationOptions,
+                 logprobs: int | None, loop: asyncio.AbstractEventLoop):
+        """ticket: the request's place in line (`Scheduler.admit`)."""
+        self.scheduler, self.ticket, self.prompt, self.options, self.logprobs = scheduler, ticket, prompt, options, logprobs
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -148,7 +170,7 @@ class Job:
         end = None  # the last event, sent once the slot is free again: a client that sends its next
         try:        # request on hearing the end (a chat's next turn) finds the slot and its prefix
             try:
-                slot, cached = self.scheduler.take(self.prompt, self.cancelled, self.options.max_new_tokens)
+                slot, cached = self.scheduler.take(self.ticket, self.prompt, self.cancelled, self.options.max_new_tokens)
             except Cancelled:
                 end = ("error", Cancelled(self.scheduler.cancel_reason))
                 return
