@@ -238,7 +238,8 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
             if target != "cpu" and scheme.recipe == "q4_1":
                 raise ConvertError("--recipe q4_1 builds the cpu graph's offset packs: choose another recipe for "
                                    f"--target {target}")
-        return _convert(src, dst, scheme, target, attention, log, portable, ort_format, gguf, accuracy_level, force)
+        return _convert(src, dst, scheme, target, attention, log, portable, ort_format, gguf, accuracy_level, force,
+                        capacity_given=capacity_tokens is not None)
     except OSError as e:
         raise _os_error(e, dst) from None
 
@@ -300,8 +301,9 @@ def _check_portable(target: str, quant: str | None, capacity_tokens, prefill_tok
 
 def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, attention: str, log,
              portable: PortableInfo | None = None, ort_format: bool = False, gguf: bool = False,
-             accuracy_level: int | None = None, force: bool = True) -> Manifest:
-    """scheme None: `--quant keep` of a GGUF file (the scheme is read from its types)."""
+             accuracy_level: int | None = None, force: bool = True, capacity_given: bool = True) -> Manifest:
+    """scheme None: `--quant keep` of a GGUF file (the scheme is read from its types). capacity_given:
+    the portable ring's capacity is the user's (else the default, cut to the model's trained length)."""
     keep = scheme is None
     if gguf:
         ckpt = gguf_import.GGUFCheckpoint(src)
@@ -311,6 +313,13 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
     else:
         spec = spec_from_config(read_config(src))
         ckpt = Checkpoint(src)
+    trained = spec.max_position_embeddings
+    if portable is not None and portable.capacity_tokens > trained:  # a ring past it attends over untrained distances
+        if capacity_given:
+            raise ConvertError(f"--capacity {portable.capacity_tokens} is over the model's trained length of {trained} "
+                               f"positions (its output degrades past them): use --capacity {trained} or less")
+        portable = dataclasses.replace(portable, capacity_tokens=trained,
+                                       prefill_tokens=min(portable.prefill_tokens, trained))
     src_tensors = TensorSource(ckpt, keep=keep)
     mode = PORTABLE
     if portable is None:

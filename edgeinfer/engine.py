@@ -36,15 +36,29 @@ from edgeinfer.manifest import ROPE_COS, ROPE_SIN, host_rope
 from edgeinfer.session import DecoderSession
 
 
-def prefill_chunks(n: int, chunk: int) -> list[tuple[int, int]]:
-    """[start, end) of each prefill call for n tokens, at most `chunk` each, and never a last call of
-    one token after others: a one-row call takes MatMulNBits' single-row path, whose int8-activation
-    arithmetic differs (~0.02 in logits at accuracy_level 4) from the same row inside a larger call,
-    so a prompt's logits would depend on where the chunks fall. Calls of two or more rows agree."""
-    bounds = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
-    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1 and chunk > 2:
-        (a, _), (_, e) = bounds[-2], bounds[-1]
-        bounds[-2:] = [(a, e - 2), (e - 2, e)]
+def prefill_chunks(n: int, chunk: int, cache: RingKVCache | None = None) -> list[tuple[int, int]]:
+    """[start, end) of each prefill call for n tokens, at most `chunk` each; with the `cache` they
+    enter, none of more rows than its trained length leaves room for (`RingKVCache.call_room`, as the
+    ring fills: a long prompt entering a full ring goes in calls of T - capacity rows). Never a last
+    call of one token after others: a one-row call takes MatMulNBits' single-row path, whose
+    int8-activation arithmetic differs (~0.02 in logits at accuracy_level 4) from the same row inside
+    a larger call, so a prompt's logits would depend on where the chunks fall. Calls of two or more
+    rows agree."""
+    def room(held: int) -> int:  # the most rows a call may append beside `held` tokens
+        return chunk if cache is None else max(1, min(chunk, cache.trained_positions - held))
+
+    bounds, held = [], []  # each call's [start, end), and the tokens the ring holds before it
+    start, h = 0, 0 if cache is None else cache.n_valid
+    while start < n:
+        end = min(start + room(h), n)
+        bounds.append((start, end))
+        held.append(h)
+        start, h = end, h if cache is None else min(h + end - start, cache.capacity)
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        (a, b), (_, e) = bounds[-2], bounds[-1]
+        h = held[-2] if cache is None else min(held[-2] + e - 2 - a, cache.capacity)
+        if b - a > 2 and room(h) >= 2:  # the last two calls as (a, e - 2) and (e - 2, e)
+            bounds[-2:] = [(a, e - 2), (e - 2, e)]
     return bounds
 
 
@@ -59,12 +73,12 @@ class ChunkedSteps:
 
     def prefill(self, cache: RingKVCache, ids: Sequence[int], chunk: int | None = None,
                 before_chunk: Callable[[], None] | None = None) -> np.ndarray:
-        """Feed `ids` in chunks of at most `chunk` tokens (`prefill_chunks`); return the logits [V]
+        """Feed `ids` in chunks of at most `chunk` tokens, as the cache's room allows (`prefill_chunks`); return the logits [V]
         after the last one. `before_chunk` runs before each call (a cancellation check may raise there)."""
         if not ids:
             raise ValueError("prefill needs at least one token")
         logits = None
-        for start, end in prefill_chunks(len(ids), min(chunk or self.max_chunk, self.max_chunk)):
+        for start, end in prefill_chunks(len(ids), min(chunk or self.max_chunk, self.max_chunk), cache):
             if before_chunk is not None:
                 before_chunk()
             logits = self.forward(cache, ids[start:end])

@@ -31,7 +31,7 @@ def summary(folder: Path | str) -> dict:
 def _summary(folder: Path, m: Manifest) -> dict:
     a = m.arch
     disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != STAMP_FILE)
-    load_capacity = resolve_capacity(m.default_capacity_tokens, a.sliding_window, None)
+    load_capacity = resolve_capacity(m.default_capacity_tokens, a.sliding_window, None, a.max_position_embeddings)
     weight_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name.startswith("model.onnx"))
     return {
         "family": a.family, "parameters": parameter_count(a), "layers": a.num_layers, "hidden_size": a.hidden_size,
@@ -41,7 +41,7 @@ def _summary(folder: Path, m: Manifest) -> dict:
         "flavour": m.flavour, "kv_mode": m.interface.kv_mode.name, "attention": m.interface.kv_mode.description,
         "size_on_disk_bytes": disk, "kv_bytes_per_token": a.kv_bytes_per_token,
         "default_capacity_tokens": m.default_capacity_tokens,
-        "load_capacity_tokens": load_capacity,  # what `load` allocates without capacity_tokens (sliding window)
+        "load_capacity_tokens": load_capacity,  # what `load` allocates without capacity_tokens (`resolve_capacity`)
         "kv_bytes_at_default_capacity": a.kv_bytes_per_token * load_capacity,
         "tokenizer": m.tokenizer.kind, "format_version": m.format_version, "converter_version": m.converter_version,
         "kv_dtype": m.interface.kv_dtype, "portable": m.portable.to_json() if m.portable is not None else None,
@@ -102,7 +102,8 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         f"({s['kv_dtype']}); "
         f"{s['kv_bytes_at_default_capacity'] * (2 if s['kv_dtype'] == 'float16' else 4) // 4 / 1e6:.2f} MB at the "
         f"default capacity of {s['load_capacity_tokens']}"
-        + (f" (the sliding window; the manifest says {s['default_capacity_tokens']})"
+        + (f" ({'the sliding window' if s['load_capacity_tokens'] == m.arch.sliding_window else 'the trained length less a sixteenth, room to re-base'}; "
+           f"the manifest says {s['default_capacity_tokens']})"
            if s['load_capacity_tokens'] != s['default_capacity_tokens'] else ""),
         f"  tokenizer     {s['tokenizer']}",
         f"  source        {origin_line(m)}",

@@ -21,8 +21,17 @@ tokens keep consecutive positions that start just past the sinks, so no distance
 exceeds about the cache's span, however long generation runs. Keys are cached already rotated by
 RoPE, and RoPE is a rotation, so moving every ring token d positions back is one rotation of its
 cached key by -d (values do not change). `rebase_if_due` does that when the next call would pass
-`position_limit` = capacity + `rebase_every_tokens`, moving the oldest ring token to position
-n_sink: an O(C) pass over the keys once every `rebase_every_tokens` tokens, nothing per token.
+capacity + `rebase_every_tokens`, moving the oldest ring token to position n_sink: an O(C) pass over
+the keys once every `rebase_every_tokens` tokens, nothing per token.
+
+The model's trained length T (max_position_embeddings) bounds it all: no call writes a position at
+or past T, and no query attends over more than T tokens (so no distance it sees is one the model
+never trained on; past T a model's output degrades, and far past it turns to word salad). Hence:
+capacity <= T (`check_geometry`), capacity + `rebase_every_tokens` <= T where the capacity allows
+it (`rebase_interval`), and a call appends at most `call_room()` = T - n_valid rows (a long prompt
+entering a full ring goes in smaller calls). A ring of exactly T tokens re-bases every token once
+full, and its step then writes position T: one past the trained length, the least a full ring plus
+the new token needs.
 
 Owned by one conversation; mutated only by `rebase_if_due`, `commit`, `rewind`, `reset` and
 `restore`. `intact` is False while (or if an exception such as Ctrl-C stopped) `rebase_if_due` or
@@ -56,15 +65,21 @@ class Snapshot:
     rebased_tokens: int
 
 
-def rebase_interval(capacity_tokens: int, max_chunk: int, max_position_embeddings: int) -> int:
+def rebase_interval(capacity_tokens: int, max_position_embeddings: int) -> int:
     """How far positions may run past the capacity before the ring is re-based.
 
     A quarter of the capacity (so a re-base, which rotates every cached key once, costs a small
     fraction of the attention work between two re-bases), less where that would carry positions past
-    the model's trained length, but never below a sixteenth of the capacity (or 1).
+    the model's trained length (capacity + interval <= T), but at least 1: a ring within a sixteenth
+    of T of it re-bases often (the default capacity, `default_capacity`, leaves a sixteenth).
     """
-    headroom = max_position_embeddings - capacity_tokens - max_chunk
-    return max(1, min(capacity_tokens // 4, max(capacity_tokens // 16, headroom)))
+    return max(1, min(capacity_tokens // 4, max_position_embeddings - capacity_tokens))
+
+
+def default_capacity(manifest_default: int, max_position_embeddings: int) -> int:
+    """The ring's capacity when the caller gives none: the manifest's default, at most the trained
+    length less a sixteenth of it (so a full ring re-bases every T/16 tokens at least, within T)."""
+    return max(2, min(manifest_default, max_position_embeddings - max(1, max_position_embeddings // 16)))
 
 
 def rotate_keys(k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
@@ -108,8 +123,8 @@ class RingKVCache:
         self.vs = [mode.slot_major(a) for a in self.v]
         self.positions = np.full(self.capacity, -1, np.int64)  # RoPE position held by each slot
         self.inv_freq = spec.rope.inv_freq(spec.head_dim).astype(np.float64)
-        self.rebase_every_tokens = int(rebase_every_tokens or rebase_interval(
-            self.capacity, self.max_chunk, spec.max_position_embeddings))
+        self.trained_positions = int(spec.max_position_embeddings)
+        self.rebase_every_tokens = int(rebase_every_tokens or rebase_interval(self.capacity, self.trained_positions))
         if self.rebase_every_tokens < 1:
             raise InvalidArgumentError(f"rebase_every_tokens must be >= 1, got {rebase_every_tokens}")
         self.logits = np.zeros((1, 1, spec.vocab_size), np.float32)  # the engine writes the last token's here
@@ -120,12 +135,19 @@ class RingKVCache:
     def check_geometry(spec: ArchSpec, capacity_tokens: int, n_sink: int, max_chunk: int, rings: int = 1,
                        rows: int | None = None, itemsize: int = 4) -> None:
         """The one validator of a ring's geometry (callers may run it before loading anything else):
-        capacity an int >= 2, sinks in [0, capacity), chunk >= 1, and the KV arrays of `rings` rings
-        (max(capacity + max_chunk, rows) rows each, of `itemsize`-byte elements) no larger than the
-        memory available now. InvalidArgumentError otherwise."""
+        capacity an int in [2, the model's trained length], sinks in [0, capacity), chunk >= 1, and the
+        KV arrays of `rings` rings (max(capacity + max_chunk, rows) rows each, of `itemsize`-byte
+        elements) no larger than the memory available now. InvalidArgumentError otherwise."""
         for name, v, low in (("capacity_tokens", capacity_tokens, 2), ("n_sink", n_sink, 0), ("max_chunk", max_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {v!r}")
+        trained = spec.max_position_embeddings
+        if capacity_tokens > trained:
+            raise InvalidArgumentError(
+                f"capacity_tokens={capacity_tokens} is more than this model's trained length of {trained} positions "
+                f"(max_position_embeddings): it would attend over distances it never saw, and its output degrades "
+                f"past them; use a capacity of at most {trained} (the default leaves room to re-base: "
+                f"{default_capacity(trained, trained)})")
         if n_sink >= capacity_tokens:
             raise InvalidArgumentError(f"a ring of capacity {capacity_tokens} tokens leaves no room beside its "
                                        f"{n_sink} attention sinks (n_sink): give a capacity of at least "
@@ -153,6 +175,11 @@ class RingKVCache:
     @property
     def full(self) -> bool:
         return self.n_valid == self.capacity
+
+    def call_room(self) -> int:
+        """The most rows one call may append now: its queries then attend over at most the model's
+        trained length (n_valid + rows <= T), and at most max_chunk."""
+        return max(1, min(self.max_chunk, self.trained_positions - self.n_valid))
 
     @property
     def position_limit(self) -> int:
@@ -185,6 +212,10 @@ class RingKVCache:
         """Row where a call appending s tokens writes its new rows: always right after the valid slots."""
         if not 0 < s <= self.max_chunk:
             raise ValueError(f"a call may append 1..{self.max_chunk} tokens, got {s}")
+        if s > self.call_room():
+            raise ValueError(f"a call of {s} rows beside the {self.n_valid} tokens held would attend past the model's "
+                             f"trained length of {self.trained_positions}: at most {self.call_room()} now "
+                             "(engine.prefill_chunks plans such calls)")
         return self.n_valid
 
     def commit(self, s: int) -> None:

@@ -100,7 +100,8 @@ class Model:
             raise InvalidArgumentError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.manifest = read_manifest(folder)
         spec = self.manifest.arch
-        capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec.sliding_window, capacity_tokens)
+        capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec.sliding_window, capacity_tokens,
+                                    spec.max_position_embeddings)
         portable = self.manifest.portable
         if portable is not None:
             portable.check_capacity(capacity)  # before the slow loading

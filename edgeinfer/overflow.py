@@ -14,6 +14,7 @@ validator of its own geometry (capacity, sinks, chunk, memory).
 from __future__ import annotations
 
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError
+from edgeinfer.kv_cache import default_capacity
 
 OVERFLOW_POLICIES = ("shift", "truncate", "error")
 
@@ -28,11 +29,15 @@ def check_policy(overflow) -> str:
     return overflow
 
 
-def resolve_capacity(default_capacity_tokens: int, sliding_window: int | None, requested: int | None) -> int:
-    """The ring's capacity: what the caller asked for (an int >= 2), else the manifest's default capped
-    at the model's sliding window (a model that attends to at most W tokens gains nothing from more)."""
+def resolve_capacity(default_capacity_tokens: int, sliding_window: int | None, requested: int | None,
+                     max_position_embeddings: int) -> int:
+    """The ring's capacity: what the caller asked for (an int >= 2; `RingKVCache.check_geometry`
+    refuses more than the trained length), else the manifest's default capped at the trained length
+    less a sixteenth (`kv_cache.default_capacity`: room to re-base within it) and at the model's
+    sliding window (a model that attends to at most W tokens gains nothing from more)."""
     if requested is None:
-        return min(default_capacity_tokens, sliding_window) if sliding_window else default_capacity_tokens
+        cap = default_capacity(default_capacity_tokens, max_position_embeddings)
+        return min(cap, sliding_window) if sliding_window else cap
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 2:
         raise InvalidArgumentError(f"capacity_tokens must be an integer >= 2, got {requested!r}")
     return requested

@@ -4,6 +4,8 @@
 
 Starts `edgeinfer serve` on a free loopback port (a separate process, as users run it) with 4 slots,
 and in this process loads the same model. Alternating rounds, medians:
+Both use a ring of 2048 tokens, or the model's trained length if shorter, and prompts of 512 tokens,
+or that ring less 160 if shorter (stories260K: 512 and 352).
 1. TTFT, non-streaming, a 512-token prompt, max_tokens 1: client wall time per request vs
    `generate(max_new_tokens=1)` wall time in process.
 2. Streamed decode tokens/s (128 tokens, EOS ignored): tokens after the first over their time, at
@@ -31,6 +33,8 @@ import httpx
 import numpy as np
 
 import edgeinfer
+from edgeinfer.manifest import read_manifest
+from edgeinfer.model import default_model_path
 
 
 def free_port() -> int:
@@ -39,10 +43,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str | None, threads: int, slots: int) -> tuple[subprocess.Popen, str]:
+def start_server(model: str | None, threads: int, slots: int, capacity: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "edgeinfer", "serve", "--port", str(port), "--slots", str(slots), "--queue", "8",
-           "--threads", str(threads), "--max-tokens-limit", "4096", "--capacity", "2048"]
+           "--threads", str(threads), "--max-tokens-limit", "4096", "--capacity", str(capacity)]
     if model:
         cmd[4:4] = ["-m", model]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
@@ -99,11 +103,12 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    m = edgeinfer.load(args.model, threads=args.threads, capacity_tokens=2048)
+    capacity = min(2048, read_manifest(args.model or default_model_path()).arch.max_position_embeddings)
+    m = edgeinfer.load(args.model, threads=args.threads, capacity_tokens=capacity)
     model_id = m.folder.name
     rng = np.random.default_rng(0)
-    prompt512 = [m.tokenizer.bos_id] + rng.integers(3, m.manifest.arch.vocab_size, 511).tolist()
-    proc, url = start_server(args.model, args.threads, slots=4)
+    prompt512 = [m.tokenizer.bos_id] + rng.integers(3, m.manifest.arch.vocab_size, min(512, capacity - 160) - 1).tolist()
+    proc, url = start_server(args.model, args.threads, slots=4, capacity=capacity)
     report: dict = {"model": str(m.folder), "threads": args.threads, "rounds": args.rounds}
     try:
         ttft_srv, ttft_in, tps_srv, tps_in = [], [], [], []

@@ -106,7 +106,7 @@ def main() -> None:
     drafter = "draft" if args.draft else "ngram"
     rows = []
     for path in args.model:
-        m = edgeinfer.load(path, threads=args.threads, capacity_tokens=2048)
+        m = edgeinfer.load(path, threads=args.threads)  # the model's default ring
         if args.draft:
             m.set_draft(args.draft)
         for kind, prompts in (("repeat", repeat_prompts(m, args.text, args.tokens)), ("random", random_prompts(m))):

@@ -1,9 +1,9 @@
 """What a speculative verify call costs: one graph call of s rows against a one-row step, side by side.
 
-    python scripts/bench_verify_rows.py -m MODEL [--context 300] [--capacity 2048] [--threads 2]
+    python scripts/bench_verify_rows.py -m MODEL [--context 300] [--capacity N] [--threads 2]
         [--rows 1,2,3,4,5,9] [--rounds 2000] [--out FILE.json]
 
-A ring of `--capacity` slots is prefilled with `--context` tokens; then, `--rounds` times, one call
+A ring of `--capacity` slots (default: the model's default ring) is prefilled with `--context` tokens; then, `--rounds` times, one call
 of each size in `--rows` (all logits, nothing committed: what `SpeculativeStepper` runs), in turn.
 Reports each size's median time after the first 10 % of rounds, and its ratio to the one-row step.
 The ratio is what speculation's rule weighs (`Engine.verify_ratios` measures it the same way, on a
@@ -27,7 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None, help="a model folder (default: the bundled model)")
     ap.add_argument("--context", type=int, default=300)
-    ap.add_argument("--capacity", type=int, default=2048)
+    ap.add_argument("--capacity", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,2,3,4,5,9")
     ap.add_argument("--rounds", type=int, default=2000)
@@ -36,6 +36,7 @@ def main() -> None:
     rows = sorted({1, *(int(r) for r in a.rows.split(","))})
     m = edgeinfer.load(a.model, threads=a.threads, capacity_tokens=a.capacity)
     eng, vocab = m.engine, m.manifest.arch.vocab_size
+    a.capacity = m.capacity_tokens
     cache = eng.new_cache(a.capacity, 4)
     for start in range(0, a.context, eng.max_chunk):  # the context: arbitrary ids, in chunks the engine takes
         eng.forward(cache, [3 + (j % (vocab - 3)) for j in range(start, min(a.context, start + eng.max_chunk))])

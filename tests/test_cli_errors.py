@@ -14,7 +14,7 @@ from edgeinfer.cli import main
 
 ONE_LINE = [
     (["generate", "hi", "--top-k", "99999999999999999999"], "top_k"),
-    (["generate", "hi", "--capacity", "1000000000000"], "bytes"),
+    (["generate", "hi", "--capacity", "1000000000000"], "trained length of 512"),
     (["generate", "hi", "--threads", "-1"], "threads"),
     (["generate", "hi", "--threads", "0"], "threads"),
     (["generate", "hi", "--max-tokens", "0"], "max_new_tokens"),
@@ -24,7 +24,7 @@ ONE_LINE = [
     (["generate", "Once upon a time there was a little girl named Lily", "--capacity", "8", "--overflow", "error"],
      "does not fit"),
     (["chat", "--threads", "-1"], "threads"),
-    (["chat", "--capacity", "1000000000000"], "bytes"),
+    (["chat", "--capacity", "1000000000000"], "trained length of 512"),
 ]
 
 

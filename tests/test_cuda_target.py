@@ -4,6 +4,8 @@ CPU EP against the CPU graph at the same quantization; with the CUDA build, also
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -58,8 +60,9 @@ def test_rope_table_at_long_positions_keeps_its_angles(folders):
     would be off by whole radians)."""
     e = open_engine(DecoderSession(folders(TINY / "llama2_gqa_tied", "cuda"), provider="cpu"), 64)
     assert e.host_rope and e._rope_cos.shape[0] == 0  # built when a ring is bound
-    e.forward(e.new_cache(5000, 4), IDS)
-    assert e._rope_cos.dtype == np.float16 and e._rope_cos.shape[0] >= 5000 + 64
+    e.forward(e.new_cache(256, 4), IDS)  # a ring of the model's trained length (256) builds the table
+    assert e._rope_cos.dtype == np.float16 and e._rope_cos.shape[0] >= 256 + 64
+    e._rope_fit(5000 + 64)  # as a model trained on 5,000 positions would grow it
     pos = np.array([5000, 4999, 7])
     exact = pos[:, None] * e.spec.rope.inv_freq(e.spec.head_dim).astype(np.float64)[None, :]
     assert np.abs(e._rope_cos[pos] - np.cos(exact)).max() < 2e-3
@@ -109,7 +112,7 @@ def test_memory_check_counts_fp16_elements_and_portable_rows(monkeypatch):
     import edgeinfer.kv_cache as K
     from edgeinfer.manifest import read_manifest
 
-    spec = read_manifest(edgeinfer.model.default_model_path()).arch
+    spec = dataclasses.replace(read_manifest(edgeinfer.model.default_model_path()).arch, max_position_embeddings=4096)
     need32 = spec.kv_bytes_per_token * (1000 + 8)
     monkeypatch.setattr(K.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=need32 * 3 // 4))
     with pytest.raises(InvalidArgumentError, match="memory"):

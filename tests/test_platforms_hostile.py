@@ -176,9 +176,19 @@ def test_grouped_query_rows_over_coreml_limit_are_refused(tmp_path):
     but only C + 2P (and D, I) are checked against CoreML's 16,384: with G = 4 and P = 5000 the
     prefill graph has a dimension of 20,000 (converters/portable.py computes Gq and never uses it)."""
     out = tmp_path / "out"
+    src = _trained_for(TINY / "llama3_mqa_untied_bf16", 8192, tmp_path)  # a ring of 5,000 within its length
     with pytest.raises(ConvertError, match="16384"):
-        convert(TINY / "llama3_mqa_untied_bf16", out, target="coreml", capacity_tokens=5000, prefill_tokens=5000)
+        convert(src, out, target="coreml", capacity_tokens=5000, prefill_tokens=5000)
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def _trained_for(src: Path, positions: int, tmp_path: Path) -> Path:
+    """A copy of the Hugging Face folder `src` whose config says it was trained on `positions`."""
+    dst = tmp_path / f"{src.name}-{positions}"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": positions}))
+    return dst
 
 
 @pytest.mark.parametrize("cap", [2, 4])
@@ -512,9 +522,10 @@ def test_bad_portable_geometry_is_refused_before_any_work(tmp_path, kw):
 
 
 def test_geometry_at_the_coreml_limit_converts(tmp_path):
-    m = convert(STORIES_SRC, tmp_path / "out", target="coreml", capacity_tokens=16380, prefill_tokens=2)
+    src = _trained_for(STORIES_SRC, 16384, tmp_path)
+    m = convert(src, tmp_path / "out", target="coreml", capacity_tokens=16380, prefill_tokens=2)
     assert m.portable.ring_rows + m.portable.prefill_tokens == 16384
-    assert m.default_capacity_tokens == 512  # capped at the model's trained length
+    assert m.default_capacity_tokens == 4096  # capped at the largest default
 
 
 def test_ort_format_folder_is_clean_and_loads(tmp_path):
@@ -653,3 +664,15 @@ def test_bench_defaults_on_a_small_portable_folder(folders, capsys):
     assert main(["bench", "-m", str(folders("p32")), "--runs", "1", "--prompt-tokens", "40", "--gen-tokens", "16",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["capacity_tokens"] == 64
+
+
+def test_a_portable_ring_past_the_trained_length_is_refused_at_convert(tmp_path):
+    """--capacity over the model's trained length (stories260K: 512) is refused before any work, and
+    nothing is left behind; without --capacity the default ring is cut to that length."""
+    with pytest.raises(ConvertError, match=r"--capacity 1024 is over the model's trained length of 512 positions"):
+        convert(STORIES_SRC, tmp_path / "big", target="nnapi", capacity_tokens=1024)
+    assert not (tmp_path / "big").exists() and os.listdir(tmp_path) == []
+    tiny = TINY / "llama2_gqa_tied"  # trained on 256: the default portable ring (512) is cut to it
+    m = convert(tiny, tmp_path / "tiny", target="nnapi")
+    assert m.portable.capacity_tokens == 256
+    assert edgeinfer.load(tmp_path / "tiny").capacity_tokens == 240

@@ -292,8 +292,27 @@ def test_good_threads_load():
 # 6. a KV cache larger than free memory is refused before allocating --------------------------
 
 def test_capacity_beyond_memory_is_refused():
+    import dataclasses
+
+    from edgeinfer.kv_cache import RingKVCache
+    from edgeinfer.manifest import read_manifest
+
+    spec = read_manifest(edgeinfer.model.default_model_path()).arch
+    long = dataclasses.replace(spec, max_position_embeddings=10**13)  # a model trained that long
     with pytest.raises(InvalidArgumentError, match=r"capacity_tokens=1000000000000 needs [\d,]+ bytes"):
-        edgeinfer.load(capacity_tokens=10**12)
+        RingKVCache.check_geometry(long, 10**12, 4, 256)
+
+
+def test_capacity_beyond_the_trained_length_is_refused():
+    """A ring longer than the model's trained length (stories260K: 512) attends over distances the
+    model never saw: 3,000 sampled tokens in a 2048-token ring turned to word salad (perplexity 2.3 in
+    the first 500 tokens, 8-11 after 1,500). Refused, naming the limit; the trained length itself works,
+    and the default leaves a sixteenth of it to re-base in."""
+    with pytest.raises(InvalidArgumentError, match=r"capacity_tokens=513 is more than this model's trained length "
+                                                   r"of 512 positions .* at most 512 .* 480"):
+        edgeinfer.load(capacity_tokens=513)
+    assert edgeinfer.load(capacity_tokens=512).capacity_tokens == 512
+    assert edgeinfer.load().capacity_tokens == 480
 
 
 def test_capacity_check_uses_available_memory(monkeypatch):
@@ -301,9 +320,9 @@ def test_capacity_check_uses_available_memory(monkeypatch):
 
     mem = namedtuple("mem", "available")
     monkeypatch.setattr(kv_cache_mod.psutil, "virtual_memory", lambda: mem(10**6))
-    # the bundled stories260K (heads widened to 16): 2560 bytes per token; 1000 ring slots + 256 overflow rows
-    with pytest.raises(InvalidArgumentError, match=r"needs 3,215,360 bytes .* only 1,000,000 bytes"):
-        edgeinfer.load(capacity_tokens=1000)
+    # the bundled stories260K (heads widened to 16): 2560 bytes per token; 500 ring slots + 256 overflow rows
+    with pytest.raises(InvalidArgumentError, match=r"needs 1,935,360 bytes .* only 1,000,000 bytes"):
+        edgeinfer.load(capacity_tokens=500)
     m = edgeinfer.load(capacity_tokens=300, prefill_chunk=64)  # 364 rows x 2560 bytes fit
     assert m.generate("Once", max_new_tokens=2, seed=0).usage.completion_tokens == 2
 
