@@ -532,3 +532,26 @@ def test_a_freed_slot_goes_to_the_waiting_request_admitted_first():
         t.join(10)
     assert order == [("cancelled", 2), 0, 1, 3, 4, 5, 6, 7]
     assert sched.waiting == 0 and not sched._line and sched.busy == 0
+
+
+def _completion_tokens_total(r) -> float:
+    text = httpx.get(r.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).text
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith("edgeinfer_completion_tokens_total ")))
+
+
+def test_tokens_of_a_stream_the_client_left_count_as_generated(srv):
+    """edgeinfer_completion_tokens counted only requests that finished: the tokens of a stream its
+    client left (499) or a shutdown cut (503) were work the device did and no counter showed."""
+    before = _completion_tokens_total(srv)
+    stream = srv.client().completions.create(model="stories260K-int8", prompt="Once upon a time", max_tokens=64,
+                                             stream=True, extra_body={"ignore_eos": True})
+    got = 0
+    try:
+        for chunk in stream:
+            got += 1
+            if got == 12:
+                break
+    finally:
+        stream.close()
+    assert _wait(lambda: _health(srv)["slots_busy"] == 0, 10)
+    assert _wait(lambda: _completion_tokens_total(srv) - before >= 12, 10), _completion_tokens_total(srv) - before

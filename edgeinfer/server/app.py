@@ -235,7 +235,8 @@ class _Reply:
         self.tok = server.model.tokenizer
         self._offsets = replies.TextOffsets(len(req.prompt) if not chat and isinstance(req.prompt, str) else 0)
 
-    def failed(self, exc: BaseException) -> Response:
+    def failed(self, exc: BaseException, tokens: int = 0) -> Response:
+        """The error answer to a request that did not finish, after generating `tokens`."""
         if isinstance(exc, Cancelled):  # the client left (nobody reads this) or the server is stopping
             err = APIError(503, "the server is shutting down", type="server_error", code="shutting_down") \
                 if self.server.draining else APIError(499, "the client closed the request", code="client_closed")
@@ -250,7 +251,8 @@ class _Reply:
             log.error("generation failed: %r", exc)
             err = APIError(500, "generation failed", type="server_error")
         self.server.metrics.request(self.endpoint, err.status)
-        self._log(err.status, 0)
+        self.server.metrics.cut(tokens)
+        self._log(err.status, tokens)
         return error_response(err)
 
     def _usage(self, completion, cached: int) -> dict:
@@ -288,7 +290,7 @@ class _Reply:
             chunks.append(event[1])
             event = await self.job.events.get()
         if event[0] == "error":
-            return self.failed(event[1])
+            return self.failed(event[1], sum(c.token_id is not None for c in chunks))
         _, completion, cached = event
         usage = self._usage(completion, cached)
         reason = replies.finish_reason(completion.finish_reason)
@@ -365,6 +367,7 @@ class _Reply:
                 self._finish_metrics(completion, event[2], status)
             else:  # cut short: by the client (499, nobody reads), the server stopping (503) or a failure
                 self.server.metrics.request(self.endpoint, 499 if status == 200 else status)
+                self.server.metrics.cut(tokens)
                 self._log(499 if status == 200 else status, tokens)
 
     def _chunk_body(self, chunks: list) -> dict:

@@ -19,7 +19,8 @@ class Metrics:
         self.tpot = Histogram("edgeinfer_time_per_output_token_seconds", "decode time per generated token",
                               buckets=TOKEN_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("edgeinfer_prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.completion_tokens = Counter("edgeinfer_completion_tokens", "tokens generated", registry=r)
+        self.completion_tokens = Counter("edgeinfer_completion_tokens", "tokens generated (by requests cut short too)",
+                                         registry=r)
         self.cached_tokens = Counter("edgeinfer_prompt_cached_tokens", "prompt tokens reused from a slot's cache",
                                      registry=r)
         self.prefix_hits = Counter("edgeinfer_prefix_cache_hits", "requests that reused a cached prefix", registry=r)
@@ -79,6 +80,11 @@ class Metrics:
         if cached:
             self.cached_tokens.inc(cached)
             self.prefix_hits.inc()
+
+    def cut(self, completion_tokens: int) -> None:
+        """A request cut short (the client left, the server stopped, a failure) after generating
+        `completion_tokens`: the device did that work, so they count."""
+        self.completion_tokens.inc(completion_tokens)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
