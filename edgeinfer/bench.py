@@ -54,23 +54,23 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     if cfg.prompt_tokens < 1 or cfg.gen_tokens < 2 or cfg.runs < 1 or cfg.threads < 1:
         raise ValueError("--prompt-tokens >= 1, --gen-tokens >= 2, --runs >= 1 and --threads >= 1 are required")
     capacity = cfg.capacity or cfg.prompt_tokens + cfg.gen_tokens + 8
-    if cfg.capacity is None:  # a portable model's ring is fixed at convert, any ring at the trained length:
-        from edgeinfer.manifest import read_manifest  # say which sizes fit
+    if cfg.capacity is None:
+        from edgeinfer.manifest import read_manifest
         from edgeinfer.model import default_model_path
 
         manifest = read_manifest(Path(cfg.model) if cfg.model is not None else default_model_path())
-        portable, trained = manifest.portable, manifest.arch.max_position_embeddings
-        limits = [(trained, f"this model was trained on {trained} positions")]
-        if portable is not None:
-            limits.append((portable.capacity_tokens, f"this portable model holds {portable.capacity_tokens} tokens"))
-        n, why = min(limits)
-        if capacity > n:
+        portable = manifest.portable
+        if portable is not None and capacity > portable.capacity_tokens:  # fixed at convert: say which sizes fit
+            n = portable.capacity_tokens
             fit = f"--prompt-tokens + --gen-tokens up to {n - 8}, or " if n - 8 >= 3 else ""
-            raise ValueError(f"{why}, and the benchmark's ring would be --prompt-tokens "
+            raise ValueError(f"this portable model holds {n} tokens, and the benchmark's ring would be --prompt-tokens "
                              f"{cfg.prompt_tokens} + --gen-tokens {cfg.gen_tokens} + 8 = {capacity}: give {fit}"
                              f"--capacity {n} (the prompt then shifts through the ring)")
+        if capacity > manifest.arch.max_position_embeddings:  # past the trained length: the model's own ring,
+            capacity = None  # through which the prompt shifts (the report says its capacity)
     t0 = time.perf_counter()
     model = edgeinfer.load(cfg.model, threads=cfg.threads, capacity_tokens=capacity)
+    capacity = model.capacity_tokens
     load_s = time.perf_counter() - t0
     spec = model.manifest.arch
     ids = prompt_ids(spec.vocab_size, model.tokenizer.bos_id, cfg.prompt_tokens, cfg.seed)

@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gen-tokens", type=int, default=128)
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--runs", type=int, default=3)
-    b.add_argument("--capacity", type=int, default=None, help="KV ring capacity (default: prompt + gen + 8)")
+    b.add_argument("--capacity", type=int, default=None, help="KV ring capacity (default: prompt + gen + 8, or the model's default ring if that is more than it was trained on)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_bench)
 

@@ -27,11 +27,12 @@ the keys once every `rebase_every_tokens` tokens, nothing per token.
 The model's trained length T (max_position_embeddings) bounds it all: no call writes a position at
 or past T, and no query attends over more than T tokens (so no distance it sees is one the model
 never trained on; past T a model's output degrades, and far past it turns to word salad). Hence:
-capacity <= T (`check_geometry`), capacity + `rebase_every_tokens` <= T where the capacity allows
-it (`rebase_interval`), and a call appends at most `call_room()` = T - n_valid rows (a long prompt
-entering a full ring goes in smaller calls). A ring of exactly T tokens re-bases every token once
-full, and its step then writes position T: one past the trained length, the least a full ring plus
-the new token needs.
+capacity + `rebase_every_tokens` <= T (`rebase_interval`), and a call appends at most `call_room()`
+= T - n_valid rows (a long prompt entering a full ring goes in smaller calls). A ring holds at most
+T tokens (`check_geometry`); the default, `max_capacity(T)` = T - T/16, re-bases every T/16 tokens
+once full. A larger one re-bases more often (every T - C tokens; `load` warns), and one of exactly T
+re-bases every token and its steps write position T, the least a full ring of T tokens plus the new
+token needs.
 
 Owned by one conversation; mutated only by `rebase_if_due`, `commit`, `rewind`, `reset` and
 `restore`. `intact` is False while (or if an exception such as Ctrl-C stopped) `rebase_if_due` or
@@ -70,16 +71,16 @@ def rebase_interval(capacity_tokens: int, max_position_embeddings: int) -> int:
 
     A quarter of the capacity (so a re-base, which rotates every cached key once, costs a small
     fraction of the attention work between two re-bases), less where that would carry positions past
-    the model's trained length (capacity + interval <= T), but at least 1: a ring within a sixteenth
-    of T of it re-bases often (the default capacity, `default_capacity`, leaves a sixteenth).
+    the model's trained length (capacity + interval <= T), but at least 1 (the default capacity,
+    `max_capacity`, keeps it at T/16 or more).
     """
     return max(1, min(capacity_tokens // 4, max_position_embeddings - capacity_tokens))
 
 
-def default_capacity(manifest_default: int, max_position_embeddings: int) -> int:
-    """The ring's capacity when the caller gives none: the manifest's default, at most the trained
-    length less a sixteenth of it (so a full ring re-bases every T/16 tokens at least, within T)."""
-    return max(2, min(manifest_default, max_position_embeddings - max(1, max_position_embeddings // 16)))
+def max_capacity(max_position_embeddings: int) -> int:
+    """The largest ring that re-bases at most every T/16 tokens (each re-base rotates every cached key):
+    the trained length T less a sixteenth of it, at least 2. The default capacity is at most this."""
+    return max(2, max_position_embeddings - max(1, max_position_embeddings // 16))
 
 
 def rotate_keys(k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
@@ -146,8 +147,8 @@ class RingKVCache:
             raise InvalidArgumentError(
                 f"capacity_tokens={capacity_tokens} is more than this model's trained length of {trained} positions "
                 f"(max_position_embeddings): it would attend over distances it never saw, and its output degrades "
-                f"past them; use a capacity of at most {trained} (the default leaves room to re-base: "
-                f"{default_capacity(trained, trained)})")
+                f"past them; use a capacity of at most {trained} (the default, {max_capacity(trained)}, leaves a "
+                f"sixteenth of it to re-base in)")
         if n_sink >= capacity_tokens:
             raise InvalidArgumentError(f"a ring of capacity {capacity_tokens} tokens leaves no room beside its "
                                        f"{n_sink} attention sinks (n_sink): give a capacity of at least "

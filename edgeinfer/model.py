@@ -34,7 +34,7 @@ from edgeinfer.generation import Completion, Generation, Request
 from edgeinfer.kv_cache import RingKVCache, Snapshot
 from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.prefix_cache import PrefixSnapshot, held_after, reuse
-from edgeinfer.overflow import check_policy, resolve_capacity
+from edgeinfer.overflow import check_policy, rebase_warning, resolve_capacity
 from edgeinfer.power.controller import PowerController, PowerState
 from edgeinfer.power.policy import resolve_policy
 from edgeinfer.power.sensors import Sensors
@@ -59,8 +59,9 @@ def load(path: str | Path | None = None, *, provider: str = "auto", threads: int
 
     provider: "auto" (the detected device profile's, `platforms.detect`) | "cpu" | "cuda"; threads: None
     (the device profile's count, or onnxruntime's default where the profile says "auto") or a positive int;
-    capacity_tokens: the KV ring's size, an int >= 2 (default: the manifest's, capped at the model's
-    sliding window); n_sink: first tokens the ring never overwrites, in [0, capacity_tokens);
+    capacity_tokens: the KV ring's size, an int in [2, the model's trained length T] (default: the
+    manifest's, capped at T less a sixteenth, the room a full ring re-bases in, and at the model's
+    sliding window; a larger one re-bases more often, with a warning); n_sink: first tokens the ring never overwrites, in [0, capacity_tokens);
     overflow: "shift" | "truncate" | "error"; prefill_chunk: a positive int (tokens per prefill call).
     power: None (off), "performance" | "balanced" | "battery" | "thermal-guard", or a
     `power.Policy` with limits: a controller samples this device's sensors twice a second and paces
@@ -102,6 +103,8 @@ class Model:
         spec = self.manifest.arch
         capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec.sliding_window, capacity_tokens,
                                     spec.max_position_embeddings)
+        if (note := rebase_warning(capacity, spec.max_position_embeddings)) is not None:
+            warnings.warn(note, stacklevel=3)
         portable = self.manifest.portable
         if portable is not None:
             portable.check_capacity(capacity)  # before the slow loading
@@ -208,7 +211,7 @@ class Model:
             return ids[n:]
 
         def end(req: Request) -> None:
-            self.held = held_after(req, ids, self.cache)
+            self.held = held_after(req, ids, self.cache, not self.manifest.quantization.rows_depend_on_call_size)
 
         return Generation(self.engine, self.tokenizer, self.cache, opts, self.overflow, begin=begin, end=end,
                           lock=self.lock, load_ms=self.load_ms, power=self.power)
@@ -237,6 +240,8 @@ class Model:
                 self.held = None
                 self.engine.prefill(self.cache, ids)
                 self.held = ids
+            if self.held and len(self.held) < self.cache.n_valid:  # rows a reuse would not keep (a reply's, at
+                self.cache.keep_prefix(len(self.held))  # accuracy level 4): not part of the prefix either
             if not self.held or len(self.held) != self.cache.n_valid:
                 raise InvalidArgumentError("the default cache holds no prefix known exactly: give `prefix`")
             snap = PrefixSnapshot(tuple(self.held), self.cache.snapshot(), self.fingerprint())

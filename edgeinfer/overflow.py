@@ -14,7 +14,7 @@ validator of its own geometry (capacity, sinks, chunk, memory).
 from __future__ import annotations
 
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError
-from edgeinfer.kv_cache import default_capacity
+from edgeinfer.kv_cache import max_capacity
 
 OVERFLOW_POLICIES = ("shift", "truncate", "error")
 
@@ -31,16 +31,29 @@ def check_policy(overflow) -> str:
 
 def resolve_capacity(default_capacity_tokens: int, sliding_window: int | None, requested: int | None,
                      max_position_embeddings: int) -> int:
-    """The ring's capacity: what the caller asked for (an int >= 2; `RingKVCache.check_geometry`
-    refuses more than the trained length), else the manifest's default capped at the trained length
-    less a sixteenth (`kv_cache.default_capacity`: room to re-base within it) and at the model's
+    """The ring's capacity: what the caller asked for (an int >= 2; more than the trained length T is
+    refused by `RingKVCache.check_geometry`), else the manifest's default capped at
+    `kv_cache.max_capacity` (T less a sixteenth, the room a full ring re-bases in) and at the model's
     sliding window (a model that attends to at most W tokens gains nothing from more)."""
     if requested is None:
-        cap = default_capacity(default_capacity_tokens, max_position_embeddings)
+        cap = min(default_capacity_tokens, max_capacity(max_position_embeddings))
         return min(cap, sliding_window) if sliding_window else cap
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 2:
         raise InvalidArgumentError(f"capacity_tokens must be an integer >= 2, got {requested!r}")
     return requested
+
+
+def rebase_warning(capacity_tokens: int, max_position_embeddings: int) -> str | None:
+    """What to tell a caller whose ring leaves less than a sixteenth of the trained length to re-base
+    in (None otherwise): a full ring then rotates every cached key every few tokens."""
+    most = max_capacity(max_position_embeddings)
+    if capacity_tokens <= most or capacity_tokens > max_position_embeddings:
+        return None
+    every = max(1, max_position_embeddings - capacity_tokens)
+    return (f"capacity_tokens={capacity_tokens} leaves {max_position_embeddings - capacity_tokens} of the model's "
+            f"{max_position_embeddings} trained positions to re-base in: once full, the ring rotates every cached "
+            f"key every {every} token{'s' if every > 1 else ''} (a capacity of {most}, the default, does it every "
+            f"{max_position_embeddings - most})")
 
 
 def truncate_reserve(capacity_tokens: int, max_new_tokens: int) -> int:

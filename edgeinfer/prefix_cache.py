@@ -5,7 +5,9 @@ ids its ring holds in order (`held_after`, None when not known exactly: the ring
 the overflow policy dropped prompt tokens, a mutation was cut short); the next request keeps the
 longest common prefix (`reuse`) and feeds only its tail. The reply is the one a cold start gives,
 because the kept rows are the ones the same tokens computed (the runtime's logits do not depend on
-how a prompt was split into calls of two or more rows, `engine.prefill_chunks`).
+how a prompt was split into calls of two or more rows, `engine.prefill_chunks`). A reply's rows were
+computed by one-row decode steps, which at accuracy level 4 round differently from the prefill a cold
+start gives them (`QuantScheme.rows_depend_on_call_size`): there only the prompt's rows are kept.
 
 `PrefixSnapshot` is a warmed prefix (a system prompt's rows) taken out of a ring, to put back later
 (`Model.snapshot` / `Model.restore`), also across processes through a file (`save` / `load`).
@@ -55,12 +57,14 @@ def reuse(held: list[int] | None, prompt: list[int], cache: RingKVCache, overflo
     return n
 
 
-def held_after(gen, prompt: list[int], cache: RingKVCache) -> list[int] | None:
-    """The ids `cache` holds after Generation `gen` ran on `prompt` (from an empty ring or a kept
-    prefix of it), when known exactly; else None."""
+def held_after(gen, prompt: list[int], cache: RingKVCache, steps_match_prefill: bool = True) -> list[int] | None:
+    """The ids of the first rows `cache` holds after Generation `gen` ran on `prompt` (from an empty
+    ring or a kept prefix of it) that a later prompt may reuse, when known exactly; else None. All of
+    them, or (`steps_match_prefill` False: accuracy level 4) the prompt's only, the rows prefill
+    computed; the rows after them are then left to be prefilled again."""
     if cache.dropped or cache.rebased_tokens or not cache.intact or gen.prompt_dropped:
         return None
-    if gen.completion is None:  # abandoned: the prompt, and some generated tokens not known here
+    if gen.completion is None or not steps_match_prefill:  # abandoned: the generated tokens are not known here
         return prompt[:cache.n_valid]
     return (prompt + list(gen.completion.token_ids))[:cache.n_valid]
 

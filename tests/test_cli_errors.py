@@ -25,8 +25,6 @@ ONE_LINE = [
      "does not fit"),
     (["chat", "--threads", "-1"], "threads"),
     (["chat", "--capacity", "1000000000000"], "trained length of 512"),
-    # the benchmark's own ring (prompt + gen + 8) past the trained length: the sizes that fit, not a capacity
-    (["bench", "--prompt-tokens", "500", "--gen-tokens", "64", "--runs", "1"], "trained on 512 positions"),
 ]
 
 

@@ -232,8 +232,8 @@ def test_a_gguf_conversion_drafts_for_its_hugging_face_twin(fp32, tmp_path):
 def test_draft_settings_refused_with_their_names(fp32, tmp_path):
     from edgeinfer.server.config import ServeConfig
 
-    m = edgeinfer.load(fp32, n_sink=500, capacity_tokens=512)
-    assert m.set_draft(default_model_path()).n_sink == 4  # its own ring: not the target's 500 sinks
+    m = edgeinfer.load(fp32, n_sink=400, capacity_tokens=480)
+    assert m.set_draft(default_model_path()).n_sink == 4  # its own ring: not the target's 400 sinks
     with pytest.raises(InvalidArgumentError, match="folder is empty"):
         m.set_draft("")
     with pytest.raises(edgeinfer.ModelFormatError, match="^the draft model: model folder not found"):

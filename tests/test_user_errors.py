@@ -306,13 +306,22 @@ def test_capacity_beyond_memory_is_refused():
 def test_capacity_beyond_the_trained_length_is_refused():
     """A ring longer than the model's trained length (stories260K: 512) attends over distances the
     model never saw: 3,000 sampled tokens in a 2048-token ring turned to word salad (perplexity 2.3 in
-    the first 500 tokens, 8-11 after 1,500). Refused, naming the limit; the trained length itself works,
-    and the default leaves a sixteenth of it to re-base in."""
-    with pytest.raises(InvalidArgumentError, match=r"capacity_tokens=513 is more than this model's trained length "
-                                                   r"of 512 positions .* at most 512 .* 480"):
-        edgeinfer.load(capacity_tokens=513)
-    assert edgeinfer.load(capacity_tokens=512).capacity_tokens == 512
-    assert edgeinfer.load().capacity_tokens == 480
+    the first 500 tokens, 8-11 after 1,500). Refused, naming the limit. A ring within the last
+    sixteenth below it re-bases every few tokens (every token at 512): allowed, with a warning that
+    says so; the default (480) re-bases every 32."""
+    import warnings
+
+    for cap in (2048, 513):
+        with pytest.raises(InvalidArgumentError, match=rf"capacity_tokens={cap} is more than this model's trained "
+                                                       r"length of 512 positions .* at most 512 \(the default, 480"):
+            edgeinfer.load(capacity_tokens=cap)
+    with pytest.warns(UserWarning, match=r"capacity_tokens=508 leaves 4 of the model's 512 trained positions to "
+                                         r"re-base in: .* every 4 tokens \(a capacity of 480, the default, does it every 32\)"):
+        assert edgeinfer.load(capacity_tokens=508).cache.rebase_every_tokens == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert edgeinfer.load(capacity_tokens=480).cache.rebase_every_tokens == 32
+        assert edgeinfer.load().capacity_tokens == 480
 
 
 def test_capacity_check_uses_available_memory(monkeypatch):
