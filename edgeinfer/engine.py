@@ -145,23 +145,26 @@ class Engine(ChunkedSteps):
         one-row step's, measured the first time asked and kept for the engine's life (speculation's
         rule reads it: with n-grams which rows share a call then follows the tokens alone). Measured
         with the engine to itself (its lock held: another request's calls would count as these), on a
-        scratch ring holding 32 tokens: each size of CALIBRATION_ROWS (and k_max + 1) once to warm it,
+        scratch ring of 64 slots holding 32 tokens (a model trained on fewer than 64 positions: half
+        its length, and no call past the other half; larger sizes count as the largest): each size of CALIBRATION_ROWS (and k_max + 1) once to warm it,
         then up to 5 interleaved rounds (at least 2, about half a second at most), medians; the sizes
         between interpolated linearly, a larger call never counted cheaper than a smaller one."""
         with self._ratios_lock:
             if self._ratios is not None and len(self._ratios) >= k_max + 1:
                 return self._ratios
-            top = min(k_max + 1, self.max_chunk)
+            rows = min(64, self.spec.max_position_embeddings)
+            held = rows // 2
+            top = max(1, min(k_max + 1, self.max_chunk, rows - held))
             sizes = sorted({s for s in self.CALIBRATION_ROWS if s < top} | {1, top})
-            cache = self.new_cache(64, 4)
-            ids = [(3 + i) % self.spec.vocab_size for i in range(32 + top)]
-            self.prefill(cache, ids[:32])
+            cache = self.new_cache(rows, min(4, held - 1) if held > 1 else 0)
+            ids = [(3 + i) % self.spec.vocab_size for i in range(held + top)]
+            self.prefill(cache, ids[:held])
             out = np.empty((1, top, self.spec.vocab_size), np.float32)
 
             def call(s: int) -> float:
                 logits = cache.logits if s == 1 else out[:, :s]
                 t0 = time.perf_counter()
-                self._forward(cache, ids[32:32 + s], s, s, logits, commit=False)
+                self._forward(cache, ids[held:held + s], s, s, logits, commit=False)
                 return time.perf_counter() - t0
 
             times: dict[int, list[float]] = {s: [] for s in sizes}

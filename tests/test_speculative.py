@@ -329,3 +329,23 @@ def test_the_same_request_gives_the_same_tokens_every_time_at_accuracy_level_4(m
         got.add(g.run_to_end().token_ids)
         verified.add((g.speculation.verify_calls, g.speculation.drafted_tokens))
     assert len(got) == 1 and len(verified) == 1 and min(verified)[0] > 0
+
+
+def test_a_model_trained_on_fewer_than_64_positions_speculates(tmp_path):
+    """The verify-cost calibration used a 64-slot scratch ring: on a model trained on 48 positions,
+    speculative="ngram" raised an error about a capacity of 64 the user never gave. It now calibrates
+    within the trained length, and gives plain decoding's tokens."""
+    import shutil
+
+    from edgeinfer.converters import convert
+
+    src = tmp_path / "src48"
+    shutil.copytree(STORIES_SRC, src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 48}))
+    convert(src, tmp_path / "d48", quant="fp32")
+    m = edgeinfer.load(tmp_path / "d48")
+    text = "Lily and Ben were playing. Lily and Ben were"
+    plain = m.generate(text, max_new_tokens=60, temperature=0, ignore_eos=True).token_ids
+    assert m.generate(text, max_new_tokens=60, temperature=0, ignore_eos=True, speculative="ngram").token_ids == plain
+    assert len(m.engine.verify_ratios(8)) == 9
