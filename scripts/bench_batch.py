@@ -28,7 +28,7 @@ from edgeinfer.kv_cache import BatchedKV
 def step_speed(m, batch: int, rounds: int) -> dict:
     eng, spec = m.engine, m.manifest.arch
     rng = np.random.default_rng(0)
-    kv = BatchedKV(spec, batch, 512, 4, eng.max_chunk, eng.mode)
+    kv = BatchedKV(spec, batch, m.capacity_tokens, 4, eng.max_chunk, eng.mode)
     for c in kv.caches:
         eng.prefill(c, [1] + rng.integers(3, spec.vocab_size, 31).tolist())
     batched, single = [], []
@@ -51,7 +51,7 @@ def streams(m, rounds: int) -> dict:
     rng = np.random.default_rng(0)
     base = [1] + rng.integers(3, m.manifest.arch.vocab_size, 100).tolist()
     opts = edgeinfer.GenerationOptions.from_kwargs(max_new_tokens=128, temperature=0, ignore_eos=True)
-    kv = BatchedKV(m.manifest.arch, 4, 512, 4, eng.max_chunk, eng.mode)
+    kv = BatchedKV(m.manifest.arch, 4, m.capacity_tokens, 4, eng.max_chunk, eng.mode)
     batcher = DecodeBatcher(eng, kv)
 
     def run(i: int) -> None:
@@ -85,7 +85,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    m = edgeinfer.load(a.model, threads=a.threads, capacity_tokens=512)
+    m = edgeinfer.load(a.model, threads=a.threads)  # its default ring
+    m = edgeinfer.load(a.model, threads=a.threads, capacity_tokens=min(512, m.manifest.arch.max_position_embeddings))
     if not m.engine.mode.in_place:
         raise SystemExit(f"{a.model}: its KV mode ({m.engine.mode.name}) does not batch; use a GQA model")
     report = {"model": a.model, "threads": a.threads, "rounds": a.rounds,

@@ -38,8 +38,10 @@ def main() -> None:
     eng, vocab = m.engine, m.manifest.arch.vocab_size
     a.capacity = m.capacity_tokens
     cache = eng.new_cache(a.capacity, 4)
-    for start in range(0, a.context, eng.max_chunk):  # the context: arbitrary ids, in chunks the engine takes
-        eng.forward(cache, [3 + (j % (vocab - 3)) for j in range(start, min(a.context, start + eng.max_chunk))])
+    if a.context + max(rows) > a.capacity:
+        raise SystemExit(f"--context {a.context} and calls of {max(rows)} rows do not fit the ring's {a.capacity} "
+                         "slots: give a smaller --context or a larger --capacity")
+    eng.prefill(cache, [3 + (j % (vocab - 3)) for j in range(a.context)])  # the context: arbitrary ids
     out = np.empty((1, max(rows), vocab), np.float32)
     times: dict[int, list[float]] = {r: [] for r in rows}
     for _ in range(a.rounds):

@@ -50,15 +50,17 @@ def main() -> None:
     gen_s = time.perf_counter() - t0
     ids = list(c.token_ids)
     judge = Engine(DecoderSession(args.judge or args.model), max_chunk=512)
-    judge_cache = judge.new_cache(512, 0)
+    window = min(512, judge.spec.max_position_embeddings)  # a window never passes the judge's trained length
+    judge = Engine(judge.session, max_chunk=window)
+    judge_cache = judge.new_cache(window, 0)
     bos = m.tokenizer.bos_id
     blocks = []
     for start in range(0, len(ids), args.block):
         block = ids[start:start + args.block]
         seq = [bos] + block
         total, count = 0.0, 0
-        for w in range(0, len(seq), 512):
-            nll, n = window_nll(judge, judge_cache, seq[w:w + 512])
+        for w in range(0, len(seq), window):
+            nll, n = window_nll(judge, judge_cache, seq[w:w + window])
             total, count = total + nll, count + n
         blocks.append({"tokens": f"{start + 1}-{start + len(block)}", "perplexity": round(math.exp(total / count), 3),
                        "distinct_4grams": round(distinct_4grams(block), 3),
