@@ -239,7 +239,7 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
                 raise ConvertError("--recipe q4_1 builds the cpu graph's offset packs: choose another recipe for "
                                    f"--target {target}")
         return _convert(src, dst, scheme, target, attention, log, portable, ort_format, gguf, accuracy_level, force,
-                        capacity_given=capacity_tokens is not None)
+                        capacity_given=capacity_tokens is not None, prefill_given=prefill_tokens is not None)
     except OSError as e:
         raise _os_error(e, dst) from None
 
@@ -301,9 +301,11 @@ def _check_portable(target: str, quant: str | None, capacity_tokens, prefill_tok
 
 def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, attention: str, log,
              portable: PortableInfo | None = None, ort_format: bool = False, gguf: bool = False,
-             accuracy_level: int | None = None, force: bool = True, capacity_given: bool = True) -> Manifest:
-    """scheme None: `--quant keep` of a GGUF file (the scheme is read from its types). capacity_given:
-    the portable ring's capacity is the user's (else the default, cut to the model's trained length)."""
+             accuracy_level: int | None = None, force: bool = True, capacity_given: bool = True,
+             prefill_given: bool = True) -> Manifest:
+    """scheme None: `--quant keep` of a GGUF file (the scheme is read from its types). capacity_given,
+    prefill_given: the portable ring's capacity and chunk are the user's (else the defaults, cut to
+    the model's trained length; the user's are refused past it)."""
     keep = scheme is None
     if gguf:
         ckpt = gguf_import.GGUFCheckpoint(src)
@@ -318,6 +320,10 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
         if capacity_given:
             raise ConvertError(f"--capacity {portable.capacity_tokens} is over the model's trained length of {trained} "
                                f"positions (its output degrades past them): use --capacity {trained} or less")
+        if portable.prefill_tokens > trained and prefill_given:
+            raise ConvertError(f"--prefill-tokens {portable.prefill_tokens} is over the model's trained length of "
+                               f"{trained} positions, the most the ring (cut to it) can hold: use --prefill-tokens "
+                               f"{trained} or less")
         portable = dataclasses.replace(portable, capacity_tokens=trained,
                                        prefill_tokens=min(portable.prefill_tokens, trained))
     src_tensors = TensorSource(ckpt, keep=keep)

@@ -44,7 +44,8 @@ def add_convert_parser(sub) -> None:
                                                        if m.head_multiple > 1 else "") for m in KV_MODES)
                    + "; auto: gqa when the head size allows it or widening at most doubles it, else standard")
     c.add_argument("--capacity", type=int, default=None,
-                   help="coreml/nnapi: the KV ring the graphs are built for (default 512; a smaller one loads)")
+                   help="coreml/nnapi: the KV ring the graphs are built for (default 512, or the model's trained length "
+                        "if shorter; more is refused; a smaller one loads)")
     c.add_argument("--prefill-tokens", type=int, default=None, help="coreml/nnapi: the prefill graph's chunk (64)")
     c.add_argument("--ort-format", action="store_true", help="coreml/nnapi: also write .ort files for ORT Mobile")
     c.add_argument("--via", choices=("auto", "native", "optimum"), default="auto",

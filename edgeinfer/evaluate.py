@@ -99,7 +99,8 @@ def window_nll(engine: Engine, cache: RingKVCache, ids: list[int], path: str = "
 
 def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | None = None, threads: int | None = None,
                session: DecoderSession | None = None, path: str = "prefill") -> PerplexityResult:
-    """window: tokens scored per window (None: 512, or the model's context if shorter)."""
+    """window: tokens scored per window (None: 512, or the model's context or a portable model's ring
+    if shorter)."""
     if window is not None and window < 2:
         raise EdgeInferError(f"--window must be at least 2, got {window}")
     if path not in PATHS:
@@ -107,11 +108,11 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
     stories = _read_stories(Path(text_path))
     session = session or DecoderSession(model_dir, threads=threads)
     context = session.manifest.arch.max_position_embeddings
-    window = min(DEFAULT_WINDOW, context) if window is None else window
+    built = session.manifest.portable.capacity_tokens if session.manifest.portable is not None else None
+    window = min(DEFAULT_WINDOW, context, built or context) if window is None else window
     if window > context:  # positions past what the model was trained on: a number that means nothing
         raise EdgeInferError(f"--window {window} is over the model's context of {context} tokens: use --window "
                              f"{context} or less")
-    built = session.manifest.portable.capacity_tokens if session.manifest.portable is not None else None
     if built is not None and window > built:
         raise EdgeInferError(f"--window {window} is over the {built} tokens this portable model holds: "
                              f"use --window {built} or less")

@@ -24,3 +24,12 @@ def test_bench_json_keys_and_sane_values(capsys):
 def test_bench_rejects_bad_arguments(capsys):
     assert main(["bench", "--gen-tokens", "1"]) == 1
     assert "gen-tokens" in capsys.readouterr().err
+
+
+def test_bench_defaults_run_on_a_model_trained_on_fewer_positions(capsys):
+    """The documented default command (a 512-token prompt, 128 tokens) on the bundled model, trained on
+    512 positions: its own ring (512 + 128 + 8) would pass that length, so it runs in the model's
+    default ring (480), through which the prompt shifts, and says so."""
+    assert main(["bench", "--json", "--runs", "1"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["prompt_tokens"] == 512 and r["gen_tokens"] == 128 and r["capacity_tokens"] == 480

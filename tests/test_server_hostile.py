@@ -555,3 +555,26 @@ def test_tokens_of_a_stream_the_client_left_count_as_generated(srv):
         stream.close()
     assert _wait(lambda: _health(srv)["slots_busy"] == 0, 10)
     assert _wait(lambda: _completion_tokens_total(srv) - before >= 12, 10), _completion_tokens_total(srv) - before
+
+
+def test_a_failure_while_taking_a_slot_gives_the_slot_and_the_place_back(monkeypatch):
+    """The review's case: reuse() raising inside take() had taken the slot off the free list for
+    good (and the request's worker ended with no answer); with the first-come line, a ticket that
+    never left would stall every later request. The slot and the place come back; the error reaches
+    the request."""
+    import threading
+
+    import edgeinfer.server.scheduler as sch
+
+    sched = sch.Scheduler(edgeinfer.load(capacity_tokens=64), slots=1, queue=4)
+
+    def broken(*a, **k):
+        raise RuntimeError("broken reuse")
+
+    monkeypatch.setattr(sch, "reuse", broken)
+    with pytest.raises(RuntimeError, match="broken reuse"):
+        sched.take(sched.admit(), [1, 2, 3], threading.Event(), 4)
+    assert sched.busy == 0 and sched.waiting == 0 and not sched._line
+    monkeypatch.undo()
+    slot, kept = sched.take(sched.admit(), [1, 2, 3], threading.Event(), 4)  # the next request is served
+    assert sched.busy == 1 and kept == 0

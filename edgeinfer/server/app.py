@@ -196,15 +196,15 @@ class Server:
         except EdgeInferError as e:  # the prompt itself (vocabulary, empty, a template's raise_exception)
             self.metrics.request(endpoint, 400)
             return error_response(APIError(400, str(e)))
-        if self.config.log_prompts:
-            log.info("prompt %s", json.dumps(self.model.tokenizer.decode(prompt)))
-        options = req.options
-        if self.config.speculative != "off":
-            options = dataclasses.replace(options, speculative=self.config.speculative)
-        try:
+        try:  # from admit to a queued job: nothing may keep the ticket, or its place holds the line for ever
+            if self.config.log_prompts:
+                log.info("prompt %s", json.dumps(self.model.tokenizer.decode(prompt)))
+            options = req.options
+            if self.config.speculative != "off":
+                options = dataclasses.replace(options, speculative=self.config.speculative)
             job = Job(self.scheduler, ticket, prompt, options, logprobs, asyncio.get_running_loop())
             self.pool.submit(job.run)
-        except BaseException:  # never queued (the pool shut down): its place must not hold the line
+        except BaseException:  # never queued (the pool shut down, a failure): its place is given up
             self.scheduler.withdraw(ticket)
             raise
         reply = _Reply(self, req, chat, prompt, job, t0, endpoint)
@@ -330,9 +330,9 @@ class _Reply:
                         break
                     chunks.append(event[1])
                     event = None
-                if any(c.text or c.logprob is not None for c in chunks):
+                tokens += sum(c.token_id is not None for c in chunks)  # before the yield: a client that
+                if any(c.text or c.logprob is not None for c in chunks):  # leaves there still counts them
                     yield _sse(self._chunk_body(chunks))
-                tokens += sum(c.token_id is not None for c in chunks)
                 if event is None:
                     event = await self.job.events.get()
             if event[0] == "error":

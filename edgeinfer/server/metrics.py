@@ -19,7 +19,7 @@ class Metrics:
         self.tpot = Histogram("edgeinfer_time_per_output_token_seconds", "decode time per generated token",
                               buckets=TOKEN_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("edgeinfer_prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.completion_tokens = Counter("edgeinfer_completion_tokens", "tokens generated (by requests cut short too)",
+        self.completion_tokens = Counter("edgeinfer_completion_tokens", "tokens generated (a request cut short: those its reply had reached)",
                                          registry=r)
         self.cached_tokens = Counter("edgeinfer_prompt_cached_tokens", "prompt tokens reused from a slot's cache",
                                      registry=r)

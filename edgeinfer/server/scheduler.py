@@ -129,7 +129,12 @@ class Scheduler:
             self._free.remove(best)
             self._clock += 1
             best.last_used = self._clock
-        kept = reuse(best.ids, prompt, best.cache, self.model.overflow, max_new_tokens)
+        try:
+            kept = reuse(best.ids, prompt, best.cache, self.model.overflow, max_new_tokens)
+        except BaseException:  # the slot is not this request's after all: back to the free list
+            best.ids = None
+            self.give_back(best)
+            raise
         if kept:
             self.prefix_hits += 1
             self.cached_tokens += kept
@@ -173,6 +178,9 @@ class Job:
                 slot, cached = self.scheduler.take(self.ticket, self.prompt, self.cancelled, self.options.max_new_tokens)
             except Cancelled:
                 end = ("error", Cancelled(self.scheduler.cancel_reason))
+                return
+            except BaseException as e:  # noqa: BLE001 - reported to the request (it would wait for ever), the server goes on
+                end = ("error", e)
                 return
             try:
                 end = ("done", self._generate(slot, cached), cached)
