@@ -211,7 +211,7 @@ class Model:
             return ids[n:]
 
         def end(req: Request) -> None:
-            self.held = held_after(req, ids, self.cache, not self.manifest.quantization.rows_depend_on_call_size)
+            self.held = held_after(req, ids, self.cache)
 
         return Generation(self.engine, self.tokenizer, self.cache, opts, self.overflow, begin=begin, end=end,
                           lock=self.lock, load_ms=self.load_ms, power=self.power)
@@ -240,8 +240,6 @@ class Model:
                 self.held = None
                 self.engine.prefill(self.cache, ids)
                 self.held = ids
-            if self.held and len(self.held) < self.cache.n_valid:  # rows a reuse would not keep (a reply's, at
-                self.cache.keep_prefix(len(self.held))  # accuracy level 4): not part of the prefix either
             if not self.held or len(self.held) != self.cache.n_valid:
                 raise InvalidArgumentError("the default cache holds no prefix known exactly: give `prefix`")
             snap = PrefixSnapshot(tuple(self.held), self.cache.snapshot(), self.fingerprint())

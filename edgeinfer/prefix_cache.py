@@ -3,11 +3,16 @@
 As llama.cpp's `cache_prompt`: a context (the Model's default one, a daemon slot) remembers the token
 ids its ring holds in order (`held_after`, None when not known exactly: the ring evicted or re-based,
 the overflow policy dropped prompt tokens, a mutation was cut short); the next request keeps the
-longest common prefix (`reuse`) and feeds only its tail. The reply is the one a cold start gives,
-because the kept rows are the ones the same tokens computed (the runtime's logits do not depend on
-how a prompt was split into calls of two or more rows, `engine.prefill_chunks`). A reply's rows were
-computed by one-row decode steps, which at accuracy level 4 round differently from the prefill a cold
-start gives them (`QuantScheme.rows_depend_on_call_size`): there only the prompt's rows are kept.
+longest common prefix (`reuse`) and feeds only its tail. On fp32 and accuracy-level-0 models the
+reply is the one a cold start gives, because the kept rows are the ones the same tokens computed. At
+accuracy level 4 (int8 activations) a row's rounding depends on the call that computed it: a reply's
+rows came from one-row decode steps, and even calls of several rows can round a row differently
+depending on how they are split (measured: one row of 366 differed by 8e-6 in its logits between a
+prefill split at 204 and one at 256). A reused prefix's reply then equals a cold start's but for a
+near-tie, which may resolve the other way (as llama.cpp says of its `cache_prompt`): reusing a reply,
+7 of 10 follow-ups on the bundled int8 model differed from a cold start somewhere in 100 greedy
+tokens. Keeping only the prompt's rows made that rarer but not never, at the cost of prefilling
+every reply again, so the whole held prefix is reused.
 
 `PrefixSnapshot` is a warmed prefix (a system prompt's rows) taken out of a ring, to put back later
 (`Model.snapshot` / `Model.restore`), also across processes through a file (`save` / `load`).
@@ -57,14 +62,12 @@ def reuse(held: list[int] | None, prompt: list[int], cache: RingKVCache, overflo
     return n
 
 
-def held_after(gen, prompt: list[int], cache: RingKVCache, steps_match_prefill: bool = True) -> list[int] | None:
-    """The ids of the first rows `cache` holds after Generation `gen` ran on `prompt` (from an empty
-    ring or a kept prefix of it) that a later prompt may reuse, when known exactly; else None. All of
-    them, or (`steps_match_prefill` False: accuracy level 4) the prompt's only, the rows prefill
-    computed; the rows after them are then left to be prefilled again."""
+def held_after(gen, prompt: list[int], cache: RingKVCache) -> list[int] | None:
+    """The ids `cache` holds after Generation `gen` ran on `prompt` (from an empty ring or a kept
+    prefix of it), when known exactly; else None."""
     if cache.dropped or cache.rebased_tokens or not cache.intact or gen.prompt_dropped:
         return None
-    if gen.completion is None or not steps_match_prefill:  # abandoned: the generated tokens are not known here
+    if gen.completion is None:  # abandoned: the prompt, and some generated tokens not known here
         return prompt[:cache.n_valid]
     return (prompt + list(gen.completion.token_ids))[:cache.n_valid]
 

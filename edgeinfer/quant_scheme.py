@@ -31,13 +31,6 @@ class QuantScheme:
     recipe: str = "rtn"  # how int4 blocks are rounded (RECIPES; converters/quantize.py)
     scale_dtype: str = "float32"  # int4/int8 block scales as stored: float32, or float16 (cast at load)
 
-    @property
-    def rows_depend_on_call_size(self) -> bool:
-        """Whether a token's KV row and logits depend on how many rows its graph call computes: with int8
-        activations (accuracy level 4) a one-row call takes MatMulNBits' single-row path, which rounds
-        differently (~0.02 in logits) from the same row in a call of two or more rows."""
-        return self.accuracy_level == 4 and any(k in ("int4", "int8") for k in (self.weights, self.embedding, self.lm_head))
-
     def kind_for(self, projection: str) -> str:
         """Storage of one projection ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")."""
         if self.weights == "int4" and projection in self.int8_tensors:

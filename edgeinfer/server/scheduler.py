@@ -9,7 +9,8 @@ continuous batching, requests join and leave between steps); otherwise their gra
 interleave on the Engine's lock, step by step. Either way no request waits for another's whole reply. Prefix reuse: each slot remembers the token ids its ring
 holds; a request takes the free slot whose ids share the longest prefix with its prompt, keeps that
 prefix (`RingKVCache.keep_prefix`) and prefills only the rest (a chat that re-sends its history each
-turn prefills only the new turn, and at accuracy level 4 the last reply too: `prefix_cache.held_after`).
+turn prefills only the new turn; at accuracy level 4 the reply then equals a cold start's but for a
+near-tie: `prefix_cache`).
 
 A `Job` runs one request in a worker thread and hands its events (chunks, then the end) to the
 event loop; `cancel()` (the client went away) stops it within one token and frees its slot.
@@ -208,8 +209,7 @@ class Job:
     def _remember(self, slot: Slot, cached: int) -> Callable[[Request], None]:
         """After the request: which tokens the slot's ring now holds, if that is known exactly."""
         def end(req: Request) -> None:
-            slot.ids = held_after(req, self.prompt, slot.cache,
-                                  not self.scheduler.model.manifest.quantization.rows_depend_on_call_size)
+            slot.ids = held_after(req, self.prompt, slot.cache)
         return end
 
 
