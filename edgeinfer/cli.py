@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("-m", "--model", type=Path, required=True)
     e.add_argument("--text", type=Path, required=True)
     e.add_argument("--window", type=int, default=None, help="tokens per scored window (default 512, or the "
-                   "model's context if shorter)")
+                   "model's context or a portable model's ring if shorter)")
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--path", choices=("prefill", "decode"), default="prefill",
                    help="prefill: each window in one forward call (as a prompt); decode: one call per token (as "

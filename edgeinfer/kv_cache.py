@@ -147,8 +147,8 @@ class RingKVCache:
             raise InvalidArgumentError(
                 f"capacity_tokens={capacity_tokens} is more than this model's trained length of {trained} positions "
                 f"(max_position_embeddings): it would attend over distances it never saw, and its output degrades "
-                f"past them; use a capacity of at most {trained} (the default, {max_capacity(trained)}, leaves a "
-                f"sixteenth of it to re-base in)")
+                f"past them; use a capacity of at most {trained} ({max_capacity(trained)} or less leaves a sixteenth "
+                f"of it to re-base in)")
         if n_sink >= capacity_tokens:
             raise InvalidArgumentError(f"a ring of capacity {capacity_tokens} tokens leaves no room beside its "
                                        f"{n_sink} attention sinks (n_sink): give a capacity of at least "

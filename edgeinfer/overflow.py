@@ -52,8 +52,8 @@ def rebase_warning(capacity_tokens: int, max_position_embeddings: int) -> str | 
     every = max(1, max_position_embeddings - capacity_tokens)
     return (f"capacity_tokens={capacity_tokens} leaves {max_position_embeddings - capacity_tokens} of the model's "
             f"{max_position_embeddings} trained positions to re-base in: once full, the ring rotates every cached "
-            f"key every {every} token{'s' if every > 1 else ''} (a capacity of {most}, the default, does it every "
-            f"{max_position_embeddings - most})")
+            f"key every {every} token{'s' if every > 1 else ''} (a capacity of {most} or less does it every "
+            f"{max_position_embeddings - most} or more)")
 
 
 def truncate_reserve(capacity_tokens: int, max_new_tokens: int) -> int:

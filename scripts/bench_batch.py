@@ -16,13 +16,15 @@ import json
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
 import edgeinfer
 from edgeinfer.batching import DecodeBatcher
 from edgeinfer.generation import Generation
-from edgeinfer.kv_cache import BatchedKV
+from edgeinfer.kv_cache import BatchedKV, max_capacity
+from edgeinfer.manifest import read_manifest
 
 
 def step_speed(m, batch: int, rounds: int) -> dict:
@@ -85,8 +87,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    m = edgeinfer.load(a.model, threads=a.threads)  # its default ring
-    m = edgeinfer.load(a.model, threads=a.threads, capacity_tokens=min(512, m.manifest.arch.max_position_embeddings))
+    trained = read_manifest(Path(a.model)).arch.max_position_embeddings
+    m = edgeinfer.load(a.model, threads=a.threads, capacity_tokens=min(512, max_capacity(trained)))
     if not m.engine.mode.in_place:
         raise SystemExit(f"{a.model}: its KV mode ({m.engine.mode.name}) does not batch; use a GQA model")
     report = {"model": a.model, "threads": a.threads, "rounds": a.rounds,

@@ -578,3 +578,25 @@ def test_a_failure_while_taking_a_slot_gives_the_slot_and_the_place_back(monkeyp
     monkeypatch.undo()
     slot, kept = sched.take(sched.admit(), [1, 2, 3], threading.Event(), 4)  # the next request is served
     assert sched.busy == 1 and kept == 0
+
+
+def test_a_request_whose_slot_cannot_be_taken_is_answered_and_the_next_is_served(srv, monkeypatch):
+    """End to end: a failure inside take() (the review's broken reuse) reaches its client as a 500,
+    streamed or not, and the next request gets its slot (before, the worker ended with no answer and
+    the client waited for ever)."""
+    import openai
+
+    import edgeinfer.server.scheduler as sch
+
+    def broken(*a, **k):
+        raise RuntimeError("broken reuse")
+
+    monkeypatch.setattr(sch, "reuse", broken)
+    client = srv.client(timeout=20)
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model="stories260K-int8", prompt="Once", max_tokens=4)
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model="stories260K-int8", prompt="Once", max_tokens=4, stream=True)
+    monkeypatch.undo()
+    c = client.completions.create(model="stories260K-int8", prompt="Once", max_tokens=4)
+    assert c.usage.completion_tokens == 4 and _health(srv)["slots_busy"] == 0

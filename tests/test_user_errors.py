@@ -313,10 +313,10 @@ def test_capacity_beyond_the_trained_length_is_refused():
 
     for cap in (2048, 513):
         with pytest.raises(InvalidArgumentError, match=rf"capacity_tokens={cap} is more than this model's trained "
-                                                       r"length of 512 positions .* at most 512 \(the default, 480"):
+                                                       r"length of 512 positions .* at most 512 \(480 or less"):
             edgeinfer.load(capacity_tokens=cap)
     with pytest.warns(UserWarning, match=r"capacity_tokens=508 leaves 4 of the model's 512 trained positions to "
-                                         r"re-base in: .* every 4 tokens \(a capacity of 480, the default, does it every 32\)"):
+                                         r"re-base in: .* every 4 tokens \(a capacity of 480 or less does it every 32 or more\)"):
         assert edgeinfer.load(capacity_tokens=508).cache.rebase_every_tokens == 4
     with warnings.catch_warnings():
         warnings.simplefilter("error")
