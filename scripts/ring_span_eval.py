@@ -31,8 +31,9 @@ def score(m, stream: list[int], first_scored: int, chunk: int) -> tuple[float, i
         n = min(chunk, len(stream) - 1 - pos)
         for a, b in prefill_chunks(n, chunk, cache):
             logits = m.engine.forward(cache, stream[pos + a:pos + b], all_logits=True).reshape(b - a, -1)
-            if pos + a >= first_scored:
-                total, count = total + _nll(logits, stream[pos + a + 1:pos + b + 1]), count + b - a
+            skip = max(0, first_scored - (pos + a))  # the same tokens scored whatever the calls
+            if skip < b - a:
+                total, count = total + _nll(logits[skip:], stream[pos + a + skip + 1:pos + b + 1]), count + b - a - skip
             top = max(top, cache.next_position - 1)
         pos += n
     return math.exp(total / count), top

@@ -148,8 +148,8 @@ def test_no_call_writes_a_position_past_the_trained_length_in_a_long_run():
 
 def test_a_text_scored_through_the_full_ring_in_prefill_calls_matches_one_token_per_call(paths):
     """eval.txt fed twice through the default ring (fp32, GroupQueryAttention path): the second
-    copy's perplexity is the same, within 1 %, whether it goes in 256-token prefill calls or one
-    token per call (measured 5.656 and 5.668; before the trained-length bound 6.06 and 5.77)."""
+    copy's perplexity is the same, within 0.5 %, whether it goes in 256-token prefill calls or one
+    token per call (measured 5.669 and 5.668; before the trained-length bound 6.06 and 5.77)."""
     from edgeinfer.engine import prefill_chunks
     from edgeinfer.evaluate import _nll
 
@@ -163,8 +163,9 @@ def test_a_text_scored_through_the_full_ring_in_prefill_calls_matches_one_token_
             n = min(chunk, len(stream) - 1 - pos)
             for a, b in prefill_chunks(n, chunk, cache):
                 logits = m.engine.forward(cache, stream[pos + a:pos + b], all_logits=True).reshape(b - a, -1)
-                if pos + a >= len(ids):
-                    total, count = total + _nll(logits, stream[pos + a + 1:pos + b + 1]), count + b - a
+                skip = max(0, len(ids) - (pos + a))  # the second copy's tokens only, the same for both
+                if skip < b - a:
+                    total, count = total + _nll(logits[skip:], stream[pos + a + skip + 1:pos + b + 1]), count + b - a - skip
             pos += n
         ppl[chunk] = np.exp(total / count)
-    assert abs(ppl[256] / ppl[1] - 1) < 0.01, ppl
+    assert abs(ppl[256] / ppl[1] - 1) < 0.005, ppl
