@@ -61,7 +61,8 @@ def load(path: str | Path | None = None, *, provider: str = "auto", threads: int
     (the device profile's count, or onnxruntime's default where the profile says "auto") or a positive int;
     capacity_tokens: the KV ring's size, an int in [2, the model's trained length T] (default: the
     manifest's, capped at T less a sixteenth, the room a full ring re-bases in, and at the model's
-    sliding window; a larger one re-bases more often, with a warning); n_sink: first tokens the ring never overwrites, in [0, capacity_tokens);
+    sliding window; a larger one re-bases more often, with a warning); n_sink: first tokens the ring
+    never overwrites, in [0, capacity_tokens);
     overflow: "shift" | "truncate" | "error"; prefill_chunk: a positive int (tokens per prefill call).
     power: None (off), "performance" | "balanced" | "battery" | "thermal-guard", or a
     `power.Policy` with limits: a controller samples this device's sensors twice a second and paces
