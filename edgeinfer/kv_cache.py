@@ -213,7 +213,7 @@ class RingKVCache:
         """Row where a call appending s tokens writes its new rows: always right after the valid slots."""
         if not 0 < s <= self.max_chunk:
             raise ValueError(f"a call may append 1..{self.max_chunk} tokens, got {s}")
-        if s > self.call_room():
+        if s > 1 and s > self.call_room():  # a decode step always fits (call_room >= 1): nothing more per token
             raise ValueError(f"a call of {s} rows beside the {self.n_valid} tokens held would attend past the model's "
                              f"trained length of {self.trained_positions}: at most {self.call_room()} now "
                              "(engine.prefill_chunks plans such calls)")
