@@ -55,6 +55,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         raise ValueError("--prompt-tokens >= 1, --gen-tokens >= 2, --runs >= 1 and --threads >= 1 are required")
     capacity = cfg.capacity or cfg.prompt_tokens + cfg.gen_tokens + 8
     if cfg.capacity is None:
+        from edgeinfer.kv_cache import max_capacity
         from edgeinfer.manifest import read_manifest
         from edgeinfer.model import default_model_path
 
@@ -66,8 +67,6 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
             raise ValueError(f"this portable model holds {n} tokens, and the benchmark's ring would be --prompt-tokens "
                              f"{cfg.prompt_tokens} + --gen-tokens {cfg.gen_tokens} + 8 = {capacity}: give {fit}"
                              f"--capacity {n} (the prompt then shifts through the ring)")
-        from edgeinfer.kv_cache import max_capacity
-
         if capacity > max_capacity(manifest.arch.max_position_embeddings):  # past the room to re-base in: the
             capacity = None  # model's own ring, through which the prompt shifts (the report says its capacity)
     t0 = time.perf_counter()

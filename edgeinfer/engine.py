@@ -73,8 +73,8 @@ class ChunkedSteps:
 
     def prefill(self, cache: RingKVCache, ids: Sequence[int], chunk: int | None = None,
                 before_chunk: Callable[[], None] | None = None) -> np.ndarray:
-        """Feed `ids` in chunks of at most `chunk` tokens, as the cache's room allows (`prefill_chunks`); return the logits [V]
-        after the last one. `before_chunk` runs before each call (a cancellation check may raise there)."""
+        """Feed `ids` in chunks of at most `chunk` tokens, as the cache's room allows (`prefill_chunks`);
+        return the logits [V] after the last one. `before_chunk` runs before each call (a cancellation check may raise there)."""
         if not ids:
             raise ValueError("prefill needs at least one token")
         logits = None
@@ -146,8 +146,8 @@ class Engine(ChunkedSteps):
         rule reads it: with n-grams which rows share a call then follows the tokens alone). Measured
         with the engine to itself (its lock held: another request's calls would count as these), on a
         scratch ring of 64 slots holding 32 tokens (a model trained on fewer than 64 positions: half
-        its length, and no call past the other half; larger sizes count as the largest): each size of CALIBRATION_ROWS (and k_max + 1) once to warm it,
-        then up to 5 interleaved rounds (at least 2, about half a second at most), medians; the sizes
+        its length, and no call past the other half; larger sizes count as the largest): each size of
+        CALIBRATION_ROWS (and k_max + 1) once to warm it, then up to 5 interleaved rounds (at least 2, about half a second at most), medians; the sizes
         between interpolated linearly, a larger call never counted cheaper than a smaller one."""
         with self._ratios_lock:
             if self._ratios is not None and len(self._ratios) >= k_max + 1:

@@ -81,6 +81,8 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
     blocks = f" (block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}, " \
              f"accuracy_level {q.accuracy_level}{mixed}{recipe}{scales})" if q.weights in ("int4", "int8") else ""
     widened = f" (widened from {s['source_head_dim']} for GroupQueryAttention)" if s["source_head_dim"] else ""
+    cap_why = "the sliding window" if s["load_capacity_tokens"] == m.arch.sliding_window else \
+        "the trained length less a sixteenth, room to re-base"
     return "\n".join([
         f"{folder}",
         f"  architecture  {s['family']}: {s['parameters'] / 1e6:.2f} M parameters, {s['layers']} layers, "
@@ -102,8 +104,7 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         f"({s['kv_dtype']}); "
         f"{s['kv_bytes_at_default_capacity'] * (2 if s['kv_dtype'] == 'float16' else 4) // 4 / 1e6:.2f} MB at the "
         f"default capacity of {s['load_capacity_tokens']}"
-        + (f" ({'the sliding window' if s['load_capacity_tokens'] == m.arch.sliding_window else 'the trained length less a sixteenth, room to re-base'}; "
-           f"the manifest says {s['default_capacity_tokens']})"
+        + (f" ({cap_why}; the manifest says {s['default_capacity_tokens']})"
            if s['load_capacity_tokens'] != s['default_capacity_tokens'] else ""),
         f"  tokenizer     {s['tokenizer']}",
         f"  source        {origin_line(m)}",

@@ -19,8 +19,8 @@ class Metrics:
         self.tpot = Histogram("edgeinfer_time_per_output_token_seconds", "decode time per generated token",
                               buckets=TOKEN_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("edgeinfer_prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.completion_tokens = Counter("edgeinfer_completion_tokens", "tokens generated (a request cut short: those its reply had reached)",
-                                         registry=r)
+        self.completion_tokens = Counter("edgeinfer_completion_tokens",
+                                         "tokens generated (a request cut short: those its reply had reached)", registry=r)
         self.cached_tokens = Counter("edgeinfer_prompt_cached_tokens", "prompt tokens reused from a slot's cache",
                                      registry=r)
         self.prefix_hits = Counter("edgeinfer_prefix_cache_hits", "requests that reused a cached prefix", registry=r)

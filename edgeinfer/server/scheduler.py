@@ -3,8 +3,8 @@
 A slot is a KV ring of its own over the one shared Model (weights, session, Engine). `slots`
 requests generate at once; up to `queue` more wait for a free slot, first come first served (a
 freed slot goes to the request admitted earliest, so a waiting request is never overtaken); one
-more is refused at once (`QueueFull`, answered 429). When the model's KV mode appends in place (GroupQueryAttention), the
-slots are rows of one `BatchedKV` and their decode steps run as one graph call (`DecodeBatcher`:
+more is refused at once (`QueueFull`, answered 429). When the model's KV mode appends in place
+(GroupQueryAttention), the slots are rows of one `BatchedKV` and their decode steps run as one graph call (`DecodeBatcher`:
 continuous batching, requests join and leave between steps); otherwise their graph calls
 interleave on the Engine's lock, step by step. Either way no request waits for another's whole reply. Prefix reuse: each slot remembers the token ids its ring
 holds; a request takes the free slot whose ids share the longest prefix with its prompt, keeps that
@@ -177,11 +177,8 @@ class Job:
         try:        # request on hearing the end (a chat's next turn) finds the slot and its prefix
             try:
                 slot, cached = self.scheduler.take(self.ticket, self.prompt, self.cancelled, self.options.max_new_tokens)
-            except Cancelled:
-                end = ("error", Cancelled(self.scheduler.cancel_reason))
-                return
-            except BaseException as e:  # noqa: BLE001 - reported to the request (it would wait for ever), the server goes on
-                end = ("error", e)
+            except BaseException as e:  # noqa: BLE001 - cancelled, or failed: reported, or the request waits for ever
+                end = ("error", Cancelled(self.scheduler.cancel_reason) if isinstance(e, Cancelled) else e)
                 return
             try:
                 end = ("done", self._generate(slot, cached), cached)
