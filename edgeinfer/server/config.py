@@ -26,6 +26,7 @@ from edgeinfer.overflow import OVERFLOW_POLICIES
 LOOPBACK_NAMES = ("localhost",)
 PATH_SETTINGS = ("model", "draft_model", "api_key_file")  # resolved against a config file's folder
 API_KEY_ENV = "EDGEINFER_API_KEY"
+MAX_GRACE_S = 86400  # a day: the systemd unit's stop timeout is built from it
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,9 @@ class ServeConfig:
             raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
         if self.log_format not in ("text", "json"):
             raise InvalidArgumentError(f"log-format must be text or json, got {self.log_format!r}")
-        if not isinstance(self.grace_s, (int, float)) or isinstance(self.grace_s, bool) or self.grace_s < 0:
-            raise InvalidArgumentError(f"grace-s must be a number >= 0, got {self.grace_s!r}")
+        if (not isinstance(self.grace_s, (int, float)) or isinstance(self.grace_s, bool)
+                or not 0 <= self.grace_s < MAX_GRACE_S):  # NaN fails the comparison too
+            raise InvalidArgumentError(f"grace-s must be a number of seconds in [0, {MAX_GRACE_S}), got {self.grace_s!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 8):
             raise InvalidArgumentError("the API key must be a string of at least 8 characters")
         if not isinstance(self.power, str):
@@ -127,6 +129,8 @@ def _from_toml(path: str) -> dict:
         raise InvalidArgumentError(f"cannot read the config file {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise InvalidArgumentError(f"the config file {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8 (a file saved as Latin-1, say)
+        raise InvalidArgumentError(f"the config file {path} is not valid TOML: not UTF-8 at byte {e.start}") from None
     known = {f.name: f for f in fields(ServeConfig)}
     out = {}
     for key, value in raw.items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 import threading
 import time
@@ -130,9 +131,41 @@ def uvicorn_server(server: Server) -> DrainingServer:
     return DrainingServer(cfg, server, c.grace_s)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port and listening (port 0: one the system picks), or
+    InvalidArgumentError saying why not (the port in use, a port below 1024 without the right, a
+    name that does not resolve). IPPROTO_TCP by number, so that asyncio sets TCP_NODELAY on its
+    connections (with proto 0 every reply on a kept-alive connection waits ~40 ms for a delayed ACK)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise InvalidArgumentError(f"cannot listen on {host!r}: {getattr(e, 'strerror', None) or e}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait TIME_WAIT out
+        sock.bind(address)
+        sock.listen(2048)  # uvicorn's backlog
+    except OSError as e:
+        sock.close()
+        raise InvalidArgumentError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    """http://HOST:PORT of a bound socket: the port it really got, an IPv6 address in brackets."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
+
+
 def serve(config: ServeConfig) -> int:
     setup_logging(config.log_format)
-    server = build(config)
+    sock = listen_socket(config.host, config.port)  # first: a port in use fails at once, not after the load
+    try:
+        server = build(config)
+    except BaseException:
+        sock.close()
+        raise
     s, m = server.scheduler, server.model
     kv_mb = sum(slot.cache.bytes for slot in s.slots) / 2**20
     print(f"edgeinfer serve: model {m.folder} ({server.model_id}); {len(s.slots)} slots x {m.capacity_tokens} tokens "
@@ -140,9 +173,8 @@ def serve(config: ServeConfig) -> int:
           f"speculative {config.speculative}"
           f"{f' (draft model {config.draft_model})' if config.draft_model else ''}; "
           f"{'API key required' if config.api_key else 'no API key (loopback only)'}", file=sys.stderr)
-    print(f"edgeinfer serve: listening on http://{config.host}:{config.port} (OpenAI API at /v1)", file=sys.stderr,
-          flush=True)
-    uvicorn_server(server).run()
+    print(f"edgeinfer serve: listening on {url_of(sock)} (OpenAI API at /v1)", file=sys.stderr, flush=True)
+    uvicorn_server(server).run(sockets=[sock])
     server.scheduler.cancel_all()  # worker threads end within one step: the process can exit
     server.pool.shutdown(wait=False, cancel_futures=True)
     return 0

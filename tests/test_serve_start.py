@@ -1,0 +1,106 @@
+"""Starting `edgeinfer serve` as a user does: the "listening" line only once the socket is bound,
+with the port it really got; a port that cannot be had, and bad settings, are one error line and
+exit 1 (hostile CLI test: a port in use printed "listening on ..." and then exited 3)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from edgeinfer.cli import main
+from edgeinfer.server.run import listen_socket, url_of
+
+SERVE = [sys.executable, "-m", "edgeinfer", "serve", "--slots", "1"]
+
+
+def _one_error_line(err: str, needle: str) -> None:
+    lines = [x for x in err.strip().splitlines() if x]
+    assert len(lines) == 1 and lines[0].startswith("edgeinfer: error: ") and needle in lines[0], err
+
+
+def test_a_port_in_use_is_one_error_line_and_nothing_claims_to_listen():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = subprocess.run(SERVE + ["--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "listening" not in r.stderr, r.stderr
+    _one_error_line(r.stderr, f"cannot listen on 127.0.0.1:{port}")
+
+
+def test_a_host_that_does_not_resolve_is_one_error_line():
+    with pytest.raises(Exception, match="cannot listen on 'no-such-host.invalid'"):
+        listen_socket("no-such-host.invalid", 0)
+
+
+def test_port_0_reports_the_port_the_system_picked():
+    proc = subprocess.Popen(SERVE + ["--port", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        line = ""
+        while "listening on" not in line:
+            assert time.monotonic() < deadline and proc.poll() is None, line
+            line = proc.stderr.readline()
+        url = re.search(r"listening on (http://\S+)", line).group(1)
+        assert not url.endswith(":0"), line
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stderr.close()
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 here")
+def test_an_ipv6_address_is_written_in_brackets():
+    try:
+        sock = listen_socket("::1", 0)
+    except Exception as e:  # IPv6 built in but not configured (a container without ::1)
+        pytest.skip(f"cannot listen on ::1 here: {e}")
+    with sock:
+        assert re.fullmatch(r"http://\[::1\]:\d+", url_of(sock)) and not url_of(sock).endswith(":0")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "100000"])
+def test_a_grace_period_that_is_not_a_number_of_seconds_is_refused(capsys, value):
+    """NaN and inf passed the `< 0` check and ended in a traceback from int() after the "listening"
+    line; --print-systemd-unit refused them already."""
+    assert main(["serve", "--grace-s", value]) == 1
+    _one_error_line(capsys.readouterr().err, "grace-s must be a number of seconds in [0, 86400)")
+
+
+def test_a_config_file_that_is_not_utf8_is_one_error_line(tmp_path, capsys):
+    f = tmp_path / "serve.toml"
+    f.write_bytes(b"port = 8080 # caf\xe9\n")
+    assert main(["serve", "--config", str(f)]) == 1
+    _one_error_line(capsys.readouterr().err, "is not valid TOML: not UTF-8")
+
+
+def test_a_service_unit_needs_a_fixed_port(capsys):
+    assert main(["serve", "--port", "0", "--print-systemd-unit"]) == 1
+    _one_error_line(capsys.readouterr().err, "give the service a fixed --port")
+
+
+def test_onnx_runtime_writes_nothing_to_the_home_folder(tmp_path):
+    """ONNX Runtime 1.32's wheels keep a device id and an event queue under ~/.cache/Microsoft and
+    send usage events unless ORT_DISABLE_TELEMETRY=1 is set before it loads (its Privacy.md): an
+    offline, on-device runtime must not (hostile CLI test). A value the user set is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"} | {"HOME": str(tmp_path)}
+    code = ("import os, edgeinfer; m = edgeinfer.load(); m.generate('Once', max_new_tokens=3); "
+            "print(os.environ['ORT_DISABLE_TELEMETRY'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "1", r.stderr
+    assert [p for p in tmp_path.rglob("*")] == []
+    r = subprocess.run([sys.executable, "-c", "import os, edgeinfer; print(os.environ['ORT_DISABLE_TELEMETRY'])"],
+                       capture_output=True, text=True, env=env | {"ORT_DISABLE_TELEMETRY": "0"}, timeout=120)
+    assert r.stdout.strip() == "0"
