@@ -105,24 +105,46 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     opts = _options(args)  # a bad option fails before the model loads
     model = _load(args)
     if args.stream:
-        for chunk in model.stream(args.prompt, opts):
+        g = model.stream(args.prompt, opts)
+        for chunk in g:
             print(chunk.text, end="", flush=True)
         print()
-        return 0
-    c = model.generate(args.prompt, opts)
-    if args.json:
-        from dataclasses import asdict
-
-        print(json.dumps({**asdict(c), "token_ids": list(c.token_ids)}))
+        c = g.completion
     else:
-        print(c.text)
+        c = model.generate(args.prompt, opts)
+        if args.json:
+            from dataclasses import asdict
+
+            print(json.dumps({**asdict(c), "token_ids": list(c.token_ids)}))
+        else:
+            print(c.text)
+    for note in _context_notes(c, opts.max_new_tokens, model.capacity_tokens, args.overflow):
+        print(f"edgeinfer: note: {note}", file=sys.stderr)
     return 0
+
+
+def _context_notes(c, max_new_tokens: int, capacity: int, overflow: str) -> list[str]:
+    """What the text alone does not show: tokens the context dropped (`usage.dropped_tokens`), and a
+    reply cut short because the context filled (finish "length" before max_new_tokens)."""
+    notes = []
+    if c.usage.dropped_tokens:
+        notes.append(f"{c.usage.dropped_tokens} tokens did not fit the {capacity}-token context and were dropped: "
+                     f"the reply did not see them (--overflow {overflow}; a larger --capacity keeps more)")
+    if c.finish_reason == "length" and c.usage.completion_tokens < max_new_tokens:
+        notes.append(f"the reply stopped after {c.usage.completion_tokens} tokens because the {capacity}-token "
+                     f"context is full (--overflow {overflow}; shift goes on, forgetting the oldest tokens)")
+    return notes
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
     opts = _options(args)
     model = _load(args)
     conv = model.conversation()
+    if sys.stdin.isatty():
+        try:  # line editing and history; without it the terminal's own line buffer cuts a line at 4,095 bytes
+            import readline  # noqa: F401
+        except ImportError:  # Windows, or a Python built without it
+            pass
     print("edgeinfer chat: /reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
     while True:
         try:
@@ -228,6 +250,9 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
         weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         return weights + config.slots * spec.kv_bytes_per_token * (cap + min(256, cap))
 
+    if config.port == 0:
+        raise EdgeInferError("port 0 lets the system pick a free port at each start, which no client of a service "
+                             "could find: give the service a fixed --port")
     folder = (Path(config.model) if config.model else default_model_path()).resolve()
     folders = [folder]
     argv = [sys.executable, "-m", "edgeinfer", "serve", "-m", str(folder)]
@@ -369,7 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _standard_streams()
     args = build_parser().parse_args(argv)
+    if sys.stdout is None:  # started with its standard output closed (`>&-`)
+        print("edgeinfer: error: cannot write the output: standard output is closed", file=sys.stderr)
+        return 1
     try:
         rc = args.func(args)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
@@ -386,11 +415,26 @@ def main(argv: list[str] | None = None) -> int:
         _drop_stdout()
         return 141
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        # > /dev/full, a full disk; EBADF: standard output opened for reading only (`1</dev/null`)
+        if e.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EBADF):
             raise  # anything else is not expected here: a traceback says where
-        print(f"edgeinfer: error: cannot write the output: {e.strerror}", file=sys.stderr)  # > /dev/full, a full disk
+        print(f"edgeinfer: error: cannot write the output: {e.strerror}", file=sys.stderr)
         _drop_stdout()  # what is still buffered would fail again at exit, with a traceback
         return 1
+
+
+def _standard_streams() -> None:
+    """Text the terminal's encoding lacks (a Latin-1 or ASCII locale, PYTHONIOENCODING=ascii) prints
+    as "?" rather than ending the program; a closed standard error (`2>&-`) drops diagnostics rather
+    than print them into standard output (Python's print falls back to it)."""
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="replace")
+            except (ValueError, OSError):  # a stream already detached or closed: leave it
+                pass
 
 
 def _drop_stdout() -> None:

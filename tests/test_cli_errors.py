@@ -7,6 +7,7 @@ import builtins
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -123,3 +124,92 @@ def test_chat_help_is_not_a_message_and_json_does_not_go_with_stream(capsys):
     assert main(["generate", "Once", "--stream", "--json"]) == 1
     assert "does not go with --stream" in capsys.readouterr().err
     assert edgeinfer.load(power="off").power is None
+
+
+def test_text_the_terminal_cannot_encode_prints_as_question_marks():
+    """Under an ASCII or Latin-1 locale a reply holding U+2019 ended in a UnicodeEncodeError
+    traceback, mid-reply with --stream, and ended `chat` (hostile CLI test)."""
+    argv = [sys.executable, "-m", "edgeinfer", "generate", "Tom said", "--max-tokens", "40", "--seed", "3"]
+    reply = subprocess.run(argv, capture_output=True, timeout=120).stdout.decode()
+    assert any(ord(ch) > 127 for ch in reply)  # the reply does hold characters ASCII lacks
+    for extra in ([], ["--stream"]):
+        r = subprocess.run(argv + extra, capture_output=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+        assert r.returncode == 0 and r.stderr == b"", r.stderr
+        assert r.stdout.decode("ascii") == reply.encode("ascii", "replace").decode()
+
+
+@pytest.mark.parametrize("redirect", [">&-", "1</dev/null"])
+def test_a_closed_or_read_only_standard_output_is_one_line(redirect):
+    """`edgeinfer generate ... >&-` (Python's sys.stdout is None) and `1</dev/null` (EBADF) ended in
+    tracebacks, with exit 1 either way (hostile CLI test)."""
+    cmd = f'exec "{sys.executable}" -m edgeinfer generate Once --max-tokens 3 {redirect}'
+    r = subprocess.run(["sh", "-c", cmd], capture_output=True, timeout=120)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "Traceback" not in err, err
+    _one_error_line(err, "cannot write the output")
+
+
+def test_a_closed_standard_error_keeps_errors_out_of_the_output():
+    """With `2>&-`, Python's print(file=sys.stderr) falls back to standard output: the error line
+    landed in the data a pipeline reads (hostile CLI test)."""
+    cmd = f'exec "{sys.executable}" -m edgeinfer generate Once --max-tokens 0 2>&-'
+    r = subprocess.run(["sh", "-c", cmd], capture_output=True, timeout=120)
+    assert r.returncode == 1 and r.stdout == b"", r.stdout
+
+
+def test_generate_says_when_tokens_were_dropped_or_the_context_filled(capsys):
+    """A prompt cut to fit the ring, or a reply that stopped because the ring filled (overflow error
+    or truncate), printed the text and exit 0 with nothing to say so; only --json showed
+    dropped_tokens (hostile CLI test). Now a note on standard error; none when nothing happened."""
+    long = "Once upon a time there was a little girl named Lily. " * 20
+    assert main(["generate", long, "--capacity", "32", "--overflow", "truncate", "--max-tokens", "4", "--seed", "1"]) == 0
+    notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith("edgeinfer: note: ")]
+    assert len(notes) == 1 and "did not fit the 32-token context and were dropped" in notes[0], notes
+    for extra in ([], ["--stream"]):
+        assert main(["generate", "Once", "--capacity", "16", "--overflow", "error", "--max-tokens", "600",
+                     "--ignore-eos", "--seed", "1", *extra]) == 0
+        err = capsys.readouterr().err
+        assert "edgeinfer: note: the reply stopped after" in err and "16-token context is full" in err, err
+    assert main(["generate", "Once", "--max-tokens", "3", "--seed", "1"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pseudo-terminal, as Linux has")
+def test_chat_on_a_terminal_takes_a_line_longer_than_the_terminal_buffer(tmp_path):
+    """Without readline, input() reads in the terminal's canonical mode, whose line buffer holds 4,095
+    bytes: a pasted 10,000-character line was cut there without a word (hostile CLI test). The
+    ring is too small for the line on purpose: the error states the whole line's token count."""
+    import pty
+    import select
+
+    import edgeinfer
+
+    line = "the cat sat on the mat and " * 370  # 9,990 characters
+    n_line = len(edgeinfer.load().tokenizer.encode(line, add_bos=False))
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "chat", "--capacity", "64", "--overflow", "error"],
+                            stdin=slave, stdout=slave, stderr=subprocess.PIPE)
+    os.close(slave)
+    try:
+        seen = b""
+        deadline = time.monotonic() + 60
+        while b"> " not in seen:  # the prompt: readline reads from now on
+            assert time.monotonic() < deadline, seen
+            if select.select([master], [], [], 1)[0]:
+                seen += os.read(master, 4096)
+        for i in range(0, len(line), 1000):
+            os.write(master, line[i:i + 1000].encode())
+            time.sleep(0.01)
+        os.write(master, b"\r")
+        err = b""
+        while b"does not fit" not in err:
+            assert time.monotonic() < deadline, err
+            if select.select([proc.stderr], [], [], 1)[0]:
+                err += os.read(proc.stderr.fileno(), 4096)
+        n = int(err.decode().split("prompt of ")[1].split()[0])
+        assert n >= n_line, (n, n_line)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+        os.close(master)
