@@ -63,7 +63,8 @@ def tokenizer_json(meta: dict, name: str) -> str:
         if scores is None:
             raise ConvertError(f"{name} metadata: a llama (SentencePiece) vocabulary needs one score per token")
         unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens), name)
-        model = lambda: models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores.tolist(), types),  # noqa: E731
+        merges = _spm_merges(tokens, scores.tolist(), types, name)
+        model = lambda: models.BPE(vocab=vocab, merges=merges,  # noqa: E731
                                    byte_fallback=True, fuse_unk=True, unk_token=tokens[unk if unk is not None else 0])
         prefix = _flag(meta, "tokenizer.ggml.add_space_prefix", True, name)
         tok = Tokenizer(models.BPE())
@@ -147,19 +148,34 @@ def _merges(merges, vocab: dict, name: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+MAX_SPM_PIECE_CHARS = 256  # SentencePiece trains pieces of at most 16 characters by default (the flag caps it)
+SPM_MERGE_CHARS_PER_VOCAB_CHAR = 32  # real vocabularies: a few; the bound keeps a crafted one's cost near its size
+
+
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int], name: str) -> list[tuple[str, str]]:
     """SentencePiece BPE as merges: every split of a normal piece into two pieces, the joined
     piece's score deciding the order (higher first, then the lower id), as Hugging Face's
-    SentencePiece converter ranks them."""
+    SentencePiece converter ranks them. Time and memory stay in proportion to the vocabulary's size:
+    a normal piece longer than MAX_SPM_PIECE_CHARS, or merges whose pieces add up to more than
+    SPM_MERGE_CHARS_PER_VOCAB_CHAR times the vocabulary's characters (nested pieces z, zz, zzz, ...:
+    quadratic in their count), are refused, not built (a 1.7 MB file took 3.2 GB before)."""
     ids = {t: i for i, t in enumerate(tokens) if types[i] == 1}
-    found = []
+    budget = SPM_MERGE_CHARS_PER_VOCAB_CHAR * sum(map(len, ids)) + 4096
+    found, spent = [], 0
     for piece, pid in ids.items():
+        if len(piece) > MAX_SPM_PIECE_CHARS:
+            raise ConvertError(f"{name}: SentencePiece vocabulary piece {pid} is {len(piece)} characters long; "
+                               f"at most {MAX_SPM_PIECE_CHARS} are supported")
         for cut in range(1, len(piece)):
-            a, b = piece[:cut], piece[cut:]
-            if a in ids and b in ids:
-                found.append((-float(scores[pid]), pid, ids[a], ids[b], a, b))
+            a, b = ids.get(piece[:cut]), ids.get(piece[cut:])
+            if a is not None and b is not None:
+                found.append((-float(scores[pid]), pid, a, b))
+                spent += len(piece)
+        if spent > budget:
+            raise ConvertError(f"{name}: the SentencePiece vocabulary's pieces nest into more merges than a real "
+                               f"vocabulary has ({len(found)} for {len(ids)} pieces): not converted")
     found.sort()
-    return [(a, b) for *_, a, b in found]
+    return [(tokens[a], tokens[b]) for *_, a, b in found]
 
 
 def tokenizer_info(meta: dict, name: str = "") -> TokenizerInfo:

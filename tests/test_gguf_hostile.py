@@ -318,3 +318,30 @@ def test_head_size_metadata_errors_name_the_keys(tmp_path, fields, says):
     with pytest.raises(ConvertError) as e:
         convert(src, tmp_path / "out")
     assert says in str(e.value)
+
+
+@pytest.mark.parametrize("case", ["long piece", "nested pieces"])
+def test_a_crafted_sentencepiece_vocabulary_is_refused_in_proportion_to_its_size(tmp_path, case):
+    """Hostile convert test: a 'llama' vocabulary's merges were built by trying every split of every
+    piece, so one 1,000,000-character piece took 2 minutes (quadratic) and pieces z, zz, ... z*1000
+    (a 1.7 MB file) 3.2 GB (cubic). Both are refused now, quickly and within a small memory."""
+    import resource
+    import time
+
+    r = gguf.GGUFReader(Q8)
+    toks = list(r.fields["tokenizer.ggml.tokens"].contents())
+    scores = list(r.fields["tokenizer.ggml.scores"].contents())
+    types = list(r.fields["tokenizer.ggml.token_type"].contents())
+    if case == "long piece":
+        toks[500] = "a" * 1_000_000
+    else:  # new pieces replace the last 300 normal ones: the embedding keeps its rows
+        for k, i in enumerate(range(len(toks) - 300, len(toks)), start=1):
+            toks[i], scores[i], types[i] = "\u03b6" * k, -1000.0 - k, 1
+    src = _mutate(Q8, tmp_path / "crafted.gguf", {"tokenizer.ggml.tokens": (toks, V.ARRAY, V.STRING),
+                                                  "tokenizer.ggml.scores": (scores, V.ARRAY, V.FLOAT32),
+                                                  "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32)})
+    rss0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
+    with pytest.raises(ConvertError, match="characters long|nest into more merges"):
+        convert(src, tmp_path / "out")
+    assert time.perf_counter() - t0 < 30 and resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 500_000
+    assert not (tmp_path / "out").exists()
