@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 import shutil
 import time
@@ -32,6 +31,7 @@ from edgeinfer.converters.portable import build_portable
 from edgeinfer.integrity import sha256_file
 from edgeinfer.converters.quantize import QUANTS, QuantScheme
 from edgeinfer.converters.safetensors_io import Checkpoint
+from edgeinfer.converters.source_files import read_json, read_text, regular_file
 from edgeinfer.converters.widen import WidenedSource, choose_kv_mode, widened_spec
 from edgeinfer.errors import ConvertError
 from edgeinfer.kv_mode import PORTABLE
@@ -89,10 +89,7 @@ def _json_object(path: Path) -> dict:
     """A source's optional JSON settings file ({} when absent); ConvertError when it is not an object."""
     if not path.exists():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ConvertError(f"{path} is not valid JSON: {str(e)[:200]}") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ConvertError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -130,7 +127,7 @@ def _tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
     gen = _json_object(gen_path)
     template, where = cfg.get("chat_template"), cfg_path
     if (src / "chat_template.jinja").exists():
-        template, where = (src / "chat_template.jinja").read_text(), src / "chat_template.jinja"
+        template, where = read_text(src / "chat_template.jinja"), src / "chat_template.jinja"
     template = _chat_template(template, where, log)
     kind = "sentencepiece" if (src / "tokenizer.model").exists() else "hf_tokenizers"
     eos = gen.get("eos_token_id", list(spec.eos_token_ids))
@@ -161,6 +158,9 @@ def _check_tokenizer(folder: Path, manifest: Manifest) -> None:
                 tok.token_string(t)
     except EdgeInferError as e:
         raise ConvertError(f"the source's tokenizer cannot be used: {e}") from None
+    if tok.id_limit > manifest.arch.vocab_size:  # a text holding such a token could never run
+        raise ConvertError(f"the source's tokenizer gives ids up to {tok.id_limit - 1}, but the model has "
+                           f"{manifest.arch.vocab_size} embedding rows (vocab_size): one for each token is needed")
 
 
 def _check_source(src: Path) -> None:
@@ -378,6 +378,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
         else:
             tokenizer_files = [n for n in TOKENIZER_FILES if (src / n).exists()]
             for name in tokenizer_files:
+                regular_file(src / name)  # not a link to /dev/zero (copied until the disk filled) or a FIFO
                 shutil.copyfile(src / name, tmp / name)
             names = ["config.json", *[f.name for f in ckpt.files], *tokenizer_files]
             if (src / "model.safetensors.index.json").exists():

@@ -32,7 +32,7 @@ from edgeinfer.converters import graph as G
 from edgeinfer.converters.gguf_blocks import Blocks, q4_1_blocks, stack
 from edgeinfer.converters.gguf_checkpoint import FLOAT_TYPES
 from edgeinfer.converters.kept_graph import kept_gather, kept_linear, kept_matmul, kept_weight
-from edgeinfer.converters.quantize import QuantScheme, bits_of, quantize_blockwise
+from edgeinfer.converters.quantize import QuantScheme, bits_of, check_magnitude, quantize_blockwise
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
 from edgeinfer.kv_mode import NAMES, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, KVMode
@@ -67,6 +67,7 @@ class TensorSource:
         w = self.ckpt.read(name, shape)
         if not np.isfinite(w).all():
             raise ConvertError(f"{name}: the weights hold NaN or infinity (the source is broken)")
+        check_magnitude(name, w)
         return w
 
     def maybe(self, name: str, shape: tuple[int, ...], present: bool) -> np.ndarray | None:
@@ -131,7 +132,10 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
     lm_head and GatherBlockQuantized reads the same initializer (reshaped) as the embedding.
     """
     V, D = spec.vocab_size, spec.hidden_size
-    tied = spec.tie_word_embeddings or "lm_head.weight" not in src.ckpt
+    tied = spec.tie_word_embeddings
+    if not tied and "lm_head.weight" not in src.ckpt:  # transformers would start the head at random
+        raise ConvertError("the checkpoint has no lm_head.weight, but tie_word_embeddings is false (its default when "
+                           "config.json leaves it out): the model's output layer is missing")
     kept = src.blocks("model.embed_tokens.weight", (V, D))
     if kept is not None:
         src.kept(["model.embed_tokens.weight"], kept)

@@ -24,6 +24,7 @@ import numpy as np
 
 from edgeinfer.converters import gguf_blocks
 from edgeinfer.converters.gguf_header import HeaderError, read_header
+from edgeinfer.converters.quantize import check_magnitude
 from edgeinfer.errors import ConvertError
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # general.architecture -> family
@@ -142,6 +143,7 @@ class GGUFCheckpoint:
         if not np.isfinite(arr).all():
             raise ConvertError(f"{self.path.name}: tensor {self._info(name)[0]!r} holds NaN or infinite values "
                                "(a damaged file)")
+        check_magnitude(f"{self.path.name}: tensor {self._info(name)[0]!r}", arr)
         order = self._row_order(name, have)
         return arr[order] if order is not None else arr
 

@@ -6,11 +6,11 @@ they do not understand becomes a `ConvertError` that names it, never a silently 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from edgeinfer.arch import SUPPORTED_ROPE_TYPES, ArchSpec, RopeSpec
+from edgeinfer.converters.source_files import read_json
 from edgeinfer.errors import ConvertError
 
 
@@ -18,10 +18,7 @@ def read_config(folder: Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.exists():
         raise ConvertError(f"missing config.json in {folder}")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConvertError(f"config.json is not valid JSON ({e})") from None
+    cfg = read_json(path)
     if not isinstance(cfg, dict):
         raise ConvertError("config.json is not a JSON object")
     return cfg
@@ -33,6 +30,16 @@ def _int(cfg: dict, key: str, default: int | None = None) -> int:
         raise ConvertError(f"config.json: missing required field {key!r}")
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         raise ConvertError(f"config.json: field {key!r} must be a positive integer, got {v!r}")
+    return v
+
+
+def flag(cfg: dict, key: str, default: bool = False) -> bool:
+    """A true/false field (absent or null: `default`); a string such as "false" is refused, not read as true."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConvertError(f"config.json: field {key!r} must be true or false, got {v!r}")
     return v
 
 
@@ -132,7 +139,7 @@ def common_spec(cfg: dict, family: str, *, qkv_bias: bool, o_bias: bool = False,
         rms_norm_eps=_positive(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         rope=parse_rope(cfg),
         max_position_embeddings=_context(cfg),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=flag(cfg, "tie_word_embeddings"),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         qk_norm=qk_norm,

@@ -34,7 +34,8 @@ from edgeinfer import __version__
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters.convert import MAX_DEFAULT_CAPACITY, TOKENIZER_FILES, _check_source, _tokenizer_info
 from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, temp_folder
-from edgeinfer.converters.hf_config import _eos_ids, _int, parse_rope, read_config
+from edgeinfer.converters.source_files import regular_file
+from edgeinfer.converters.hf_config import _eos_ids, _int, flag, parse_rope, read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE
 from edgeinfer.errors import ConvertError
 from edgeinfer.integrity import sha256_file
@@ -105,8 +106,8 @@ def spec_from_hf_config(cfg: dict) -> ArchSpec:
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=_int(cfg, "vocab_size"),
         rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-6))), rope=parse_rope(cfg),
         max_position_embeddings=_int(cfg, "max_position_embeddings", 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+        tie_word_embeddings=flag(cfg, "tie_word_embeddings"),
+        qkv_bias=flag(cfg, "attention_bias"), o_bias=flag(cfg, "attention_bias"),
         sliding_window=window if isinstance(window, int) and window > 0 else None,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_eos_ids(cfg))
 
@@ -155,6 +156,7 @@ def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transfor
         log(f"graph rewired for the KV ring and weights stored as {scheme.weights} in {time.perf_counter() - t0:.1f} s")
         tokenizer_files = [n for n in TOKENIZER_FILES if (src / n).exists()]
         for name in tokenizer_files:
+            regular_file(src / name)  # not a link to /dev/zero (copied until the disk filled) or a FIFO
             shutil.copyfile(src / name, tmp / name)
         outputs = [MODEL_FILE, *([DATA_FILE] if (tmp / DATA_FILE).exists() else []), *tokenizer_files]
         sources = ["config.json", *sorted({p.name for pat in WEIGHT_FILES for p in src.glob(pat)}), *tokenizer_files]

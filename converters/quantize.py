@@ -21,6 +21,19 @@ from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmu
 
 from edgeinfer.converters.gguf_blocks import pack4
 from edgeinfer.quant_scheme import BLOCK_SIZES, PROJECTIONS, QUANTS, RECIPES, QuantScheme  # noqa: F401 (re-exported)
+from edgeinfer.errors import ConvertError
+
+MAX_WEIGHT_ABS = 65504.0  # float16's largest: trained weights are orders of magnitude smaller
+
+
+def check_magnitude(name: str, w: np.ndarray) -> None:
+    """ConvertError for a weight past MAX_WEIGHT_ABS: finite, yet no trained model has one (one flipped
+    exponent bit turns 1.0 into 3e38); it passed the NaN check and made every logit NaN at run time,
+    and fp16 targets and int4's float16 scales cannot hold it at all."""
+    peak = float(np.max(np.abs(w))) if w.size else 0.0
+    if peak > MAX_WEIGHT_ABS:
+        raise ConvertError(f"{name}: a weight of magnitude {peak:.3g}, past any trained model's (at most "
+                           f"{MAX_WEIGHT_ABS:g} here): a damaged file (a flipped exponent bit, say)")
 
 
 def bits_of(kind: str) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from edgeinfer.converters.source_files import read_json, regular_file
 from edgeinfer.errors import ConvertError
 
 # safetensors dtype tag -> numpy dtype (little-endian).
@@ -47,7 +48,7 @@ class TensorInfo:
 
 
 def _read_header(path: Path) -> dict[str, TensorInfo]:
-    size = path.stat().st_size
+    size = regular_file(path)  # a FIFO would be read for ever
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
@@ -57,7 +58,7 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
             raise ConvertError(f"{path.name}: corrupted safetensors header (header length {n}, file {size} bytes)")
         try:
             header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested past the recursion limit
             raise ConvertError(f"{path.name}: corrupted safetensors header ({e.__class__.__name__})") from None
     if not isinstance(header, dict):
         raise ConvertError(f"{path.name}: corrupted safetensors header (not an object)")
@@ -67,10 +68,13 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         try:
-            tag, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+            tag, shape, (begin, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise ConvertError(f"{path.name}: corrupted safetensors entry for {name!r}") from None
-        if tag not in DTYPES:
+        if not all(type(v) is int and v >= 0 for v in (*shape, begin, end)):
+            raise ConvertError(f"{path.name}: corrupted safetensors entry for {name!r} (its shape and offsets must be "
+                               f"integers >= 0, got {list(shape)} and {[begin, end]})")
+        if not isinstance(tag, str) or tag not in DTYPES:
             raise ConvertError(f"{path.name}: tensor {name!r} has unsupported dtype {tag}")
         expected = int(np.prod(shape, dtype=np.int64)) * DTYPES[tag].itemsize
         if end - begin != expected or begin < 0:
@@ -80,7 +84,26 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
                 f"{path.name}: truncated safetensors file: tensor {name!r} ends at byte {base + end}, file has {size}"
             )
         out[name] = TensorInfo(name, path, tag, shape, base + begin, expected)
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in out.values() if t.nbytes)
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:  # the format's rule; two weights read from the same bytes make a wrong model
+            raise ConvertError(f"{path.name}: corrupted safetensors header: tensors {a!r} and {b!r} overlap")
     return out
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """An index's {tensor name: shard file name}; every shard a plain file name in the index's folder
+    (a path such as ../x or /abs would read weights from outside the model folder)."""
+    data = read_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise ConvertError(f"{index.name}: not a valid safetensors index (weight_map must map tensor names to "
+                           "shard file names)")
+    for shard in set(weight_map.values()):
+        if shard in ("", ".", "..") or Path(shard).name != shard or "\\" in shard:
+            raise ConvertError(f"{index.name}: shard {shard!r} is not a file name in the model folder")
+    return weight_map
 
 
 class Checkpoint:
@@ -89,11 +112,9 @@ class Checkpoint:
     def __init__(self, folder: Path):
         folder = Path(folder)
         index = folder / "model.safetensors.index.json"
+        weight_map = None
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConvertError(f"{index.name}: not a valid safetensors index (no weight_map)") from None
+            weight_map = _weight_map(index)
             files = sorted({folder / f for f in weight_map.values()})
             missing = [f.name for f in files if not f.exists()]
             if missing:
@@ -110,6 +131,10 @@ class Checkpoint:
                 if name in self.tensors:  # which of the two is the model's? Not ours to guess
                     raise ConvertError(f"tensor {name!r} is in both {where[name]} and {f.name}")
                 self.tensors[name], where[name] = info, f.name
+        for name, shard in (weight_map or {}).items():  # an index that disagrees with its shards: which is right?
+            if where.get(name) != shard:
+                raise ConvertError(f"{index.name} lists {name!r} in {shard}, "
+                                   + (f"but it is in {where[name]}" if name in where else "which lacks it"))
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors

@@ -64,6 +64,13 @@ class Tokenizer:
         self._texts: dict[int, str | bytes] = {}  # token_text's cache
         self._anchor = self._encode("a")[-1:]  # a plain token for token_text to put before another
 
+    @property
+    def id_limit(self) -> int:
+        """One past the largest id `encode` can give (added tokens included)."""
+        if self.kind == "sentencepiece":
+            return self._n_vocab
+        return max(self._hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text` (valid Unicode: a lone surrogate, e.g. an undecodable byte of a
         command line, raises InvalidArgumentError), with BOS first when `add_bos` (default: the

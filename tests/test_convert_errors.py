@@ -490,3 +490,4 @@ def test_eval_refuses_what_it_would_score_wrongly(capsys, src, tmp_path):
         assert needle in capsys.readouterr().err
     assert main(["eval", "-m", str(out), "--text", str(tmp_path)]) == 1
     assert "is not a regular file" in capsys.readouterr().err
+

@@ -26,6 +26,8 @@ def spec_from_config(cfg: dict) -> ArchSpec:
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ConvertError(f"config.json: architectures must be a list of names, got {archs!r:.80}")
     model_type = cfg.get("model_type") or (ARCHITECTURES.get(archs[0]) if archs else None)
+    if model_type is not None and not isinstance(model_type, str):
+        raise ConvertError(f"config.json: model_type must be a name, got {model_type!r:.80}")
     if model_type not in REGISTRY or (archs and archs[0] not in ARCHITECTURES):
         name = archs[0] if archs else model_type
         raise ConvertError(

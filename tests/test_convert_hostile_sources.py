@@ -1,0 +1,153 @@
+"""Hostile source folders for `edgeinfer convert` (found by attacking the converter with damaged and
+crafted Hugging Face folders): each is a one-line error before anything harmful happens, with
+nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import STORIES_SRC
+from test_convert_errors import assert_no_partial, assert_user_error, edit_config, run_convert, src  # noqa: F401
+
+
+def _header(path: Path) -> tuple[dict, bytes]:
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", raw)
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def _write_header(path: Path, header: dict, data: bytes) -> None:
+    import struct
+
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+@pytest.mark.parametrize("name,how", [("config.json", "zero"), ("tokenizer.json", "zero"), ("chat_template.jinja", "zero"),
+                                      ("config.json", "fifo"), ("model.safetensors", "fifo")])
+def test_a_special_file_inside_the_source_folder_is_refused_before_it_is_read(capsys, src, tmp_path, name, how):
+    """Hostile convert test: a tokenizer file linked to /dev/zero was copied until the disk filled
+    (45 GB in 40 s), config.json linked to it grew memory without bound, a FIFO hung convert."""
+    import os
+
+    (src / name).unlink(missing_ok=True)
+    if how == "zero":
+        (src / name).symlink_to("/dev/zero")
+    else:
+        os.mkfifo(src / name)
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, name, "is not a regular file")
+    assert not (tmp_path / "out").exists()
+    assert_no_partial(tmp_path)
+
+
+@pytest.mark.parametrize("case", ["deep config", "not utf-8 template", "model_type list", "string offsets",
+                                  "index map is a list", "index value not a name", "deep header"])
+def test_malformed_folder_files_are_one_line_errors(capsys, src, tmp_path, case):
+    """Hostile convert test: each of these ended in a traceback (TypeError, AttributeError,
+    UnicodeDecodeError, RecursionError)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    st = src / "model.safetensors"
+    if case == "deep config":
+        (src / "config.json").write_text(deep)
+    elif case == "not utf-8 template":
+        (src / "chat_template.jinja").write_bytes(b"\xff{{ x }}")
+    elif case == "model_type list":
+        edit_config(src, model_type=["llama"])
+    elif case == "string offsets":
+        header, data = _header(st)
+        e = header["model.embed_tokens.weight"]
+        e["data_offsets"] = [str(x) for x in e["data_offsets"]]
+        _write_header(st, header, data)
+    elif case == "index map is a list":
+        (src / "model.safetensors.index.json").write_text('{"weight_map": ["model.safetensors"]}')
+    elif case == "index value not a name":
+        (src / "model.safetensors.index.json").write_text('{"weight_map": {"a": 5}}')
+    else:
+        h = deep.encode()
+        st.write_bytes(len(h).to_bytes(8, "little") + h)
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err)
+    assert_no_partial(tmp_path)
+
+
+def test_overlapping_tensors_are_refused(capsys, src, tmp_path):
+    """Hostile convert test: model.norm.weight pointed at another tensor's bytes converted into a
+    model that wrote gibberish; the safetensors format forbids overlaps."""
+    st = src / "model.safetensors"
+    header, data = _header(st)
+    other = header["model.layers.0.self_attn.q_proj.weight"]["data_offsets"][0]
+    norm = header["model.norm.weight"]
+    size = norm["data_offsets"][1] - norm["data_offsets"][0]
+    norm["data_offsets"] = [other, other + size]
+    _write_header(st, header, data)
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "overlap")
+
+
+def test_an_index_that_reads_outside_the_folder_or_disagrees_with_its_shards_is_refused(capsys, src, tmp_path):
+    """Hostile convert test: weight_map values such as ../x or /abs were followed, and a tensor the
+    index placed in a shard that lacks it was taken from wherever it was."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.copy(src / "model.safetensors", outside / "model.safetensors")
+    header, _ = _header(src / "model.safetensors")
+    for shard, needle in ((str(outside / "model.safetensors"), "is not a file name in the model folder"),
+                          ("../elsewhere/model.safetensors", "is not a file name in the model folder")):
+        (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shard for n in header}}))
+        rc, err = run_convert(capsys, src, tmp_path / "out")
+        assert_user_error(rc, err, needle)
+    listed = {n: "model.safetensors" for n in header if n != "__metadata__"} | {"lm_head.weight": "model.safetensors"}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": listed}))
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "lists 'lm_head.weight' in model.safetensors, which lacks it")
+
+
+def test_an_untied_model_without_its_output_layer_is_refused(capsys, src, tmp_path):
+    """Hostile convert test: tie_word_embeddings false and no lm_head.weight converted as a tied
+    model (its manifest still saying untied); transformers would start the head at random."""
+    edit_config(src, tie_word_embeddings=False)
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "no lm_head.weight, but tie_word_embeddings is false")
+    edit_config(src, tie_word_embeddings="false")  # a string is not read as true
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "'tie_word_embeddings' must be true or false")
+
+
+def test_a_finite_but_impossible_weight_is_refused(capsys, src, tmp_path):
+    """Hostile convert test: one norm weight of 3e38 (a flipped exponent bit) passed the NaN check
+    and every generate of the folder then failed on NaN logits."""
+    import numpy as np
+
+    st = src / "model.safetensors"
+    header, data = _header(st)
+    norm = header["model.norm.weight"]
+    assert norm["dtype"] == "F32"
+    data = bytearray(data)
+    data[norm["data_offsets"][0]:norm["data_offsets"][0] + 4] = np.float32(3e38).tobytes()
+    _write_header(st, header, bytes(data))
+    for quant in ("fp32", "int8", "int4"):
+        rc, err = run_convert(capsys, src, tmp_path / "out", "--quant", quant)
+        assert_user_error(rc, err, "model.norm.weight", "magnitude 3e+38")
+
+
+def test_a_tokenizer_with_more_ids_than_embedding_rows_is_refused(capsys, tmp_path):
+    """Hostile convert test: an added token past vocab_size converted, and every prompt holding it
+    then failed at generate."""
+    src = tmp_path / "src"
+    shutil.copytree(STORIES_SRC, src)
+    (src / "tokenizer.model").unlink()  # tokenizer.json is the tokenizer
+    tk = json.loads((src / "tokenizer.json").read_text())
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    tk["added_tokens"].append({"id": vocab, "content": "<|extra|>", "single_word": False, "lstrip": False,
+                               "rstrip": False, "normalized": False, "special": True})
+    (src / "tokenizer.json").write_text(json.dumps(tk))
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, f"gives ids up to {vocab}")
