@@ -35,50 +35,67 @@ class Detokenizer:
                 break
             self.read -= 1
 
+    MAX_HELD = 8  # tokens held for an incomplete character: UTF-8's longest is 4 bytes, a byte a token at least
+
     def add(self, token: int) -> str:
         self.ids.append(token)
         before = self.tok.decode(self.ids[:self.read])
         after = self.tok.decode(self.ids)
-        if after.endswith("\ufffd") or len(after) <= len(before):
-            return ""
+        if (after.endswith("\ufffd") and len(self.ids) - self.read < self.MAX_HELD) or len(after) <= len(before):
+            return ""  # past MAX_HELD the bytes can never complete (a run of invalid ones): their "\ufffd"s go out
         del self.ids[:self.read]  # the new tokens become the next call's left context
         self.read = len(self.ids)
         return after[len(before):]
 
 
 class StopFilter:
-    """Emits text as it comes, except a tail that could still become one of the stop strings."""
+    """Emits text as it comes, except a tail that could still become one of the stop strings.
+
+    Each call costs in proportion to the new piece and the held tail (at most the longest stop
+    string), not to the text so far: the text is kept in pieces, joined only when read (`text`)."""
+
+    JOIN_EVERY = 1024  # pieces joined into one string at a time: few objects, no copy of the whole text
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
-        self.text = ""  # everything generated (cut at a stop string once found)
-        self.emitted = 0
+        self._chunks: list[str] = []  # emitted text, joined JOIN_EVERY pieces at a time
+        self._recent: list[str] = []  # emitted pieces not yet joined
+        self._held = ""  # not yet emitted: a tail that could still become a stop string
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """Everything generated so far (cut at a stop string once found)."""
+        return "".join(self._chunks) + "".join(self._recent) + self._held
+
+    def _emit(self, out: str) -> str:
+        if out:
+            self._recent.append(out)
+            if len(self._recent) >= self.JOIN_EVERY:
+                self._chunks.append("".join(self._recent))
+                self._recent.clear()
+        return out
 
     def feed(self, new: str) -> str:
         if self.stopped:
             return ""
-        self.text += new
         if not self.stops:
-            out, self.emitted = self.text[self.emitted:], len(self.text)
-            return out
-        longest = max(map(len, self.stops))
-        start = max(0, self.emitted - longest)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            return self._emit(new)
+        # a stop string never begins in emitted text: a tail that could begin one is always held
+        pending = self._held + new
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
         if hits:
-            self.text, self.stopped = self.text[:min(hits)], True
-            out, self.emitted = self.text[self.emitted:], len(self.text)
-            return out
+            self._held, self.stopped = "", True
+            return self._emit(pending[:min(hits)])
         hold = 0
         for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:n]):
-                    hold = max(hold, n)
+            for n in range(min(len(s) - 1, len(pending)), hold, -1):
+                if pending.endswith(s[:n]):
+                    hold = n
                     break
-        end = max(self.emitted, len(self.text) - hold)
-        out, self.emitted = self.text[self.emitted:end], end
-        return out
+        self._held = pending[len(pending) - hold:] if hold else ""
+        return self._emit(pending[:len(pending) - hold])
 
     def flush(self) -> str:
-        out, self.emitted = self.text[self.emitted:], len(self.text)
-        return out
+        out, self._held = self._held, ""
+        return self._emit(out)

@@ -20,6 +20,7 @@ call is made; the steps below run from the first `next()`:
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -247,14 +248,14 @@ class Request:
         t_first = t_first or t_prefill
         t_end = time.perf_counter()
         self.unfed = tuple(generated[-1:]) if finish == "length" else ()
-        self.cached_text = stops.text
+        self.cached_text = text = stops.text  # joined once
         if finish == "stop":  # keep in the cache only whole tokens of the text before the stop string
-            kept = [(length, m) for _, length, clean, m in marks if clean and length <= len(stops.text)]
+            kept = [(length, m) for _, length, clean, m in marks if clean and length <= len(text)]
             self.cache_stale = not kept or not cache.rewind(kept[-1][1])
-            self.cached_text = stops.text[:kept[-1][0]] if kept else ""
+            self.cached_text = text[:kept[-1][0]] if kept else ""
         n, decode_s = len(generated), t_end - t_first
         self.completion = Completion(
-            text=stops.text, token_ids=tuple(generated), finish_reason=finish,
+            text=text, token_ids=tuple(generated), finish_reason=finish,
             usage=Usage(len(self.prefix) + self.cut + len(prompt_ids), n,
                         self.prompt_dropped + cache.dropped - dropped_before, len(self.prefix)),
             timings=Timings(load_ms=self.load_ms, ttft_ms=(t_first - t0) * 1e3,
@@ -286,7 +287,10 @@ class Request:
                 else:
                     r = sampler.sample_with_logprobs(logits, top_n=self.logprobs)
                     token, lp, top = r.token, r.logprob, r.top
-            except ValueError as e:  # the ids and biases were checked: the model's logits are what is wrong
+            except ValueError as e:  # ids and biases were checked: the logits are wrong, unless the bias banned all
+                if str(e).startswith("all logits are -inf") and -math.inf in (opts.sampling.logit_bias or {}).values():
+                    raise InvalidArgumentError("logit_bias bans every token the model could give next (-inf "
+                                               f"on each), at generated token {len(generated) + 1}") from None
                 raise ModelFormatError(f"the model computed logits the sampler cannot use ({e}) at generated token "
                                        f"{len(generated) + 1}: its weights are broken (`edgeinfer inspect --verify` "
                                        "checks the files against the conversion)") from None

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from edgeinfer.errors import InvalidArgumentError
 
 INT32_MAX = 2**31 - 1  # the C sampler indexes the vocabulary with int32
+MIN_TEMPERATURE = 1e-6  # (0, 1e-6) is refused: 1 / 1e-310 overflows, and the sampler drew garbage
+PENALTY_LIMIT = 1e6  # penalties and biases beyond it could push a logit to +inf (the sampler drew garbage)
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,10 @@ class SamplingParams:
 
     temperature 0 is greedy; top_k 0, top_p 1, min_p 0, typical_p 1, repetition_penalty 1 and
     frequency/presence penalties 0 switch their step off. `logit_bias` maps token id -> added logit
-    (a finite number, or -inf to ban the token).
+    (a number in [-1e6, 1e6], or -inf to ban the token); it is copied, so a later change to the
+    caller's dict changes nothing. A temperature is 0 or at least 1e-6; repetition_penalty lies in
+    [1e-6, 1e6] and the frequency and presence penalties in [-1e6, 1e6]: within these bounds no
+    penalised or biased logit can reach +inf.
 
     Integers (top_k, penalty_last_n, logit_bias ids) must lie in [0, 2**31 - 1]: no vocabulary the
     sampler supports is larger, and a larger value is refused rather than overflowing the C types.
@@ -49,8 +54,10 @@ class SamplingParams:
                 raise InvalidArgumentError(f"{name} must be an integer in [0, {INT32_MAX}] (0 means off), got {v!r}")
             return v
 
-        if num("temperature") < 0:
-            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature}")
+        t = num("temperature")
+        if t < 0 or 0 < t < MIN_TEMPERATURE:
+            raise InvalidArgumentError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
+                                       f"{self.temperature}")
         integer("top_k")
         if not 0 < num("top_p") <= 1:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -58,20 +65,26 @@ class SamplingParams:
             raise InvalidArgumentError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 < num("typical_p") <= 1:
             raise InvalidArgumentError(f"typical_p must be in (0, 1], got {self.typical_p}")
-        if num("repetition_penalty") <= 0:
-            raise InvalidArgumentError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        num("frequency_penalty")
-        num("presence_penalty")
+        if not 1 / PENALTY_LIMIT <= num("repetition_penalty") <= PENALTY_LIMIT:
+            raise InvalidArgumentError(f"repetition_penalty must be in [{1 / PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], "
+                                       f"got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not abs(num(name)) <= PENALTY_LIMIT:
+                raise InvalidArgumentError(f"{name} must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], "
+                                           f"got {getattr(self, name)}")
         integer("penalty_last_n")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise InvalidArgumentError("logit_bias must be a dict {token_id: bias}")
-            for k, v in self.logit_bias.items():
+            bias = dict(self.logit_bias)  # checked as copied: the caller's dict may change later, or meanwhile
+            for k, v in bias.items():
                 if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= INT32_MAX:
                     raise InvalidArgumentError(f"logit_bias keys must be token ids in [0, {INT32_MAX}], got {k!r}")
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
-                        v == -math.inf or abs(v) <= sys.float_info.max):
-                    raise InvalidArgumentError(f"logit_bias[{k}] must be a finite number or -inf, got {v!r}")
+                        v == -math.inf or abs(v) <= PENALTY_LIMIT):
+                    raise InvalidArgumentError(f"logit_bias[{k}] must be a number in [-{PENALTY_LIMIT:g}, "
+                                               f"{PENALTY_LIMIT:g}] or -inf, got {v!r}")
+            object.__setattr__(self, "logit_bias", bias)
 
     @property
     def has_penalties(self) -> bool:

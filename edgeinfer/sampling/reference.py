@@ -79,6 +79,8 @@ def adjust_logits(logits, params: SamplingParams, history=None) -> np.ndarray:
         out[tok] += bias
     if np.isneginf(out).all():
         raise ValueError("all logits are -inf: nothing can be sampled")
+    if np.isposinf(out).any():  # SamplingParams' bounds keep this from happening
+        raise ValueError("the penalties and logit_bias push a logit to +inf")
     return out
 
 

@@ -54,7 +54,8 @@ static double rng_uniform(Rng *r) { return (double)(rng_next(r) >> 11) * (1.0 / 
 
 /*
  * Step 1. st->lg = the logits as double, with the penalties and the logit bias applied. Returns
- * NULL, or the message for bad input (NaN or +inf logits, a history or bias id >= V, all -inf).
+ * NULL, or the message for bad input (NaN or +inf logits, a history or bias id >= V, all -inf,
+ * a logit the penalties and bias pushed to +inf).
  * *best: the argmax of the result (lowest id on ties). *n_neginf: how many logits are -inf, over-
  * counted when a bias is -inf (it only decides the filter's slow path).
  */
@@ -81,6 +82,8 @@ static const char *adjust_logits(ChainState *st, const float *logits, idx_t V, i
     }
     *best = argmax_first(lg, V);
     if (lg[*best] == -INFINITY) return "all logits are -inf: nothing can be sampled";
+    /* SamplingParams' bounds keep this from happening; were it to, no candidate would survive the filter */
+    if (lg[*best] == INFINITY) return "the penalties and logit_bias push a logit to +inf";
     *n_neginf = neg;
     return NULL;
 }

@@ -1,0 +1,172 @@
+"""Sampling options at their extremes, as a hostile caller gives them (found by a hostile test of
+the generation API): each is refused naming the field, or draws what the plain reference draws;
+never garbage, and never a read outside the sampler's buffers."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from edgeinfer import sampling
+from edgeinfer.detokenize import Detokenizer, StopFilter
+from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.sampling import Sampler, SamplingParams
+from edgeinfer.sampling.penalties import PenaltyWindow
+
+
+@pytest.fixture(scope="module")
+def model():
+    return edgeinfer.load()
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(repetition_penalty=1e-310), "repetition_penalty"),  # logit / 1e-310 = +inf
+    (dict(repetition_penalty=1e300), "repetition_penalty"),
+    (dict(frequency_penalty=-1e308), "frequency_penalty"),
+    (dict(presence_penalty=-1e308), "presence_penalty"),
+    (dict(logit_bias={403: 1e308}), "logit_bias"),
+    (dict(temperature=1e-310), "temperature"),  # 1 / 1e-310 = +inf: the C and numpy samplers drew garbage
+    (dict(temperature=1e-9), "temperature"),
+])
+def test_values_that_could_push_a_logit_to_inf_are_refused(model, kw, needle):
+    """Before, each passed the checks: the softmax turned NaN, min_p kept no candidate and the C
+    sampler read cand[-1] (ASan: heap-buffer-overflow), giving token 0 on every step."""
+    with pytest.raises(InvalidArgumentError, match=needle):
+        model.generate("Once upon a time", max_new_tokens=3, seed=1, **kw)
+
+
+def test_the_bounds_themselves_sample_as_the_reference_does(model):
+    """The extreme values still allowed draw finite, sensible tokens, the same on the C sampler and
+    its numpy twin (temperature 1e-6 is greedy in all but exact ties)."""
+    greedy = model.generate("Once upon a time", max_new_tokens=20, temperature=0).token_ids
+    assert model.generate("Once upon a time", max_new_tokens=20, temperature=1e-6, seed=3).token_ids == greedy
+    rng = np.random.default_rng(0)
+    for kw in (dict(repetition_penalty=1e-6), dict(repetition_penalty=1e6), dict(frequency_penalty=-1e6),
+               dict(presence_penalty=1e6, logit_bias={5: 1e6, 7: -1e6, 9: -math.inf}), dict(temperature=1e-6)):
+        params = SamplingParams(**kw)
+        history = list(rng.integers(0, 512, 40))
+        c, twin = Sampler(params, seed=7, history=history), None
+        sampling_c = sampling._csampler
+        try:
+            sampling._csampler = None
+            twin = Sampler(params, seed=7, history=history)
+        finally:
+            sampling._csampler = sampling_c
+        for _ in range(20):
+            logits = rng.standard_normal(512).astype(np.float32) * 4
+            a, b = c.sample(logits), twin.sample(logits)
+            assert a == b and 0 <= a < 512, kw
+            c.accept(a)
+            twin.accept(b)
+
+
+@pytest.mark.skipif(sampling._csampler is None, reason="the C sampler is not built here")
+def test_the_c_sampler_refuses_a_logit_pushed_to_inf_rather_than_read_outside_its_buffer():
+    """Defence in depth: were a +inf to get through the bounds, the C sampler says so (its twin too)."""
+    params = SamplingParams(repetition_penalty=1e-6)
+    object.__setattr__(params, "repetition_penalty", 1e-310)  # past the bounds, as a bug elsewhere could
+    logits = np.ones(64, np.float32)
+    for make in (lambda: Sampler(params, seed=1, history=[3]),):
+        s = make()
+        with pytest.raises(ValueError, match=r"push a logit to \+inf"):
+            s.sample(logits)
+
+
+def test_logit_bias_is_copied_when_the_options_are_made(model):
+    """The options kept the caller's dict: a NaN or +inf put in after the check was used unchecked."""
+    bias = {10: 5.0}
+    opts = edgeinfer.GenerationOptions.from_kwargs(logit_bias=bias, max_new_tokens=5, seed=1)
+    before = model.generate("Once upon a time", opts).token_ids
+    bias[10], bias["x"] = math.nan, 1.0
+    assert opts.sampling.logit_bias == {10: 5.0}
+    assert model.generate("Once upon a time", opts).token_ids == before
+
+
+def test_banning_every_token_is_the_callers_error_not_the_model(model):
+    """It was a ModelFormatError telling the user to verify intact weights."""
+    with pytest.raises(InvalidArgumentError, match="logit_bias bans every token"):
+        model.generate("Once", max_new_tokens=3, logit_bias={i: -math.inf for i in range(512)})
+
+
+def test_a_huge_penalty_window_costs_what_it_holds_on_the_numpy_back_end():
+    """2 * penalty_last_n int64s were allocated up front: 2**31 - 1 failed with a 32 GiB MemoryError."""
+    w = PenaltyWindow(2**31 - 1, list(range(100)))
+    assert w.buf.nbytes < 10_000
+    ref = list(range(100))
+    for t in range(5000):
+        w.push(t)
+        ref.append(t)
+    assert list(w.view()) == ref
+    for n in (1, 3, 64, 100):  # the bounded window still keeps the last n, however it grew
+        w, ref = PenaltyWindow(n, [7] * 5), [7] * 5
+        for t in range(400):
+            w.push(t)
+            ref.append(t)
+            assert list(w.view()) == ref[-n:]
+        assert w.buf.size <= 2 * n
+
+
+def _old_stop_filter(stops, pieces):
+    """The filter as it was (whole text searched each time), kept as the reference."""
+    text, emitted, out = "", 0, []
+    for new in pieces:
+        text += new
+        longest = max(map(len, stops))
+        start = max(0, emitted - longest)
+        hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+        if hits:
+            text = text[:min(hits)]
+            out.append(text[emitted:])
+            return out, text
+        hold = 0
+        for s in stops:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        end = max(emitted, len(text) - hold)
+        out.append(text[emitted:end])
+        emitted = end
+    out.append(text[emitted:])
+    return out, text
+
+
+def test_the_stop_filter_keeps_only_a_bounded_tail_and_emits_what_it_did():
+    """`self.text += piece` copied the whole reply every token: 44 us a token at 0.5 MB of text,
+    385 us at 2 MB. The filter now holds at most the longest stop string; its output is the old one's."""
+    rnd = random.Random(0)
+    alphabet = "ab c\u00e9"
+    for _ in range(400):
+        stops = tuple("".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 5))) for _ in range(rnd.randint(1, 3)))
+        pieces = ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 4))) for _ in range(rnd.randint(1, 40))]
+        f, got = StopFilter(stops), []
+        for p in pieces:
+            got.append(f.feed(p))
+            assert len(f._held) < max(map(len, stops))
+            if f.stopped:
+                break
+        if not f.stopped:
+            got.append(f.flush())
+        want, text = _old_stop_filter(stops, pieces)
+        assert "".join(got) == "".join(want) and f.text == text, (stops, pieces)
+
+
+def test_a_run_of_bytes_that_never_make_a_character_is_emitted_not_held_for_ever(model):
+    """A reply of lone UTF-8 continuation bytes (<0xA9> tokens, which logit_bias can force) was held
+    back whole and re-decoded every token (quadratic: 13 s for 16,000 tokens), then dropped:
+    `completion.text` was "" while the ids decode to 16,000 replacement characters."""
+    tok = model.tokenizer
+    byte = next(i for i in range(512) if tok.token_string(i) == "<0xA9>")
+    d = Detokenizer(tok, tok.encode("Once"))
+    out = []
+    for _ in range(200):
+        out.append(d.add(byte))
+        assert len(d.ids) - d.read <= Detokenizer.MAX_HELD
+    text = "".join(out)
+    assert text == "\ufffd" * len(text) and len(text) > 200 - Detokenizer.MAX_HELD  # one per byte, but a held tail
+    c = model.generate("Once", max_new_tokens=50, temperature=0, logit_bias={byte: 1e6}, ignore_eos=True)
+    assert c.token_ids == (byte,) * 50 and c.text == "\ufffd" * len(c.text) and len(c.text) > 50 - Detokenizer.MAX_HELD
