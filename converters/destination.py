@@ -92,10 +92,9 @@ def temp_folder(dst: Path) -> Path:
     result). Those that a conversion killed outright left behind are removed first: their process
     is gone and nothing in them changed for `ORPHAN_AGE_S` (a conversion on another host or in
     another container sharing the folder shows no process here)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphans(dst)
     for _ in range(100):
-        tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = dst.parent / f"{_hidden(dst)}.partial-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             tmp.mkdir(0o777)  # the kernel applies the umask: no process-wide umask change (threads)
             return tmp
@@ -105,10 +104,37 @@ def temp_folder(dst: Path) -> Path:
 
 
 ORPHAN_AGE_S = 3600
+HIDDEN_NAME_CHARS = 100  # of dst's name in its temporary folders' names: a 255-byte dst name is legal, plus ".partial-PID-X" not
+
+
+def _hidden(dst: Path) -> str:
+    """The start of the names of the hidden folders made beside `dst` (".NAME", cut short)."""
+    return f".{dst.name[:HIDDEN_NAME_CHARS]}"
+
+
+def make_parents(dst: Path) -> list[Path]:
+    """Make dst's missing parent folders; returns those made, outermost first, for `remove_made`."""
+    missing = []
+    for parent in dst.parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def remove_made(folders: list[Path]) -> None:
+    """Remove the folders `make_parents` made, innermost first, while they are empty (a failed
+    conversion leaves no empty a/b/c behind; one another process filled meanwhile is kept)."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _remove_orphans(dst: Path) -> None:
-    prefix = f".{dst.name}.partial-"
+    prefix = f"{_hidden(dst)}.partial-"
     for p in dst.parent.glob(glob.escape(prefix) + "*"):
         pid = p.name[len(prefix):].split("-", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid() or not p.is_dir() or p.is_symlink():
@@ -141,7 +167,7 @@ def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:
     if not os.path.lexists(dst):
         os.replace(tmp, dst)
         return
-    old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+    old = dst.parent / f"{_hidden(dst)}.old-{os.getpid()}"
     os.replace(dst, old)
     try:
         os.replace(tmp, dst)

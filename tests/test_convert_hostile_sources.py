@@ -151,3 +151,24 @@ def test_a_tokenizer_with_more_ids_than_embedding_rows_is_refused(capsys, tmp_pa
     (src / "tokenizer.json").write_text(json.dumps(tk))
     rc, err = run_convert(capsys, src, tmp_path / "out")
     assert_user_error(rc, err, f"gives ids up to {vocab}")
+
+
+def test_a_failed_conversion_leaves_no_empty_parent_folders(capsys, src, tmp_path):
+    """Hostile convert test: -o dest/a/b/c/model made a/b/c first, and a failure left them behind."""
+    (src / "tokenizer.model").write_bytes(b"garbage")  # fails at the tokenizer check, after the graph is written
+    rc, err = run_convert(capsys, src, tmp_path / "dest" / "a" / "b" / "c" / "model")
+    assert_user_error(rc, err, "tokenizer")
+    assert not (tmp_path / "dest").exists()
+    (tmp_path / "kept").mkdir()  # a parent that was there before stays
+    rc, err = run_convert(capsys, src, tmp_path / "kept" / "a" / "model")
+    assert rc == 1 and (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "a").exists()
+
+
+def test_a_destination_name_of_up_to_255_bytes_converts(capsys, src, tmp_path):
+    """Hostile convert test: a legal 240-byte name was refused, "File name too long", because the
+    temporary folder beside it added ".partial-PID-RANDOM" to it."""
+    dst = tmp_path / ("m" * 240)
+    rc, err = run_convert(capsys, src, dst)
+    assert rc == 0, err
+    assert (dst / "edgeinfer.json").exists()
+    assert_no_partial(tmp_path)
