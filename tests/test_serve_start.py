@@ -104,3 +104,35 @@ def test_onnx_runtime_writes_nothing_to_the_home_folder(tmp_path):
     r = subprocess.run([sys.executable, "-c", "import os, edgeinfer; print(os.environ['ORT_DISABLE_TELEMETRY'])"],
                        capture_output=True, text=True, env=env | {"ORT_DISABLE_TELEMETRY": "0"}, timeout=120)
     assert r.stdout.strip() == "0"
+
+
+def test_sigterm_answers_a_request_whose_body_is_still_coming_with_503_and_no_traceback():
+    """Hostile CLI test: a request whose body had not all arrived was cancelled by uvicorn after the
+    grace period, which logged ~50 lines of CancelledError traceback on every `systemctl stop`."""
+    proc = subprocess.Popen(SERVE + ["--port", "0", "--grace-s", "2"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "listening on" not in line:
+            assert proc.poll() is None, line
+            line = proc.stderr.readline()
+        host, port = re.search(r"http://([\d.]+):(\d+)", line).groups()
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{")
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            s.settimeout(10)
+            reply = b""
+            while b"shutting_down" not in reply and (part := s.recv(4096)):  # head and body may come apart
+                reply += part
+            reply = reply.decode("latin-1")
+        assert reply.startswith("HTTP/1.1 503") and "shutting_down" in reply, reply
+        assert proc.wait(timeout=30) == 0
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "ERROR" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stderr.close()

@@ -42,6 +42,7 @@ from edgeinfer.server.scheduler import Cancelled, Job, QueueFull, Scheduler
 
 log = logging.getLogger("edgeinfer.server")
 BODY_READ_S = 30.0  # the most a request body may take to arrive (a 1 MiB body at 35 kB/s)
+DRAIN_CHECK_S = 0.25  # how often a body still arriving looks whether the server began to drain
 DROPPED_HEADER = "X-Edgeinfer-Dropped-Tokens"
 
 
@@ -114,13 +115,22 @@ class Server:
                 if len(body) > limit:
                     raise APIError(413, f"request body is over the limit of {limit} bytes", code="body_too_large")
 
-        try:  # a client that declares more than it sends would hold its connection open for ever
-            await asyncio.wait_for(read(), BODY_READ_S)
+        reading = asyncio.ensure_future(read())
+        deadline = time.monotonic() + BODY_READ_S  # a client that declares more than it sends would hold on for ever
+        try:
+            while not reading.done():
+                await asyncio.wait({reading}, timeout=DRAIN_CHECK_S)
+                if self.draining and not reading.done():  # SIGTERM: a body still coming is not served, and
+                    raise APIError(503, "the server is shutting down; retry on another instance or later",
+                                   type="server_error", code="shutting_down")  # not cut off with a traceback later
+                if time.monotonic() > deadline and not reading.done():
+                    raise APIError(408, f"the request body did not arrive within {BODY_READ_S:g} s",
+                                   code="request_timeout")
+            reading.result()
         except ClientDisconnect:  # nobody will read the answer; not a server error
             raise APIError(400, "the client went away while sending its body", code="client_disconnected") from None
-        except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {BODY_READ_S:g} s",
-                           code="request_timeout") from None
+        finally:
+            reading.cancel()
         try:
             return json.loads(body)
         except RecursionError:
