@@ -98,12 +98,24 @@ class Generation:
         """The arguments are `Request`'s."""
         self._request = Request(engine, tok, cache, options, overflow, **kwargs)
         self._steps = self._request.steps()
+        self._error: tuple[type, tuple] | None = None  # what ended it (class, args), raised again by later next()s
 
     def __iter__(self) -> "Generation":
         return self
 
     def __next__(self) -> Chunk:
-        return next(self._steps)
+        """The next chunk. A request that failed (refused as busy, a bad option, a broken model) raises
+        the same error again on each later call, rather than ending as if it had finished."""
+        if self._error is not None:
+            cls, args = self._error
+            raise cls.__new__(cls, *args)  # a new one: keeping the first (its traceback holds this frame) is a cycle
+        try:
+            return next(self._steps)
+        except StopIteration:
+            raise
+        except Exception as e:  # not KeyboardInterrupt and the like: those stop the caller, not the request
+            self._error = (type(e), e.args)
+            raise
 
     def run_to_end(self) -> Completion | None:
         """Consume every chunk; the completion (the fold `generate`, `chat` and `say` are)."""

@@ -1,6 +1,7 @@
-"""Sampling options at their extremes, as a hostile caller gives them (found by a hostile test of
-the generation API): each is refused naming the field, or draws what the plain reference draws;
-never garbage, and never a read outside the sampler's buffers."""
+"""Sampling options and streams at their extremes, as a hostile caller gives them (found by a hostile
+test of the generation API): each is refused naming the field, or draws what the plain reference
+draws; never garbage, never a read outside the sampler's buffers, never a failure that looks like
+a finish."""
 
 from __future__ import annotations
 
@@ -170,3 +171,18 @@ def test_a_run_of_bytes_that_never_make_a_character_is_emitted_not_held_for_ever
     assert text == "\ufffd" * len(text) and len(text) > 200 - Detokenizer.MAX_HELD  # one per byte, but a held tail
     c = model.generate("Once", max_new_tokens=50, temperature=0, logit_bias={byte: 1e6}, ignore_eos=True)
     assert c.token_ids == (byte,) * 50 and c.text == "\ufffd" * len(c.text) and len(c.text) > 50 - Detokenizer.MAX_HELD
+
+
+def test_a_stream_that_failed_says_so_again_rather_than_end_as_if_finished(model):
+    """Hostile API test: after a stream was refused (ContextBusyError), iterating it again yielded
+    nothing and left `completion` None, as if it had finished without a word."""
+    first = model.stream("Once upon a time", max_new_tokens=50, seed=1)
+    next(first)
+    second = model.stream("Once", max_new_tokens=5, seed=1)
+    for _ in range(2):
+        with pytest.raises(edgeinfer.ContextBusyError):
+            next(second)
+    first.close()
+    with pytest.raises(edgeinfer.ContextBusyError):
+        list(second)
+    assert second.completion is None
