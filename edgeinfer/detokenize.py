@@ -35,14 +35,12 @@ class Detokenizer:
                 break
             self.read -= 1
 
-    MAX_HELD = 8  # tokens held for an incomplete character: UTF-8's longest is 4 bytes, a byte a token at least
-
     def add(self, token: int) -> str:
         self.ids.append(token)
         before = self.tok.decode(self.ids[:self.read])
         after = self.tok.decode(self.ids)
-        if (after.endswith("\ufffd") and len(self.ids) - self.read < self.MAX_HELD) or len(after) <= len(before):
-            return ""  # past MAX_HELD the bytes can never complete (a run of invalid ones): their "\ufffd"s go out
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""
         del self.ids[:self.read]  # the new tokens become the next call's left context
         self.read = len(self.ids)
         return after[len(before):]
@@ -81,7 +79,7 @@ class StopFilter:
             return ""
         if not self.stops:
             return self._emit(new)
-        # a stop string never begins in emitted text: a tail that could begin one is always held
+        # a stop string that is found never begins in emitted text: a tail that could begin one is held
         pending = self._held + new
         hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
         if hits:
