@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from edgeinfer.cli import main
-from edgeinfer.server.run import listen_socket, url_of
+from edgeinfer.server.run import listen_sockets, url_of
 
 SERVE = [sys.executable, "-m", "edgeinfer", "serve", "--slots", "1"]
 
@@ -38,7 +38,7 @@ def test_a_port_in_use_is_one_error_line_and_nothing_claims_to_listen():
 
 def test_a_host_that_does_not_resolve_is_one_error_line():
     with pytest.raises(Exception, match="cannot listen on 'no-such-host.invalid'"):
-        listen_socket("no-such-host.invalid", 0)
+        listen_sockets("no-such-host.invalid", 0)
 
 
 def test_port_0_reports_the_port_the_system_picked():
@@ -64,11 +64,34 @@ def test_port_0_reports_the_port_the_system_picked():
 @pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 here")
 def test_an_ipv6_address_is_written_in_brackets():
     try:
-        sock = listen_socket("::1", 0)
+        (sock,) = listen_sockets("::1", 0)
     except Exception as e:  # IPv6 built in but not configured (a container without ::1)
         pytest.skip(f"cannot listen on ::1 here: {e}")
     with sock:
         assert re.fullmatch(r"http://\[::1\]:\d+", url_of(sock)) and not url_of(sock).endswith(":0")
+
+
+def test_a_name_with_several_addresses_is_bound_on_each_with_one_port(monkeypatch):
+    """The review: only getaddrinfo's first address was bound, so with '::1 localhost' in /etc/hosts,
+    http://127.0.0.1 was refused (uvicorn binds them all). Here a resolver names both loopbacks."""
+    real = socket.getaddrinfo
+
+    def both(host, port, *a, **kw):
+        if host != "two-loopbacks":
+            return real(host, port, *a, **kw)
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", port)),
+                (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.2", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", both)
+    socks = listen_sockets("two-loopbacks", 0)
+    try:
+        assert [s.getsockname()[0] for s in socks] == ["127.0.0.1", "127.0.0.2"]
+        assert len({s.getsockname()[1] for s in socks}) == 1 and socks[0].getsockname()[1] != 0
+        with pytest.raises(ConnectionRefusedError):  # bound, not listening: refused while the model loads
+            socket.create_connection(socks[0].getsockname(), timeout=5).close()
+    finally:
+        for s in socks:
+            s.close()
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "100000"])

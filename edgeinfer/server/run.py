@@ -131,25 +131,35 @@ def uvicorn_server(server: Server) -> DrainingServer:
     return DrainingServer(cfg, server, c.grace_s)
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port and listening (port 0: one the system picks), or
-    InvalidArgumentError saying why not (the port in use, a port below 1024 without the right, a
-    name that does not resolve). IPPROTO_TCP by number, so that asyncio sets TCP_NODELAY on its
-    connections (with proto 0 every reply on a kept-alive connection waits ~40 ms for a delayed ACK)."""
+def listen_sockets(host: str, port: int) -> list[socket.socket]:
+    """TCP sockets bound to every address `host` names (localhost: ::1 and 127.0.0.1, as uvicorn binds
+    them; "" or a wildcard: all), at `port` (0: one the system picks), or InvalidArgumentError saying
+    why not (the port in use, a port below 1024 without the right, a name that does not resolve).
+    Bound, not yet listening: a client that connects while the model loads is refused, not left
+    waiting. IPPROTO_TCP by number, so that asyncio sets TCP_NODELAY on their connections (with
+    proto 0 every reply on a kept-alive connection waits ~40 ms for a delayed ACK); IPv6 sockets
+    take IPv6 only, as asyncio's own."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)[0]
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
+                                   flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:
         raise InvalidArgumentError(f"cannot listen on {host!r}: {getattr(e, 'strerror', None) or e}") from None
-    sock = socket.socket(family, kind, proto)
+    socks: list[socket.socket] = []
+    chosen = port  # port 0: the other addresses take the port the first one got
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait TIME_WAIT out
-        sock.bind(address)
-        sock.listen(2048)  # uvicorn's backlog
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((address[0], chosen, *address[2:]))
+            chosen = sock.getsockname()[1]
     except OSError as e:
-        sock.close()
+        for sock in socks:
+            sock.close()
         raise InvalidArgumentError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
+    return socks
 
 
 def url_of(sock: socket.socket) -> str:
@@ -160,11 +170,12 @@ def url_of(sock: socket.socket) -> str:
 
 def serve(config: ServeConfig) -> int:
     setup_logging(config.log_format)
-    sock = listen_socket(config.host, config.port)  # first: a port in use fails at once, not after the load
+    socks = listen_sockets(config.host, config.port)  # first: a port in use fails at once, not after the load
     try:
         server = build(config)
     except BaseException:
-        sock.close()
+        for sock in socks:
+            sock.close()
         raise
     s, m = server.scheduler, server.model
     kv_mb = sum(slot.cache.bytes for slot in s.slots) / 2**20
@@ -173,8 +184,11 @@ def serve(config: ServeConfig) -> int:
           f"speculative {config.speculative}"
           f"{f' (draft model {config.draft_model})' if config.draft_model else ''}; "
           f"{'API key required' if config.api_key else 'no API key (loopback only)'}", file=sys.stderr)
-    print(f"edgeinfer serve: listening on {url_of(sock)} (OpenAI API at /v1)", file=sys.stderr, flush=True)
-    uvicorn_server(server).run(sockets=[sock])
+    for sock in socks:  # from now on a client waits in the backlog for uvicorn, no longer refused
+        sock.listen(2048)  # uvicorn's backlog
+    print(f"edgeinfer serve: listening on {', '.join(map(url_of, socks))} (OpenAI API at /v1)", file=sys.stderr,
+          flush=True)
+    uvicorn_server(server).run(sockets=socks)
     server.scheduler.cancel_all()  # worker threads end within one step: the process can exit
     server.pool.shutdown(wait=False, cancel_futures=True)
     return 0
