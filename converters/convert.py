@@ -145,7 +145,7 @@ def _tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
                          bos_token_id=bos, eos_token_ids=tuple(eos), chat_template=template)
 
 
-def _check_tokenizer(folder: Path, manifest: Manifest) -> None:
+def _check_tokenizer(folder: Path, manifest: Manifest, log=lambda msg: None) -> None:
     """The folder's tokenizer loads and knows its BOS and EOS ids, as `edgeinfer.load` will need:
     a source whose tokenizer files are corrupt is refused here, not after a successful convert."""
     from edgeinfer.errors import EdgeInferError
@@ -159,9 +159,9 @@ def _check_tokenizer(folder: Path, manifest: Manifest) -> None:
                 tok.token_string(t)
     except EdgeInferError as e:
         raise ConvertError(f"the source's tokenizer cannot be used: {e}") from None
-    if tok.id_limit > manifest.arch.vocab_size:  # a text holding such a token could never run
-        raise ConvertError(f"the source's tokenizer gives ids up to {tok.id_limit - 1}, but the model has "
-                           f"{manifest.arch.vocab_size} embedding rows (vocab_size): one for each token is needed")
+    if tok.id_limit > manifest.arch.vocab_size:  # as transformers loads it: a prompt holding such a token is refused
+        log(f"note: the tokenizer gives ids up to {tok.id_limit - 1}, past the model's {manifest.arch.vocab_size} "
+            "embedding rows: a prompt holding such a token will be refused")
 
 
 def _check_source(src: Path) -> None:
@@ -337,7 +337,11 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
             log(f"attention heads widened from {spec.source_head_dim} to {head_dim} for GroupQueryAttention")
 
     made = make_parents(dst)
-    tmp = temp_folder(dst)
+    try:
+        tmp = temp_folder(dst)
+    except BaseException:
+        remove_made(made)
+        raise
     writer = None
     try:
         if gguf:  # before the graph: a vocabulary that makes no tokenizer is refused before minutes of work
@@ -397,7 +401,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
             files=files, source=sources, converter_version=__version__,
         )
         manifest.write(tmp)
-        _check_tokenizer(tmp, manifest)
+        _check_tokenizer(tmp, manifest, log)
         _replace_atomically(tmp, dst, force)
         return manifest
     finally:

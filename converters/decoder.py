@@ -124,6 +124,15 @@ class TensorSource:
             raise ConvertError(f"checkpoint has tensors this architecture does not use: {', '.join(extra[:3])}{more}")
 
 
+def tied_head(spec: ArchSpec, ckpt) -> bool:
+    """Whether the lm_head is the embedding; ConvertError when the config says it is not and the
+    checkpoint has none (transformers would start such a head at random: a model of noise)."""
+    if not spec.tie_word_embeddings and "lm_head.weight" not in ckpt:
+        raise ConvertError("the checkpoint has no lm_head.weight, but tie_word_embeddings is false (its default when "
+                           "config.json leaves it out): the model's output layer is missing")
+    return spec.tie_word_embeddings
+
+
 def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: QuantScheme,
                        input_ids: str) -> tuple[str, callable]:
     """Returns the embedded ids [B, S, D] and a function that maps normed hidden [B, N, D] to logits.
@@ -132,10 +141,7 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
     lm_head and GatherBlockQuantized reads the same initializer (reshaped) as the embedding.
     """
     V, D = spec.vocab_size, spec.hidden_size
-    tied = spec.tie_word_embeddings
-    if not tied and "lm_head.weight" not in src.ckpt:  # transformers would start the head at random
-        raise ConvertError("the checkpoint has no lm_head.weight, but tie_word_embeddings is false (its default when "
-                           "config.json leaves it out): the model's output layer is missing")
+    tied = tied_head(spec, src.ckpt)
     kept = src.blocks("model.embed_tokens.weight", (V, D))
     if kept is not None:
         src.kept(["model.embed_tokens.weight"], kept)

@@ -104,12 +104,13 @@ def temp_folder(dst: Path) -> Path:
 
 
 ORPHAN_AGE_S = 3600
-HIDDEN_NAME_CHARS = 100  # of dst's name in its temporary folders' names: a 255-byte dst name is legal, plus ".partial-PID-X" not
+HIDDEN_NAME_BYTES = 100  # of dst's name in its temporary folders' names: a 255-byte dst name is legal, plus ".partial-PID-X" not
 
 
 def _hidden(dst: Path) -> str:
-    """The start of the names of the hidden folders made beside `dst` (".NAME", cut short)."""
-    return f".{dst.name[:HIDDEN_NAME_CHARS]}"
+    """The start of the names of the hidden folders made beside `dst` (".NAME", its first
+    HIDDEN_NAME_BYTES bytes; a character cut there, or a byte that is not UTF-8, is left out)."""
+    return "." + os.fsencode(dst.name)[:HIDDEN_NAME_BYTES].decode("utf-8", "ignore")
 
 
 def make_parents(dst: Path) -> list[Path]:

@@ -145,7 +145,11 @@ def convert_via_optimum(src: Path | str, dst: Path | str, *, quant: str = "int4"
 def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transformers, TasksManager, export,
              log, force: bool) -> Manifest:
     made = make_parents(dst)
-    tmp = temp_folder(dst)
+    try:
+        tmp = temp_folder(dst)
+    except BaseException:
+        remove_made(made)
+        raise
     try:
         t0 = time.perf_counter()
         exported = tmp / "optimum-export"

@@ -33,7 +33,7 @@ from onnx import TensorProto, helper
 
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import graph as G
-from edgeinfer.converters.decoder import TensorSource
+from edgeinfer.converters.decoder import TensorSource, tied_head
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
 from edgeinfer.manifest import io_names
@@ -113,7 +113,7 @@ def build_portable(spec: ArchSpec, ckpt: Checkpoint, weights: str, writer, info:
         if dim > MAX_DIM:
             raise ConvertError(f"the {what} {dim} is over {MAX_DIM}, the largest dimension CoreML takes")
     emb = src.get("model.embed_tokens.weight", (spec.vocab_size, D))
-    tied = spec.tie_word_embeddings or "lm_head.weight" not in ckpt
+    tied = tied_head(spec, ckpt)
     head_w = emb if tied else src.get("lm_head.weight", (spec.vocab_size, D))
     scale = g.const(f"attn_scale_{Dh}", np.array(1.0 / np.sqrt(Dh), np.float32))
 

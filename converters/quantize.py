@@ -30,7 +30,7 @@ def check_magnitude(name: str, w: np.ndarray) -> None:
     """ConvertError for a weight past MAX_WEIGHT_ABS: finite, yet no trained model has one (one flipped
     exponent bit turns 1.0 into 3e38); it passed the NaN check and made every logit NaN at run time,
     and fp16 targets and int4's float16 scales cannot hold it at all."""
-    peak = float(np.max(np.abs(w))) if w.size else 0.0
+    peak = max(float(w.max()), -float(w.min())) if w.size else 0.0  # no |w| copy of a large tensor
     if peak > MAX_WEIGHT_ABS:
         raise ConvertError(f"{name}: a weight of magnitude {peak:.3g}, past any trained model's (at most "
                            f"{MAX_WEIGHT_ABS:g} here): a damaged file (a flipped exponent bit, say)")

@@ -131,10 +131,9 @@ class Checkpoint:
                 if name in self.tensors:  # which of the two is the model's? Not ours to guess
                     raise ConvertError(f"tensor {name!r} is in both {where[name]} and {f.name}")
                 self.tensors[name], where[name] = info, f.name
-        for name, shard in (weight_map or {}).items():  # an index that disagrees with its shards: which is right?
-            if where.get(name) != shard:
-                raise ConvertError(f"{index.name} lists {name!r} in {shard}, "
-                                   + (f"but it is in {where[name]}" if name in where else "which lacks it"))
+        # the index only names the shards, as transformers and llama.cpp read it: an entry for a tensor
+        # the shards lack (a stale one, on the Hub) matters only if that tensor is needed (`info`)
+        self.listed = weight_map or {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -143,7 +142,10 @@ class Checkpoint:
         try:
             return self.tensors[name]
         except KeyError:
-            raise ConvertError(f"tensor {name!r} is missing from the checkpoint") from None
+            shard = self.listed.get(name)
+            raise ConvertError(f"tensor {name!r} is missing from the checkpoint"
+                               + (f" (model.safetensors.index.json lists it in {shard}, which lacks it)" if shard
+                                  else "")) from None
 
     def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """Read one tensor as float32 (floating tags) in a new array; check `shape` if given."""

@@ -186,93 +186,6 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         print()
 
 
-# serve flags: (flag, setting, type, help); None defaults so that a TOML file's values are not overridden
-SERVE_FLAGS = (
-    ("--host", "host", str, "address to listen on (default 127.0.0.1; any other needs an API key)"),
-    ("--port", "port", int, "port (default 8080)"),
-    ("--api-key", "api_key", str, "require 'Authorization: Bearer KEY' (prefer --api-key-file or EDGEINFER_API_KEY)"),
-    ("--api-key-file", "api_key_file", str, "read the API key from this file"),
-    ("--slots", "slots", int, "requests generating at once, each with its own KV ring (default: the device profile's)"),
-    ("--queue", "queue", int, "requests waiting for a slot; more get 429 at once (default 8)"),
-    ("--capacity", "capacity", int, "each slot's KV ring, in tokens (default: the model's)"),
-    ("--threads", "threads", int, "ONNX Runtime threads"),
-    ("--overflow", "overflow", str, "shift | truncate | error (default shift)"),
-    ("--speculative", "speculative", str, "ngram | draft | off (default off): speculative decoding, the same "
-                                          "tokens sooner: ngram drafts from the text itself (text that repeats "
-                                          "its prompt), draft with --draft-model"),
-    ("--draft-model", "draft_model", str, "with --speculative draft: a small model folder of the same tokenizer"),
-    ("--max-tokens-limit", "max_tokens_limit", int, "most tokens one request may generate (default 512)"),
-    ("--log-format", "log_format", str, "text | json (default text)"),
-    ("--grace-s", "grace_s", float, "on SIGTERM, how long requests in flight may finish (default 30)"),
-    ("--power", "power", str, "performance | balanced | battery | thermal-guard | off (default: the device profile's)"),
-    ("--max-temp-c", "max_temp_c", float, "power: stay under this temperature"),
-    ("--min-battery-pct", "min_battery_pct", float, "power: on battery under this, refuse background requests"),
-    ("--power-budget-w", "power_budget_w", float, "power: hold the device's draw under this many watts"),
-    ("--max-tokens-per-s", "max_tokens_per_s", float, "power: never decode faster than this"),
-)
-
-
-def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", type=str, default=None, help="edgeinfer model folder (default: bundled)")
-    p.add_argument("--config", type=str, default=None, help="TOML file of these settings (flags win)")
-    for flag, _, kind, help_text in SERVE_FLAGS:
-        p.add_argument(flag, type=kind, default=None, help=help_text)
-    p.add_argument("--log-prompts", action="store_true", default=None, help="log each prompt (off by default)")
-    p.add_argument("--print-systemd-unit", action="store_true", help="print a systemd unit for these settings and exit")
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from edgeinfer.server.config import load_config
-
-    flags = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in SERVE_FLAGS}
-    flags.update(model=args.model, log_prompts=args.log_prompts)
-    if args.print_systemd_unit:  # the key is the service's (its environment file), not needed to print
-        config = load_config(args.config, {**flags, "host": None, "api_key": None, "api_key_file": None},
-                             use_env_key=False)
-        return _print_systemd_unit(args, config)
-    from edgeinfer.server.run import serve
-
-    return serve(load_config(args.config, flags))
-
-
-def _print_systemd_unit(args: argparse.Namespace, config) -> int:
-    from edgeinfer.manifest import read_manifest
-    from edgeinfer.model import default_model_path
-    from edgeinfer.overflow import resolve_capacity
-    from edgeinfer.server.systemd import systemd_unit
-
-    def footprint(folder: Path, capacity: int | None) -> int:
-        """Weights plus one KV ring per slot (each request holds one, of the draft model too)."""
-        manifest = read_manifest(folder)
-        spec = manifest.arch
-        cap = resolve_capacity(manifest.default_capacity_tokens, spec.sliding_window, capacity,
-                               spec.max_position_embeddings)
-        weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-        return weights + config.slots * spec.kv_bytes_per_token * (cap + min(256, cap))
-
-    if config.port == 0:
-        raise EdgeInferError("port 0 lets the system pick a free port at each start, which no client of a service "
-                             "could find: give the service a fixed --port")
-    folder = (Path(config.model) if config.model else default_model_path()).resolve()
-    folders = [folder]
-    argv = [sys.executable, "-m", "edgeinfer", "serve", "-m", str(folder)]
-    if config.draft_model is not None:  # from a flag or the config file: absolute in the unit
-        folders.append(Path(config.draft_model).resolve())
-        argv += ["--draft-model", str(folders[-1])]
-    if args.config:
-        argv += ["--config", str(Path(args.config).resolve())]
-    for flag, name, _, _ in SERVE_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and name not in ("api_key", "api_key_file", "draft_model"):  # the key: the env file's
-            argv += [flag, str(value)]
-    if args.log_prompts:
-        argv.append("--log-prompts")
-    total = footprint(folder, config.capacity) + sum(footprint(f, None) for f in folders[1:])
-    print(systemd_unit(exec_start=argv, memory_max_bytes=total, grace_s=config.grace_s,
-                       writable_paths=[str(f) for f in folders]), end="")
-    return 0
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
     from edgeinfer.bench import BenchConfig, run_bench
 
@@ -366,9 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_bench)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (loopback unless an API key is given)")
-    _serve_args(sv)
-    sv.set_defaults(func=_cmd_serve)
+    from edgeinfer.cli_serve import add_serve_parser
+
+    add_serve_parser(sub)
 
     ch = sub.add_parser("chat", help="interactive chat (/reset clears the context, Ctrl-C stops a reply)")
     _model_args(ch)

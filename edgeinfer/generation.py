@@ -20,12 +20,14 @@ call is made; the steps below run from the first `next()`:
 
 from __future__ import annotations
 
-import math
+import copy
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from edgeinfer.batching import SoloStepper
 from edgeinfer.context_lock import ContextLock
@@ -98,7 +100,7 @@ class Generation:
         """The arguments are `Request`'s."""
         self._request = Request(engine, tok, cache, options, overflow, **kwargs)
         self._steps = self._request.steps()
-        self._error: tuple[type, tuple] | None = None  # what ended it (class, args), raised again by later next()s
+        self._error: Exception | None = None  # what ended it (a copy: no traceback), raised again by later next()s
 
     def __iter__(self) -> "Generation":
         return self
@@ -107,14 +109,16 @@ class Generation:
         """The next chunk. A request that failed (refused as busy, a bad option, a broken model) raises
         the same error again on each later call, rather than ending as if it had finished."""
         if self._error is not None:
-            cls, args = self._error
-            raise cls.__new__(cls, *args)  # a new one: keeping the first (its traceback holds this frame) is a cycle
+            raise copy.copy(self._error)
         try:
             return next(self._steps)
         except StopIteration:
             raise
         except Exception as e:  # not KeyboardInterrupt and the like: those stop the caller, not the request
-            self._error = (type(e), e.args)
+            try:  # a copy, made as pickle makes one: the error itself holds a traceback through this frame (a cycle)
+                self._error = copy.copy(e)
+            except Exception:  # a class that cannot be rebuilt from its args: a plain one with its message
+                self._error = EdgeInferError(f"{type(e).__name__}: {e}")
             raise
 
     def run_to_end(self) -> Completion | None:
@@ -300,7 +304,7 @@ class Request:
                     r = sampler.sample_with_logprobs(logits, top_n=self.logprobs)
                     token, lp, top = r.token, r.logprob, r.top
             except ValueError as e:  # ids and biases were checked: the logits are wrong, unless the bias banned all
-                if str(e).startswith("all logits are -inf") and -math.inf in (opts.sampling.logit_bias or {}).values():
+                if str(e).startswith("all logits are -inf") and np.isfinite(logits).any():  # the bias banned the rest
                     raise InvalidArgumentError("logit_bias bans every token the model could give next (-inf "
                                                f"on each), at generated token {len(generated) + 1}") from None
                 raise ModelFormatError(f"the model computed logits the sampler cannot use ({e}) at generated token "

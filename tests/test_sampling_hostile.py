@@ -169,3 +169,20 @@ def test_a_stream_that_failed_says_so_again_rather_than_end_as_if_finished(model
     with pytest.raises(edgeinfer.ContextBusyError):
         list(second)
     assert second.completion is None
+
+
+def test_a_failed_stream_raises_its_error_again_whole(model, monkeypatch):
+    """The review: re-raising a rebuilt error without __init__ lost a FileNotFoundError's filename
+    and broke numpy's MemoryError; the error is copied as pickle copies it."""
+    from edgeinfer import generation
+
+    def failing(self):
+        raise FileNotFoundError(2, "No such file or directory", "/nowhere/x")
+        yield  # a generator, as steps() is
+
+    monkeypatch.setattr(generation.Request, "steps", failing)
+    g = model.stream("Once", max_new_tokens=3)
+    for _ in range(2):
+        with pytest.raises(FileNotFoundError) as e:
+            next(g)
+        assert e.value.filename == "/nowhere/x"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.options import GenerationOptions
-from edgeinfer.sampling.params import INT32_MAX
+from edgeinfer.sampling.params import INT32_MAX, MIN_TEMPERATURE, PENALTY_LIMIT
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs
@@ -30,13 +30,14 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 # (field, test, range in words): numbers passed through to the sampler once checked
 _NUMBERS = (
-    ("temperature", lambda v: 0 <= v <= 2, "in [0, 2]"),
+    ("temperature", lambda v: v == 0 or MIN_TEMPERATURE <= v <= 2, f"0 or in [{MIN_TEMPERATURE:g}, 2]"),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
     ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
     ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("typical_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("repetition_penalty", lambda v: v > 0, "> 0"),
+    ("repetition_penalty", lambda v: 1 / PENALTY_LIMIT <= v <= PENALTY_LIMIT,
+     f"in [{1 / PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]"),
 )
 
 
