@@ -103,15 +103,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.stream and args.json:
         raise EdgeInferError("--json prints the whole completion as one object: it does not go with --stream")
     opts = _options(args)  # a bad option fails before the model loads
+    prompt = _stdin_text() if args.prompt == "-" else args.prompt
     model = _load(args)
     if args.stream:
-        g = model.stream(args.prompt, opts)
+        g = model.stream(prompt, opts)
         for chunk in g:
             print(chunk.text, end="", flush=True)
         print()
         c = g.completion
     else:
-        c = model.generate(args.prompt, opts)
+        c = model.generate(prompt, opts)
         if args.json:
             from dataclasses import asdict
 
@@ -121,6 +122,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for note in _context_notes(c, opts.max_new_tokens, model.capacity_tokens, args.overflow):
         print(f"edgeinfer: note: {note}", file=sys.stderr)
     return 0
+
+
+def _stdin_text() -> str:
+    """The prompt `-` stands for: all of standard input, as UTF-8 (a command line holds 128 KiB at most)."""
+    if sys.stdin is None:
+        raise EdgeInferError("the prompt is - (standard input), but standard input is closed")
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EdgeInferError(f"standard input is not valid UTF-8 (byte {e.start}): the prompt must be text") from None
 
 
 def _context_notes(c, max_new_tokens: int, capacity: int, overflow: str) -> list[str]:
@@ -148,7 +160,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     print("edgeinfer chat: /reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
     while True:
         try:
-            line = input("> ")
+            line = input("> " if sys.stdin.isatty() else "")  # piped: no prompts mixed into the replies
         except EOFError:
             print()
             return 0
@@ -262,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_cmd_eval)
 
     g = sub.add_parser("generate", help="complete a prompt (no -m: the bundled stories260K model)")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the prompt text; - reads it from standard input (a file piped in, of any length)")
     _model_args(g)
     _sampling_args(g)
     g.add_argument("--stream", action="store_true", help="print tokens as they come")

@@ -213,3 +213,18 @@ def test_chat_on_a_terminal_takes_a_line_longer_than_the_terminal_buffer(tmp_pat
         proc.wait()
         proc.stderr.close()
         os.close(master)
+
+
+def test_a_prompt_of_dash_is_read_from_standard_input_and_piped_chat_prints_no_prompts():
+    """Hostile CLI test: `generate -` took "-" as the prompt, so a document could not be piped in
+    (a command line holds 128 KiB at most); piped `chat` wrote its "> " prompts into the replies."""
+    argv = [sys.executable, "-m", "edgeinfer", "generate", "-", "--max-tokens", "8", "--temperature", "0"]
+    piped = subprocess.run(argv, input="Once upon a time".encode(), capture_output=True, timeout=120)
+    given = subprocess.run(argv[:4] + ["Once upon a time"] + argv[5:], capture_output=True, timeout=120)
+    assert piped.returncode == 0 and piped.stdout == given.stdout and piped.stdout.strip(), piped.stderr
+    bad = subprocess.run(argv, input=b"Once \xff", capture_output=True, timeout=120)
+    assert bad.returncode == 1
+    _one_error_line(bad.stderr.decode(), "standard input is not valid UTF-8")
+    chat = subprocess.run([sys.executable, "-m", "edgeinfer", "chat", "--max-tokens", "3", "--seed", "1"],
+                          input=b"hello\n/quit\n", capture_output=True, timeout=120)
+    assert chat.returncode == 0 and b"> " not in chat.stdout and chat.stdout.strip(), chat.stdout
