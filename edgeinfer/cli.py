@@ -13,6 +13,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -140,8 +141,9 @@ def _context_notes(c, max_new_tokens: int, capacity: int, overflow: str) -> list
     reply cut short because the context filled (finish "length" before max_new_tokens)."""
     notes = []
     if c.usage.dropped_tokens:
-        notes.append(f"{c.usage.dropped_tokens} tokens did not fit the {capacity}-token context and were dropped: "
-                     f"the reply did not see them (--overflow {overflow}; a larger --capacity keeps more)")
+        notes.append(f"{c.usage.dropped_tokens} tokens were dropped from the {capacity}-token context (the prompt's "
+                     f"oldest, or the reply's own as it went on): what came after did not see them (--overflow "
+                     f"{overflow}; a larger --capacity keeps more)")
     if c.finish_reason == "length" and c.usage.completion_tokens < max_new_tokens:
         notes.append(f"the reply stopped after {c.usage.completion_tokens} tokens because the {capacity}-token "
                      f"context is full (--overflow {overflow}; shift goes on, forgetting the oldest tokens)")
@@ -253,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgeinfer", description="Run small quantized language models on device.")
     ap.add_argument("--version", action="version", version=f"edgeinfer {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser = _numbers_as_values(sub.add_parser)
 
     from edgeinfer.cli_convert import add_convert_parser
 
@@ -316,6 +319,18 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--verify", action="store_true", help="hash every file against edgeinfer.json; exit 1 on a mismatch")
     i.set_defaults(func=_cmd_inspect)
     return ap
+
+
+# argparse takes "-1e6" for a flag (its own test knows "-5" and "-0.5" only): a value as the README writes it
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _numbers_as_values(add_parser):
+    def add(*args, **kwargs):
+        p = add_parser(*args, **kwargs)
+        p._negative_number_matcher = NEGATIVE_NUMBER  # argparse's own (private) hook for this test
+        return p
+    return add
 
 
 def main(argv: list[str] | None = None) -> int:

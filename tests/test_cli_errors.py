@@ -164,7 +164,7 @@ def test_generate_says_when_tokens_were_dropped_or_the_context_filled(capsys):
     long = "Once upon a time there was a little girl named Lily. " * 20
     assert main(["generate", long, "--capacity", "32", "--overflow", "truncate", "--max-tokens", "4", "--seed", "1"]) == 0
     notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith("edgeinfer: note: ")]
-    assert len(notes) == 1 and "did not fit the 32-token context and were dropped" in notes[0], notes
+    assert len(notes) == 1 and "were dropped from the 32-token context" in notes[0], notes
     for extra in ([], ["--stream"]):
         assert main(["generate", "Once", "--capacity", "16", "--overflow", "error", "--max-tokens", "600",
                      "--ignore-eos", "--seed", "1", *extra]) == 0
@@ -228,3 +228,11 @@ def test_a_prompt_of_dash_is_read_from_standard_input_and_piped_chat_prints_no_p
     chat = subprocess.run([sys.executable, "-m", "edgeinfer", "chat", "--max-tokens", "3", "--seed", "1"],
                           input=b"hello\n/quit\n", capture_output=True, timeout=120)
     assert chat.returncode == 0 and b"> " not in chat.stdout and chat.stdout.strip(), chat.stdout
+
+
+def test_negative_numbers_in_exponent_form_are_values(capsys):
+    """A helper found `--presence-penalty -1e6` (the README's bound as written) refused: argparse took
+    "-1e6" for a flag; "-5" and "-0.5" it knew."""
+    for value in ("-1e6", "-2.5E+1", "-.5e-3"):
+        assert main(["generate", "Once", "--presence-penalty", value, "--max-tokens", "2", "--seed", "1"]) == 0
+        assert capsys.readouterr().err == ""

@@ -87,8 +87,38 @@ def test_a_name_with_several_addresses_is_bound_on_each_with_one_port(monkeypatc
     try:
         assert [s.getsockname()[0] for s in socks] == ["127.0.0.1", "127.0.0.2"]
         assert len({s.getsockname()[1] for s in socks}) == 1 and socks[0].getsockname()[1] != 0
-        with pytest.raises(ConnectionRefusedError):  # bound, not listening: refused while the model loads
-            socket.create_connection(socks[0].getsockname(), timeout=5).close()
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_second_server_on_the_port_fails_before_its_model_loads():
+    """A helper found that sockets bound but not yet listening let a second server (SO_REUSEADDR on
+    both) take the same port, load its model, and then fail in listen() with a traceback."""
+    first = listen_sockets("127.0.0.1", 0)
+    try:
+        port = first[0].getsockname()[1]
+        with pytest.raises(Exception, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            listen_sockets("127.0.0.1", port)
+    finally:
+        for s in first:
+            s.close()
+
+
+def test_an_address_this_machine_lacks_is_left_out_while_another_binds(monkeypatch):
+    """localhost mapped to ::1 where IPv6 is off (many Pis) would stop the server from starting."""
+    real = socket.getaddrinfo
+
+    def with_a_foreign_address(host, port, *a, **kw):
+        if host != "mixed":
+            return real(host, port, *a, **kw)
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("192.0.2.1", port)),  # not ours
+                (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", with_a_foreign_address)
+    socks = listen_sockets("mixed", 0)
+    try:
+        assert [s.getsockname()[0] for s in socks] == ["127.0.0.1"]
     finally:
         for s in socks:
             s.close()

@@ -600,3 +600,44 @@ def test_a_request_whose_slot_cannot_be_taken_is_answered_and_the_next_is_served
     monkeypatch.undo()
     c = client.completions.create(model="stories260K-int8", prompt="Once", max_tokens=4)
     assert c.usage.completion_tokens == 4 and _health(srv)["slots_busy"] == 0
+
+
+def test_a_request_read_as_the_drain_begins_is_refused_not_admitted_and_cut_off(one_slot):
+    """A helper found that a request whose body was read just as SIGTERM came was admitted after the
+    drain had counted 0 in flight, so uvicorn cut it off when it stopped: a text/plain 500, or a
+    stream ended mid-reply. The drain now closes the scheduler under the lock admit takes, and a
+    request after that gets the OpenAI-shaped 503."""
+    sched = one_slot.server.scheduler
+    assert sched.close() == 0  # as the drain does first; the app itself is not draining yet
+    try:
+        r = httpx.post(one_slot.url + "/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 3},
+                       timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+    finally:
+        sched.closed = False
+
+
+def test_a_stalled_reader_holds_a_stop_for_the_grace_period_once_not_twice():
+    """A helper found that a client that stops reading a stream made SIGTERM take 2 x grace_s (the
+    drain waited it, then uvicorn waited it again): 60 s at the default 30, past the unit's
+    TimeoutStopSec of 45, so systemd killed the server."""
+    proc, port, url = _start_process("--grace-s", "4", "--power", "balanced", "--max-tokens-per-s", "400")
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        s.connect(("127.0.0.1", port))
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20_000,
+                "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 20}  # big events: sends block
+        s.sendall(_raw(body, "/v1/chat/completions"))
+        s.recv(2048)  # the head and a little of the stream; then this client stops reading
+        time.sleep(3)  # paced: still generating at the signal, and the server's sends are blocked
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        assert time.monotonic() - t0 < 4 + 2 + 1.5, time.monotonic() - t0  # the grace, uvicorn's 2 s (was 8.2 s)
+    finally:
+        s.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stderr.close()

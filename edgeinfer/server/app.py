@@ -38,7 +38,7 @@ from edgeinfer.server import protocol, replies
 from edgeinfer.server.config import ServeConfig
 from edgeinfer.server.metrics import Metrics
 from edgeinfer.server.protocol import APIError
-from edgeinfer.server.scheduler import Cancelled, Job, QueueFull, Scheduler
+from edgeinfer.server.scheduler import Cancelled, Closed, Job, QueueFull, Scheduler
 
 log = logging.getLogger("edgeinfer.server")
 BODY_READ_S = 30.0  # the most a request body may take to arrive (a 1 MiB body at 35 kB/s)
@@ -191,6 +191,9 @@ class Server:
                 logprobs = req.logprobs
             try:
                 ticket = self.scheduler.admit()
+            except Closed:
+                raise APIError(503, "the server is shutting down; retry on another instance or later",
+                               type="server_error", code="shutting_down") from None
             except QueueFull:
                 raise APIError(429, f"the server is busy: {len(self.scheduler.slots)} slots and a queue of "
                                     f"{self.config.queue} are full; retry shortly", type="rate_limit_error",

@@ -7,6 +7,7 @@ then uvicorn closes and the process exits 0. A second signal stops at once.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import sys
@@ -23,6 +24,8 @@ from edgeinfer.server.config import ServeConfig
 log = logging.getLogger("edgeinfer.server")
 
 
+AFTER_DRAIN_S = 2  # uvicorn's own wait once the drain ended: the requests had grace_s already (twice made
+# a stalled reader hold a stop for 2 x grace_s, past systemd's TimeoutStopSec)
 HEAD_READ_S = 30.0  # the most a connection may take to send a request's head, from its opening or last response
 
 
@@ -79,7 +82,8 @@ class DrainingServer(uvicorn.Server):
             return
         self._draining = True
         self.app_server.draining = True
-        log.info("signal %s: draining (%d in flight), then exiting", sig, self.app_server.scheduler.in_flight)
+        in_flight = self.app_server.scheduler.close()  # from here on nothing is admitted
+        log.info("signal %s: draining (%d in flight), then exiting", sig, in_flight)
         threading.Thread(target=self._drain, name="edgeinfer-drain", daemon=True).start()
 
     def _force(self, flush_s: float = 0.5) -> None:
@@ -127,39 +131,50 @@ def uvicorn_server(server: Server) -> DrainingServer:
     TCP_NODELAY; with proto 0 every reply on a kept-alive connection waits ~40 ms for a delayed ACK)."""
     c = server.config
     cfg = uvicorn.Config(server.app, host=c.host, port=c.port, log_level="warning", access_log=False, lifespan="off",
-                         timeout_graceful_shutdown=max(1, int(c.grace_s)), http=HeadTimeoutH11)
+                         timeout_graceful_shutdown=AFTER_DRAIN_S, http=HeadTimeoutH11)
     return DrainingServer(cfg, server, c.grace_s)
 
 
 def listen_sockets(host: str, port: int) -> list[socket.socket]:
-    """TCP sockets bound to every address `host` names (localhost: ::1 and 127.0.0.1, as uvicorn binds
-    them; "" or a wildcard: all), at `port` (0: one the system picks), or InvalidArgumentError saying
-    why not (the port in use, a port below 1024 without the right, a name that does not resolve).
-    Bound, not yet listening: a client that connects while the model loads is refused, not left
-    waiting. IPPROTO_TCP by number, so that asyncio sets TCP_NODELAY on their connections (with
-    proto 0 every reply on a kept-alive connection waits ~40 ms for a delayed ACK); IPv6 sockets
-    take IPv6 only, as asyncio's own."""
+    """TCP sockets listening on every address `host` names (localhost: ::1 and 127.0.0.1, as uvicorn
+    binds them; "" or a wildcard: all) at `port` (0: one the system picks, the same for all), or
+    InvalidArgumentError saying why not (the port in use, a port below 1024 without the right, a
+    name that does not resolve). An address this machine lacks (::1 with IPv6 off, as on many Pis)
+    is left out while another binds. Listening at once, before the model loads: a second server on
+    the port fails here, not after its load (with SO_REUSEADDR two sockets may bind one port until
+    one listens); a client that connects meanwhile waits for the load. IPPROTO_TCP by number, so that
+    asyncio sets TCP_NODELAY on their connections (with proto 0 every reply on a kept-alive
+    connection waits ~40 ms for a delayed ACK); IPv6 sockets take IPv6 only, as asyncio's own."""
     try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
-                                   flags=socket.AI_PASSIVE)
+        infos = list(dict.fromkeys(socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                      proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)))
     except (socket.gaierror, UnicodeError) as e:
         raise InvalidArgumentError(f"cannot listen on {host!r}: {getattr(e, 'strerror', None) or e}") from None
-    socks: list[socket.socket] = []
-    chosen = port  # port 0: the other addresses take the port the first one got
-    try:
-        for family, kind, proto, _, address in dict.fromkeys(infos):
+    for attempt in range(5 if port == 0 else 1):  # port 0: the port the first got may be taken on another address
+        socks, chosen, error = [], port, None
+        for family, kind, proto, _, address in infos:
             sock = socket.socket(family, kind, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind((address[0], chosen, *address[2:]))
+                sock.listen(2048)  # uvicorn's backlog
+            except OSError as e:
+                sock.close()
+                if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) and len(infos) > 1:
+                    error = error or e  # not an address of this machine: the others may do
+                    continue
+                error = e
+                break
             socks.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind((address[0], chosen, *address[2:]))
             chosen = sock.getsockname()[1]
-    except OSError as e:
+        else:
+            if socks:
+                return socks
         for sock in socks:
             sock.close()
-        raise InvalidArgumentError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return socks
+    raise InvalidArgumentError(f"cannot listen on {host}:{port}: {error.strerror or error}")
 
 
 def url_of(sock: socket.socket) -> str:
@@ -184,8 +199,6 @@ def serve(config: ServeConfig) -> int:
           f"speculative {config.speculative}"
           f"{f' (draft model {config.draft_model})' if config.draft_model else ''}; "
           f"{'API key required' if config.api_key else 'no API key (loopback only)'}", file=sys.stderr)
-    for sock in socks:  # from now on a client waits in the backlog for uvicorn, no longer refused
-        sock.listen(2048)  # uvicorn's backlog
     print(f"edgeinfer serve: listening on {', '.join(map(url_of, socks))} (OpenAI API at /v1)", file=sys.stderr,
           flush=True)
     uvicorn_server(server).run(sockets=socks)

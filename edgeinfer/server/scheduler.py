@@ -36,6 +36,10 @@ class QueueFull(Exception):
     """Every slot is busy and the queue is full."""
 
 
+class Closed(Exception):
+    """The server is shutting down: `close` was called, and no request is admitted any more."""
+
+
 class Cancelled(Exception):
     """The request was cancelled (its client went away, or the server is shutting down); the message says which."""
 
@@ -71,6 +75,7 @@ class Scheduler:
         self.cached_tokens = 0  # prompt tokens not prefilled thanks to that
         self.jobs: set[Job] = set()  # admitted and not finished (for cancel_all)
         self.cancel_reason = "the request was cancelled"  # what a cancelled job's error says
+        self.closed = False  # shutting down: admit refuses (set with in_flight read under one lock: `close`)
 
     @property
     def busy(self) -> int:
@@ -85,12 +90,22 @@ class Scheduler:
         """Reserve a place (a free slot or the queue), or raise QueueFull at once. Returns the request's
         ticket, its place in line: pass it to `take`, or to `withdraw` if the request never gets there."""
         with self._cond:
+            if self.closed:
+                raise Closed
             if self.waiting - len(self._free) >= self.queue_limit:  # those beyond the free slots would queue
                 raise QueueFull
             self.waiting += 1
             ticket = next(self._tickets)
             self._line.append(ticket)
             return ticket
+
+    def close(self) -> int:
+        """Admit nothing more (shutdown); returns how many requests are in flight. Under the lock that
+        `admit` takes: a request is either counted here or refused (Closed), never admitted after the
+        drain counted none (a request read as SIGTERM came was admitted and then cut off: a bare 500)."""
+        with self._cond:
+            self.closed = True
+            return self.busy + self.waiting
 
     def withdraw(self, ticket: int) -> None:
         """Give up an admitted request's place without taking a slot."""
