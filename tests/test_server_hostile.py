@@ -641,3 +641,20 @@ def test_a_stalled_reader_holds_a_stop_for_the_grace_period_once_not_twice():
             proc.kill()
         proc.wait()
         proc.stderr.close()
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_counted_as_gone_not_as_a_bad_request(one_slot):
+    """A helper found it counted as status 400, a client error, where leaving at any later point is 499."""
+    def count(status: str) -> float:
+        text = httpx.get(one_slot.url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("edgeinfer_requests_total{") and f'status="{status}"' in line)
+
+    before_499, before_400 = count("499"), count("400")
+    host, port = one_slot.url[7:].rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"model\"")
+        time.sleep(0.3)
+    assert _wait(lambda: count("499") == before_499 + 1, 10)
+    assert count("400") == before_400

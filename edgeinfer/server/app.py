@@ -128,7 +128,7 @@ class Server:
                                    code="request_timeout")
             reading.result()
         except ClientDisconnect:  # nobody will read the answer; not a server error
-            raise APIError(400, "the client went away while sending its body", code="client_disconnected") from None
+            raise APIError(499, "the client went away while sending its body", code="client_closed") from None
         finally:
             reading.cancel()
         try:
