@@ -506,3 +506,41 @@ def test_logprob_tokens_are_the_text_they_add(srv):
         assert b"".join(bytes(e.bytes) for e in content) == reply.encode()
         newlines += sum(e.token == "\n" and e.bytes == [10] for e in content) + text.count("\n")
     assert newlines  # the stories have line breaks within 64 tokens: the case that broke
+
+
+@pytest.mark.parametrize("stop", [["."], [" girl named"], ["ily"]])
+def test_logprob_tokens_join_to_a_reply_that_ends_on_a_stop_string(srv, stop):
+    """A helper found the tokens of the stop string in the logprobs: 'Lily' then '.' for a reply
+    ending 'Lily' (stop '.'), and text_offset past the text. They go out with the text they add now,
+    in streams too, and a token that runs into the stop string keeps its part before it ('L' of
+    'Lily' for stop 'ily')."""
+    cl = srv.client()
+    prompt = "Once upon a time"
+    for stream in (False, True):
+        kw = dict(model="stories260K-int8", prompt=prompt, max_tokens=64, temperature=0, logprobs=1, stop=stop)
+        if stream:
+            parts = list(cl.completions.create(stream=True, **kw))
+            text = "".join(p.choices[0].text for p in parts if p.choices)
+            tokens = [t for p in parts if p.choices and p.choices[0].logprobs for t in p.choices[0].logprobs.tokens]
+            offsets = [o for p in parts if p.choices and p.choices[0].logprobs for o in p.choices[0].logprobs.text_offset]
+            reason = [p.choices[0].finish_reason for p in parts if p.choices and p.choices[0].finish_reason]
+        else:
+            c = cl.completions.create(**kw)
+            text, tokens = c.choices[0].text, c.choices[0].logprobs.tokens
+            offsets, reason = c.choices[0].logprobs.text_offset, [c.choices[0].finish_reason]
+        assert reason == ["stop"] and stop[0] not in text and text
+        assert "".join(tokens) == text, (stream, tokens, text)
+        assert all((prompt + text)[o:o + len(t)] == t for t, o in zip(tokens, offsets))
+        msgs = [{"role": "user", "content": prompt}]
+        ckw = dict(model="stories260K-int8", messages=msgs, max_tokens=64, temperature=0, logprobs=True, stop=stop)
+        if stream:
+            parts = list(cl.chat.completions.create(stream=True, **ckw))
+            reply = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+            content = [e for p in parts if p.choices and p.choices[0].logprobs for e in p.choices[0].logprobs.content]
+        else:
+            r = cl.chat.completions.create(**ckw)
+            reply, content = r.choices[0].message.content, r.choices[0].logprobs.content
+        if stop[0] in reply or not reply:  # the chat reply may not reach the stop string: then nothing to check
+            continue
+        assert "".join(e.token for e in content) == reply and \
+            b"".join(bytes(e.bytes) for e in content) == reply.encode(), (stream, content, reply)

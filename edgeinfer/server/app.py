@@ -247,6 +247,7 @@ class _Reply:
         self.ttft_s: float | None = None
         self.tok = server.model.tokenizer
         self._offsets = replies.TextOffsets(len(req.prompt) if not chat and isinstance(req.prompt, str) else 0)
+        self._gate = replies.LogprobGate()  # logprobs go out with the text their tokens add (a stop string's: never)
 
     def failed(self, exc: BaseException, tokens: int = 0) -> Response:
         """The error answer to a request that did not finish, after generating `tokens`."""
@@ -307,23 +308,27 @@ class _Reply:
         _, completion, cached = event
         usage = self._usage(completion, cached)
         reason = replies.finish_reason(completion.finish_reason)
+        lps = self._logprobs(self._released(chunks) + self._gate.finish(completion.finish_reason == "stop"))
         if self.chat:
-            lps = [lp for c in chunks for lp in (self._token_logprobs(c) or [])] if self.req.logprobs else None
             body = replies.chat_response(id=self.id, created=self.created, model=self.model_id, text=completion.text,
                                           finish_reason=reason, usage=usage, logprobs=lps)
         else:
             body = replies.completion_response(id=self.id, created=self.created, model=self.model_id,
-                                                text=completion.text, finish_reason=reason, usage=usage,
-                                                logprobs=self._legacy_logprobs(chunks))
+                                                text=completion.text, finish_reason=reason, usage=usage, logprobs=lps)
         self._finish_metrics(completion, cached)
         return JSON(body, headers={DROPPED_HEADER: str(completion.usage.dropped_tokens)})
 
-    def _legacy_logprobs(self, chunks) -> dict | None:
-        """Legacy completions' logprobs for these chunks; offsets count from the prompt's start, and
-        go on across the chunks of a stream."""
+    def _released(self, chunks) -> list[dict]:
+        """The logprob entries that go out with these chunks' text (`LogprobGate`)."""
+        return [e for c in chunks for e in self._gate.feed(c.text, self._token_logprobs(c) or [])]
+
+    def _logprobs(self, entries: list[dict]):
+        """The reply's logprobs field for these entries: chat's list, or legacy completions' dict
+        (offsets from the prompt's start, going on across the events of a stream); None unless asked."""
+        if self.chat:
+            return entries if self.req.logprobs else None
         if self.req.logprobs is None:
             return None
-        entries = [e for c in chunks for e in (self._token_logprobs(c) or [])]
         return replies.completion_logprobs(entries, text_offset=self._offsets)
 
     async def stream(self, first):
@@ -344,8 +349,9 @@ class _Reply:
                     chunks.append(event[1])
                     event = None
                 tokens += sum(c.token_id is not None for c in chunks)  # before the yield: a client that
-                if any(c.text or c.logprob is not None for c in chunks):  # leaves there still counts them
-                    yield _sse(self._chunk_body(chunks))
+                text, entries = "".join(c.text for c in chunks), self._released(chunks)  # leaves there still
+                if text or entries:  # counts them
+                    yield _sse(self._chunk_body(text, entries))
                 if event is None:
                     event = await self.job.events.get()
             if event[0] == "error":
@@ -361,6 +367,8 @@ class _Reply:
                 return
             _, completion, cached = event
             reason = replies.finish_reason(completion.finish_reason)
+            if entries := self._gate.finish(completion.finish_reason == "stop"):
+                yield _sse(self._chunk_body("", entries))
             if self.chat:
                 yield _sse(replies.chat_chunk(id=self.id, created=self.created, model=self.model_id, delta={},
                                                finish_reason=reason))
@@ -383,15 +391,13 @@ class _Reply:
                 self.server.metrics.cut(tokens)
                 self._log(499 if status == 200 else status, tokens)
 
-    def _chunk_body(self, chunks: list) -> dict:
-        """One SSE event for one or more consecutive chunks (their text joined, their logprobs in order)."""
-        text = "".join(c.text for c in chunks)
+    def _chunk_body(self, text: str, entries: list[dict]) -> dict:
+        """One SSE event: the text of one or more consecutive chunks and the logprob entries released with it."""
         if self.chat:
-            lps = [e for c in chunks for e in (self._token_logprobs(c) or [])] if self.req.logprobs else None
             return replies.chat_chunk(id=self.id, created=self.created, model=self.model_id,
-                                       delta={"content": text}, logprobs=lps)
+                                       delta={"content": text}, logprobs=self._logprobs(entries))
         return replies.completion_chunk(id=self.id, created=self.created, model=self.model_id, text=text,
-                                         logprobs=self._legacy_logprobs(chunks))
+                                         logprobs=self._logprobs(entries))
 
 
 async def _cancel_on_disconnect(request: Request, job: Job, every_s: float = 0.1) -> None:

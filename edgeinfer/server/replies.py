@@ -47,6 +47,40 @@ def token_logprob(token_text: str | bytes, logprob: float, top: list[tuple[str |
     return {**_entry(token_text, logprob), "top_logprobs": [_entry(t, lp) for t, lp in top]}
 
 
+class LogprobGate:
+    """Logprob entries released in step with the reply's text, so that their tokens join to it: an
+    entry waits while its bytes run past the text sent so far (text held back for a stop string that
+    may follow); at the end all that waits goes out, except at a stop string, where the entry that
+    runs into it keeps only its bytes before it and the later ones (the stop string's) are dropped.
+    Counted in UTF-8 bytes, which a byte token's entry has exactly."""
+
+    def __init__(self):
+        self.pending: list[dict] = []
+        self.text_bytes = 0  # of the reply's text sent so far
+        self.sent_bytes = 0  # of the entries released so far
+
+    def feed(self, text: str, entries: list[dict]) -> list[dict]:
+        """The entries that may go out with `text` (the next piece of the reply) now."""
+        self.text_bytes += len(text.encode("utf-8"))
+        self.pending += entries
+        out = []
+        while self.pending and self.sent_bytes + len(self.pending[0]["bytes"]) <= self.text_bytes:
+            out.append(self.pending.pop(0))
+            self.sent_bytes += len(out[-1]["bytes"])
+        return out
+
+    def finish(self, stopped: bool) -> list[dict]:
+        """What still waits, at the end of the reply (`stopped`: it ended on a stop string)."""
+        out, self.pending = self.pending, []
+        if not stopped:
+            return out
+        room = self.text_bytes - self.sent_bytes
+        if not out or room <= 0:
+            return []
+        cut = bytes(out[0]["bytes"][:room])
+        return [{**out[0], "token": cut.decode("utf-8", errors="replace"), "bytes": list(cut)}]
+
+
 class TextOffsets:
     """Legacy completions' `text_offset`, token after token, across the chunks of a reply: each
     token's character offset in prompt + text. A token that is a piece of a character (its "bytes"
