@@ -129,6 +129,8 @@ def _stdin_text() -> str:
     """The prompt `-` stands for: all of standard input, as UTF-8 (a command line holds 128 KiB at most)."""
     if sys.stdin is None:
         raise EdgeInferError("the prompt is - (standard input), but standard input is closed")
+    if sys.stdin.isatty():
+        print("edgeinfer: reading the prompt from standard input; end it with Ctrl-D", file=sys.stderr)
     data = sys.stdin.buffer.read()
     try:
         return data.decode("utf-8")
@@ -152,9 +154,12 @@ def _context_notes(c, max_new_tokens: int, capacity: int, overflow: str) -> list
 
 def _cmd_chat(args: argparse.Namespace) -> int:
     opts = _options(args)
+    if sys.stdin is None:
+        raise EdgeInferError("chat reads its messages from standard input, which is closed")
+    interactive = sys.stdin.isatty()
     model = _load(args)
     conv = model.conversation()
-    if sys.stdin.isatty():
+    if interactive:
         try:  # line editing and history; without it the terminal's own line buffer cuts a line at 4,095 bytes
             import readline  # noqa: F401
         except ImportError:  # Windows, or a Python built without it
@@ -162,9 +167,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     print("edgeinfer chat: /reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
     while True:
         try:
-            line = input("> " if sys.stdin.isatty() else "")  # piped: no prompts mixed into the replies
+            line = input("> " if interactive else "")  # piped: no prompts mixed into the replies
         except EOFError:
-            print()
+            if interactive:
+                print()
             return 0
         except KeyboardInterrupt:
             print()

@@ -78,6 +78,8 @@ class Chunk:
     token_id: int | None  # None only for a final chunk that flushes held-back text
     logprob: float | None = None  # with `logprobs`: the token's log-probability (penalised, biased, T=1)
     top_logprobs: tuple[tuple[int, float], ...] = ()  # with `logprobs` = n > 0: the n best (id, logprob)
+    piece: str = ""  # the text the token added, before the stop filter held any back ("" while a character is
+    # incomplete): what the daemon releases a token's logprobs in step with
 
 
 class GenerationCancelled(EdgeInferError):
@@ -320,10 +322,10 @@ class Request:
             piece = detok.add(token)
             text = stops.feed(piece)
             if stops.stopped:
-                return "stop", Chunk(text, token, lp, top), t_first
+                return "stop", Chunk(text, token, lp, top, piece), t_first
             if len(generated) >= max_new or (overflow != "shift" and cache.full):
-                return "length", Chunk(text + stops.flush(), token, lp, top), t_first
-            yield Chunk(text, token, lp, top)
+                return "length", Chunk(text + stops.flush(), token, lp, top, piece), t_first
+            yield Chunk(text, token, lp, top, piece)
             if held is not None:  # the thread that resumed the steps holds the context (a stream may change threads)
                 held.hand_to(threading.current_thread())
             if pace is not None:

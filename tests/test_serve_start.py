@@ -4,6 +4,7 @@ exit 1 (hostile CLI test: a port in use printed "listening on ..." and then exit
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -71,6 +72,7 @@ def test_an_ipv6_address_is_written_in_brackets():
         assert re.fullmatch(r"http://\[::1\]:\d+", url_of(sock)) and not url_of(sock).endswith(":0")
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="127.0.0.2 is a local address on Linux")
 def test_a_name_with_several_addresses_is_bound_on_each_with_one_port(monkeypatch):
     """The review: only getaddrinfo's first address was bound, so with '::1 localhost' in /etc/hosts,
     http://127.0.0.1 was refused (uvicorn binds them all). Here a resolver names both loopbacks."""
@@ -112,10 +114,17 @@ def test_an_address_this_machine_lacks_is_left_out_while_another_binds(monkeypat
     def with_a_foreign_address(host, port, *a, **kw):
         if host != "mixed":
             return real(host, port, *a, **kw)
-        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("192.0.2.1", port)),  # not ours
+        return [(socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("::1", port, 0, 0)),  # "not ours"
                 (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", port))]
 
+    class NoIPv6(socket.socket):  # as with IPv6 off in the kernel: the socket itself cannot be made
+        def __init__(self, family=-1, *a, **kw):
+            if family == socket.AF_INET6:
+                raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+            super().__init__(family, *a, **kw)
+
     monkeypatch.setattr(socket, "getaddrinfo", with_a_foreign_address)
+    monkeypatch.setattr(socket, "socket", NoIPv6)
     socks = listen_sockets("mixed", 0)
     try:
         assert [s.getsockname()[0] for s in socks] == ["127.0.0.1"]
@@ -184,6 +193,51 @@ def test_sigterm_answers_a_request_whose_body_is_still_coming_with_503_and_no_tr
         assert proc.wait(timeout=30) == 0
         err = proc.stderr.read()
         assert "Traceback" not in err and "ERROR" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stderr.close()
+
+
+def test_a_request_in_a_slow_prefill_chunk_at_the_end_of_the_grace_period_is_answered_503(tmp_path):
+    """The review: past the grace period the drain cancelled what was left and let uvicorn stop 2 s
+    later, but a cancelled request stops only after its current prefill chunk (seconds for a large
+    model on a Pi): uvicorn cut it off, a text/plain 500. The drain now waits for cancelled requests
+    to answer (CANCEL_WAIT_S). Here each prefill chunk takes 6 s."""
+    code = ("import sys, time\n"
+            "from edgeinfer.engine import Engine\n"
+            "real = Engine._forward\n"
+            "def slow(self, cache, ids, s, *a, **kw):\n"
+            "    if s > 1: time.sleep(6)\n"
+            "    return real(self, cache, ids, s, *a, **kw)\n"
+            "Engine._forward = slow\n"
+            "from edgeinfer.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--port", "0", "--slots", "1", "--grace-s", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "listening on" not in line:
+            assert proc.poll() is None, line
+            line = proc.stderr.readline()
+        url = re.search(r"listening on (http://\S+)", line).group(1)
+        result = {}
+
+        def ask():
+            result["r"] = httpx.post(url + "/v1/completions", timeout=60,
+                                     json={"model": "stories260K-int8", "prompt": "Once upon a time " * 40,
+                                           "max_tokens": 5})
+
+        import threading
+        t = threading.Thread(target=ask)
+        t.start()
+        time.sleep(1.0)  # in its first 6 s prefill chunk
+        proc.send_signal(signal.SIGTERM)
+        t.join(timeout=60)
+        r = result["r"]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", (r.status_code, r.text)
+        assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

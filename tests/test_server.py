@@ -544,3 +544,22 @@ def test_logprob_tokens_join_to_a_reply_that_ends_on_a_stop_string(srv, stop):
             continue
         assert "".join(e.token for e in content) == reply and \
             b"".join(bytes(e.bytes) for e in content) == reply.encode(), (stream, content, reply)
+
+
+@pytest.mark.parametrize("prompt", [[1], [1, 403, 229, 133]], ids=["bos only", "ends mid-character"])
+@pytest.mark.parametrize("stop", [None, ["."], ["ily"]])
+def test_logprob_tokens_join_to_the_reply_of_a_prompt_of_token_ids(srv, prompt, stop):
+    """The review: after BOS alone the first token's own text is ' Once' where the reply has 'Once',
+    and after a prompt ending mid-character the first token completes that character; counting the
+    tokens' own texts put every later entry one behind, and let a stop string's token through."""
+    cl = srv.client()
+    for stream in (False, True):
+        kw = dict(model="stories260K-int8", prompt=prompt, max_tokens=48, temperature=0, logprobs=1, stop=stop)
+        if stream:
+            parts = [p for p in cl.completions.create(stream=True, **kw) if p.choices]
+            text = "".join(p.choices[0].text for p in parts)
+            tokens = [t for p in parts if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens]
+        else:
+            c = cl.completions.create(**kw)
+            text, tokens = c.choices[0].text, c.choices[0].logprobs.tokens
+        assert text and "".join(tokens) == text, (stream, tokens, text)

@@ -277,7 +277,10 @@ class _Reply:
         if chunk.logprob is None or chunk.token_id is None:
             return None
         top = [(self.tok.token_text(i), lp) for i, lp in chunk.top_logprobs]
-        return [replies.token_logprob(self.tok.token_text(chunk.token_id), chunk.logprob, top)]
+        text = self.tok.token_text(chunk.token_id)
+        if isinstance(text, str) and chunk.piece and chunk.piece != text:  # what it added to this reply: a first
+            text = chunk.piece  # token's space dropped, a character the prompt began completed (byte tokens: exact)
+        return [replies.token_logprob(text, chunk.logprob, top)]
 
     def _log(self, status: int, completion_tokens: int) -> None:
         total_ms = (time.perf_counter() - self.t0) * 1e3
@@ -320,7 +323,11 @@ class _Reply:
 
     def _released(self, chunks) -> list[dict]:
         """The logprob entries that go out with these chunks' text (`LogprobGate`)."""
-        return [e for c in chunks for e in self._gate.feed(c.text, self._token_logprobs(c) or [])]
+        out = []
+        for c in chunks:
+            entries = self._token_logprobs(c)
+            out += self._gate.feed(c.text, entries[0] if entries else None, c.piece)
+        return out
 
     def _logprobs(self, entries: list[dict]):
         """The reply's logprobs field for these entries: chat's list, or legacy completions' dict

@@ -1,4 +1,5 @@
-"""edgeinfer's results -> OpenAI's HTTP JSON objects, for the OpenAI-compatible daemon. Pure functions.
+"""edgeinfer's results -> OpenAI's HTTP JSON objects, for the OpenAI-compatible daemon: pure builders,
+and two small per-reply helpers (`TextOffsets`, `LogprobGate`).
 
 The builders return dicts shaped field for field like OpenAI's objects (they validate as the official
 `openai` client's types). A finish reason may be edgeinfer's ("eos", "stop", "length") or OpenAI's; a
@@ -7,6 +8,8 @@ logprob below -9999.0 (or -inf, which JSON cannot carry) is sent as -9999.0, Ope
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 MIN_LOGPROB = -9999.0
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -49,36 +52,40 @@ def token_logprob(token_text: str | bytes, logprob: float, top: list[tuple[str |
 
 class LogprobGate:
     """Logprob entries released in step with the reply's text, so that their tokens join to it: an
-    entry waits while its bytes run past the text sent so far (text held back for a stop string that
-    may follow); at the end all that waits goes out, except at a stop string, where the entry that
-    runs into it keeps only its bytes before it and the later ones (the stop string's) are dropped.
-    Counted in UTF-8 bytes, which a byte token's entry has exactly."""
+    entry waits while the text its token added (`Chunk.piece`) runs past the text sent so far (text
+    held back for a stop string that may follow); at the end all that waits goes out, except at a
+    stop string, where the token that runs into it keeps only its part before it and the later ones
+    (the stop string's) are dropped. Counted in UTF-8 bytes of the pieces, which is the reply's text
+    whatever the tokens' own texts are (a first token's dropped space, a prompt ending mid-character)."""
 
     def __init__(self):
-        self.pending: list[dict] = []
+        self.pending: deque[tuple[dict | None, str]] = deque()  # (entry or None, its token's piece)
         self.text_bytes = 0  # of the reply's text sent so far
-        self.sent_bytes = 0  # of the entries released so far
+        self.sent_bytes = 0  # of the pieces released so far
 
-    def feed(self, text: str, entries: list[dict]) -> list[dict]:
+    def feed(self, text: str, entry: dict | None, piece: str) -> list[dict]:
         """The entries that may go out with `text` (the next piece of the reply) now."""
         self.text_bytes += len(text.encode("utf-8"))
-        self.pending += entries
+        self.pending.append((entry, piece))
         out = []
-        while self.pending and self.sent_bytes + len(self.pending[0]["bytes"]) <= self.text_bytes:
-            out.append(self.pending.pop(0))
-            self.sent_bytes += len(out[-1]["bytes"])
+        while self.pending and self.sent_bytes + len(self.pending[0][1].encode("utf-8")) <= self.text_bytes:
+            e, released = self.pending.popleft()
+            self.sent_bytes += len(released.encode("utf-8"))
+            if e is not None:
+                out.append(e)
         return out
 
     def finish(self, stopped: bool) -> list[dict]:
         """What still waits, at the end of the reply (`stopped`: it ended on a stop string)."""
-        out, self.pending = self.pending, []
+        waiting, self.pending = list(self.pending), deque()
         if not stopped:
-            return out
+            return [e for e, _ in waiting if e is not None]
         room = self.text_bytes - self.sent_bytes
-        if not out or room <= 0:
-            return []
-        cut = bytes(out[0]["bytes"][:room])
-        return [{**out[0], "token": cut.decode("utf-8", errors="replace"), "bytes": list(cut)}]
+        for e, piece in waiting:  # the first token with text left in the reply runs into the stop string
+            if e is not None and room > 0:
+                cut = piece.encode("utf-8")[:room]
+                return [{**e, "token": cut.decode("utf-8", errors="replace"), "bytes": list(cut)}]
+        return []
 
 
 class TextOffsets:
@@ -180,5 +187,5 @@ def models_list(model_id: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": OWNED_BY}]}
 
 
-__all__ = ["TextOffsets", "chat_chunk", "chat_response", "completion_chunk", "completion_logprobs",
+__all__ = ["LogprobGate", "TextOffsets", "chat_chunk", "chat_response", "completion_chunk", "completion_logprobs",
            "completion_response", "finish_reason", "models_list", "token_logprob", "usage"]

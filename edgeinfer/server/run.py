@@ -24,8 +24,10 @@ from edgeinfer.server.config import ServeConfig
 log = logging.getLogger("edgeinfer.server")
 
 
-AFTER_DRAIN_S = 2  # uvicorn's own wait once the drain ended: the requests had grace_s already (twice made
-# a stalled reader hold a stop for 2 x grace_s, past systemd's TimeoutStopSec)
+CANCEL_WAIT_S = 8  # past the grace period: how long cancelled requests may take to stop (at their next
+# prefill chunk or token: seconds for a large model on a Pi) and answer 503, before uvicorn closes
+AFTER_DRAIN_S = 3  # then uvicorn's own wait for connections still sending (grace_s again made a stalled
+# reader hold a stop for 2 x grace_s, past the unit's TimeoutStopSec = grace_s + 15)
 HEAD_READ_S = 30.0  # the most a connection may take to send a request's head, from its opening or last response
 
 
@@ -91,10 +93,12 @@ class DrainingServer(uvicorn.Server):
         self.force_exit = self.should_exit = True
 
     def _drain(self) -> None:
-        deadline = time.monotonic() + self.grace_s
-        while self.app_server.scheduler.in_flight and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.app_server.scheduler.cancel_all()  # past the grace period: what is left stops at its next step
+        sched = self.app_server.scheduler
+        for wait_s in (self.grace_s, CANCEL_WAIT_S):  # the grace period; then what is left is cancelled and
+            deadline = time.monotonic() + wait_s  # stops at its next step, answering 503 (not cut off by uvicorn)
+            while sched.in_flight and time.monotonic() < deadline:
+                time.sleep(0.05)
+            sched.cancel_all()
         self.should_exit = True
 
 
@@ -153,19 +157,22 @@ def listen_sockets(host: str, port: int) -> list[socket.socket]:
     for attempt in range(5 if port == 0 else 1):  # port 0: the port the first got may be taken on another address
         socks, chosen, error = [], port, None
         for family, kind, proto, _, address in infos:
-            sock = socket.socket(family, kind, proto)
+            sock = None
             try:
+                sock = socket.socket(family, kind, proto)  # EAFNOSUPPORT here with IPv6 off in the kernel
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait
                 if family == socket.AF_INET6:
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 sock.bind((address[0], chosen, *address[2:]))
                 sock.listen(2048)  # uvicorn's backlog
             except OSError as e:
-                sock.close()
+                if sock is not None:
+                    sock.close()
+                where = f"[{address[0]}]" if family == socket.AF_INET6 else address[0]
                 if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) and len(infos) > 1:
-                    error = error or e  # not an address of this machine: the others may do
+                    error = error or (where, e)  # not an address of this machine: the others may do
                     continue
-                error = e
+                error = (where, e)
                 break
             socks.append(sock)
             chosen = sock.getsockname()[1]
@@ -174,7 +181,8 @@ def listen_sockets(host: str, port: int) -> list[socket.socket]:
                 return socks
         for sock in socks:
             sock.close()
-    raise InvalidArgumentError(f"cannot listen on {host}:{port}: {error.strerror or error}")
+    where, e = error
+    raise InvalidArgumentError(f"cannot listen on {where}:{chosen if port == 0 else port}: {e.strerror or e}")
 
 
 def url_of(sock: socket.socket) -> str:
