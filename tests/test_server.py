@@ -391,7 +391,7 @@ def test_chunks_that_pile_up_go_out_as_one_event(srv):
 
     from edgeinfer.generation import Chunk
     from edgeinfer.server import protocol
-    from edgeinfer.server.app import _Reply
+    from edgeinfer.server.answer import Reply as _Reply
 
     class Job:
         def __init__(self):

@@ -3,7 +3,7 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
 Every error is OpenAI-shaped ({"error": {"message", "type", "param", "code"}}) with its status:
 400 bad request, 401 bad or missing key, 404 unknown route or model, 405, 408 body too slow, 413 body too large,
-429 queue full (with Retry-After), 503 shutting down or a background request (header
+429 queue full (with Retry-After), 499 (logged and counted only) the client left, 503 shutting down or a background request (header
 x-edgeinfer-priority) the power plan refuses (with Retry-After), 500 a bug (logged, the server goes on).
 
 Request path: the body is read (at most max_body_bytes) and parsed (`protocol`), the prompt is
@@ -21,7 +21,6 @@ import hmac
 import json
 import logging
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
@@ -29,34 +28,20 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from edgeinfer.errors import EdgeInferError, ModelFormatError
-from edgeinfer.overflow import ContextOverflowError
 from edgeinfer.server import protocol, replies
 from edgeinfer.server.config import ServeConfig
 from edgeinfer.server.metrics import Metrics
 from edgeinfer.server.protocol import APIError
-from edgeinfer.server.scheduler import Cancelled, Closed, Job, QueueFull, Scheduler
+from edgeinfer.server.answer import JSON, Reply, cancel_on_disconnect, error_response
+from edgeinfer.server.scheduler import Closed, Job, QueueFull, Scheduler
 
 log = logging.getLogger("edgeinfer.server")
 BODY_READ_S = 30.0  # the most a request body may take to arrive (a 1 MiB body at 35 kB/s)
 DRAIN_CHECK_S = 0.25  # how often a body still arriving looks whether the server began to drain
-DROPPED_HEADER = "X-Edgeinfer-Dropped-Tokens"
-
-
-class JSON(JSONResponse):
-    """JSON with non-ASCII escaped: a lone surrogate echoed from a request cannot break the encoding."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
-def error_response(e: APIError, headers: dict | None = None) -> JSONResponse:
-    if e.status in (408, 413):  # the body was not read to its end: the connection cannot carry another request,
-        headers = {**(headers or {}), "Connection": "close"}  # so it closes once the answer is out (as nginx does)
-    return JSON(e.body(), status_code=e.status, headers=headers)
 
 
 PRIORITY_HEADER = "x-edgeinfer-priority"  # interactive (default) | background
@@ -220,8 +205,8 @@ class Server:
         except BaseException:  # never queued (the pool shut down, a failure): its place is given up
             self.scheduler.withdraw(ticket)
             raise
-        reply = _Reply(self, req, chat, prompt, job, t0, endpoint)
-        watch = asyncio.ensure_future(_cancel_on_disconnect(request, job))
+        reply = Reply(self, req, chat, prompt, job, t0, endpoint)
+        watch = asyncio.ensure_future(cancel_on_disconnect(request, job))
         try:
             first = await job.events.get()
             if first[0] == "error":
@@ -233,189 +218,6 @@ class Server:
             return await reply.whole(first)
         finally:
             watch.cancel()
-
-
-class _Reply:
-    """One generation request's answer, whole or streamed (state of a single response)."""
-
-    def __init__(self, server: Server, req, chat: bool, prompt: list[int], job: Job, t0: float, endpoint: str):
-        self.server, self.req, self.chat, self.prompt, self.job, self.t0 = server, req, chat, prompt, job, t0
-        self.endpoint = endpoint
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-        self.model_id = server.model_id
-        self.ttft_s: float | None = None
-        self.tok = server.model.tokenizer
-        self._offsets = replies.TextOffsets(len(req.prompt) if not chat and isinstance(req.prompt, str) else 0)
-        self._gate = replies.LogprobGate()  # logprobs go out with the text their tokens add (a stop string's: never)
-
-    def failed(self, exc: BaseException, tokens: int = 0) -> Response:
-        """The error answer to a request that did not finish, after generating `tokens`."""
-        if isinstance(exc, Cancelled):  # the client left (nobody reads this) or the server is stopping
-            err = APIError(503, "the server is shutting down", type="server_error", code="shutting_down") \
-                if self.server.draining else APIError(499, "the client closed the request", code="client_closed")
-        elif isinstance(exc, ContextOverflowError):
-            err = APIError(400, str(exc), param="messages" if self.chat else "prompt", code="context_length_exceeded")
-        elif isinstance(exc, ModelFormatError):  # the model's own fault (non-finite logits): not the request's
-            log.error("generation failed: %s", exc)
-            err = APIError(500, str(exc), type="server_error")
-        elif isinstance(exc, EdgeInferError):
-            err = APIError(400, str(exc))
-        else:
-            log.error("generation failed: %r", exc)
-            err = APIError(500, "generation failed", type="server_error")
-        self.server.metrics.request(self.endpoint, err.status)
-        self.server.metrics.cut(tokens)
-        self._log(err.status, tokens)
-        return error_response(err)
-
-    def _usage(self, completion, cached: int) -> dict:
-        u = completion.usage
-        return replies.usage(len(self.prompt), u.completion_tokens, cached, u.dropped_tokens)
-
-    def _token_logprobs(self, chunk) -> list[dict] | None:
-        if chunk.logprob is None or chunk.token_id is None:
-            return None
-        top = [(self.tok.token_text(i), lp) for i, lp in chunk.top_logprobs]
-        text = self.tok.token_text(chunk.token_id)
-        if isinstance(text, str) and chunk.piece and chunk.piece != text:  # what it added to this reply: a first
-            text = chunk.piece  # token's space dropped, a character the prompt began completed (byte tokens: exact)
-        return [replies.token_logprob(text, chunk.logprob, top)]
-
-    def _log(self, status: int, completion_tokens: int) -> None:
-        total_ms = (time.perf_counter() - self.t0) * 1e3
-        ttft = f"{self.ttft_s * 1e3:.1f}" if self.ttft_s is not None else "-"
-        fields = {"method": "POST", "path": f"/v1/{'chat/' if self.chat else ''}completions", "status": status,
-                  "prompt_tokens": len(self.prompt), "completion_tokens": completion_tokens, "ttft_ms": ttft,
-                  "total_ms": round(total_ms, 1)}
-        if self.server.config.log_format == "json":
-            log.info(json.dumps(fields))
-        else:
-            log.info(" ".join(f"{k}={v}" for k, v in fields.items()))
-
-    def _finish_metrics(self, completion, cached: int, status: int = 200) -> None:
-        m = self.server.metrics
-        m.request(self.endpoint, status)
-        m.finished(completion, len(self.prompt), cached, self.ttft_s, time.perf_counter() - self.t0)
-        self._log(status, completion.usage.completion_tokens)
-
-    async def whole(self, first) -> Response:
-        chunks, event = [], first
-        while event[0] == "chunk":
-            if self.ttft_s is None:
-                self.ttft_s = time.perf_counter() - self.t0
-            chunks.append(event[1])
-            event = await self.job.events.get()
-        if event[0] == "error":
-            return self.failed(event[1], sum(c.token_id is not None for c in chunks))
-        _, completion, cached = event
-        usage = self._usage(completion, cached)
-        reason = replies.finish_reason(completion.finish_reason)
-        lps = self._logprobs(self._released(chunks) + self._gate.finish(completion.finish_reason == "stop"))
-        if self.chat:
-            body = replies.chat_response(id=self.id, created=self.created, model=self.model_id, text=completion.text,
-                                          finish_reason=reason, usage=usage, logprobs=lps)
-        else:
-            body = replies.completion_response(id=self.id, created=self.created, model=self.model_id,
-                                                text=completion.text, finish_reason=reason, usage=usage, logprobs=lps)
-        self._finish_metrics(completion, cached)
-        return JSON(body, headers={DROPPED_HEADER: str(completion.usage.dropped_tokens)})
-
-    def _released(self, chunks) -> list[dict]:
-        """The logprob entries that go out with these chunks' text (`LogprobGate`)."""
-        out = []
-        for c in chunks:
-            entries = self._token_logprobs(c)
-            out += self._gate.feed(c.text, entries[0] if entries else None, c.piece)
-        return out
-
-    def _logprobs(self, entries: list[dict]):
-        """The reply's logprobs field for these entries: chat's list, or legacy completions' dict
-        (offsets from the prompt's start, going on across the events of a stream); None unless asked."""
-        if self.chat:
-            return entries if self.req.logprobs else None
-        if self.req.logprobs is None:
-            return None
-        return replies.completion_logprobs(entries, text_offset=self._offsets)
-
-    async def stream(self, first):
-        """SSE events as OpenAI sends them; the job is cancelled if the client goes away."""
-        event, status, completion, tokens = first, 200, None, 0  # tokens: those sent, for the log of a cut stream
-        try:
-            if self.chat:
-                yield _sse(replies.chat_chunk(id=self.id, created=self.created, model=self.model_id,
-                                               delta={"role": "assistant", "content": ""}))
-            while event[0] == "chunk":
-                if self.ttft_s is None:
-                    self.ttft_s = time.perf_counter() - self.t0
-                chunks, event = [event[1]], None
-                while not self.job.events.empty():  # the client fell behind: send what is ready as one event
-                    event = self.job.events.get_nowait()
-                    if event[0] != "chunk":
-                        break
-                    chunks.append(event[1])
-                    event = None
-                tokens += sum(c.token_id is not None for c in chunks)  # before the yield: a client that
-                text, entries = "".join(c.text for c in chunks), self._released(chunks)  # leaves there still
-                if text or entries:  # counts them
-                    yield _sse(self._chunk_body(text, entries))
-                if event is None:
-                    event = await self.job.events.get()
-            if event[0] == "error":
-                if isinstance(event[1], Cancelled):  # the grace period ended (or the client left: nobody reads)
-                    err = APIError(503, str(event[1]), type="server_error", code="shutting_down")
-                    status = 503 if self.server.draining else 499
-                else:
-                    status = 400 if isinstance(event[1], EdgeInferError) and \
-                        not isinstance(event[1], ModelFormatError) else 500
-                    err = APIError(status, str(event[1]) or "generation failed", type="server_error")
-                yield _sse(err.body())
-                yield "data: [DONE]\n\n"
-                return
-            _, completion, cached = event
-            reason = replies.finish_reason(completion.finish_reason)
-            if entries := self._gate.finish(completion.finish_reason == "stop"):
-                yield _sse(self._chunk_body("", entries))
-            if self.chat:
-                yield _sse(replies.chat_chunk(id=self.id, created=self.created, model=self.model_id, delta={},
-                                               finish_reason=reason))
-            else:
-                yield _sse(replies.completion_chunk(id=self.id, created=self.created, model=self.model_id, text="",
-                                                     finish_reason=reason))
-            if self.req.include_usage:
-                usage = self._usage(completion, cached)
-                build = replies.chat_chunk if self.chat else replies.completion_chunk
-                extra = {"delta": {}} if self.chat else {"text": ""}
-                body = build(id=self.id, created=self.created, model=self.model_id, usage=usage, **extra)
-                yield _sse(body)
-            yield "data: [DONE]\n\n"
-        finally:  # also when the client disconnects: the generator is closed or cancelled here
-            self.job.cancel()
-            if completion is not None:
-                self._finish_metrics(completion, event[2], status)
-            else:  # cut short: by the client (499, nobody reads), the server stopping (503) or a failure
-                self.server.metrics.request(self.endpoint, 499 if status == 200 else status)
-                self.server.metrics.cut(tokens)
-                self._log(499 if status == 200 else status, tokens)
-
-    def _chunk_body(self, text: str, entries: list[dict]) -> dict:
-        """One SSE event: the text of one or more consecutive chunks and the logprob entries released with it."""
-        if self.chat:
-            return replies.chat_chunk(id=self.id, created=self.created, model=self.model_id,
-                                       delta={"content": text}, logprobs=self._logprobs(entries))
-        return replies.completion_chunk(id=self.id, created=self.created, model=self.model_id, text=text,
-                                         logprobs=self._logprobs(entries))
-
-
-async def _cancel_on_disconnect(request: Request, job: Job, every_s: float = 0.1) -> None:
-    """Cancel `job` as soon as the client disconnects (queued, prefilling or generating a whole reply)."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(every_s)
-    job.cancel()
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 class _Gate:
