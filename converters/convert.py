@@ -21,8 +21,7 @@ import onnx
 from edgeinfer import __version__
 from edgeinfer.converters import gguf_import
 from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_decoder
-from edgeinfer.converters.destination import (_check_destination, _os_error, _replace_atomically, make_parents,
-                                               remove_made, temp_folder)
+from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter
@@ -336,12 +335,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
             spec = widened_spec(spec, head_dim)
             log(f"attention heads widened from {spec.source_head_dim} to {head_dim} for GroupQueryAttention")
 
-    made = make_parents(dst)
-    try:
-        tmp = temp_folder(dst)
-    except BaseException:
-        remove_made(made)
-        raise
+    tmp, made = temp_folder(dst)
     writer = None
     try:
         if gguf:  # before the graph: a vocabulary that makes no tokenizer is refused before minutes of work
@@ -409,8 +403,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
             if writer is not None:
                 writer.close()
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-            remove_made(made)  # after a failure: no empty parents left (after success dst is in them)
+            discard(tmp, made)
 
 
 __all__ = ["convert", "default_scheme", "QuantScheme"]

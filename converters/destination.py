@@ -85,26 +85,39 @@ def _os_error(e: OSError, dst: Path) -> ConvertError:
     return ConvertError(f"cannot convert into {dst}: {e.strerror or e}{where}")
 
 
-def temp_folder(dst: Path) -> Path:
+def temp_folder(dst: Path) -> tuple[Path, list[Path]]:
     """A new, empty folder next to `dst` for building it: `.DST.partial-PID-RANDOM`, unique to this
     call (two threads converting into one destination never share one), made with the permissions
     the umask gives a new folder (mkdtemp's are 0700: a daemon's own user could not read the
-    result). Those that a conversion killed outright left behind are removed first: their process
+    result). dst's missing parents are made first; returns (the folder, the parents made), both for
+    `discard`. Those that a conversion killed outright left behind are removed first: their process
     is gone and nothing in them changed for `ORPHAN_AGE_S` (a conversion on another host or in
     another container sharing the folder shows no process here)."""
-    _remove_orphans(dst)
-    for _ in range(100):
-        tmp = dst.parent / f"{_hidden(dst)}.partial-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            tmp.mkdir(0o777)  # the kernel applies the umask: no process-wide umask change (threads)
-            return tmp
-        except FileExistsError:
-            continue
-    raise ConvertError(f"cannot make a temporary folder beside {dst}")
+    made = _make_parents(dst)
+    try:
+        _remove_orphans(dst)
+        for _ in range(100):
+            tmp = dst.parent / f"{_hidden(dst)}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                tmp.mkdir(0o777)  # the kernel applies the umask: no process-wide umask change (threads)
+                return tmp, made
+            except FileExistsError:
+                continue
+        raise ConvertError(f"cannot make a temporary folder beside {dst}")
+    except BaseException:
+        _remove_made(made)
+        raise
+
+
+def discard(tmp: Path, made: list[Path]) -> None:
+    """Remove `temp_folder`'s folder (gone already once renamed into place) and, after a failure,
+    the parents it made (after a success dst is in them, and they stay)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    _remove_made(made)
 
 
 ORPHAN_AGE_S = 3600
-HIDDEN_NAME_BYTES = 100  # of dst's name in its temporary folders' names: a 255-byte dst name is legal, plus ".partial-PID-X" not
+HIDDEN_NAME_BYTES = 100  # of dst's name in the hidden folders' names (255 bytes are legal, plus ".partial-PID-X" not)
 
 
 def _hidden(dst: Path) -> str:
@@ -113,8 +126,8 @@ def _hidden(dst: Path) -> str:
     return "." + os.fsencode(dst.name)[:HIDDEN_NAME_BYTES].decode("utf-8", "ignore")
 
 
-def make_parents(dst: Path) -> list[Path]:
-    """Make dst's missing parent folders; returns those made, outermost first, for `remove_made`."""
+def _make_parents(dst: Path) -> list[Path]:
+    """Make dst's missing parent folders; returns those made, outermost first, for `_remove_made`."""
     missing = []
     for parent in dst.parents:
         if parent.exists():
@@ -124,8 +137,8 @@ def make_parents(dst: Path) -> list[Path]:
     return missing[::-1]
 
 
-def remove_made(folders: list[Path]) -> None:
-    """Remove the folders `make_parents` made, innermost first, while they are empty (a failed
+def _remove_made(folders: list[Path]) -> None:
+    """Remove the folders `_make_parents` made, innermost first, while they are empty (a failed
     conversion leaves no empty a/b/c behind; one another process filled meanwhile is kept)."""
     for folder in reversed(folders):
         try:

@@ -33,8 +33,7 @@ from pathlib import Path
 from edgeinfer import __version__
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters.convert import MAX_DEFAULT_CAPACITY, TOKENIZER_FILES, _check_source, _tokenizer_info
-from edgeinfer.converters.destination import (_check_destination, _os_error, _replace_atomically, make_parents,
-                                               remove_made, temp_folder)
+from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
 from edgeinfer.converters.source_files import regular_file
 from edgeinfer.converters.hf_config import _eos_ids, _int, flag, parse_rope, read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE
@@ -144,12 +143,7 @@ def convert_via_optimum(src: Path | str, dst: Path | str, *, quant: str = "int4"
 
 def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transformers, TasksManager, export,
              log, force: bool) -> Manifest:
-    made = make_parents(dst)
-    try:
-        tmp = temp_folder(dst)
-    except BaseException:
-        remove_made(made)
-        raise
+    tmp, made = temp_folder(dst)
     try:
         t0 = time.perf_counter()
         exported = tmp / "optimum-export"
@@ -176,8 +170,7 @@ def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transfor
         _replace_atomically(tmp, dst, force)
         return manifest
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        remove_made(made)  # after a failure: no empty parents left (after success dst is in them)
+        discard(tmp, made)
 
 
 @contextlib.contextmanager
