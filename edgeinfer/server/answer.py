@@ -51,7 +51,9 @@ class Reply:
         self.ttft_s: float | None = None
         self.tok = server.model.tokenizer
         self._offsets = replies.TextOffsets(len(req.prompt) if not chat and isinstance(req.prompt, str) else 0)
-        self._gate = replies.LogprobGate()  # logprobs go out with the text their tokens add (a stop string's: never)
+        wanted = bool(req.logprobs) if chat else req.logprobs is not None
+        # logprobs go out with the text their tokens add (a stop string's: never); none asked: no gate, no cost
+        self._gate = replies.LogprobGate() if wanted else None
 
     def failed(self, exc: BaseException, tokens: int = 0) -> Response:
         """The error answer to a request that did not finish, after generating `tokens`."""
@@ -115,7 +117,7 @@ class Reply:
         _, completion, cached = event
         usage = self._usage(completion, cached)
         reason = replies.finish_reason(completion.finish_reason)
-        lps = self._logprobs(self._released(chunks) + self._gate.finish(completion.finish_reason == "stop"))
+        lps = self._logprobs(self._released(chunks) + self._held_back(completion))
         if self.chat:
             body = replies.chat_response(id=self.id, created=self.created, model=self.model_id, text=completion.text,
                                           finish_reason=reason, usage=usage, logprobs=lps)
@@ -127,11 +129,17 @@ class Reply:
 
     def _released(self, chunks) -> list[dict]:
         """The logprob entries that go out with these chunks' text (`LogprobGate`)."""
+        if self._gate is None:
+            return []
         out = []
         for c in chunks:
             entries = self._token_logprobs(c)
             out += self._gate.feed(c.text, entries[0] if entries else None, c.piece)
         return out
+
+    def _held_back(self, completion) -> list[dict]:
+        """The logprob entries still waiting when the reply ends (`LogprobGate.finish`)."""
+        return self._gate.finish(completion.finish_reason == "stop") if self._gate is not None else []
 
     def _logprobs(self, entries: list[dict]):
         """The reply's logprobs field for these entries: chat's list, or legacy completions' dict
@@ -178,7 +186,7 @@ class Reply:
                 return
             _, completion, cached = event
             reason = replies.finish_reason(completion.finish_reason)
-            if entries := self._gate.finish(completion.finish_reason == "stop"):
+            if entries := self._held_back(completion):
                 yield _sse(self._chunk_body("", entries))
             if self.chat:
                 yield _sse(replies.chat_chunk(id=self.id, created=self.created, model=self.model_id, delta={},
