@@ -4,6 +4,7 @@ exit 1 (hostile CLI test: a port in use printed "listening on ..." and then exit
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -27,6 +28,25 @@ def _one_error_line(err: str, needle: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("edgeinfer: error: ") and needle in lines[0], err
 
 
+@contextlib.contextmanager
+def _serving(argv: list[str]):
+    """`edgeinfer serve` started from `argv` (its --port 0): yields (the process, the URL its
+    "listening on" line gave), and kills it at the end if it is still running."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        line = ""
+        while "listening on" not in line:
+            assert time.monotonic() < deadline and proc.poll() is None, line
+            line = proc.stderr.readline()
+        yield proc, re.search(r"listening on (http://\S+)", line).group(1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stderr.close()
+
+
 def test_a_port_in_use_is_one_error_line_and_nothing_claims_to_listen():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -43,23 +63,11 @@ def test_a_host_that_does_not_resolve_is_one_error_line():
 
 
 def test_port_0_reports_the_port_the_system_picked():
-    proc = subprocess.Popen(SERVE + ["--port", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        line = ""
-        while "listening on" not in line:
-            assert time.monotonic() < deadline and proc.poll() is None, line
-            line = proc.stderr.readline()
-        url = re.search(r"listening on (http://\S+)", line).group(1)
-        assert not url.endswith(":0"), line
+    with _serving(SERVE + ["--port", "0"]) as (proc, url):
+        assert not url.endswith(":0"), url
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stderr.close()
 
 
 @pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 here")
@@ -171,14 +179,8 @@ def test_onnx_runtime_writes_nothing_to_the_home_folder(tmp_path):
 def test_sigterm_answers_a_request_whose_body_is_still_coming_with_503_and_no_traceback():
     """Hostile CLI test: a request whose body had not all arrived was cancelled by uvicorn after the
     grace period, which logged ~50 lines of CancelledError traceback on every `systemctl stop`."""
-    proc = subprocess.Popen(SERVE + ["--port", "0", "--grace-s", "2"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        line = ""
-        while "listening on" not in line:
-            assert proc.poll() is None, line
-            line = proc.stderr.readline()
-        host, port = re.search(r"http://([\d.]+):(\d+)", line).groups()
+    with _serving(SERVE + ["--port", "0", "--grace-s", "2"]) as (proc, url):
+        host, port = re.search(r"http://([\d.]+):(\d+)", url).groups()
         with socket.create_connection((host, int(port))) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 1000\r\n\r\n{")
@@ -193,11 +195,6 @@ def test_sigterm_answers_a_request_whose_body_is_still_coming_with_503_and_no_tr
         assert proc.wait(timeout=30) == 0
         err = proc.stderr.read()
         assert "Traceback" not in err and "ERROR" not in err, err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stderr.close()
 
 
 def test_a_request_in_a_slow_prefill_chunk_at_the_end_of_the_grace_period_is_answered_503(tmp_path):
@@ -214,14 +211,8 @@ def test_a_request_in_a_slow_prefill_chunk_at_the_end_of_the_grace_period_is_ans
             "Engine._forward = slow\n"
             "from edgeinfer.cli import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--port", "0", "--slots", "1", "--grace-s", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        line = ""
-        while "listening on" not in line:
-            assert proc.poll() is None, line
-            line = proc.stderr.readline()
-        url = re.search(r"listening on (http://\S+)", line).group(1)
+    argv = [sys.executable, "-c", code, "serve", "--port", "0", "--slots", "1", "--grace-s", "1"]
+    with _serving(argv) as (proc, url):
         result = {}
 
         def ask():
@@ -238,8 +229,3 @@ def test_a_request_in_a_slow_prefill_chunk_at_the_end_of_the_grace_period_is_ans
         r = result["r"]
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", (r.status_code, r.text)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stderr.close()
