@@ -3,8 +3,8 @@ Gemma, ...) -> an edgeinfer model folder, through Hugging Face Optimum's ONNX ex
 
 1. Optimum exports the decoder with past (task `text-generation-with-past`, fp32, eager attention)
    into a temporary folder, with `position_ids` as an input for every family (the ring sets
-   positions itself) and without the config's sliding window (the ring's capacity enforces it, as
-   for the native graphs: `architecture.sliding_window` caps it at load).
+   positions itself) and without the config's sliding window (the ring keeps it, as for the
+   native graphs: `architecture.sliding_window`, `kv_cache.binding_window`).
 2. `optimum_graph.rewire` turns that graph's KV exchange into the `optimum` KV mode's (slot-major
    past, the new rows as present, `logits_index`).
 3. ONNX Runtime's own MatMulNBitsQuantizer quantizes the MatMul weights (int4 or int8, blocks of 32,

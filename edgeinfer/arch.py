@@ -61,7 +61,8 @@ class ArchSpec:
     qkv_bias: bool = False  # q/k/v projections have biases (Qwen2, Llama attention_bias)
     o_bias: bool = False  # o_proj has a bias (Llama attention_bias)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    sliding_window: int | None = None  # recorded; the runtime's ring capacity enforces it
+    sliding_window: int | None = None  # each query attends to the last W tokens: the ring keeps it so
+    # (`kv_cache.binding_window`)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     source_head_dim: int | None = None  # the checkpoint's head size, when the converter widened the heads
@@ -91,6 +92,8 @@ class ArchSpec:
         if s is not None and (s < 2 or s % 2 or s >= spec.head_dim or spec.head_dim % s):
             raise FieldError(f"{where}.source_head_dim", f"{s} is not an even head size that divides head_dim "
                              f"{spec.head_dim} and is smaller")
+        if spec.sliding_window is not None and spec.sliding_window < 2:
+            raise FieldError(f"{where}.sliding_window", f"must be null or at least 2, got {spec.sliding_window}")
         if spec.num_heads % spec.num_kv_heads:
             raise FieldError(f"{where}.num_kv_heads", f"{spec.num_kv_heads} does not divide num_heads {spec.num_heads}")
         if spec.rope.type not in SUPPORTED_ROPE_TYPES:

@@ -31,7 +31,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if args.capacity is None:
             raise EdgeInferError("--stream needs --capacity N (the ring size)")
         r = stream_perplexity(args.model, args.text, capacity=args.capacity,
-                              sinks=4 if args.sinks is None else args.sinks, threads=args.threads)
+                              sinks=args.sinks, threads=args.threads)
     else:
         if args.capacity is not None or args.sinks is not None:
             raise EdgeInferError("--capacity and --sinks set the ring of --stream scoring: add --stream, or drop them")
@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "generation feeds tokens back; what generation computes at accuracy level 4)")
     e.add_argument("--stream", action="store_true", help="each story as one stream through the KV ring")
     e.add_argument("--capacity", type=int, default=None, help="ring capacity in tokens (with --stream)")
-    e.add_argument("--sinks", type=int, default=None, help="attention sinks kept by the ring (with --stream; default 4)")
+    e.add_argument("--sinks", type=int, default=None, help="attention sinks kept by the ring (with --stream; default 4, or 0 "
+                   "for a sliding-window model)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_eval)
 

@@ -75,8 +75,7 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
         """Weights plus one KV ring per slot (each request holds one, of the draft model too)."""
         manifest = read_manifest(folder)
         spec = manifest.arch
-        cap = resolve_capacity(manifest.default_capacity_tokens, spec.sliding_window, capacity,
-                               spec.max_position_embeddings)
+        cap = resolve_capacity(manifest.default_capacity_tokens, spec, capacity)
         weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         return weights + config.slots * spec.kv_bytes_per_token * (cap + min(256, cap))
 

@@ -38,14 +38,15 @@ from edgeinfer.session import DecoderSession
 
 def prefill_chunks(n: int, chunk: int, cache: RingKVCache | None = None) -> list[tuple[int, int]]:
     """[start, end) of each prefill call for n tokens, at most `chunk` each; with the `cache` they
-    enter, none of more rows than its trained length leaves room for (`RingKVCache.call_room`, as the
-    ring fills: a long prompt entering a full ring goes in calls of T - capacity rows). Never a last
+    enter, none of more rows than its trained length or sliding window leaves room for
+    (`RingKVCache.call_room`, as the ring fills: a long prompt entering a full ring goes in calls of
+    T - capacity rows, or of one row for a sliding-window model). Never a last
     call of one token after others: a one-row call takes MatMulNBits' single-row path, whose
     int8-activation arithmetic differs (~0.02 in logits at accuracy_level 4) from the same row inside
     a larger call, so a prompt's logits would depend on where the chunks fall. Calls of two or more
     rows agree but for a rare row (at level 4, one of 366 differed by 8e-6 between two splits)."""
     def room(held: int) -> int:  # the most rows a call may append beside `held` tokens
-        return chunk if cache is None else max(1, min(chunk, cache.trained_positions - held))
+        return chunk if cache is None else max(1, min(chunk, cache.attend_limit - held))
 
     bounds, held = [], []  # each call's [start, end), and the tokens the ring holds before it
     start, h = 0, 0 if cache is None else cache.n_valid

@@ -25,7 +25,8 @@ import numpy as np
 from edgeinfer.engine import Engine
 from edgeinfer.portable_engine import open_engine
 from edgeinfer.errors import EdgeInferError, ModelFormatError
-from edgeinfer.kv_cache import RingKVCache
+from edgeinfer.kv_cache import RingKVCache, binding_window
+from edgeinfer.overflow import resolve_sinks
 from edgeinfer.session import DecoderSession
 from edgeinfer.tokenizer import Tokenizer
 
@@ -108,11 +109,16 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
     stories = _read_stories(Path(text_path))
     session = session or DecoderSession(model_dir, threads=threads)
     context = session.manifest.arch.max_position_embeddings
+    sliding = binding_window(session.manifest.arch)  # such a model's ring holds sliding - 1 tokens: a window
+    # of `sliding` rows is one prefill call whose last query sees them all (`RingKVCache.call_room`)
     built = session.manifest.portable.capacity_tokens if session.manifest.portable is not None else None
-    window = min(DEFAULT_WINDOW, context, built or context) if window is None else window
+    window = min(DEFAULT_WINDOW, context, sliding or context, built or context) if window is None else window
     if window > context:  # positions past what the model was trained on: a number that means nothing
         raise EdgeInferError(f"--window {window} is over the model's context of {context} tokens: use --window "
                              f"{context} or less")
+    if sliding is not None and window > sliding:
+        raise EdgeInferError(f"--window {window} is over the model's sliding window of {sliding} tokens: use "
+                             f"--window {sliding} or less")
     if built is not None and window > built:
         raise EdgeInferError(f"--window {window} is over the {built} tokens this portable model holds: "
                              f"use --window {built} or less")
@@ -120,7 +126,7 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
     engine = open_engine(session, max_chunk=window)
     if built is not None:  # a portable graph gives one position's logits per call: it scores token by token
         path = "decode"
-    cache = engine.new_cache(window, 0)
+    cache = engine.new_cache(min(window, sliding - 1) if sliding else window, 0)
     t0 = time.perf_counter()
     total, count, windows = 0.0, 0, 0
     for story in stories:
@@ -134,18 +140,20 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
     return PerplexityResult(math.exp(mean), mean, count, len(stories), windows, time.perf_counter() - t0, path)
 
 
-def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity: int, sinks: int = 4,
+def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity: int, sinks: int | None = None,
                       threads: int | None = None, chunk: int = 64) -> PerplexityResult:
     """Perplexity with each story as one stream through the ring-buffer KV cache (teacher forcing).
 
     Every token but the story's first is scored. While the ring has room, tokens go in chunks (each
     sees the whole story so far); once it is full they go one at a time, so each token sees exactly
-    the sinks and the latest tokens the ring holds, at their true positions.
+    the sinks and the latest tokens the ring holds, at their true positions. sinks: None is `load`'s
+    default (4, none for a model whose sliding window binds).
     """
+    session = DecoderSession(model_dir, threads=threads)
+    sinks = resolve_sinks(session.manifest.arch, sinks)
     if capacity < 2 or not 0 <= sinks < capacity:
         raise EdgeInferError(f"--capacity must be >= 2 and --sinks in [0, capacity), got {capacity} and {sinks}")
     stories = _read_stories(Path(text_path))
-    session = DecoderSession(model_dir, threads=threads)
     tok = Tokenizer(session.folder, session.manifest.tokenizer)
     engine = open_engine(session, max_chunk=min(chunk, capacity))
     cache = engine.new_cache(capacity, sinks)

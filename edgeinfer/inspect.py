@@ -31,7 +31,7 @@ def summary(folder: Path | str) -> dict:
 def _summary(folder: Path, m: Manifest) -> dict:
     a = m.arch
     disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != STAMP_FILE)
-    load_capacity = resolve_capacity(m.default_capacity_tokens, a.sliding_window, None, a.max_position_embeddings)
+    load_capacity = resolve_capacity(m.default_capacity_tokens, a, None)
     weight_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name.startswith("model.onnx"))
     return {
         "family": a.family, "parameters": parameter_count(a), "layers": a.num_layers, "hidden_size": a.hidden_size,
@@ -81,7 +81,7 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
     blocks = f" (block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}, " \
              f"accuracy_level {q.accuracy_level}{mixed}{recipe}{scales})" if q.weights in ("int4", "int8") else ""
     widened = f" (widened from {s['source_head_dim']} for GroupQueryAttention)" if s["source_head_dim"] else ""
-    cap_why = "the sliding window" if s["load_capacity_tokens"] == m.arch.sliding_window else \
+    cap_why = "the sliding window less one" if s["load_capacity_tokens"] == (m.arch.sliding_window or 0) - 1 else \
         "the trained length less a sixteenth, room to re-base"
     return "\n".join([
         f"{folder}",

@@ -95,6 +95,15 @@ def rotate_keys(k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     x2 += x1 * sin
 
 
+def binding_window(spec: ArchSpec) -> int | None:
+    """The model's sliding window W where it binds (W <= the trained length T; a larger one never does),
+    else None. A query of such a model attends to the last W tokens, itself among them, as transformers
+    masks it; the ring keeps it exactly: no sinks, a capacity of at most W - 1, and no call appending
+    more rows than leave each of its queries within W keys (`RingKVCache.call_room`)."""
+    w = spec.sliding_window
+    return w if w is not None and w <= spec.max_position_embeddings else None
+
+
 class RingKVCache:
     def __init__(self, spec: ArchSpec, capacity_tokens: int, n_sink: int = 4, max_chunk: int = 256,
                  mode: KVMode = STANDARD, rebase_every_tokens: int | None = None,
@@ -125,6 +134,9 @@ class RingKVCache:
         self.positions = np.full(self.capacity, -1, np.int64)  # RoPE position held by each slot
         self.inv_freq = spec.rope.inv_freq(spec.head_dim).astype(np.float64)
         self.trained_positions = int(spec.max_position_embeddings)
+        self.attend_limit = binding_window(spec) or self.trained_positions  # the most keys a query may
+        # see: the trained length, or a sliding window's (then no call appends more rows than leave each
+        # query within it, and the ring's capacity is below it: `check_geometry`)
         self.rebase_every_tokens = int(rebase_every_tokens or rebase_interval(self.capacity, self.trained_positions))
         if self.rebase_every_tokens < 1:
             raise InvalidArgumentError(f"rebase_every_tokens must be >= 1, got {rebase_every_tokens}")
@@ -149,6 +161,16 @@ class RingKVCache:
                 f"(max_position_embeddings): it would attend over distances it never saw, and its output degrades "
                 f"past them; use a capacity of at most {trained} ({max_capacity(trained)} or less leaves a sixteenth "
                 f"of it to re-base in)")
+        window = binding_window(spec)
+        if window is not None and capacity_tokens >= window:
+            raise InvalidArgumentError(
+                f"capacity_tokens={capacity_tokens}: this model attends to its last {window} tokens only "
+                f"(sliding_window), the current one among them, so its ring holds at most {window - 1}; use "
+                f"capacity_tokens={window - 1} or less")
+        if window is not None and n_sink:
+            raise InvalidArgumentError(
+                f"n_sink={n_sink}: this model attends to its last {window} tokens only (sliding_window), and "
+                f"attention sinks would keep older ones in view; use n_sink=0")
         if n_sink >= capacity_tokens:
             raise InvalidArgumentError(f"a ring of capacity {capacity_tokens} tokens leaves no room beside its "
                                        f"{n_sink} attention sinks (n_sink): give a capacity of at least "
@@ -179,8 +201,8 @@ class RingKVCache:
 
     def call_room(self) -> int:
         """The most rows one call may append now: its queries then attend over at most the model's
-        trained length (n_valid + rows <= T), and at most max_chunk."""
-        return max(1, min(self.max_chunk, self.trained_positions - self.n_valid))
+        trained length, or its sliding window (n_valid + rows <= `attend_limit`), and at most max_chunk."""
+        return max(1, min(self.max_chunk, self.attend_limit - self.n_valid))
 
     @property
     def position_limit(self) -> int:
@@ -215,7 +237,8 @@ class RingKVCache:
             raise ValueError(f"a call may append 1..{self.max_chunk} tokens, got {s}")
         if s > 1 and s > self.call_room():  # a decode step always fits (call_room >= 1): nothing more per token
             raise ValueError(f"a call of {s} rows beside the {self.n_valid} tokens held would attend past the model's "
-                             f"trained length of {self.trained_positions}: at most {self.call_room()} now "
+                             f"{'sliding window' if self.attend_limit < self.trained_positions else 'trained length'} "
+                             f"of {self.attend_limit}: at most {self.call_room()} now "
                              "(engine.prefill_chunks plans such calls)")
         return self.n_valid
 

@@ -34,7 +34,7 @@ from edgeinfer.generation import Completion, Generation, Request
 from edgeinfer.kv_cache import RingKVCache, Snapshot
 from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.prefix_cache import PrefixSnapshot, held_after, reuse
-from edgeinfer.overflow import check_policy, rebase_warning, resolve_capacity
+from edgeinfer.overflow import check_policy, rebase_warning, resolve_capacity, resolve_sinks
 from edgeinfer.power.controller import PowerController, PowerState
 from edgeinfer.power.policy import resolve_policy
 from edgeinfer.power.sensors import Sensors
@@ -53,16 +53,18 @@ def default_model_path() -> Path:
 
 
 def load(path: str | Path | None = None, *, provider: str = "auto", threads: int | None = None,
-         capacity_tokens: int | None = None, n_sink: int = 4, overflow: str = "shift",
+         capacity_tokens: int | None = None, n_sink: int | None = None, overflow: str = "shift",
          prefill_chunk: int = 256, verbose: bool = False, power=None) -> "Model":
     """Load an edgeinfer model folder (None: the bundled default model).
 
     provider: "auto" (the detected device profile's, `platforms.detect`) | "cpu" | "cuda"; threads: None
     (the device profile's count, or onnxruntime's default where the profile says "auto") or a positive int;
     capacity_tokens: the KV ring's size, an int in [2, the model's trained length T] (default: the
-    manifest's, capped at T less a sixteenth, the room a full ring re-bases in, and at the model's
-    sliding window; a larger one re-bases more often, with a warning); n_sink: first tokens the ring
-    never overwrites, in [0, capacity_tokens);
+    manifest's, capped at T less a sixteenth, the room a full ring re-bases in; a larger one re-bases
+    more often, with a warning); n_sink: first tokens the ring never overwrites, in [0, capacity_tokens)
+    (default 4). A model with a sliding window W <= T attends to its last W tokens only, exactly as
+    transformers masks it: its ring holds at most W - 1 (the default) and no sinks (`kv_cache.binding_window`);
+
     overflow: "shift" | "truncate" | "error"; prefill_chunk: a positive int (tokens per prefill call).
     power: None (off), "performance" | "balanced" | "battery" | "thermal-guard", or a
     `power.Policy` with limits: a controller samples this device's sensors twice a second and paces
@@ -102,8 +104,8 @@ class Model:
             raise InvalidArgumentError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.manifest = read_manifest(folder)
         spec = self.manifest.arch
-        capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec.sliding_window, capacity_tokens,
-                                    spec.max_position_embeddings)
+        capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec, capacity_tokens)
+        n_sink = resolve_sinks(spec, n_sink)
         if (note := rebase_warning(capacity, spec.max_position_embeddings)) is not None:
             warnings.warn(note, stacklevel=3)
         portable = self.manifest.portable
@@ -292,7 +294,7 @@ class Model:
                 raise InvalidArgumentError("the draft model's folder is empty: give its path")
             try:
                 draft = Model(draft, provider="auto", threads=self.threads, capacity_tokens=None,
-                              n_sink=min(self.n_sink, 4), overflow="shift", prefill_chunk=self.engine.max_chunk,
+                              n_sink=None, overflow="shift", prefill_chunk=self.engine.max_chunk,
                               verbose=False, power=None, spin_duration_us=SPIN_DURATION_US)
             except EdgeInferError as e:
                 raise type(e)(f"the draft model: {e}") from None

@@ -13,8 +13,9 @@ validator of its own geometry (capacity, sinks, chunk, memory).
 
 from __future__ import annotations
 
+from edgeinfer.arch import ArchSpec
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError
-from edgeinfer.kv_cache import max_capacity
+from edgeinfer.kv_cache import binding_window, max_capacity
 
 OVERFLOW_POLICIES = ("shift", "truncate", "error")
 
@@ -29,18 +30,30 @@ def check_policy(overflow) -> str:
     return overflow
 
 
-def resolve_capacity(default_capacity_tokens: int, sliding_window: int | None, requested: int | None,
-                     max_position_embeddings: int) -> int:
-    """The ring's capacity: what the caller asked for (an int >= 2; more than the trained length T is
-    refused by `RingKVCache.check_geometry`), else the manifest's default capped at
-    `kv_cache.max_capacity` (T less a sixteenth, the room a full ring re-bases in) and at the model's
-    sliding window (a model that attends to at most W tokens gains nothing from more)."""
+def resolve_capacity(default_capacity_tokens: int, spec: ArchSpec, requested: int | None) -> int:
+    """The ring's capacity: what the caller asked for (an int >= 2; more than the trained length T, or
+    a binding sliding window's W - 1, is refused by `RingKVCache.check_geometry`), else the manifest's
+    default capped at `kv_cache.max_capacity` (T less a sixteenth, the room a full ring re-bases in)
+    and at W - 1 (a query of such a model attends to W tokens, itself among them: `binding_window`)."""
     if requested is None:
-        cap = min(default_capacity_tokens, max_capacity(max_position_embeddings))
-        return min(cap, sliding_window) if sliding_window else cap
+        cap = min(default_capacity_tokens, max_capacity(spec.max_position_embeddings))
+        window = binding_window(spec)
+        return min(cap, window - 1) if window else cap
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 2:
         raise InvalidArgumentError(f"capacity_tokens must be an integer >= 2, got {requested!r}")
     return requested
+
+
+DEFAULT_SINKS = 4  # attention sinks (StreamingLLM): the first tokens a full ring keeps in view
+
+
+def resolve_sinks(spec: ArchSpec, requested: int | None) -> int:
+    """The ring's attention sinks: what the caller asked for (checked by `RingKVCache.check_geometry`),
+    else `DEFAULT_SINKS`, or none for a model whose sliding window binds (it attends to its last W
+    tokens only: sinks would keep older ones in view)."""
+    if requested is not None:
+        return requested
+    return 0 if binding_window(spec) else DEFAULT_SINKS
 
 
 def rebase_warning(capacity_tokens: int, max_position_embeddings: int) -> str | None:

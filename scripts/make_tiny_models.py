@@ -1,7 +1,9 @@
 """Write tiny random-weight Hugging Face model folders, one per supported family variant (numpy only).
 
-    python scripts/make_tiny_models.py [-o tests/fixtures/tiny]
+    python scripts/make_tiny_models.py [-o tests/fixtures/tiny] [--window-output tests/fixtures/window]
 
+`WINDOWED` (a Mistral whose sliding window of 16 binds within its 256 positions) goes to a folder of
+its own: its ring differs (no sinks, at most W - 1 tokens), so the tests over every tiny model skip it.
 Each folder has config.json, model.safetensors (fp32, bf16 or fp16 as the variant says) and the
 stories260K SentencePiece tokenizer (vocab 512), so the converter sees a complete source folder.
 Reference logits come from transformers in `make_parity_fixtures.py`.
@@ -38,6 +40,10 @@ VARIANTS = {
     "qwen2_bias_tied": (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rope_theta=1000000.0), "F32"),
     "qwen3_qknorm_tied": (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32,
                                rope_theta=1000000.0), "F32"),
+}
+WINDOWED = {
+    "mistral_window16": (dict(architectures=["MistralForCausalLM"], model_type="mistral", tie_word_embeddings=False,
+                              sliding_window=16), "F32"),
 }
 NP = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
 
@@ -88,9 +94,11 @@ def write_safetensors(path: Path, named: dict[str, np.ndarray], tag: str) -> Non
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-o", "--output", type=Path, default=ROOT / "tests" / "fixtures" / "tiny")
+    ap.add_argument("--window-output", type=Path, default=ROOT / "tests" / "fixtures" / "window")
     args = ap.parse_args()
-    for seed, (name, (overrides, tag)) in enumerate(VARIANTS.items()):
-        out = args.output / name
+    folders = [args.output / n for n in VARIANTS] + [args.window_output / n for n in WINDOWED]
+    for seed, (out, (overrides, tag)) in enumerate(zip(folders, [*VARIANTS.values(), *WINDOWED.values()])):
+        name = out.name
         out.mkdir(parents=True, exist_ok=True)
         cfg = {**BASE, **overrides}
         (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")

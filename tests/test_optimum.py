@@ -16,6 +16,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -45,6 +46,17 @@ def _engine(folder, chunk: int = 64) -> Engine:
     return Engine(DecoderSession(folder), max_chunk=chunk)
 
 
+def _cache(eng: Engine, capacity: int = 256):
+    """An empty ring without sinks, below Phi-3's window of 64 (it holds W - 1 at most)."""
+    return eng.new_cache(min(capacity, (eng.spec.sliding_window or capacity + 1) - 1), 0)
+
+
+def _windowless(eng: Engine):
+    """The spec with no sliding window: for the tests of the ring's mechanics with sinks, whose
+    references are transformers over what the ring holds (StreamingLLM's), not over a window."""
+    return dataclasses.replace(eng.spec, sliding_window=None)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_manifest_names_the_optimum_mode_and_origin(family):
     m = read_manifest(OPT / family / "fp32")
@@ -61,13 +73,13 @@ def test_full_pass_and_chunks_match_transformers(family):
     _, ref = _ref(family)
     ids = ref["input_ids"][0].tolist()
     eng = _engine(OPT / family / "fp32")
-    assert np.abs(eng.forward(eng.new_cache(256, 0), ids, all_logits=True) - ref["logits"]).max() < TOL
-    cache = eng.new_cache(256, 0)
+    assert np.abs(eng.forward(_cache(eng), ids, all_logits=True) - ref["logits"]).max() < TOL
+    cache = _cache(eng)
     rows = [eng.forward(cache, ids[:10], all_logits=True)]
     for t in range(10, len(ids), 3):  # the past bound from the ring, the new rows written into it
         rows.append(eng.forward(cache, ids[t:t + 3], all_logits=True).copy())
     assert np.abs(np.concatenate(rows) - ref["logits"]).max() < TOL
-    last = eng.forward(eng.new_cache(256, 0), ids)  # logits_index: the last position only
+    last = eng.forward(_cache(eng), ids)  # logits_index: the last position only
     assert last.shape == (1, ref["logits"].shape[1]) and np.abs(last[0] - ref["logits"][-1]).max() < TOL
 
 
@@ -81,9 +93,9 @@ def test_greedy_generation_matches_transformers(family):
 
 
 def test_sliding_window_caps_the_ring():
-    """Phi-3's config window (64) is recorded, not exported: the ring's capacity enforces it."""
+    """Phi-3's config window (64) is recorded, not exported: the ring keeps it (W - 1 tokens, no sinks)."""
     m = edgeinfer.load(OPT / "phi3" / "fp32")
-    assert m.manifest.arch.sliding_window == 64 and m.capacity_tokens == 64
+    assert m.manifest.arch.sliding_window == 64 and (m.capacity_tokens, m.n_sink) == (63, 0)
     gemma = edgeinfer.load(OPT / "gemma" / "fp32")  # no window: its trained length (256) less a sixteenth
     assert gemma.manifest.default_capacity_tokens == 256 and gemma.capacity_tokens == 240
 
@@ -95,7 +107,7 @@ def test_ring_wrap_matches_transformers_window(family):
     r, _ = _ref(family)
     w = r["window"]
     eng = _engine(OPT / family / "one_layer_fp32", chunk=8)
-    cache = RingKVCache(eng.spec, w["capacity"], w["n_sink"], eng.max_chunk, eng.mode, rebase_every_tokens=1)
+    cache = RingKVCache(_windowless(eng), w["capacity"], w["n_sink"], eng.max_chunk, eng.mode, rebase_every_tokens=1)
     out = [int(eng.prefill(cache, r["prompt_ids"]).argmax())]
     while len(out) < len(w["greedy_ids"]):
         out.append(int(eng.decode_one(cache, out[-1]).argmax()))
@@ -110,7 +122,7 @@ def test_ring_wrap_with_rebasing_equals_a_fresh_forward(family):
     keys computed at the lower positions: the family's RoPE is the rotate-half the ring assumes)."""
     eng = _engine(OPT / family / "one_layer_fp32", chunk=8)
     capacity, n_sink = 20, 3
-    cache = eng.new_cache(capacity, n_sink)
+    cache = RingKVCache(_windowless(eng), capacity, n_sink, eng.max_chunk, eng.mode)
     ids = np.random.default_rng(3).integers(3, 512, 90).tolist()
     rows = run_ring(eng, cache, ids, chunk=8, shrink_when_full=True)
     assert cache.rebased_tokens > 0 and cache.dropped > 0
@@ -121,10 +133,12 @@ def test_ring_wrap_with_rebasing_equals_a_fresh_forward(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_long_generation_keeps_memory_and_positions_bounded(family):
-    m = edgeinfer.load(OPT / family / "int4", capacity_tokens=16, n_sink=4, prefill_chunk=4)
+    sinks = 0 if family == "phi3" else 4  # a model whose window binds has none
+    m = edgeinfer.load(OPT / family / "int4", capacity_tokens=16, n_sink=sinks, prefill_chunk=4)
     c = m.generate([1, 5, 6, 7, 8, 9], max_new_tokens=300, temperature=0.8, seed=1, ignore_eos=True)
     assert len(c.token_ids) == 300 and c.usage.dropped_tokens == 6 + 299 - 16  # the last token is not fed
-    assert m.cache.next_position <= m.cache.position_limit and m.cache.positions[:4].tolist() == [0, 1, 2, 3]
+    assert m.cache.next_position <= m.cache.position_limit
+    assert m.cache.positions[:sinks].tolist() == list(range(sinks))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -134,14 +148,14 @@ def test_int4_runs_close_to_fp32(family):
     q = read_manifest(OPT / family / "int4").quantization
     assert (q.weights, q.block_size, q.symmetric, q.accuracy_level) == ("int4", 32, True, 4)
     eng = _engine(OPT / family / "int4")
-    lg = eng.forward(eng.new_cache(64, 0), ids, all_logits=True)
+    lg = eng.forward(_cache(eng, 64), ids, all_logits=True)
     assert np.isfinite(lg).all()
     # as close as the native int4 graphs of the 64-wide parity models are to theirs (llama2_gqa_tied: relative
     # RMS error 0.29, correlation 0.96, top-1 agreement 0.71; these: 0.27 / 0.96 / 0.79 and 0.39 / 0.93 / 0.71)
     d, r = lg - ref["logits"], ref["logits"]
     assert np.sqrt((d ** 2).mean() / (r ** 2).mean()) < 0.45
     assert np.corrcoef(lg.ravel(), r.ravel())[0, 1] > 0.9 and np.mean(lg.argmax(1) == r.argmax(1)) >= 0.65
-    cache = eng.new_cache(64, 0)  # the ring's binding computes the same as one pass at int4 too
+    cache = _cache(eng, 64)  # the ring's binding computes the same as one pass at int4 too
     rows = [eng.forward(cache, ids[t:t + 4], all_logits=True).copy() for t in range(0, len(ids), 4)]
     assert np.abs(np.concatenate(rows) - lg).max() < 1e-3
     assert (OPT / family / "int4" / "model.onnx.data").stat().st_size < \

@@ -104,7 +104,7 @@ def test_rebase_interval(capacity, max_pos, expected):
 
 class _Held:  # what prefill_chunks reads of a ring
     def __init__(self, n_valid: int, capacity: int, trained: int):
-        self.n_valid, self.capacity, self.trained_positions = n_valid, capacity, trained
+        self.n_valid, self.capacity, self.attend_limit = n_valid, capacity, trained
 
 
 def test_prefill_calls_beside_a_full_ring_stay_within_the_trained_length():

@@ -1,7 +1,8 @@
 """Mistral: a Llama graph; `sliding_window` is recorded in the manifest for the runtime's ring.
 
-Within a window (prompt plus generation at most `sliding_window` tokens) the graph is exact.
-The runtime enforces the window by capping the ring capacity at it.
+The graph has no window mask: the runtime keeps the window exactly as transformers masks it (each
+query attends to the last W tokens, itself among them) with a ring of at most W - 1 tokens, no
+attention sinks, and no call whose queries would see more than W keys (`kv_cache.binding_window`).
 """
 
 from edgeinfer.arch import ArchSpec

@@ -1,0 +1,90 @@
+"""A model with a sliding window attends to its last W tokens only, as transformers masks it.
+
+The fixture (tests/fixtures/window/mistral_window16, scripts/make_tiny_models.py) is a tiny Mistral
+whose window of 16 binds within its 256 trained positions; its reference (scripts/
+make_parity_fixtures.py, transformers 5.24, eager attention) has teacher-forced logits over 24 ids
+and 32 greedy tokens after an 8-token prompt: both run past the window. Before the ring kept the
+window exactly (a capacity of W - 1, no sinks, no call whose queries see more than W keys), the
+default ring held W tokens and 4 sinks, and greedy decoding left transformers' tokens at the
+window's edge.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from conftest import FIXTURES
+from edgeinfer.engine import Engine, prefill_chunks
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError
+from edgeinfer.evaluate import perplexity
+from edgeinfer.session import DecoderSession
+
+WINDOWED = FIXTURES / "window" / "mistral_window16"
+WINDOW = 16
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def folder(converted):
+    return converted(WINDOWED, "fp32")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return np.load(WINDOWED / "reference.npz")
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    return edgeinfer.load(folder, threads=1)
+
+
+def test_the_default_ring_holds_one_token_less_than_the_window_and_no_sinks(model):
+    assert (model.capacity_tokens, model.n_sink) == (WINDOW - 1, 0)
+
+
+@pytest.mark.parametrize("chunk", [64, 5, 1])
+def test_teacher_forced_logits_past_the_window_match_transformers(folder, ref, chunk):
+    eng = Engine(DecoderSession(folder), max_chunk=chunk)
+    cache = eng.new_cache(WINDOW - 1, 0)
+    ids = ref["input_ids"][0].tolist()
+    assert len(ids) > WINDOW
+    calls = prefill_chunks(len(ids), chunk, cache)
+    rows = [eng.forward(cache, ids[a:b], all_logits=True).copy() for a, b in calls]
+    assert np.abs(np.concatenate(rows) - ref["logits"]).max() < TOL
+    assert cache.dropped == len(ids) - (WINDOW - 1)
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_greedy_tokens_past_the_window_match_transformers(model, ref, speculative):
+    prompt = ref["prompt_ids"].tolist()
+    c = model.generate(prompt, max_new_tokens=32, temperature=0, ignore_eos=True, speculative=speculative)
+    assert list(c.token_ids) == ref["greedy_ids"].tolist()
+
+
+def test_a_prompt_longer_than_the_window_prefills_to_transformers_logits(model, ref):
+    """The 24 ids in one generate: the prefill goes in calls that keep each query within the window,
+    and the first sampled token is transformers' argmax after them."""
+    ids = ref["input_ids"][0].tolist()
+    c = model.generate(ids, max_new_tokens=1, temperature=0, ignore_eos=True)
+    assert c.token_ids[0] == int(ref["logits"][-1].argmax())
+
+
+def test_a_ring_that_would_see_past_the_window_is_refused(folder):
+    with pytest.raises(InvalidArgumentError, match="sliding_window.*capacity_tokens=15"):
+        edgeinfer.load(folder, capacity_tokens=WINDOW)
+    with pytest.raises(InvalidArgumentError, match="n_sink=0"):
+        edgeinfer.load(folder, n_sink=4)
+    m = edgeinfer.load(folder, capacity_tokens=8, n_sink=0)  # a smaller ring is fine: it forgets sooner
+    assert m.capacity_tokens == 8
+
+
+def test_eval_scores_windows_the_model_sees_whole(folder, tmp_path):
+    text = tmp_path / "eval.txt"
+    text.write_text("Once upon a time there was a little girl named Lily who loved to play in the park.\n" * 3)
+    r = perplexity(folder, text)
+    assert r.n_windows >= 2  # windows of 16 tokens at most
+    with pytest.raises(EdgeInferError, match="sliding window of 16"):
+        perplexity(folder, text, window=WINDOW + 1)
