@@ -62,15 +62,30 @@ def _positive(v, key: str) -> float:
 
 
 def parse_rope(cfg: dict) -> RopeSpec:
-    """transformers 5 writes `rope_parameters`; 4.x writes `rope_theta` and `rope_scaling`."""
+    """transformers 5 writes `rope_parameters`; 4.x writes `rope_theta` and `rope_scaling`. A config
+    with both, or a top-level value beside the block's, is read only where they agree: transformers
+    lets one win by rules that changed between versions (5.24: `rope_scaling` over `rope_parameters`,
+    a top-level `original_max_position_embeddings` over the block's), so a disagreement is refused."""
     params, scaling = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
     for key, v in (("rope_parameters", params), ("rope_scaling", scaling)):
         if not isinstance(v, dict):
             raise ConvertError(f"config.json: field {key!r} must be an object, got {v!r:.80}")
-    params = dict(params)
+    params, scaling = _rope_block(params), _rope_block(scaling)
+    if params and scaling:
+        for k in sorted(params.keys() & scaling.keys() | ({"rope_type"} & (params.keys() | scaling.keys()))):
+            if params.get(k, "default") != scaling.get(k, "default"):
+                raise ConvertError(f"config.json: rope_parameters and rope_scaling disagree on {k!r} "
+                                   f"({params.get(k, 'default')!r:.40} against {scaling.get(k, 'default')!r:.40}): "
+                                   "keep the one the model was trained with")
     merged = {**scaling, **params}
+    for k in ("rope_theta", "original_max_position_embeddings"):
+        if k in cfg and k in merged and cfg[k] != merged[k]:
+            raise ConvertError(f"config.json: {k} is {cfg[k]!r:.40} at the top level but {merged[k]!r:.40} in the "
+                               "rope block: keep the one the model was trained with")
+    if "original_max_position_embeddings" in cfg:
+        merged.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
     theta = _positive(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta")
-    rtype = merged.get("rope_type", merged.get("type", "default"))
+    rtype = merged.get("rope_type", "default")
     if rtype not in SUPPORTED_ROPE_TYPES:
         raise ConvertError(
             f"config.json: rope type {rtype!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
@@ -92,6 +107,17 @@ def parse_rope(cfg: dict) -> RopeSpec:
         )
     except KeyError as e:
         raise ConvertError(f"config.json: llama3 rope scaling lacks {e.args[0]!r}") from None
+
+
+def _rope_block(block: dict) -> dict:
+    """A rope block with transformers 4's `type` read as `rope_type`."""
+    out = dict(block)
+    if "type" in out:
+        kind = out.pop("type")
+        if out.setdefault("rope_type", kind) != kind:
+            raise ConvertError(f"config.json: a rope block has both type {kind!r:.40} and rope_type "
+                               f"{out['rope_type']!r:.40}")
+    return out
 
 
 def _eos_ids(cfg: dict) -> tuple[int, ...]:

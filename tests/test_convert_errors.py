@@ -129,6 +129,20 @@ def test_unsupported_architecture_lists_supported(capsys, src, tmp_path):
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": "abc"}, "sliding_window"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 3}, "integer >= 16"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": [4096]}, "sliding_window"),
+    # two rope blocks that disagree: transformers 5.24 takes rope_scaling, our reading took rope_parameters
+    ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+      "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "disagree on 'rope_type'"),
+    ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+      "rope_scaling": {"type": "linear", "factor": 4.0}}, "disagree on 'rope_type'"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+     "disagree on 'factor'"),
+    ({"rope_theta": 10000.0, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}},
+     "rope_theta is 10000.0 at the top level but 1000000.0"),
+    # transformers 5.24 lets the top-level value win; it was read from the block
+    ({"original_max_position_embeddings": 16, "rope_theta": 500000.0, "rope_parameters": {
+        "rope_theta": 500000.0, "rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256}}, "original_max_position_embeddings is 16 at the top level"),
+    ({"rope_scaling": {"type": "linear", "rope_type": "default", "factor": 2.0}}, "both type 'linear' and rope_type"),
 ])
 def test_unsupported_config_field(capsys, src, tmp_path, changes, needle):
     edit_config(src, **changes)
@@ -491,3 +505,15 @@ def test_eval_refuses_what_it_would_score_wrongly(capsys, src, tmp_path):
     assert main(["eval", "-m", str(out), "--text", str(tmp_path)]) == 1
     assert "is not a regular file" in capsys.readouterr().err
 
+
+
+def test_rope_blocks_that_agree_are_read_and_a_top_level_original_length_fills_the_block():
+    from edgeinfer.converters.hf_config import parse_rope
+
+    agree = parse_rope({"rope_theta": 10000.0, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear",
+                                                                  "factor": 2.0},
+                        "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert (agree.type, agree.factor, agree.theta) == ("linear", 2.0, 10000.0)
+    top = parse_rope({"original_max_position_embeddings": 64, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}})
+    assert top.original_max_position_embeddings == 64
