@@ -97,7 +97,7 @@ def parse_rope(cfg: dict) -> RopeSpec:
     if rtype == "linear":
         return RopeSpec(theta=theta, type="linear", factor=_positive(merged.get("factor"), "rope_scaling.factor"))
     try:
-        return RopeSpec(
+        rope = RopeSpec(
             theta=theta,
             type="llama3",
             factor=_positive(merged["factor"], "rope_scaling.factor"),
@@ -107,6 +107,10 @@ def parse_rope(cfg: dict) -> RopeSpec:
         )
     except KeyError as e:
         raise ConvertError(f"config.json: llama3 rope scaling lacks {e.args[0]!r}") from None
+    if rope.high_freq_factor <= rope.low_freq_factor:  # the smoothing divides by their gap
+        raise ConvertError(f"config.json: llama3 rope scaling needs high_freq_factor above low_freq_factor, got "
+                           f"{rope.high_freq_factor} and {rope.low_freq_factor}")
+    return rope
 
 
 def _rope_block(block: dict) -> dict:

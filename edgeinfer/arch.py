@@ -99,4 +99,11 @@ class ArchSpec:
         if spec.rope.type not in SUPPORTED_ROPE_TYPES:
             raise FieldError(f"{where}.rope.type", f"unknown {spec.rope.type!r} (choose from "
                              f"{', '.join(SUPPORTED_ROPE_TYPES)})")
+        r = spec.rope
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if getattr(r, name) <= 0:
+                raise FieldError(f"{where}.rope.{name}", f"must be positive, got {getattr(r, name)}")
+        if r.type == "llama3" and r.high_freq_factor <= r.low_freq_factor:  # the smoothing divides by their gap
+            raise FieldError(f"{where}.rope.high_freq_factor", f"{r.high_freq_factor} must exceed low_freq_factor "
+                             f"{r.low_freq_factor}")
         return spec

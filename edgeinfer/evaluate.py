@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeinfer import small_files
 from edgeinfer.engine import Engine
 from edgeinfer.portable_engine import open_engine
 from edgeinfer.errors import EdgeInferError, ModelFormatError
@@ -50,15 +51,17 @@ class PerplexityResult:
                 "eval_s": round(self.eval_s, 3), "path": self.path}
 
 
+MAX_TEXT_BYTES = 256 * 1024 * 1024  # an eval text: a few MB is hours of scoring on a device
+
+
 def _read_stories(text_path: Path) -> list[str]:
-    if not text_path.exists():
-        raise EdgeInferError(f"text file not found: {text_path}")
-    if not text_path.is_file():
-        raise EdgeInferError(f"{text_path} is not a regular file")
     try:
-        stories = [line for line in text_path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except UnicodeDecodeError:
-        raise EdgeInferError(f"{text_path} is not UTF-8 text") from None
+        if not text_path.exists():
+            raise EdgeInferError(f"text file not found: {text_path}")
+    except OSError as e:  # a name the system refuses (too long)
+        raise EdgeInferError(f"cannot read {text_path}: {e.strerror or e}") from None
+    text = small_files.read_text(text_path, MAX_TEXT_BYTES, EdgeInferError)
+    stories = [line for line in text.splitlines() if line.strip()]
     if not stories:
         raise EdgeInferError(f"{text_path} has no non-empty line to score")
     return stories

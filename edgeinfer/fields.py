@@ -6,6 +6,7 @@ ill-typed field raises `FieldError`, whose message starts with the field's dotte
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 
@@ -39,11 +40,13 @@ def _value(v, hint, where: str):
         return tuple(_value(x, args[0], f"{where}[{i}]") for i, x in enumerate(v))
     if dataclasses.is_dataclass(hint):
         return hint(**json_fields(hint, v, where))
-    if hint is float and isinstance(v, int) and not isinstance(v, bool):
+    if hint is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+        if isinstance(v, int) and abs(v) > 2 ** 1023 or not math.isfinite(v):  # 10**400, NaN, Infinity
+            raise FieldError(where, f"expected a finite number, got {v!r:.40}")
         return float(v)
     want = origin or hint
     if not isinstance(v, want) or (want is int and isinstance(v, bool)):
-        raise FieldError(where, f"expected {want.__name__}, got {v!r}")
+        raise FieldError(where, f"expected {want.__name__}, got {v!r:.200}")
     return v
 
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from edgeinfer import small_files
 from edgeinfer.errors import ModelFormatError
 from edgeinfer.manifest import MANIFEST_FILE
 
@@ -40,7 +41,7 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 # what a converter lists whenever the folder holds it: graphs, their weights, the tokenizer
-MUST_LIST = ("*.onnx", "*.onnx.data", "*.ort", "tokenizer.model", "tokenizer.json")
+MUST_LIST = ("*.onnx", "*.onnx.data", "*.ort", "*.npy", "tokenizer.model", "tokenizer.json")
 
 
 def _entries(folder: Path, files: dict) -> dict:
@@ -97,12 +98,18 @@ def _stamp(st: os.stat_result, sha256: str) -> dict:
             "sha256": sha256}
 
 
+MAX_STAMP_BYTES = 1024 * 1024  # a stamp holds a line or two per file
+
+
 def read_stamps(folder: Path | str) -> dict:
-    """The stamp file's entries (name -> stamp); {} when it is absent, unreadable or not ours."""
+    """The stamp file's entries (name -> stamp); {} when it is absent, unreadable, not a small regular
+    file of JSON (a FIFO, a link to /dev/zero, nesting past the recursion limit) or not ours: then
+    every file is hashed."""
+    path = Path(folder) / STAMP_FILE
     try:
-        d = json.loads((Path(folder) / STAMP_FILE).read_text())
+        d = small_files.parse_json(small_files.read_bytes(path, MAX_STAMP_BYTES, ValueError), path, ValueError)
         return d["files"] if d.get("version") == STAMP_VERSION and isinstance(d.get("files"), dict) else {}
-    except (OSError, ValueError, AttributeError, KeyError):
+    except (ValueError, AttributeError, KeyError):
         return {}
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from edgeinfer import small_files
 from edgeinfer.arch import ArchSpec
 from edgeinfer.fields import FieldError, json_fields
 from edgeinfer.errors import ModelFormatError
@@ -335,14 +336,34 @@ class Manifest:
                    interface=Interface.from_json(section("interface"), arch, portable=portable), portable=portable,
                    tokenizer=TokenizerInfo.from_json(section("tokenizer")),
                    origin=Origin.from_json(d["origin"]) if "origin" in d else None,
-                   files=d.get("files", {}), source=d.get("source", {}), **top)
+                   files=_files(d), source=d.get("source", {}), **top)
 
     def write(self, folder: Path) -> None:
         (Path(folder) / MANIFEST_FILE).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
 
+def _files(d: dict) -> dict:
+    """The "files" section: {} when absent (a folder from an older converter: nothing to check);
+    present, it must list files, so that an edit to it cannot switch the integrity check off."""
+    if "files" not in d:
+        return {}
+    if not isinstance(d["files"], dict) or not d["files"]:
+        raise FieldError("files", f"expected an object listing the folder's files, got {d['files']!r:.40}")
+    return d["files"]
+
+
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # a manifest with a long chat template is tens of KB
+
+
 def read_manifest(folder: Path) -> Manifest:
     folder = Path(folder)
+    try:
+        return _read_manifest(folder)
+    except OSError as e:  # a path the system refuses (too long, a folder we may not enter)
+        raise ModelFormatError(f"cannot read {folder}: {e.strerror or e}") from None
+
+
+def _read_manifest(folder: Path) -> Manifest:
     if folder.is_file():
         try:
             with open(folder, "rb") as f:
@@ -359,14 +380,16 @@ def read_manifest(folder: Path) -> Manifest:
                                "convert a Hugging Face folder with `edgeinfer convert`")
     if not path.is_file():  # a folder, or a FIFO that would block the read for ever
         raise ModelFormatError(f"{path} is not a file")
-    try:
-        d = json.loads(path.read_text())
-        version = d["format_version"]
-    except OSError as e:  # unreadable: another user's folder, say
-        raise ModelFormatError(f"cannot read {path}: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+    raw = small_files.read_bytes(path, MAX_MANIFEST_BYTES, ModelFormatError)  # bounded: a link to /dev/zero
+    try:  # JSON nested past the recursion limit is corrupted too
+        d = small_files.parse_json(raw, path, ModelFormatError)
+    except ModelFormatError:
         raise ModelFormatError(f"{path} is corrupted (not a valid manifest)") from None
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    version = d.get("format_version") if isinstance(d, dict) else None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ModelFormatError(f"{path} is corrupted (not a valid manifest: format_version {version!r:.40} is not "
+                               f"a positive integer)")
+    if version > FORMAT_VERSION:
         raise ModelFormatError(f"{path} has format version {version}; this edgeinfer reads up to "
                                f"{FORMAT_VERSION}: upgrade edgeinfer")
     try:

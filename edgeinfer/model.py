@@ -119,9 +119,9 @@ class Model:
         self.overflow = overflow
         spin = SPIN_DURATION_US if policy is not None else spin_duration_us
         self.capacity_tokens, self.n_sink = capacity, n_sink
-        self.tokenizer = Tokenizer(folder, self.manifest.tokenizer)
         self.session = DecoderSession(folder, threads=threads, provider=provider, manifest=self.manifest,
-                                      spin_duration_us=spin)
+                                      spin_duration_us=spin)  # checks every listed file first
+        self.tokenizer = Tokenizer(folder, self.manifest.tokenizer)  # so this reads checked files only
         self.engine = open_engine(self.session, min(prefill_chunk, capacity), threads, spin)
         self.cache = self.new_cache()
         self.held: list[int] | None = None  # the ids the default cache holds, in order (None: not known)

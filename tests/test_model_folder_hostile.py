@@ -1,0 +1,125 @@
+"""A damaged or hostile model folder at load: one clear error, no hang, no unbounded read.
+
+Each case was found by a hostile round (2026-12-01): the tokenizer was read before the integrity
+check (a FIFO hung every load, a link to /dev/zero grew memory until killed, one changed byte was a
+UnicodeDecodeError traceback); the stamp file was read whole (a FIFO hung, a link to /dev/zero
+exhausted memory); the manifest gave RecursionError, OverflowError and ZeroDivisionError
+tracebacks, accepted a RoPE theta of 0 or NaN (then blamed broken weights), and `"files": null`
+switched the integrity check off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+
+import pytest
+
+import edgeinfer
+from conftest import STORIES_SRC
+from edgeinfer.cli import main
+from edgeinfer.errors import ModelFormatError
+from edgeinfer.integrity import STAMP_FILE
+
+
+@pytest.fixture
+def folder(tmp_path, converted):
+    d = tmp_path / "model"
+    shutil.copytree(converted(STORIES_SRC, "fp32"), d)
+    return d
+
+
+def _edit(folder, change):
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    change(m)
+    (folder / "edgeinfer.json").write_text(json.dumps(m))
+
+
+def _load_within(folder, seconds=60):
+    """load() in a thread: its result or error, and a hang fails the test instead of blocking it."""
+    out = {}
+
+    def run():
+        try:
+            out["model"] = edgeinfer.load(folder, threads=1)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "load() hung"
+    return out
+
+
+@pytest.mark.parametrize("how", ["fifo", "dev_zero", "flipped_byte"])
+def test_a_bad_tokenizer_file_is_caught_by_the_integrity_check_before_it_is_read(folder, how):
+    p = folder / "tokenizer.model"
+    if how == "flipped_byte":
+        raw = bytearray(p.read_bytes())
+        raw[len(raw) // 2] ^= 0xAA
+        p.write_bytes(bytes(raw))
+    else:
+        p.unlink()
+        os.mkfifo(p) if how == "fifo" else p.symlink_to("/dev/zero")
+    out = _load_within(folder)
+    assert isinstance(out.get("error"), ModelFormatError), out
+    assert "tokenizer.model" in str(out["error"])
+
+
+@pytest.mark.parametrize("how", ["fifo", "dev_zero", "nested", "big"])
+def test_a_bad_stamp_file_is_ignored_and_every_file_hashed(folder, how):
+    p = folder / STAMP_FILE
+    p.unlink(missing_ok=True)
+    if how == "fifo":
+        os.mkfifo(p)
+    elif how == "dev_zero":
+        p.symlink_to("/dev/zero")
+    elif how == "nested":
+        p.write_text("[" * 100_000)
+    else:
+        p.write_text(json.dumps({"version": 1, "files": {}, "pad": "x" * (2 << 20)}))
+    out = _load_within(folder)
+    assert "model" in out, out
+    assert out["model"].generate("Once", max_new_tokens=3, temperature=0).usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda m: m["architecture"]["rope"].update(theta=10 ** 400), "architecture.rope.theta: expected a finite"),
+    (lambda m: m["architecture"]["rope"].update(theta=0), "architecture.rope.theta: must be positive"),
+    (lambda m: m["architecture"]["rope"].update(theta=-5.0), "architecture.rope.theta: must be positive"),
+    (lambda m: m["architecture"].update(rms_norm_eps=float("nan")), "rms_norm_eps: expected a finite"),
+    (lambda m: m["architecture"]["rope"].update(type="llama3", low_freq_factor=4.0, high_freq_factor=4.0),
+     "must exceed low_freq_factor"),
+    (lambda m: m.update(format_version="1"), "format_version '1' is not a positive integer"),
+    (lambda m: m.update(format_version=0), "format_version 0 is not a positive integer"),
+    (lambda m: m.update(format_version=True), "format_version True is not a positive integer"),
+    (lambda m: m.update(files=None), "bad field files"),
+    (lambda m: m.update(files=[]), "bad field files"),
+    (lambda m: m.update(files={}), "bad field files"),
+])
+def test_a_bad_manifest_field_is_one_error_naming_it(capsys, folder, change, needle):
+    _edit(folder, change)
+    assert main(["inspect", str(folder)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("edgeinfer: error: ") and needle in err, err
+
+
+def test_a_manifest_nested_past_the_recursion_limit_or_too_large_is_refused(capsys, folder):
+    (folder / "edgeinfer.json").write_text("[" * 100_000)
+    assert main(["inspect", str(folder)]) == 1
+    assert "corrupted" in capsys.readouterr().err
+    (folder / "edgeinfer.json").write_text(" " * (17 << 20) + "{}")  # read whole, a 2 GB one was a MemoryError
+    assert main(["inspect", str(folder)]) == 1
+    assert "a file of at most 16777216 bytes is read here" in capsys.readouterr().err
+
+
+def test_a_path_the_system_refuses_is_one_error(capsys, tmp_path):
+    long = tmp_path / ("x" * 5000)
+    assert main(["inspect", str(long)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot read" in err and "File name too long" in err, err
+    with pytest.raises(ModelFormatError, match="File name too long"):
+        edgeinfer.load(long)
