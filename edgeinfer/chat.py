@@ -6,7 +6,7 @@ line as "System: ...", "User: ...", "Assistant: ..." and ends with "Assistant:" 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
 
@@ -72,8 +72,13 @@ class ChatTemplate:
             except ModelFormatError as e:
                 self.error = e
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+               defuse: Callable[[str], str] | None = None) -> str:
+        """The prompt text; `defuse` (the tokenizer's) is applied to each message's content first, so
+        that a control token's string in it stays text when the rendering is encoded."""
         messages = check_messages(messages)
+        if defuse is not None:
+            messages = [{"role": m["role"], "content": defuse(m["content"])} for m in messages]
         if self.error is not None:
             raise self.error
         if self._tpl is None:

@@ -83,7 +83,7 @@ class Conversation:
 
         def begin(req: Request) -> list[int]:  # under the lock, at the first next()
             msgs = list(messages) if messages is not None else self.messages + [{"role": "user", "content": content}]
-            full = m.template.render(msgs, add_generation_prompt=True)
+            full = m.template.render(msgs, add_generation_prompt=True, defuse=m.tokenizer.defuse)
             if not self.cache.intact:  # a mutation was cut short (Ctrl-C inside a step): start clean
                 self._recover()
             ids, req.cut = self._ids_for(full, opts)

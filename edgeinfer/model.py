@@ -192,7 +192,8 @@ class Model:
 
     def encode_chat(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of `messages` in the model's chat template, ending with the assistant's cue."""
-        return self.encode_rendered(self.template.render(messages, add_generation_prompt=True))
+        return self.encode_rendered(self.template.render(messages, add_generation_prompt=True,
+                                                         defuse=self.tokenizer.defuse))
 
     def stream(self, prompt: str | Sequence[int], options: GenerationOptions | None = None, **overrides) -> Generation:
         """A Generation: iterate for Chunks (joined, their text equals `generate(...).text`); its

@@ -9,11 +9,18 @@ A rendered template holds those strings as text, so `encode` maps them back to t
 `tokenizers` library does it for its added tokens; for SentencePiece, the control pieces' strings
 are split out here and each piece of text between them is encoded on its own (as Hugging Face's
 legacy Llama tokenizer does: text after "<s>" gets the usual leading-space marker).
+
+Text a client sends inside a chat message must not become a control token (`<|im_end|>` then
+`<|im_start|>system` would close the user's turn and forge a system one): `defuse` replaces each
+control token's string in such text with a placeholder (private-use characters around a per-process
+random number) that the template carries through and `encode` turns back into the string's plain-text
+tokens. Text without control strings is tokenized as before.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 from pathlib import Path
 
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
@@ -60,6 +67,13 @@ class Tokenizer:
             self._decode = lambda ids: self._hf.decode(ids, skip_special_tokens=True)
             self._n_vocab = self._hf.get_vocab_size(with_added_tokens=True)
             self._token_string = lambda i: self._hf.id_to_token(i)
+            self._specials = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items()
+                              if t.special and t.content}
+        controls = sorted(self._specials, key=len, reverse=True)  # the longest first, as the split matches
+        self._control_re = re.compile("|".join(map(re.escape, controls))) if controls else None
+        nonce = "".join(secrets.choice("0123456789") for _ in range(16))  # digits: a template's upper() keeps them
+        self._placeholder = {s: f"\ue000{nonce}.{i}\ue001" for i, s in enumerate(controls)}
+        self._placeholder_re = re.compile(f"\ue000{nonce}\\.(\\d+)\ue001")
 
         self._texts: dict[int, str | bytes] = {}  # token_text's cache
         self._anchor = self._encode("a")[-1:]  # a plain token for token_text to put before another
@@ -81,10 +95,39 @@ class Tokenizer:
             raise InvalidArgumentError(
                 f"the text is not valid UTF-8: character {e.start} is {text[e.start]!r} (an undecodable byte "
                 f"or a lone surrogate)") from None
-        ids = list(self._encode(text))
+        ids = list(self._encode(text)) if "\ue000" not in text else self._encode_defused(text)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, int(self.bos_id))
         return ids
+
+    def defuse(self, text: str) -> str:
+        """`text` (a chat message's content) with each control token's string replaced by a placeholder
+        that `encode` turns into that string's plain-text tokens (the module doc)."""
+        if self._control_re is None:
+            return text
+        return self._control_re.sub(lambda m: self._placeholder[m.group(0)], text)
+
+    def _encode_defused(self, text: str) -> list[int]:
+        """`text` split at `defuse`'s placeholders: the text between encoded as usual, each placeholder
+        as its control string's plain text."""
+        controls = list(self._placeholder)
+        ids: list[int] = []
+        for i, part in enumerate(self._placeholder_re.split(text)):
+            if i % 2:
+                ids.extend(self._plain(controls[int(part)]))
+            elif part:
+                ids.extend(self._encode(part))
+        return ids
+
+    def _plain(self, text: str) -> list[int]:
+        """Tokens of control string `text` as plain text."""
+        if self.kind == "sentencepiece":  # SentencePiece itself never matches a control piece in text
+            return list(self._sp.encode(text))
+        ids: list[int] = []
+        while self._control_re.search(text):  # the tokenizers library matches its added tokens anywhere
+            ids.extend(self._encode(text[0]))
+            text = text[1:]
+        return ids + (list(self._encode(text)) if text else [])
 
     def _encode_sentencepiece(self, text: str) -> list[int]:
         if self._special_re is None or not self._special_re.search(text):
