@@ -9,7 +9,9 @@ completes the set runs the step for all (no extra thread); the others wait for i
 conversation takes the plain single-row path (`Engine.decode_one`), which costs less for one row.
 
 Single decoding (`SoloStepper`) has the same three methods, so `Generation` does not know which
-one it is driving. Outputs are bit-identical to decoding each conversation alone.
+one it is driving. On fp32 models outputs are bit-identical to decoding each conversation alone;
+quantized weights (MatMulNBits, even at accuracy level 0) take another kernel for a batch of rows
+than for one, so logprobs differ by ~1e-5 and a near-tie may resolve the other way.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 As llama.cpp's `cache_prompt`: a context (the Model's default one, a daemon slot) remembers the token
 ids its ring holds in order (`held_after`, None when not known exactly: the ring evicted or re-based,
 the overflow policy dropped prompt tokens, a mutation was cut short); the next request keeps the
-longest common prefix (`reuse`) and feeds only its tail. On fp32 and accuracy-level-0 models the
-reply is the one a cold start gives, because the kept rows are the ones the same tokens computed. At
-accuracy level 4 (int8 activations) a row's rounding depends on the call that computed it: a reply's
+longest common prefix (`reuse`) and feeds only its tail. On fp32 models a reused prompt's rows are
+bit-identical to a cold start's (every split measured), but a reply's rows came from one-row decode
+steps, whose float rounding differs from a prefill's (~1e-6 in the logits: a hostile round forced a
+near-tie with logit_bias, and 15 of 61 biases near it flipped the next token). At accuracy level 4 (int8 activations) a row's rounding depends on the call that computed it: a reply's
 rows came from one-row decode steps, and even calls of several rows can round a row differently
 depending on how they are split (measured: one row of 366 differed by 8e-6 in its logits between a
 prefill split at 204 and one at 256). A reused prefix's reply then equals a cold start's but for a
