@@ -6,11 +6,14 @@ line as "System: ...", "User: ...", "Assistant: ..." and ends with "Assistant:" 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
 
 ROLES = ("system", "user", "assistant")
+MAX_TEMPLATE_CHARS = 256 * 1024  # Hugging Face templates are a few KB; compiling costs ~6 s per MB
+MAX_REPEAT_ITEMS = 1 << 20  # a template's `*` may build a string or list of at most this many items
 
 
 def _raise(message: str):
@@ -47,12 +50,32 @@ def compile_template(template: str):
             next(parser.stream)
             return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation])
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "%"})  # not folded at compile time either
+
+        def call_binop(self, context, operator, left, right):
+            """`'a' * 10**10`, `2 ** 10**9` and `'%999999999d' % 1` would exhaust memory or time: refused."""
+            if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+                raise InvalidArgumentError(f"chat template: {left!r:.20} ** {right} is too large")
+            if operator == "%" and isinstance(left, str) and re.search(r"%[^a-zA-Z%]*\d{5}", left):
+                raise InvalidArgumentError(f"chat template: the format {left!r:.40} pads too widely")
+            if operator == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
+                left, right = right, left
+            if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int) \
+                    and len(left) * right > MAX_REPEAT_ITEMS:
+                raise InvalidArgumentError(f"chat template: repeating {len(left)} items {right} times is too many")
+            return super().call_binop(context, operator, left, right)
+
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise ModelFormatError(f"the model's chat template is {len(template)} characters, more than the "
+                               f"{MAX_TEMPLATE_CHARS} read")
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation])
     env.globals["raise_exception"] = _raise
     try:
         return env.from_string(template)
-    except jinja2.TemplateError as e:
-        raise ModelFormatError(f"the model's chat template does not parse: {e}") from None
+    except (jinja2.TemplateError, RecursionError, MemoryError, OverflowError) as e:  # nesting, folded constants
+        raise ModelFormatError(f"the model's chat template does not parse: "
+                               f"{e.__class__.__name__}: {str(e)[:200]}") from None
 
 
 class ChatTemplate:
@@ -94,6 +117,7 @@ class ChatTemplate:
         except InvalidArgumentError:
             raise
         except (jinja2.TemplateError, OverflowError, ArithmeticError, TypeError, ValueError, LookupError,
-                RecursionError) as e:  # the template itself fails on these messages (a broken or hostile template)
+                RecursionError, MemoryError) as e:  # the template itself fails on these messages (a broken or
+            # hostile template)
             raise InvalidArgumentError(f"the model's chat template failed on these messages: "
                                        f"{e.__class__.__name__}: {e}") from None
