@@ -141,7 +141,10 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._decode([int(i) for i in ids])
+        """The text of `ids`; an id past the tokenizer's vocabulary (a model's padded embedding rows,
+        which Hugging Face checkpoints often have: Qwen2.5's 151,936 rows for 151,665 tokens) adds
+        nothing, as a special token does."""
+        return self._decode([i for i in map(int, ids) if 0 <= i < self._n_vocab])
 
     def token_text(self, token_id: int) -> str | bytes:
         """What the token adds to a text, as an API shows one token of logprobs: its text after other
@@ -151,8 +154,10 @@ class Tokenizer:
         bytes decoded together, join to their decoded text. Cached per id."""
         token_id = int(token_id)
         text = self._texts.get(token_id)
+        if text is None and not 0 <= token_id < self._n_vocab:
+            return ""  # a padded row's id: no text (`decode`)
         if text is None:
-            piece = self.token_string(token_id)  # checks the id
+            piece = self.token_string(token_id)
             anchor = self.decode(self._anchor)  # the token after other text: its leading space is kept
             text = self.decode(self._anchor + [token_id])[len(anchor):]
             if "\ufffd" in text:

@@ -123,3 +123,15 @@ def test_a_path_the_system_refuses_is_one_error(capsys, tmp_path):
     assert len(err.splitlines()) == 1 and "cannot read" in err and "File name too long" in err, err
     with pytest.raises(ModelFormatError, match="File name too long"):
         edgeinfer.load(long)
+
+
+def test_ids_past_the_tokenizers_vocabulary_add_no_text():
+    """A checkpoint's embedding often has more rows than its tokenizer has tokens (padding); a
+    sampled id past the tokenizer was an IndexError traceback mid-reply (SentencePiece)."""
+    from edgeinfer.detokenize import Detokenizer
+
+    t = edgeinfer.load(threads=1).tokenizer
+    past = t.id_limit + 7
+    assert t.decode([400, past, 401]) == t.decode([400, 401]) and t.token_text(past) == ""
+    d, e = Detokenizer(t, [1]), Detokenizer(t, [1])
+    assert "".join(d.add(i) for i in [400, past, 401]) == "".join(e.add(i) for i in [400, 401]) != ""
