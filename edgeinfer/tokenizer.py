@@ -24,7 +24,11 @@ import secrets
 from pathlib import Path
 
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
+from edgeinfer.small_files import read_bytes
 from edgeinfer.manifest import TokenizerInfo
+
+
+MAX_TOKENIZER_BYTES = 256 * 1024 * 1024  # the largest tokenizer.json is ~20 MB
 
 
 class Tokenizer:
@@ -40,8 +44,9 @@ class Tokenizer:
             path = folder / "tokenizer.model"
             if not path.exists():
                 raise ModelFormatError(f"{folder} lacks tokenizer.model")
-            try:
-                self._sp = spm.SentencePieceProcessor(model_file=str(path))
+            try:  # from bytes: a path that is not UTF-8 is a TypeError in its file loader
+                self._sp = spm.SentencePieceProcessor(model_proto=read_bytes(path, MAX_TOKENIZER_BYTES,
+                                                                             ModelFormatError))
             except (RuntimeError, OSError) as e:
                 raise ModelFormatError(f"tokenizer.model is corrupted ({e})") from None
             self._n_vocab = self._sp.get_piece_size()
@@ -59,8 +64,9 @@ class Tokenizer:
             path = folder / "tokenizer.json"
             if not path.exists():
                 raise ModelFormatError(f"{folder} lacks tokenizer.json")
+            raw = read_bytes(path, MAX_TOKENIZER_BYTES, ModelFormatError)
             try:
-                self._hf = HFTokenizer.from_file(str(path))
+                self._hf = HFTokenizer.from_buffer(raw)
             except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
                 raise ModelFormatError(f"tokenizer.json is corrupted ({e})") from None
             self._encode = lambda text: self._hf.encode(text, add_special_tokens=False).ids
