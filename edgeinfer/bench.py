@@ -19,6 +19,9 @@ from pathlib import Path
 import numpy as np
 
 
+MAX_PROMPT_TOKENS = 1 << 20  # a million tokens: hours on a device, and an id array of 8 MB
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     model: Path | None = None
@@ -53,6 +56,10 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
 
     if cfg.prompt_tokens < 1 or cfg.gen_tokens < 2 or cfg.runs < 1 or cfg.threads < 1:
         raise ValueError("--prompt-tokens >= 1, --gen-tokens >= 2, --runs >= 1 and --threads >= 1 are required")
+    if cfg.prompt_tokens > MAX_PROMPT_TOKENS or cfg.gen_tokens > MAX_PROMPT_TOKENS:  # an array of ids is made
+        raise ValueError(f"--prompt-tokens and --gen-tokens may be at most {MAX_PROMPT_TOKENS}")
+    if cfg.capacity is not None and cfg.capacity < 2:  # 0 read as "not given"
+        raise ValueError(f"--capacity must be at least 2, got {cfg.capacity}")
     capacity = cfg.capacity or cfg.prompt_tokens + cfg.gen_tokens + 8
     if cfg.capacity is None:
         from edgeinfer.kv_cache import max_capacity

@@ -24,6 +24,10 @@ def test_bench_json_keys_and_sane_values(capsys):
 def test_bench_rejects_bad_arguments(capsys):
     assert main(["bench", "--gen-tokens", "1"]) == 1
     assert "gen-tokens" in capsys.readouterr().err
+    assert main(["bench", "--prompt-tokens", "1000000000"]) == 1  # was a 7.45 GiB allocation's traceback
+    assert "at most 1048576" in capsys.readouterr().err
+    assert main(["bench", "--capacity", "0"]) == 1  # was read as "not given"
+    assert "--capacity must be at least 2" in capsys.readouterr().err
 
 
 def test_bench_defaults_run_on_a_model_trained_on_fewer_positions(capsys):
