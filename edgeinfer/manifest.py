@@ -272,6 +272,9 @@ class Origin:
         o = cls(**json_fields(cls, d, where))
         if o.format not in SOURCE_FORMATS:
             raise FieldError(f"{where}.format", f"unknown {o.format!r} (one of {', '.join(SOURCE_FORMATS)})")
+        for name, n in o.tensor_types.items():
+            if type(n) is not int or n < 0:  # a count (NaN here was printed as invalid JSON by inspect --json)
+                raise FieldError(f"{where}.tensor_types.{name}", f"expected a count, got {n!r:.40}")
         return o
 
 

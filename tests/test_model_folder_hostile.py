@@ -99,6 +99,8 @@ def test_a_bad_stamp_file_is_ignored_and_every_file_hashed(folder, how):
     (lambda m: m.update(files=None), "bad field files"),
     (lambda m: m.update(files=[]), "bad field files"),
     (lambda m: m.update(files={}), "bad field files"),
+    (lambda m: m.update(origin={"format": "gguf", "tensor_types": {"F32": float("nan")}}),
+     "origin.tensor_types.F32: expected a count"),
 ])
 def test_a_bad_manifest_field_is_one_error_naming_it(capsys, folder, change, needle):
     _edit(folder, change)
