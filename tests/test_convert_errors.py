@@ -143,6 +143,8 @@ def test_unsupported_architecture_lists_supported(capsys, src, tmp_path):
         "rope_theta": 500000.0, "rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 256}}, "original_max_position_embeddings is 16 at the top level"),
     ({"rope_scaling": {"type": "linear", "rope_type": "default", "factor": 2.0}}, "both type 'linear' and rope_type"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64}}, "high_freq_factor above low_freq_factor"),
 ])
 def test_unsupported_config_field(capsys, src, tmp_path, changes, needle):
     edit_config(src, **changes)
