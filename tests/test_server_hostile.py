@@ -659,3 +659,51 @@ def test_a_client_that_leaves_while_sending_its_body_is_counted_as_gone_not_as_a
         time.sleep(0.3)
     assert _wait(lambda: count("499") == before_499 + 1, 10)
     assert count("400") == before_400
+
+
+def test_a_prompt_being_tokenized_does_not_hold_up_the_event_loop(model, monkeypatch):
+    """Tokenization ran on the event loop before admission: N concurrent ~760 KB prompts stalled a
+    running stream's events and /health by 0.7 s (N=1) to 4.3 s (N=8). Now it runs in a pool of
+    TOKENIZE_THREADS threads. Deterministic: a prompt "BIG" blocks its tokenization until released;
+    meanwhile /health, /v1/models and /metrics answer, and a second BIG waits for a tokenizing thread
+    (no more tokenize at once however many bodies arrive); once released, both are served."""
+    import threading
+
+    from edgeinfer.server.app import TOKENIZE_THREADS
+
+    real, release, lock = model.encode_prompt, threading.Event(), threading.Lock()
+    entered = []
+
+    def encode_prompt(prompt):
+        if prompt == "BIG":
+            with lock:
+                entered.append(threading.current_thread().name)
+            release.wait(60)
+        return real(prompt)
+
+    monkeypatch.setattr(model, "encode_prompt", encode_prompt)
+    r = Running(ServeConfig(slots=1, queue=4, max_tokens_limit=64), model=model)
+    statuses, threads = [], []
+
+    def big() -> None:
+        statuses.append(httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": "BIG", "max_tokens": 2},
+                                   timeout=90).status_code)
+
+    try:
+        for _ in range(TOKENIZE_THREADS + 1):
+            threads.append(threading.Thread(target=big, daemon=True))
+            threads[-1].start()
+        assert _wait(lambda: len(entered) == TOKENIZE_THREADS, 20)
+        health = httpx.get(r.url + "/health", timeout=10)  # before: a ReadTimeout (the loop waited in encode)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        assert httpx.get(r.url + "/v1/models", timeout=10).status_code == 200
+        assert httpx.get(r.url + "/metrics", timeout=10).status_code == 200
+        time.sleep(0.3)  # an unbounded pool would have let the last BIG in by now (a slow machine: a false pass only)
+        assert len(entered) == TOKENIZE_THREADS
+    finally:
+        release.set()
+        for t in threads:
+            t.join(60)
+        r.stop()
+    assert statuses == [200] * (TOKENIZE_THREADS + 1) and len(entered) == TOKENIZE_THREADS + 1
+    assert all(name.startswith("edgeinfer-tokenize") for name in entered)

@@ -212,4 +212,5 @@ def serve(config: ServeConfig) -> int:
     uvicorn_server(server).run(sockets=socks)
     server.scheduler.cancel_all()  # worker threads end within one step: the process can exit
     server.pool.shutdown(wait=False, cancel_futures=True)
+    server.tokenize_pool.shutdown(wait=False, cancel_futures=True)
     return 0

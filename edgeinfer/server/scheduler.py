@@ -7,9 +7,10 @@ more is refused at once (`QueueFull`, answered 429). When the model's KV mode ap
 (GroupQueryAttention), the slots are rows of one `BatchedKV` and their decode steps run as one graph call (`DecodeBatcher`:
 continuous batching, requests join and leave between steps); otherwise their graph calls
 interleave on the Engine's lock, step by step. Either way no request waits for another's whole reply. Prefix reuse: each slot remembers the token ids its ring
-holds; a request takes the free slot whose ids share the longest prefix with its prompt, keeps that
-prefix (`RingKVCache.keep_prefix`) and prefills only the rest (a chat that re-sends its history each
-turn prefills only the new turn; at accuracy level 4 the reply then equals a cold start's but for a
+holds; a request takes a free slot by `choose_slot` (the one whose cache it extends, else an empty or
+the least recently used one), keeps the prefix that slot shares with its prompt
+(`RingKVCache.keep_prefix`) and prefills only the rest (a chat that re-sends its history each turn
+prefills only the new turn; at accuracy level 4 the reply then equals a cold start's but for a
 near-tie: `prefix_cache`).
 
 A `Job` runs one request in a worker thread and hands its events (chunks, then the end) to the
@@ -50,6 +51,38 @@ class Slot:
     cache: RingKVCache
     ids: list[int] | None = None  # the tokens the ring holds, in order (None: not known exactly)
     last_used: int = 0
+
+
+REUSE_MIN_SHARE = 0.5  # a slot's cache is reused when the prompt shares at least this share of the tokens it holds
+
+
+def choose_slot(free: list[Slot], prompt: list[int]) -> Slot:
+    """The free slot (`free`: not empty) a request for `prompt` takes. Deterministic: it depends only
+    on the slots' remembered ids, `last_used` and `index`, and on the prompt.
+
+    1. Reuse: the slots whose remembered ids share with the prompt a common prefix of n > 0 tokens
+       with n >= REUSE_MIN_SHARE x the tokens they hold (taking one keeps at least as many cached
+       tokens as it throws away: the request continues that slot's text). Of those, the longest
+       prefix; then the fewest tokens held (the least thrown away); then the least recently used.
+    2. Else the slot holding nothing known (never used, or emptied: ids None), then the least
+       recently used (never-used slots are the least recent); then the lowest index. `reuse` still
+       keeps whatever prefix that slot happens to share.
+
+    The share is of what the slot holds, not of the new prompt (llama.cpp's --slot-prompt-similarity):
+    a chat's first turn is mostly the template's default system prompt, so it shares most of itself
+    with every conversation in the server, and under a prompt share it would take (and cut down to
+    that system prompt) another user's long conversation while empty slots stood idle.
+    """
+    best, best_key = None, None
+    for slot in free:
+        n = common_prefix(slot.ids, prompt) if slot.ids else 0
+        if n > 0 and n >= REUSE_MIN_SHARE * len(slot.ids):
+            key = (-n, len(slot.ids), slot.last_used, slot.index)
+            if best_key is None or key < best_key:
+                best, best_key = slot, key
+    if best is not None:
+        return best
+    return min(free, key=lambda slot: (bool(slot.ids), slot.last_used, slot.index))
 
 
 class Scheduler:
@@ -127,9 +160,9 @@ class Scheduler:
 
     def take(self, ticket: int, prompt: list[int], cancelled: threading.Event,
              max_new_tokens: int) -> tuple[Slot, int]:
-        """Wait until a slot is free and `ticket` (from `admit`) is first in line; returns the slot and
-        how many prompt tokens it already holds. Raises Cancelled (its place given up) once `cancelled`
-        is set while it waits."""
+        """Wait until a slot is free and `ticket` (from `admit`) is first in line; returns the slot
+        `choose_slot` picks and how many prompt tokens it already holds. Raises Cancelled (its place
+        given up) once `cancelled` is set while it waits."""
         with self._cond:
             while not (self._free and self._line[0] == ticket):
                 if cancelled.is_set():
@@ -137,11 +170,7 @@ class Scheduler:
                     raise Cancelled(self.cancel_reason)
                 self._cond.wait(timeout=0.1)
             self._leave_line(ticket)
-            best, best_n = None, -1
-            for slot in self._free:  # longest reusable prefix, then least recently used
-                n = common_prefix(slot.ids, prompt) if slot.ids else 0
-                if n > best_n or n == best_n and slot.last_used < best.last_used:
-                    best, best_n = slot, n
+            best = choose_slot(self._free, prompt)
             self._free.remove(best)
             self._clock += 1
             best.last_used = self._clock
@@ -225,4 +254,5 @@ class Job:
         return end
 
 
-__all__ = ["Scheduler", "Slot", "Job", "QueueFull", "Cancelled", "Chunk", "Completion"]
+__all__ = ["Scheduler", "Slot", "choose_slot", "REUSE_MIN_SHARE", "Job", "QueueFull", "Cancelled", "Chunk",
+           "Completion"]
