@@ -129,7 +129,7 @@ def verify(folder: Path | str, out=print) -> bool:
         from edgeinfer.session import DecoderSession
 
         try:
-            DecoderSession(folder, threads=1, provider="cpu")
+            DecoderSession(folder, threads=1, provider="cpu", manifest=manifest, hashed=True)
             out("ok        loads (the graph takes the inputs its manifest describes)")
         except EdgeInferError as e:
             ok = False

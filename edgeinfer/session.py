@@ -74,10 +74,13 @@ def session_options(threads: int | None, spin_duration_us: int | None = None) ->
 
 class DecoderSession:
     def __init__(self, folder: Path | str, *, threads: int | None = None, provider: str = "auto",
-                 manifest: Manifest | None = None, spin_duration_us: int | None = None):
+                 manifest: Manifest | None = None, spin_duration_us: int | None = None, hashed: bool = False):
+        """hashed: the caller has just hashed every listed file (`inspect --verify`), so they are not
+        checked again (a folder that cannot be written, so keeps no stamp, paid it twice)."""
         self.folder = Path(folder)
         self.manifest = manifest or read_manifest(self.folder)
-        verify(self.folder, self.manifest.files)  # every loader (Model, eval) runs checked weights
+        if not hashed:
+            verify(self.folder, self.manifest.files)  # every loader (Model, eval) runs checked weights
         spec = self.manifest.arch
         self.names = io_names(spec.num_layers)
         self.provider = resolve_provider(provider, self.manifest.target)

@@ -235,3 +235,12 @@ def test_a_manifest_that_is_not_a_file_is_a_clear_error(folder):
     (folder / "edgeinfer.json").mkdir()
     with pytest.raises(edgeinfer.ModelFormatError, match="edgeinfer.json is not a file"):
         edgeinfer.load(folder)
+
+
+def test_inspect_verify_hashes_each_file_once_without_a_stamp(capsys, folder, hashes):
+    """A folder with no stamp (one that cannot be written never gets one) had every file hashed twice:
+    by the check, then by the session it opens to see that the graph loads."""
+    (folder / integrity.STAMP_FILE).unlink(missing_ok=True)
+    rc, lines = verify_cli(capsys, folder)
+    assert rc == 0 and "ok        loads (the graph takes the inputs its manifest describes)" in lines
+    assert sorted(hashes) == sorted(listed(folder))
