@@ -77,6 +77,7 @@ class DecoderSession:
                  manifest: Manifest | None = None, spin_duration_us: int | None = None, hashed: bool = False):
         """hashed: the caller has just hashed every listed file (`inspect --verify`), so they are not
         checked again (a folder that cannot be written, so keeps no stamp, paid it twice)."""
+        check_threads(threads, warn=False)  # a bad count is the caller's error, said before any hashing
         self.folder = Path(folder)
         self.manifest = manifest or read_manifest(self.folder)
         if not hashed:
