@@ -32,7 +32,6 @@ def test_a_bad_thread_count_is_the_callers_error_not_the_models(capsys):
     """It was reported as 'cannot load model.onnx' (a ModelFormatError), after hashing the folder."""
     one_line_error(capsys, ["eval", "-m", str(STORIES_SRC.parent / "stories260K-int8"), "--threads", "0",
                             "--text", str(EVAL_TXT)], "threads must be a positive integer")
-    assert "cannot load" not in capsys.readouterr().err
 
 
 def test_missing_folder(capsys, tmp_path):
