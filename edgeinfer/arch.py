@@ -92,8 +92,8 @@ class ArchSpec:
         if s is not None and (s < 2 or s % 2 or s >= spec.head_dim or spec.head_dim % s):
             raise FieldError(f"{where}.source_head_dim", f"{s} is not an even head size that divides head_dim "
                              f"{spec.head_dim} and is smaller")
-        if spec.sliding_window is not None and spec.sliding_window < 2:
-            raise FieldError(f"{where}.sliding_window", f"must be null or at least 2, got {spec.sliding_window}")
+        if spec.sliding_window is not None and spec.sliding_window < 3:  # its ring holds W - 1 >= 2 tokens
+            raise FieldError(f"{where}.sliding_window", f"must be null or at least 3, got {spec.sliding_window}")
         if spec.num_heads % spec.num_kv_heads:
             raise FieldError(f"{where}.num_kv_heads", f"{spec.num_kv_heads} does not divide num_heads {spec.num_heads}")
         if spec.rope.type not in SUPPORTED_ROPE_TYPES:

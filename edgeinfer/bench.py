@@ -62,7 +62,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         raise ValueError(f"--capacity must be at least 2, got {cfg.capacity}")
     capacity = cfg.capacity or cfg.prompt_tokens + cfg.gen_tokens + 8
     if cfg.capacity is None:
-        from edgeinfer.kv_cache import max_capacity
+        from edgeinfer.kv_cache import binding_window, max_capacity
         from edgeinfer.manifest import read_manifest
         from edgeinfer.model import default_model_path
 
@@ -74,8 +74,10 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
             raise ValueError(f"this portable model holds {n} tokens, and the benchmark's ring would be --prompt-tokens "
                              f"{cfg.prompt_tokens} + --gen-tokens {cfg.gen_tokens} + 8 = {capacity}: give {fit}"
                              f"--capacity {n} (the prompt then shifts through the ring)")
-        if capacity > max_capacity(manifest.arch.max_position_embeddings):  # past the room to re-base in: the
-            capacity = None  # model's own ring, through which the prompt shifts (the report says its capacity)
+        window = binding_window(manifest.arch)
+        if capacity > max_capacity(manifest.arch.max_position_embeddings) or window and capacity >= window:
+            capacity = None  # past the room to re-base in, or a sliding window's W - 1: the model's own ring,
+            # through which the prompt shifts (the report says its capacity)
     t0 = time.perf_counter()
     model = edgeinfer.load(cfg.model, threads=cfg.threads, capacity_tokens=capacity)
     capacity = model.capacity_tokens

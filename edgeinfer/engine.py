@@ -30,7 +30,7 @@ import weakref
 import numpy as np
 
 from edgeinfer import fork_safety
-from edgeinfer.kv_cache import BatchedKV, RingKVCache
+from edgeinfer.kv_cache import BatchedKV, RingKVCache, binding_window
 from edgeinfer.kv_mode import ATTENTION_MASK, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
 from edgeinfer.manifest import ROPE_COS, ROPE_SIN, host_rope
 from edgeinfer.session import DecoderSession
@@ -153,11 +153,12 @@ class Engine(ChunkedSteps):
         with self._ratios_lock:
             if self._ratios is not None and len(self._ratios) >= k_max + 1:
                 return self._ratios
-            rows = min(64, self.spec.max_position_embeddings)
+            window = binding_window(self.spec)  # such a model's ring holds W - 1 and no sinks
+            rows = min(64, self.spec.max_position_embeddings, window - 1 if window else 64)
             held = rows // 2
             top = max(1, min(k_max + 1, self.max_chunk, rows - held))
             sizes = sorted({s for s in self.CALIBRATION_ROWS if s < top} | {1, top})
-            cache = self.new_cache(rows, min(4, held - 1) if held > 1 else 0)
+            cache = self.new_cache(rows, min(4, held - 1) if held > 1 and not window else 0)
             ids = [(3 + i) % self.spec.vocab_size for i in range(held + top)]
             self.prefill(cache, ids[:held])
             out = np.empty((1, top, self.spec.vocab_size), np.float32)

@@ -96,12 +96,15 @@ def rotate_keys(k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
 
 
 def binding_window(spec: ArchSpec) -> int | None:
-    """The model's sliding window W where it binds (W <= the trained length T; a larger one never does),
-    else None. A query of such a model attends to the last W tokens, itself among them, as transformers
-    masks it; the ring keeps it exactly: no sinks, a capacity of at most W - 1, and no call appending
-    more rows than leave each of its queries within W keys (`RingKVCache.call_room`)."""
+    """The model's sliding window W where it binds (W < the trained length T; at T or more it never
+    does: no query attends over more than T tokens, window or not), else None. A query of such a model
+    attends to the last W tokens, itself among them, as transformers masks it; the ring keeps it
+    exactly: a capacity of at most W - 1, no sinks in a ring of W - 1 (they would keep older tokens in
+    view), and no call appending more rows than leave each of its queries within W keys
+    (`RingKVCache.call_room`). A smaller ring forgets tokens the window still holds, so it is not exact
+    anyway: sinks are the caller's choice there (none by default)."""
     w = spec.sliding_window
-    return w if w is not None and w <= spec.max_position_embeddings else None
+    return w if w is not None and w < spec.max_position_embeddings else None
 
 
 class RingKVCache:
@@ -167,10 +170,11 @@ class RingKVCache:
                 f"capacity_tokens={capacity_tokens}: this model attends to its last {window} tokens only "
                 f"(sliding_window), the current one among them, so its ring holds at most {window - 1}; use "
                 f"capacity_tokens={window - 1} or less")
-        if window is not None and n_sink:
+        if window is not None and n_sink and capacity_tokens == window - 1:
             raise InvalidArgumentError(
-                f"n_sink={n_sink}: this model attends to its last {window} tokens only (sliding_window), and "
-                f"attention sinks would keep older ones in view; use n_sink=0")
+                f"n_sink={n_sink}: this model attends to its last {window} tokens only (sliding_window), which a "
+                f"ring of {capacity_tokens} holds exactly, and attention sinks would keep older ones in view; use "
+                f"n_sink=0 (or a smaller ring, which forgets tokens the window still holds)")
         if n_sink >= capacity_tokens:
             raise InvalidArgumentError(f"a ring of capacity {capacity_tokens} tokens leaves no room beside its "
                                        f"{n_sink} attention sinks (n_sink): give a capacity of at least "

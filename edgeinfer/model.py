@@ -62,8 +62,9 @@ def load(path: str | Path | None = None, *, provider: str = "auto", threads: int
     capacity_tokens: the KV ring's size, an int in [2, the model's trained length T] (default: the
     manifest's, capped at T less a sixteenth, the room a full ring re-bases in; a larger one re-bases
     more often, with a warning); n_sink: first tokens the ring never overwrites, in [0, capacity_tokens)
-    (default 4). A model with a sliding window W <= T attends to its last W tokens only, exactly as
-    transformers masks it: its ring holds at most W - 1 (the default) and no sinks (`kv_cache.binding_window`);
+    (default 4). A model with a sliding window W < T attends to its last W tokens only, exactly as
+    transformers masks it: its ring holds at most W - 1 (the default) and, by default, no sinks
+    (`kv_cache.binding_window`);
 
     overflow: "shift" | "truncate" | "error"; prefill_chunk: a positive int (tokens per prefill call).
     power: None (off), "performance" | "balanced" | "battery" | "thermal-guard", or a

@@ -11,6 +11,8 @@ window's edge.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -81,10 +83,65 @@ def test_a_ring_that_would_see_past_the_window_is_refused(folder):
     assert m.capacity_tokens == 8
 
 
+def test_speculation_can_measure_its_costs_on_a_windowed_model(model):
+    """A review found speculation's cost calibration built a ring of 64 slots with 4 sinks, which a
+    windowed model refuses: the first draft raised, and `serve --speculative` would not start. (A
+    draft needs free slots, so on this model speculation runs only while the ring of 15 fills.)"""
+    ratios = model.engine.verify_ratios(4)
+    assert len(ratios) >= 5 and ratios[0] == 1.0 and all(b >= a for a, b in zip(ratios, ratios[1:]))
+
+
 def test_eval_scores_windows_the_model_sees_whole(folder, tmp_path):
     text = tmp_path / "eval.txt"
-    text.write_text("Once upon a time there was a little girl named Lily who loved to play in the park.\n" * 3)
+    line = "Once upon a time there was a little girl named Lily who loved to play in the park."
+    text.write_text((line + "\n") * 3)
     r = perplexity(folder, text)
-    assert r.n_windows >= 2  # windows of 16 tokens at most
+    n = len(edgeinfer.load(folder).tokenizer.encode(line, add_bos=True))
+    assert n > WINDOW and r.n_windows == 3 * -(-n // WINDOW)  # each story cut into windows of 16
     with pytest.raises(EdgeInferError, match="sliding window of 16"):
         perplexity(folder, text, window=WINDOW + 1)
+
+
+def _spec(folder, window, trained=256):
+    from edgeinfer.manifest import read_manifest
+
+    return dataclasses.replace(read_manifest(folder).arch, sliding_window=window, max_position_embeddings=trained)
+
+
+def test_a_window_of_the_trained_length_or_more_never_binds(folder):
+    """A query never attends over more than T tokens, window or not (a review: W == T took the sinks
+    away and refused a ring of T)."""
+    from edgeinfer.kv_cache import RingKVCache, binding_window
+
+    assert binding_window(_spec(folder, 255)) == 255 and binding_window(_spec(folder, 256)) is None
+    RingKVCache.check_geometry(_spec(folder, 256), 240, 4, 16)  # as a model without a window
+
+
+def test_sinks_are_refused_only_in_a_ring_that_holds_the_whole_window(folder):
+    from edgeinfer.kv_cache import RingKVCache
+
+    with pytest.raises(InvalidArgumentError, match="n_sink=4"):
+        RingKVCache.check_geometry(_spec(folder, 16), 15, 4, 16)
+    RingKVCache.check_geometry(_spec(folder, 16), 10, 4, 16)  # a smaller ring forgets anyway: the caller's choice
+
+
+def test_a_window_too_small_for_a_ring_is_a_bad_manifest(folder, tmp_path):
+    import json
+    import shutil
+
+    from edgeinfer.errors import ModelFormatError
+
+    bad = tmp_path / "m"
+    shutil.copytree(folder, bad)
+    m = json.loads((bad / "edgeinfer.json").read_text())
+    m["architecture"]["sliding_window"] = 2
+    (bad / "edgeinfer.json").write_text(json.dumps(m))
+    with pytest.raises(ModelFormatError, match="sliding_window: must be null or at least 3"):
+        edgeinfer.load(bad)
+
+
+def test_bench_defaults_to_the_windowed_models_own_ring(folder):
+    from edgeinfer.bench import BenchConfig, run_bench
+
+    r = run_bench(BenchConfig(model=folder, prompt_tokens=8, gen_tokens=8, runs=1, threads=1))
+    assert r["capacity_tokens"] == WINDOW - 1
