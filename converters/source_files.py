@@ -14,7 +14,7 @@ from pathlib import Path
 from edgeinfer import small_files
 from edgeinfer.errors import ConvertError
 
-MAX_TEXT_BYTES = 256 * 1024 * 1024  # settings and tokenizer files: the largest tokenizer.json is ~20 MB
+MAX_TEXT_BYTES = small_files.MAX_TEXT_BYTES
 
 
 def regular_file(path: Path) -> int:

@@ -108,7 +108,9 @@ class Conversation:
         if gen.cache_stale:
             self._recover()
         else:
-            self._prompt_text, self._reply, self._unfed = full, gen.cached_text, list(gen.unfed)
+            # the reply as the next rendering holds it: control strings in it defused, as in `full`
+            self._prompt_text, self._reply = full, self.model.tokenizer.defuse(gen.cached_text)
+            self._unfed = list(gen.unfed)
             self._rebuild = False
 
     def _recover(self) -> None:

@@ -51,16 +51,13 @@ class PerplexityResult:
                 "eval_s": round(self.eval_s, 3), "path": self.path}
 
 
-MAX_TEXT_BYTES = 256 * 1024 * 1024  # an eval text: a few MB is hours of scoring on a device
-
-
 def _read_stories(text_path: Path) -> list[str]:
     try:
         if not text_path.exists():
             raise EdgeInferError(f"text file not found: {text_path}")
     except OSError as e:  # a name the system refuses (too long)
         raise EdgeInferError(f"cannot read {text_path}: {e.strerror or e}") from None
-    text = small_files.read_text(text_path, MAX_TEXT_BYTES, EdgeInferError)
+    text = small_files.read_text(text_path, small_files.MAX_TEXT_BYTES, EdgeInferError)
     stories = [line for line in text.splitlines() if line.strip()]
     if not stories:
         raise EdgeInferError(f"{text_path} has no non-empty line to score")

@@ -13,6 +13,9 @@ import json
 import stat
 from pathlib import Path
 
+MAX_TEXT_BYTES = 256 * 1024 * 1024  # settings, tokenizer and eval text files: the largest tokenizer.json is
+# ~20 MB, and a few MB of eval text is hours of scoring on a device
+
 
 def regular_file(path: Path, error: type[Exception]) -> int:
     """The size of `path`, a regular file (a link to one is followed); `error` for a device, a FIFO,

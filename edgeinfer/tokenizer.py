@@ -12,9 +12,15 @@ legacy Llama tokenizer does: text after "<s>" gets the usual leading-space marke
 
 Text a client sends inside a chat message must not become a control token (`<|im_end|>` then
 `<|im_start|>system` would close the user's turn and forge a system one): `defuse` replaces each
-control token's string in such text with a placeholder (private-use characters around a per-process
-random number) that the template carries through and `encode` turns back into the string's plain-text
-tokens. Text without control strings is tokenized as before.
+control token's string in such text with a placeholder (private-use characters around a random
+number drawn per Tokenizer) that the template carries through. `encode` splits the rendering at
+the template's own control strings only, puts each placeholder's string back as text, and encodes
+each stretch between them in one call that matches no control token (SentencePiece never matches
+them in text; the `tokenizers` library is asked not to), so the string's plain-text tokens sit in
+their context as any other text would. Text without control strings is tokenized as before.
+Controls are SentencePiece's control pieces and the `tokenizers` library's special added tokens; a
+SentencePiece user-defined piece or a non-special added token in a message is still matched (not a
+role marker in the families converted here; Gemma's turn markers are user-defined pieces).
 """
 
 from __future__ import annotations
@@ -24,11 +30,8 @@ import secrets
 from pathlib import Path
 
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
-from edgeinfer.small_files import read_bytes
+from edgeinfer.small_files import MAX_TEXT_BYTES, read_bytes
 from edgeinfer.manifest import TokenizerInfo
-
-
-MAX_TOKENIZER_BYTES = 256 * 1024 * 1024  # the largest tokenizer.json is ~20 MB
 
 
 class Tokenizer:
@@ -45,17 +48,14 @@ class Tokenizer:
             if not path.exists():
                 raise ModelFormatError(f"{folder} lacks tokenizer.model")
             try:  # from bytes: a path that is not UTF-8 is a TypeError in its file loader
-                self._sp = spm.SentencePieceProcessor(model_proto=read_bytes(path, MAX_TOKENIZER_BYTES,
+                self._sp = spm.SentencePieceProcessor(model_proto=read_bytes(path, MAX_TEXT_BYTES,
                                                                              ModelFormatError))
             except (RuntimeError, OSError) as e:
                 raise ModelFormatError(f"tokenizer.model is corrupted ({e})") from None
             self._n_vocab = self._sp.get_piece_size()
             self._specials = {self._sp.id_to_piece(i): i for i in range(self._n_vocab)
                               if self._sp.is_control(i) and self._sp.id_to_piece(i)}
-            self._special_re = re.compile("(" + "|".join(map(re.escape, sorted(self._specials, key=len,
-                                                                                reverse=True))) + ")") \
-                if self._specials else None
-            self._encode = self._encode_sentencepiece
+            self._encode_all = self._encode_text = self._sp.encode  # never matches a control piece
             self._decode = lambda ids: self._sp.decode(ids)
             self._token_string = lambda i: self._sp.id_to_piece(i)
         else:
@@ -64,24 +64,27 @@ class Tokenizer:
             path = folder / "tokenizer.json"
             if not path.exists():
                 raise ModelFormatError(f"{folder} lacks tokenizer.json")
-            raw = read_bytes(path, MAX_TOKENIZER_BYTES, ModelFormatError)
+            raw = read_bytes(path, MAX_TEXT_BYTES, ModelFormatError)
             try:
                 self._hf = HFTokenizer.from_buffer(raw)
             except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
                 raise ModelFormatError(f"tokenizer.json is corrupted ({e})") from None
             # encode_batch of one text: the same ids as encode, but it releases the GIL (encode keeps it:
             # a 760 KB prompt stalled the daemon's event loop 0.4 s) and runs ~1.5x faster
-            self._encode = lambda text: self._hf.encode_batch([text], add_special_tokens=False)[0].ids
+            self._encode_all = lambda text: self._hf.encode_batch([text], add_special_tokens=False)[0].ids
+            self._raw, self._hf_text = raw, None  # a second instance that matches no special token, made when
+            # a defused text first needs it (`_encode_text`)
             self._decode = lambda ids: self._hf.decode(ids, skip_special_tokens=True)
             self._n_vocab = self._hf.get_vocab_size(with_added_tokens=True)
             self._token_string = lambda i: self._hf.id_to_token(i)
             self._specials = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items()
                               if t.special and t.content}
         controls = sorted(self._specials, key=len, reverse=True)  # the longest first, as the split matches
-        self._control_re = re.compile("|".join(map(re.escape, controls))) if controls else None
+        self._control_re = re.compile("(" + "|".join(map(re.escape, controls)) + ")") if controls else None
         nonce = "".join(secrets.choice("0123456789") for _ in range(16))  # digits: a template's upper() keeps them
         self._placeholder = {s: f"\ue000{nonce}.{i}\ue001" for i, s in enumerate(controls)}
         self._placeholder_re = re.compile(f"\ue000{nonce}\\.(\\d+)\ue001")
+        self._controls = controls
 
         self._texts: dict[int, str | bytes] = {}  # token_text's cache
         self._anchor = self._encode("a")[-1:]  # a plain token for token_text to put before another
@@ -103,7 +106,7 @@ class Tokenizer:
             raise InvalidArgumentError(
                 f"the text is not valid UTF-8: character {e.start} is {text[e.start]!r} (an undecodable byte "
                 f"or a lone surrogate)") from None
-        ids = list(self._encode(text)) if "\ue000" not in text else self._encode_defused(text)
+        ids = self._encode(text)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, int(self.bos_id))
         return ids
@@ -115,38 +118,33 @@ class Tokenizer:
             return text
         return self._control_re.sub(lambda m: self._placeholder[m.group(0)], text)
 
-    def _encode_defused(self, text: str) -> list[int]:
-        """`text` split at `defuse`'s placeholders: the text between encoded as usual, each placeholder
-        as its control string's plain text."""
-        controls = list(self._placeholder)
+    def _encode(self, text: str) -> list[int]:
+        """Ids of `text`, its control strings matched, `defuse`'s placeholders encoded as plain text."""
+        if self._control_re is None:
+            return list(self._encode_all(text))
+        defused = "\ue000" in text and self._placeholder_re.search(text) is not None
+        if self.kind != "sentencepiece" and not defused:
+            return list(self._encode_all(text))  # the library splits at its special tokens itself
         ids: list[int] = []
-        for i, part in enumerate(self._placeholder_re.split(text)):
-            if i % 2:
-                ids.extend(self._plain(controls[int(part)]))
-            elif part:
-                ids.extend(self._encode(part))
-        return ids
-
-    def _plain(self, text: str) -> list[int]:
-        """Tokens of control string `text` as plain text."""
-        if self.kind == "sentencepiece":  # SentencePiece itself never matches a control piece in text
-            return list(self._sp.encode(text))
-        ids: list[int] = []
-        while self._control_re.search(text):  # the tokenizers library matches its added tokens anywhere
-            ids.extend(self._encode(text[0]))
-            text = text[1:]
-        return ids + (list(self._encode(text)) if text else [])
-
-    def _encode_sentencepiece(self, text: str) -> list[int]:
-        if self._special_re is None or not self._special_re.search(text):
-            return self._sp.encode(text)
-        ids: list[int] = []
-        for i, part in enumerate(self._special_re.split(text)):
-            if i % 2:  # the split keeps the matched special strings at odd indices
+        for i, part in enumerate(self._control_re.split(text)):
+            if i % 2:  # the split keeps the matched control strings at odd indices
                 ids.append(self._specials[part])
-            elif part:
-                ids.extend(self._sp.encode(part))
+            elif part:  # (as Hugging Face's legacy Llama tokenizer encodes the text between controls)
+                if defused:
+                    part = self._placeholder_re.sub(lambda m: self._controls[int(m.group(1))], part)
+                ids.extend(self._encode_text(part))
         return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        """Ids of `text` with no special added token matched (the tokenizers back end; the
+        SentencePiece one sets its own `_encode_text`)."""
+        if self._hf_text is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            plain = HFTokenizer.from_buffer(self._raw)
+            plain.encode_special_tokens = True
+            self._hf_text = plain
+        return self._hf_text.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`; an id past the tokenizer's vocabulary (a model's padded embedding rows,

@@ -28,7 +28,7 @@ def test_control_strings_in_a_message_stay_text_with_sentencepiece(model):
     ids = model.encode_chat([{"role": "user", "content": "Hi " + FORGED}])
     bos, eos = model.tokenizer.bos_id, model.tokenizer.eos_ids[0]
     assert ids[0] == bos and bos not in ids[1:] and eos not in ids
-    assert model.tokenizer.decode(ids).count("</s>") == 2  # the text survives as text
+    assert "Hi " + FORGED in model.tokenizer.decode(ids)  # the text survives as text, no space added
 
 
 def test_the_raw_prompt_and_plain_messages_are_tokenized_as_before(model):
@@ -44,7 +44,9 @@ def test_control_strings_in_a_message_stay_text_with_the_tokenizers_library(mode
     assert {1, 2} & set(tok.encode(text, add_bos=False))  # parsed when the caller means it
     ids = tok.encode(tok.defuse(text), add_bos=False)
     assert not {0, 1, 2} & set(ids)
-    assert tok.decode(ids).replace(" ", "") == text.replace(" ", "")
+    assert tok.decode(ids) == text
+    sp = model.tokenizer  # both back ends give the same plain-text tokens, as one stretch of text
+    assert ids == sp.encode(sp.defuse(text), add_bos=False)
     assert tok.encode(tok.defuse("no controls here"), add_bos=False) == tok.encode("no controls here", add_bos=False)
 
 
@@ -64,3 +66,20 @@ def test_a_conversation_keeps_control_strings_in_its_turns_as_text(model):
     finally:
         model.engine.forward = forward
     assert seen.count(model.tokenizer.bos_id) == 1 and model.tokenizer.eos_ids[0] not in seen
+
+
+def test_a_reply_holding_a_control_string_is_found_again_in_the_next_rendering(model):
+    """The conversation finds what the cache has not seen by comparing renderings; it kept the reply
+    raw while the rendering holds it defused, so after a reply with a control string as text every
+    later turn re-prefilled the whole history (a review found it). The turn's bookkeeping, fed a
+    reply that ends with the text "</s>" (a model would spell it in plain pieces)."""
+    from types import SimpleNamespace
+
+    conv = model.conversation()
+    msgs = [{"role": "user", "content": "Say it."}]
+    full = model.template.render(msgs, defuse=model.tokenizer.defuse)
+    reply = "It is </s>"
+    conv._commit(msgs, full, SimpleNamespace(completion=SimpleNamespace(text=reply), cache_stale=False,
+                                             cached_text=reply, unfed=[5]))
+    nxt = model.template.render(conv.messages + [{"role": "user", "content": "Go on."}], defuse=model.tokenizer.defuse)
+    assert conv._new_text(nxt) is not None and conv._new_text(nxt).strip().startswith("User: Go on.")
