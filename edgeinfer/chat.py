@@ -14,6 +14,8 @@ from edgeinfer.errors import InvalidArgumentError, ModelFormatError
 ROLES = ("system", "user", "assistant")
 MAX_TEMPLATE_CHARS = 256 * 1024  # Hugging Face templates are a few KB; compiling costs ~6 s per MB
 MAX_REPEAT_ITEMS = 1 << 20  # a template's `*` may build a string or list of at most this many items
+MAX_INT_BITS = 1 << 16  # and `**` an integer of at most this many bits
+MAX_RENDER_CHARS = 16 << 20  # a rendered prompt (the daemon reads bodies of 1 MiB)
 
 
 def _raise(message: str):
@@ -51,13 +53,20 @@ def compile_template(template: str):
             return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
     class Sandbox(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**", "%"})  # not folded at compile time either
+        """The operators that build large values bounded: `'a' * 10**10`, `(9**1000)**1000`,
+        `'%999999999d' % 1`, `'{:>999999999}'.format(1)` are refused (intercepted operators are not
+        folded at compile time either); what a render yields in all is capped (`ChatTemplate.render`).
+        Not bounded: a filter on constants is still run when compiling (`'a'|center(99999999)`: 0.6 s
+        and 100 MB at load; at 10**10 a MemoryError, so a template error), and a loop that writes
+        nothing runs as long as it runs. The template comes with the model, not from a client."""
+
+        intercepted_binops = frozenset({"*", "**", "%"})
 
         def call_binop(self, context, operator, left, right):
-            """`'a' * 10**10`, `2 ** 10**9` and `'%999999999d' % 1` would exhaust memory or time: refused."""
-            if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 \
+                    and max(left.bit_length(), 1) * right > MAX_INT_BITS:
                 raise InvalidArgumentError(f"chat template: {left!r:.20} ** {right} is too large")
-            if operator == "%" and isinstance(left, str) and re.search(r"%[^a-zA-Z%]*\d{5}", left):
+            if operator == "%" and isinstance(left, str) and re.search(r"%[^a-zA-Z%]*(\d{5}|\*)", left):
                 raise InvalidArgumentError(f"chat template: the format {left!r:.40} pads too widely")
             if operator == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
                 left, right = right, left
@@ -65,6 +74,11 @@ def compile_template(template: str):
                     and len(left) * right > MAX_REPEAT_ITEMS:
                 raise InvalidArgumentError(f"chat template: repeating {len(left)} items {right} times is too many")
             return super().call_binop(context, operator, left, right)
+
+        def format_string(self, s, args, kwargs, format_func=None):
+            if re.search(r"\{[^{}]*:[^{}]*(\d{5}|\{)", s):  # a width of 5 digits, or one taken from an argument
+                raise InvalidArgumentError(f"chat template: the format {s!r:.40} pads too widely")
+            return super().format_string(s, args, kwargs, format_func)
 
     if len(template) > MAX_TEMPLATE_CHARS:
         raise ModelFormatError(f"the model's chat template is {len(template)} characters, more than the "
@@ -112,8 +126,14 @@ class ChatTemplate:
         import jinja2
 
         try:
-            return self._tpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos_token, eos_token=self.eos_token)
+            pieces, size = [], 0
+            for piece in self._tpl.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            bos_token=self.bos_token, eos_token=self.eos_token):
+                size += len(piece)
+                if size > MAX_RENDER_CHARS:  # a loop that writes without end
+                    raise InvalidArgumentError(f"chat template: the rendering passed {MAX_RENDER_CHARS} characters")
+                pieces.append(piece)
+            return "".join(pieces)
         except InvalidArgumentError:
             raise
         except (jinja2.TemplateError, OverflowError, ArithmeticError, TypeError, ValueError, LookupError,

@@ -37,3 +37,16 @@ def test_a_template_that_would_exhaust_memory_when_rendering_is_refused(template
 
 def test_ordinary_repetition_and_powers_still_render():
     assert ChatTemplate("{{ '-' * 3 }}{{ 2 ** 10 }}{{ [0] * 2 }}{{ '%3d|' % 7 }}").render(HI) == "---1024[0, 0]  7|"
+
+
+@pytest.mark.parametrize("template", [
+    "{{ (((9 ** 1000) ** 1000) ** 100) > 1 }}",  # each exponent small, the integer enormous (226 s)
+    "{{ '%*d' % (99999999, 1) }}", "{{ '{:>99999999}'.format(1) }}", "{{ '{:{}}'.format(1, 99999999) }}",
+    "{% for i in range(100000) %}{% for j in range(1000) %}xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx{% endfor %}{% endfor %}",
+])
+def test_what_a_review_got_past_the_first_bounds_is_refused(template):
+    t = ChatTemplate(template)
+    assert t.error is None
+    with pytest.raises(InvalidArgumentError, match="chat template"):
+        t.render(HI)
+
