@@ -45,6 +45,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def keepable(held: list[int] | None, prompt: list[int], capacity: int, overflow: str, max_new_tokens: int) -> int:
+    """How many of `prompt`'s first tokens a ring of `capacity` holding `held` (its ids, or None) can
+    keep by `reuse`'s rules (its doc), without touching the ring."""
+    n = min(common_prefix(held, prompt), len(prompt) - 2) if held else 0
+    if n > 0 and (len(prompt) > capacity or not fits_beside(n, len(prompt) - n, capacity, overflow, max_new_tokens)):
+        return 0
+    return max(n, 0)
+
+
 def reuse(held: list[int] | None, prompt: list[int], cache: RingKVCache, overflow: str, max_new_tokens: int) -> int:
     """Keep in `cache` the longest prefix of `prompt` it holds (`held`: its ids, or None) and return its
     length; 0 with the cache reset when nothing can be kept. At least two prompt tokens are always
@@ -53,10 +62,7 @@ def reuse(held: list[int] | None, prompt: list[int], cache: RingKVCache, overflo
     is fed whole: the ring shifts inside the prefill, and which tokens a chunk sees then depends on
     where the chunks start. Under overflow="truncate", a prompt that would not fit beside the kept
     prefix is fed whole, so that truncation sees it all."""
-    n = min(common_prefix(held, prompt), len(prompt) - 2) if held else 0
-    if n > 0 and (len(prompt) > cache.capacity or
-                  not fits_beside(n, len(prompt) - n, cache.capacity, overflow, max_new_tokens)):
-        n = 0
+    n = keepable(held, prompt, cache.capacity, overflow, max_new_tokens)
     if n <= 0 or not cache.keep_prefix(n):
         cache.reset()
         return 0

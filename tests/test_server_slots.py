@@ -112,6 +112,19 @@ def test_scheduler_keeps_a_long_cached_prompt_while_empty_slots_serve_unrelated_
     assert sched.busy == 0 and sched.waiting == 0
 
 
+def test_a_prompt_longer_than_the_ring_does_not_take_a_cache_it_could_not_keep(model):
+    """A review found the rule read the raw common prefix: a 681-token prompt (the ring holds 480)
+    sharing a 200-token system prompt with a cached conversation took its slot, kept nothing (a prompt
+    longer than the ring is fed whole), and the conversation's next turn was cached 0 with the other
+    slot empty. The rule now counts what `reuse` would keep."""
+    sched = Scheduler(model, slots=2, queue=2)
+    system = list(range(100, 300))
+    convo = [1] + system + list(range(300, 400))
+    assert _serve(sched, convo) == 0 and _serve(sched, convo) == len(convo) - 2
+    assert _serve(sched, [1] + system + list(range(10, 10 + model.capacity_tokens))) == 0
+    assert _serve(sched, convo) == len(convo) - 2
+
+
 # --- end to end ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

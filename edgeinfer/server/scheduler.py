@@ -30,7 +30,7 @@ from edgeinfer.batching import DecodeBatcher, SoloStepper
 from edgeinfer.generation import Chunk, Completion, Generation, GenerationCancelled, Request
 from edgeinfer.kv_cache import BatchedKV, RingKVCache
 from edgeinfer.options import GenerationOptions
-from edgeinfer.prefix_cache import common_prefix, held_after, reuse
+from edgeinfer.prefix_cache import common_prefix, held_after, keepable, reuse
 
 
 class QueueFull(Exception):
@@ -56,12 +56,14 @@ class Slot:
 REUSE_MIN_SHARE = 0.5  # a slot's cache is reused when the prompt shares at least this share of the tokens it holds
 
 
-def choose_slot(free: list[Slot], prompt: list[int]) -> Slot:
+def choose_slot(free: list[Slot], prompt: list[int], keep: Callable[[list[int] | None], int] | None = None) -> Slot:
     """The free slot (`free`: not empty) a request for `prompt` takes. Deterministic: it depends only
-    on the slots' remembered ids, `last_used` and `index`, and on the prompt.
+    on the slots' remembered ids, `last_used` and `index`, and on the prompt. keep(ids): how many of
+    the prompt's tokens a slot holding `ids` would keep (the scheduler's: `prefix_cache.keepable`,
+    which keeps none of a prompt longer than the ring, say; default: the common prefix).
 
-    1. Reuse: the slots whose remembered ids share with the prompt a common prefix of n > 0 tokens
-       with n >= REUSE_MIN_SHARE x the tokens they hold (taking one keeps at least as many cached
+    1. Reuse: the slots that would keep n > 0 of the prompt's tokens with n >= REUSE_MIN_SHARE x the
+       tokens they hold (taking one keeps at least as many cached
        tokens as it throws away: the request continues that slot's text). Of those, the longest
        prefix; then the fewest tokens held (the least thrown away); then the least recently used.
     2. Else the slot holding nothing known (never used, or emptied: ids None), then the least
@@ -75,7 +77,7 @@ def choose_slot(free: list[Slot], prompt: list[int]) -> Slot:
     """
     best, best_key = None, None
     for slot in free:
-        n = common_prefix(slot.ids, prompt) if slot.ids else 0
+        n = (keep(slot.ids) if keep is not None else common_prefix(slot.ids, prompt)) if slot.ids else 0
         if n > 0 and n >= REUSE_MIN_SHARE * len(slot.ids):
             key = (-n, len(slot.ids), slot.last_used, slot.index)
             if best_key is None or key < best_key:
@@ -170,7 +172,9 @@ class Scheduler:
                     raise Cancelled(self.cancel_reason)
                 self._cond.wait(timeout=0.1)
             self._leave_line(ticket)
-            best = choose_slot(self._free, prompt)
+            m = self.model
+            best = choose_slot(self._free, prompt,
+                               lambda ids: keepable(ids, prompt, m.capacity_tokens, m.overflow, max_new_tokens))
             self._free.remove(best)
             self._clock += 1
             best.last_used = self._clock
