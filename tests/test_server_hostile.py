@@ -707,3 +707,44 @@ def test_a_prompt_being_tokenized_does_not_hold_up_the_event_loop(model, monkeyp
         r.stop()
     assert statuses == [200] * (TOKENIZE_THREADS + 1) and len(entered) == TOKENIZE_THREADS + 1
     assert all(name.startswith("edgeinfer-tokenize") for name in entered)
+
+
+def test_requests_waiting_to_be_tokenized_at_sigterm_are_answered_503_not_cut_off(model, monkeypatch):
+    """A hostile round: with tokenizing in its own thread, SIGTERM found 19 of 30 large requests
+    waiting for it; the drain counted only admitted requests, ended, and uvicorn cut those off with
+    a text/plain 500 and a CancelledError traceback each. Now a request waiting for (or in) the
+    tokenizing thread when the drain begins is answered the OpenAI-shaped 503 at once."""
+    import threading
+
+    from edgeinfer.server.app import TOKENIZE_THREADS
+
+    real, release, entered = model.encode_prompt, threading.Event(), []
+
+    def encode_prompt(prompt):
+        if prompt == "BIG":
+            entered.append(1)
+            release.wait(60)
+        return real(prompt)
+
+    monkeypatch.setattr(model, "encode_prompt", encode_prompt)
+    r = Running(ServeConfig(slots=1, queue=4, max_tokens_limit=64), model=model)
+    answers, threads = [], []
+
+    def big() -> None:
+        answers.append(httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": "BIG", "max_tokens": 2},
+                                  timeout=90))
+
+    try:
+        for _ in range(TOKENIZE_THREADS + 1):  # one in the tokenizing thread, one waiting for it
+            threads.append(threading.Thread(target=big, daemon=True))
+            threads[-1].start()
+        assert _wait(lambda: len(entered) == TOKENIZE_THREADS, 20)
+        time.sleep(0.3)  # the last one is waiting in line for the thread
+        r.server.draining = True  # what SIGTERM sets (run.DrainingServer.handle_exit)
+        for t in threads:
+            t.join(30)
+    finally:
+        release.set()
+        r.stop()
+    assert [a.status_code for a in answers] == [503] * (TOKENIZE_THREADS + 1)
+    assert all(a.json()["error"]["code"] == "shutting_down" for a in answers)

@@ -181,14 +181,27 @@ class Server:
         prompt = self.model.encode_prompt(req.prompt if isinstance(req.prompt, str) else list(req.prompt))
         return req, prompt, req.logprobs
 
+    async def _prepared(self, body: dict, chat: bool) -> tuple:
+        """`_prepare` in the tokenizing thread. On SIGTERM a request still waiting for it (or in it) is
+        answered 503 at once, as a body still arriving is: the drain counts only admitted requests, and
+        uvicorn would cut the rest off with a traceback when it stops (its place in line is given up;
+        a tokenization already running finishes unread)."""
+        waiting = asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self._prepare, body, chat)
+        while not waiting.done():
+            await asyncio.wait({waiting}, timeout=DRAIN_CHECK_S)
+            if self.draining and not waiting.done():
+                waiting.cancel()
+                raise APIError(503, "the server is shutting down; retry on another instance or later",
+                               type="server_error", code="shutting_down")
+        return waiting.result()
+
     async def _generate(self, request: Request, chat: bool) -> Response:
         t0 = time.perf_counter()
         endpoint = "chat" if chat else "completions"
         try:
             self._check_priority(request)
             body = await self.read_json(request)
-            req, prompt, logprobs = await asyncio.get_running_loop().run_in_executor(
-                self.tokenize_pool, self._prepare, body, chat)
+            req, prompt, logprobs = await self._prepared(body, chat)
             try:
                 ticket = self.scheduler.admit()
             except Closed:
