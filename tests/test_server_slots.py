@@ -14,7 +14,7 @@ import pytest
 import edgeinfer
 from edgeinfer.options import GenerationOptions
 from edgeinfer.server.config import ServeConfig
-from edgeinfer.server.scheduler import REUSE_MIN_SHARE, Job, Scheduler, Slot, choose_slot
+from edgeinfer.server.scheduler import Job, Scheduler, Slot, choose_slot
 from test_server import Running
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
@@ -22,8 +22,10 @@ STORY = ("Once upon a time, there was a little girl named Lily. She loved to pla
 SYSTEM = list(range(100, 124))  # 24 tokens every chat starts with (a template's default system prompt)
 
 
-def _slots(*held: list[int] | None, last_used: tuple[int, ...] | None = None) -> list[Slot]:
-    return [Slot(i, cache=None, ids=ids, last_used=(last_used or (0,) * len(held))[i]) for i, ids in enumerate(held)]
+def _slots(*held, last_used: tuple[int, ...] | None = None) -> list[Slot]:
+    """Slots holding `held[i]`: None, or (prompt, reply) of the request that filled it."""
+    return [Slot(i, cache=None, ids=None if h is None else h[0] + h[1], last_used=(last_used or (0,) * len(held))[i],
+                 prompt_tokens=0 if h is None else len(h[0])) for i, h in enumerate(held)]
 
 
 # --- the rule ------------------------------------------------------------------------------------------------
@@ -32,42 +34,50 @@ def test_a_prompt_sharing_only_the_start_token_takes_an_empty_slot_not_a_long_ca
     """The tester's repro: "Hello" shared BOS with a 155-token cached prompt and took its slot over
     three empty ones (its longest prefix, 1, beat their 0)."""
     long_prompt = [1] + list(range(10, 164))
-    free = _slots(long_prompt + [7, 7, 7], None, None, None, last_used=(1, 0, 0, 0))
+    free = _slots((long_prompt, [7, 7, 7]), None, None, None, last_used=(1, 0, 0, 0))
     assert choose_slot(free, [1, 346, 306, 414]).index == 1
     assert choose_slot(free, long_prompt).index == 0  # the same prompt again continues its cache
 
 
 def test_a_first_chat_turn_sharing_only_the_system_prompt_leaves_another_conversation_alone():
-    """User 2's "Hi!" shares the 24-token system prompt with user 1's 400-token conversation (75 % of
-    its own prompt: the llama.cpp rule's share would take that slot); it takes an empty slot, and
-    user 1's next turn finds its conversation."""
-    convo = SYSTEM + list(range(200, 480))
-    free = _slots(convo, None, None, None, last_used=(3, 0, 0, 0))
-    hi = SYSTEM + [5, 6, 7, 8, 9, 10, 11, 12]
-    assert choose_slot(free, hi).index == 1
-    assert choose_slot(free, convo + [9, 9, 9]).index == 0
+    """User 2's "Hi!" shares the 24-token system prompt with user 1's conversation; it takes an empty
+    slot, and user 1's next turn finds its conversation."""
+    turn1, reply1 = SYSTEM + list(range(200, 230)), list(range(230, 480))
+    free = _slots((turn1, reply1), None, None, None, last_used=(3, 0, 0, 0))
+    assert choose_slot(free, SYSTEM + [5, 6, 7, 8, 9, 10, 11, 12]).index == 1
+    assert choose_slot(free, turn1 + reply1 + [9, 9, 9]).index == 0
 
 
-def test_a_shared_prefix_is_reused_when_it_is_most_of_what_the_slot_holds():
-    """A slot that holds the system prompt and a short exchange is taken by a new chat with that
-    system prompt (it keeps more than it throws away); the longest such prefix wins, then the slot
-    holding the fewest tokens."""
-    short = SYSTEM + [1, 2, 3, 4]
-    free = _slots(None, short, SYSTEM + [1, 2] + list(range(300, 340)), last_used=(0, 5, 4))
-    assert choose_slot(free, SYSTEM + [1, 2, 9]).index == 1  # 26 of 28 held (slot 2: 26 of 66)
-    same = _slots(None, SYSTEM + [1, 2, 3], SYSTEM + [1, 2], last_used=(0, 1, 2))
-    assert choose_slot(same, SYSTEM + [1, 2, 9, 9]).index == 2  # 26 each: slot 2 throws nothing away
-    n = len(SYSTEM)
-    edge = _slots(None, SYSTEM + list(range(300, 300 + int(n / REUSE_MIN_SHARE) - n)))
-    assert choose_slot(edge, SYSTEM + [9]).index == 1  # exactly REUSE_MIN_SHARE of what it holds
+def test_two_users_sharing_a_long_system_prompt_keep_a_slot_each():
+    """A hostile round on the first version of the rule (a prefix of half what the slot holds): with a
+    425-token system prompt, the other user's turn shared more than half of a short conversation, so
+    both users kept taking one slot, each re-prefilling its history, and the other slot stayed empty."""
+    system = list(range(1000, 1425))
+    u1 = (system + [1, 2, 3], [4, 5, 6, 7])
+    u2_turn1 = system + [8, 9]
+    free = _slots(u1, None, last_used=(1, 0))
+    assert choose_slot(free, u2_turn1).index == 1
+    both = _slots(u1, (u2_turn1, [10, 11]), last_used=(1, 2))
+    assert choose_slot(both, u1[0] + u1[1] + [20, 21]).index == 0
+    assert choose_slot(both, u2_turn1 + [10, 11] + [22, 23]).index == 1
+    assert choose_slot(both, system + [30, 31]).index == 0  # a third user: both keep the system prompt; LRU
 
 
-def test_without_an_empty_slot_the_least_recently_used_is_taken_and_ties_go_by_index():
+def test_a_retry_after_a_long_reply_takes_the_slot_that_holds_its_prompt():
+    """A hostile round: a 755-token prompt with an 800-token reply, sent again, was prefilled cold in an
+    empty slot (it shared less than half of what its slot held)."""
+    prompt = [1] + list(range(10, 764))
+    free = _slots((prompt, list(range(2000, 2800))), None, last_used=(1, 0))
+    assert choose_slot(free, prompt).index == 0
+
+
+def test_without_an_empty_slot_the_one_keeping_most_then_the_least_recently_used_is_taken():
     a, b, c = [1] + list(range(10, 60)), [1] + list(range(60, 110)), [1] + list(range(110, 160))
-    assert choose_slot(_slots(a, b, c, last_used=(7, 3, 9)), [1, 5, 5]).index == 1
-    assert choose_slot(_slots(a, None, c, last_used=(7, 9, 1)), [1, 5, 5]).index == 1  # an emptied slot first
+    assert choose_slot(_slots((a, []), (b, []), (c, []), last_used=(7, 3, 9)), [1, 5, 5]).index == 1
+    assert choose_slot(_slots((a, []), None, (c, []), last_used=(7, 9, 1)), [1, 5, 5]).index == 1  # an empty one
     assert choose_slot(_slots(None, None, None), [1, 5]).index == 0
-    free = _slots(a, b, c, last_used=(7, 3, 9))
+    free = _slots((a, []), (b, []), (c, []), last_used=(7, 3, 9))
+    assert choose_slot(free, a[:20] + [5, 5]).index == 0  # keeps 20: more than the others' 1
     assert [choose_slot(free, [1, 5, 5]).index for _ in range(3)] == [1, 1, 1]  # deterministic
 
 

@@ -51,40 +51,42 @@ class Slot:
     cache: RingKVCache
     ids: list[int] | None = None  # the tokens the ring holds, in order (None: not known exactly)
     last_used: int = 0
-
-
-REUSE_MIN_SHARE = 0.5  # a slot's cache is reused when the prompt shares at least this share of the tokens it holds
+    prompt_tokens: int = 0  # the prompt of the request that filled `ids` (the rest is its reply)
 
 
 def choose_slot(free: list[Slot], prompt: list[int], keep: Callable[[list[int] | None], int] | None = None) -> Slot:
     """The free slot (`free`: not empty) a request for `prompt` takes. Deterministic: it depends only
-    on the slots' remembered ids, `last_used` and `index`, and on the prompt. keep(ids): how many of
-    the prompt's tokens a slot holding `ids` would keep (the scheduler's: `prefix_cache.keepable`,
-    which keeps none of a prompt longer than the ring, say; default: the common prefix).
+    on the slots' remembered ids, `prompt_tokens`, `last_used` and `index`, and on the prompt.
+    keep(ids): how many of the prompt's tokens a slot holding `ids` would keep (the scheduler's:
+    `prefix_cache.keepable`, which keeps none of a prompt longer than the ring, say; default: the
+    common prefix, less the two tokens `reuse` always feeds).
 
-    1. Reuse: the slots that would keep n > 0 of the prompt's tokens with n >= REUSE_MIN_SHARE x the
-       tokens they hold (taking one keeps at least as many cached
-       tokens as it throws away: the request continues that slot's text). Of those, the longest
-       prefix; then the fewest tokens held (the least thrown away); then the least recently used.
-    2. Else the slot holding nothing known (never used, or emptied: ids None), then the least
-       recently used (never-used slots are the least recent); then the lowest index. `reuse` still
-       keeps whatever prefix that slot happens to share.
+    1. A slot whose last prompt the new one starts with, whole (a chat's next turn re-sends the
+       prompt and the reply; a retry or a regenerate sends the prompt again), and that keeps some of
+       it. Of those, the most kept; then the least recently used.
+    2. Else a slot holding nothing known (never used, or emptied: ids None), so that a request that
+       shares only a part (the template's system prompt, BOS) does not take another conversation's
+       cache while a slot is idle.
+    3. Else the slot that keeps the most (a shared system prompt), then the least recently used, then
+       the lowest index.
 
-    The share is of what the slot holds, not of the new prompt (llama.cpp's --slot-prompt-similarity):
-    a chat's first turn is mostly the template's default system prompt, so it shares most of itself
-    with every conversation in the server, and under a prompt share it would take (and cut down to
-    that system prompt) another user's long conversation while empty slots stood idle.
+    Before (2026-12-01), any common prefix won (BOS beat an empty slot), and then any prefix of half
+    what the slot held: two users sharing a 425-token system prompt kept taking one slot, each turn
+    re-prefilling the other's history, and a regenerate after a long reply was prefilled cold.
     """
-    best, best_key = None, None
-    for slot in free:
-        n = (keep(slot.ids) if keep is not None else common_prefix(slot.ids, prompt)) if slot.ids else 0
-        if n > 0 and n >= REUSE_MIN_SHARE * len(slot.ids):
-            key = (-n, len(slot.ids), slot.last_used, slot.index)
-            if best_key is None or key < best_key:
-                best, best_key = slot, key
-    if best is not None:
-        return best
-    return min(free, key=lambda slot: (bool(slot.ids), slot.last_used, slot.index))
+    def kept(slot: Slot) -> int:
+        if not slot.ids:
+            return 0
+        return keep(slot.ids) if keep is not None else max(0, min(common_prefix(slot.ids, prompt), len(prompt) - 2))
+
+    counts = {slot.index: kept(slot) for slot in free}
+    continuing = [s for s in free if counts[s.index] > 0 and common_prefix(s.ids, prompt) >= s.prompt_tokens]
+    if continuing:
+        return min(continuing, key=lambda s: (-counts[s.index], s.last_used, s.index))
+    empty = [s for s in free if not s.ids]
+    if empty:
+        return min(empty, key=lambda s: (s.last_used, s.index))
+    return min(free, key=lambda s: (-counts[s.index], s.last_used, s.index))
 
 
 class Scheduler:
@@ -254,9 +256,9 @@ class Job:
     def _remember(self, slot: Slot, cached: int) -> Callable[[Request], None]:
         """After the request: which tokens the slot's ring now holds, if that is known exactly."""
         def end(req: Request) -> None:
-            slot.ids = held_after(req, self.prompt, slot.cache)
+            slot.ids, slot.prompt_tokens = held_after(req, self.prompt, slot.cache), len(self.prompt)
         return end
 
 
-__all__ = ["Scheduler", "Slot", "choose_slot", "REUSE_MIN_SHARE", "Job", "QueueFull", "Cancelled", "Chunk",
+__all__ = ["Scheduler", "Slot", "choose_slot", "Job", "QueueFull", "Cancelled", "Chunk",
            "Completion"]
