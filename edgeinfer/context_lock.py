@@ -10,10 +10,19 @@ is the thread that advanced it last (`hand_to`), so a stream handed to another t
 thread's own second call a refusal, not a wait on itself. (An executor that runs a stream's `next()`
 and other calls on its pool threads may so refuse a call on a thread that last advanced the stream:
 give each concurrent task its own conversation.)
+
+Ctrl-C (KeyboardInterrupt, raised in the main thread between any two bytecodes) must not land
+between taking the lock and recording its owner, or between the two halves of a release: a hostile
+round's real signals left the lock held by nobody (every later call waited for ever, ~1 in 800
+interrupts) or owned by a thread that had let it go (its every later call refused). So the lock's
+state changes run with the interrupt held back (`interrupts_held`: SIGINT's handler swapped for
+one that records it, then restored and the signal raised again once the state is whole), and a
+wait for another thread's turn gives up at once on Ctrl-C.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 
 from edgeinfer import fork_safety
@@ -22,6 +31,39 @@ from edgeinfer.errors import EdgeInferError
 
 class ContextBusyError(EdgeInferError, RuntimeError):
     """The same thread asked for a context that its own unfinished stream still holds."""
+
+
+class interrupts_held:
+    """`with interrupts_held() as held:` SIGINT is recorded, not raised, until the block ends; then it
+    is raised again (KeyboardInterrupt there, under the handler the program had). `held.pending()`
+    says whether one came. Only the main thread gets KeyboardInterrupt: elsewhere, and where SIGINT is
+    ignored or handled outside Python, it holds nothing back."""
+
+    def __init__(self):
+        self._pending = False
+        self._old = None
+
+    def pending(self) -> bool:
+        return self._pending
+
+    def _record(self, signum, frame) -> None:
+        self._pending = True
+
+    def __enter__(self) -> "interrupts_held":
+        if threading.current_thread() is threading.main_thread():
+            old = signal.getsignal(signal.SIGINT)
+            if callable(old) or old == signal.SIG_DFL:
+                self._old = old
+                signal.signal(signal.SIGINT, self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+            if self._pending:
+                self._pending = False
+                signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt here, the lock's state whole
 
 
 class ContextLock:
@@ -33,14 +75,26 @@ class ContextLock:
         self._owner: threading.Thread | None = None
         fork_safety.watch(self, "_lock", what, "held_here")  # held by another thread at a fork: refused there
 
-    def acquire(self) -> None:
+    POLL_S = 0.05  # how often a wait that may give up looks whether it should
+
+    def acquire(self, give_up=None) -> bool:
+        """Take the lock (waiting for another thread's turn) and own it; False, not holding it, when
+        `give_up()` (polled while waiting) said so. Callers run it inside `interrupts_held` with
+        give_up=held.pending, and record that they hold it inside that block too (`Generation.steps`)."""
         me = threading.current_thread()
         if self._owner is me:
             raise ContextBusyError(
                 f"{self.what} is in use by a stream that is still open in this thread: finish it or call its "
                 "close() first, or use model.conversation() for a second, independent context")
-        self._lock.acquire()
+        if give_up is None:
+            self._lock.acquire()
+        else:
+            while not self._lock.acquire(timeout=self.POLL_S):
+                if give_up():
+                    return False
         self._owner = me
+        return True
+
 
     def hand_to(self, thread: threading.Thread) -> None:
         """The holder's stream is now advanced by `thread` (called in that thread, from inside the
@@ -52,11 +106,15 @@ class ContextLock:
         return self._owner is threading.current_thread()
 
     def release(self) -> None:
-        self._owner = None
-        self._lock.release()
+        with interrupts_held():
+            self._owner = None
+            self._lock.release()
 
     def __enter__(self) -> "ContextLock":
-        self.acquire()
+        with interrupts_held() as held:
+            if self.acquire(give_up=held.pending) and held.pending():  # the block will not run: let go
+                self._owner = None
+                self._lock.release()
         return self
 
     def __exit__(self, *exc) -> None:

@@ -235,10 +235,12 @@ class Engine(ChunkedSteps):
             b = self._binding(s if s <= self.SHAPED_ROWS else "prefill")
             if b.kv() is not cache:  # the whole ring, whatever s: bound once per cache
                 shape = list(self.mode.cache_shape(cache.rows, self.spec.num_kv_heads, self.spec.head_dim))
+                b.kv = _dead  # (first: a rebind cut short by Ctrl-C is not taken for a whole one)
                 self._bind_ring(b.io, cache.k, cache.v, shape, self._seqlens)
                 b.kv = weakref.ref(cache)
             key = (s, n, logits.ctypes.data, self._rope_gen)
             if key != b.tokens:  # every call of this shape after the first reuses the binding
+                b.tokens = None
                 self._bind_tokens(b.io, self._ids, self._pos, [1, s], n, logits)
                 b.tokens = key
             return self._run(b.io, cache, s if commit else 0, logits)
@@ -329,11 +331,12 @@ class Engine(ChunkedSteps):
                     self._rope_fit(max(rows, *(c.position_limit for c in caches)))
             b = self._binding("batch")
             if b.kv() is not kv:  # every batched step after the first reuses the binding
+                b.kv, b.tokens = _dead, None  # (first: a rebind cut short by Ctrl-C is not taken for a whole one)
                 self._bind_ring(b.io, kv.k, kv.v, list(kv.k[0].shape), kv.seqlens)
                 b.kv = weakref.ref(kv)
-                b.tokens = None
             key = (len(caches), kv.ids.ctypes.data, kv.logits.ctypes.data, self._rope_gen)
             if key != b.tokens:
+                b.tokens = None
                 self._bind_tokens(b.io, kv.ids, kv.positions, [len(caches), 1], 1, kv.logits)
                 b.tokens = key
             self.session.session.run_with_iobinding(b.io)
@@ -376,7 +379,10 @@ class _Binding:
     """One ONNX Runtime IO binding of an in-place mode and what it points at: the KV arrays of `kv`
     (a weak reference: a ring that is gone is never taken for a new one at the same address, and
     a binding left idle keeps no ring alive) and the token inputs and logits output (`tokens`:
-    their shapes and the logits buffer)."""
+    their shapes and the logits buffer). Each is cleared before its arrays are bound and set after:
+    a KeyboardInterrupt between two layers' binds once left some layers bound to another ring while
+    `kv` still named the old one (contexts wrote into each other's rows, or into freed memory once a
+    conversation was dropped: a hostile round's segfaults)."""
 
     __slots__ = ("io", "kv", "tokens")
 

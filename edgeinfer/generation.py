@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeinfer.batching import SoloStepper
-from edgeinfer.context_lock import ContextLock
+from edgeinfer.context_lock import ContextLock, interrupts_held
 from edgeinfer.detokenize import Detokenizer, StopFilter
 from edgeinfer.drafting import ModelDrafter
 from edgeinfer.engine import Engine
@@ -209,20 +209,22 @@ class Request:
     def steps(self) -> Iterator[Chunk]:
         begin, end, lock = self._begin, self._end, self._lock
         self._begin = self._end = self._lock = None  # a kept, finished Generation holds no Model through them
-        if lock is not None:
-            lock.acquire()
-            self.held = lock
         try:
+            if lock is not None:
+                with interrupts_held() as held:  # a Ctrl-C while waiting gives up; one as it takes the lock
+                    if lock.acquire(give_up=held.pending):  # is raised once `held` says so (context_lock)
+                        self.held = lock
             yield from self._run(begin(self))
         finally:
             self.pacer = None  # a kept, finished Generation must not keep the Model's power control alive
             try:
-                if end is not None:
+                if end is not None and (lock is None or self.held is not None):  # not another thread's context
                     end(self)
             finally:
-                if lock is not None:
-                    self.held = None
-                    lock.release()
+                if self.held is not None:
+                    with interrupts_held():  # (release holds it back too; nested, they pass it outwards)
+                        self.held = None
+                        lock.release()
 
     def _run(self, prompt_ids: list[int]) -> Iterator[Chunk]:
         engine, tok, cache, opts = self.engine, self.tok, self.cache, self.options

@@ -209,14 +209,17 @@ class Model:
         """
         opts, ids = resolve(options, overrides), self.encode_prompt(prompt)
 
+        begun = []
+
         def begin(req: Request) -> list[int]:  # the longest prefix the default cache holds is kept, the rest prefilled
             held, self.held = self.held, None  # unknown while the request runs
             n = reuse(held, ids, self.cache, self.overflow, opts.max_new_tokens)
             req.prefix = ids[:n]
+            begun.append(n)
             return ids[n:]
 
-        def end(req: Request) -> None:
-            self.held = held_after(req, ids, self.cache)
+        def end(req: Request) -> None:  # (a Ctrl-C inside begin, before the ring held this prompt's prefix: unknown)
+            self.held = held_after(req, ids, self.cache) if begun else None
 
         return Generation(self.engine, self.tokenizer, self.cache, opts, self.overflow, begin=begin, end=end,
                           lock=self.lock, load_ms=self.load_ms, power=self.power)
