@@ -205,6 +205,7 @@ class Request:
         self.speculation = None  # with options.speculative: the request's `speculative.Stats`
         self._begin, self._end, self._lock = begin, end, lock
         self.held: ContextLock | None = None  # the context's lock while the steps hold it
+        self.failed = False  # it ended in an error (not finished, abandoned or interrupted): its rows may be bad
 
     def steps(self) -> Iterator[Chunk]:
         begin, end, lock = self._begin, self._end, self._lock
@@ -215,6 +216,9 @@ class Request:
                     if lock.acquire(give_up=held.pending):  # is raised once `held` says so (context_lock)
                         self.held = lock
             yield from self._run(begin(self))
+        except Exception:
+            self.failed = True
+            raise
         finally:
             self.pacer = None  # a kept, finished Generation must not keep the Model's power control alive
             try:

@@ -218,8 +218,9 @@ class Model:
             begun.append(n)
             return ids[n:]
 
-        def end(req: Request) -> None:  # (a Ctrl-C inside begin, before the ring held this prompt's prefix: unknown)
-            self.held = held_after(req, ids, self.cache) if begun else None
+        def end(req: Request) -> None:  # unknown after a Ctrl-C inside begin (the ring did not hold this prompt's
+            # prefix yet) or a failure (non-finite logits from a restored snapshot's rows: not reused again)
+            self.held = held_after(req, ids, self.cache) if begun and not req.failed else None
 
         return Generation(self.engine, self.tokenizer, self.cache, opts, self.overflow, begin=begin, end=end,
                           lock=self.lock, load_ms=self.load_ms, power=self.power)
@@ -258,7 +259,9 @@ class Model:
     def restore(self, snapshot: PrefixSnapshot | str | Path) -> None:
         """Put a `snapshot` (or the file it was saved to) back in the default cache. Refused
         (InvalidArgumentError) when it came from other weights or does not fit this model's ring."""
-        snap = snapshot if isinstance(snapshot, PrefixSnapshot) else PrefixSnapshot.load(snapshot)
+        spec = self.manifest.arch
+        snap = snapshot if isinstance(snapshot, PrefixSnapshot) else \
+            PrefixSnapshot.load(snapshot, spec.num_layers, (spec.num_kv_heads, spec.head_dim), self.capacity_tokens)
         if snap.model != self.fingerprint():
             raise InvalidArgumentError("the snapshot was taken from another model (its weights differ)")
         spec, n = self.manifest.arch, len(snap.token_ids)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeinfer import small_files
 from edgeinfer.errors import InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.kv_cache import RingKVCache, Snapshot
 from edgeinfer.overflow import fits_beside
@@ -89,50 +90,100 @@ class PrefixSnapshot:
     model: str
 
     def save(self, path: str | Path) -> None:
-        """Write to `path` (a .npz file; written whole to a temporary name beside it, then renamed:
-        a failed write leaves neither; the temporary name is this thread's own, so writers of one
-        path at once each rename a whole file). InvalidArgumentError when it cannot be written there."""
+        """Write to `path` (a .npz file; written whole to a temporary file beside it, then renamed: a
+        failed or interrupted write leaves neither; the temporary name is this thread's own, so
+        writers of one path at once each rename a whole file). A link is written through to its
+        target; a destination that exists and is not a regular file (a device, a FIFO, a folder) is
+        refused, not replaced. InvalidArgumentError when it cannot be written there."""
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidArgumentTypeError(f"path must be a str or a path, got {type(path).__name__}")
-        path = Path(path)
-        if path.is_dir():
-            raise InvalidArgumentError(f"{path} is a folder: give the snapshot a file name")
+        given = path = Path(path)
         kv = self.kv
         meta = {"format": SNAPSHOT_FORMAT, "model": self.model, "token_ids": list(self.token_ids),
                 "n_valid": kv.n_valid, "next_slot": kv.next_slot, "next_position": kv.next_position}
         arrays = {f"k{i}": k for i, k in enumerate(kv.k)} | {f"v{i}": v for i, v in enumerate(kv.v)}
-        tmp = path.with_name(f".{path.name}.partial-{os.getpid()}-{threading.get_ident()}")
+        tmp = None
         try:
+            if path.is_symlink():
+                path = path.resolve()
+            if path.exists() and not path.is_file():
+                raise InvalidArgumentError(f"{str(given)!r} is {'a folder' if path.is_dir() else 'not a regular file'}"
+                                           ": give the snapshot a file name (it is not replaced)")
+            tmp = path.with_name(f".edgeinfer-snapshot-{os.getpid()}-{threading.get_ident()}.partial")
             with open(tmp, "wb") as f:
                 np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), positions=kv.positions, **arrays)
             tmp.replace(path)
-        except (OSError, ValueError) as e:  # ValueError: a NUL or a lone surrogate in the name
-            try:
-                tmp.unlink(missing_ok=True)
-            except (OSError, ValueError):
-                pass
-            raise InvalidArgumentError(f"cannot write the snapshot to {str(path)!r}: "
+            tmp = None
+        except (OSError, ValueError, RuntimeError) as e:  # ValueError: a NUL or a lone surrogate in the name
+            if isinstance(e, InvalidArgumentError):
+                raise
+            raise InvalidArgumentError(f"cannot write the snapshot to {str(given)!r}: "
                                        f"{getattr(e, 'strerror', None) or e}") from None
+        finally:  # also after Ctrl-C
+            if tmp is not None:
+                try:
+                    tmp.unlink(missing_ok=True)
+                except (OSError, ValueError):
+                    pass
 
     @classmethod
-    def load(cls, path: str | Path) -> "PrefixSnapshot":
-        """Read a file `save` wrote; InvalidArgumentError for anything else."""
+    def load(cls, path: str | Path, layers: int | None = None, row: tuple[int, int] | None = None,
+             max_rows: int | None = None) -> "PrefixSnapshot":
+        """Read a file `save` wrote; InvalidArgumentError for anything else. With the model's
+        geometry (`layers`, a row's (kv heads, head size) and the ring's rows), every array's header
+        is checked before any data is read: a small file that unpacks into gigabytes is refused
+        unread."""
         try:
+            small_files.regular_file(Path(path), InvalidArgumentError)  # a FIFO would block for ever
             with np.load(Path(path), allow_pickle=False) as z:
+                names = set(z.files)
+                n_layers = sum(1 for name in names if name.startswith("k"))
+                if layers is not None and (n_layers != layers or names != _array_names(layers)):
+                    raise ValueError(f"it holds {n_layers} layers, the model {layers}")
+                if row is not None:
+                    most = max_rows if max_rows is not None else 1 << 31
+                    for name in sorted(names - {"meta", "positions"}):
+                        shape = _header_shape(z, name)
+                        if len(shape) != 3 or tuple(shape[1:]) != tuple(row) or shape[0] > most:
+                            raise ValueError(f"its array {name} is {shape}, not up to {most} rows of {tuple(row)}")
+                    if len(_header_shape(z, "positions")) != 1 or _header_shape(z, "positions")[0] > most or \
+                            _header_shape(z, "meta")[0] > (1 << 20) + 24 * most:  # JSON: a few bytes per token id
+                        raise ValueError("its positions or metadata are larger than the ring")
                 meta = json.loads(z["meta"].tobytes())
-                layers = sum(1 for name in z.files if name.startswith("k"))
-                k = tuple(z[f"k{i}"] for i in range(layers))
-                v = tuple(z[f"v{i}"] for i in range(layers))
+                k = tuple(z[f"k{i}"] for i in range(n_layers))
+                v = tuple(z[f"v{i}"] for i in range(n_layers))
                 positions = z["positions"]
-            if not isinstance(meta, dict) or meta.get("format") != SNAPSHOT_FORMAT:
+            if not isinstance(meta, dict) or meta.get("format") != SNAPSHOT_FORMAT or type(meta.get("format")) is not int:
                 raise ValueError(f"format {meta.get('format') if isinstance(meta, dict) else meta!r}")
-            ids, n = tuple(int(t) for t in meta["token_ids"]), int(meta["n_valid"])
+            ids, n = meta.get("token_ids"), meta.get("n_valid")
+            fields = (n, meta.get("next_slot"), meta.get("next_position"))
+            if not isinstance(ids, list) or any(type(t) is not int for t in ids) or any(type(f) is not int for f in fields) \
+                    or not isinstance(meta.get("model"), str):
+                raise ValueError("its metadata has fields of the wrong types")
+            ids = tuple(ids)
             if len(ids) != n or positions.shape != (n,) or any(a.ndim != 3 or a.shape[0] != n for a in k + v):
                 raise ValueError("its sizes disagree")
             # a prefix: slot i holds token i at position i (Model.snapshot takes nothing else)
-            if int(meta["next_position"]) != n or not np.array_equal(positions, np.arange(n)):
+            if meta["next_position"] != n or not np.array_equal(positions, np.arange(n)):
                 raise ValueError("its positions are not a prefix's")
-            kv = Snapshot(k, v, positions, n, int(meta["next_slot"]), n, 0, 0)
-            return cls(ids, kv, str(meta["model"]))
-        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
-            raise InvalidArgumentError(f"{path} is not a prefix snapshot edgeinfer can read ({e})") from None
+            kv = Snapshot(k, v, positions, n, meta["next_slot"], n, 0, 0)
+            return cls(ids, kv, meta["model"])
+        except InvalidArgumentError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, RuntimeError,
+                NotImplementedError, OverflowError, MemoryError) as e:  # zipfile's own for a flipped flag or method
+            raise InvalidArgumentError(f"{path} is not a prefix snapshot edgeinfer can read "
+                                       f"({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _array_names(layers: int) -> set[str]:
+    return {"meta", "positions"} | {f"k{i}" for i in range(layers)} | {f"v{i}" for i in range(layers)}
+
+
+def _header_shape(z, name: str) -> tuple[int, ...]:
+    """The shape an .npz member's header declares, read without its data."""
+    with z.zip.open(name + ".npy") as f:
+        version = np.lib.format.read_magic(f)
+        shape, _, _ = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0(f))
+    return shape

@@ -254,9 +254,11 @@ class Job:
         return gen.completion
 
     def _remember(self, slot: Slot, cached: int) -> Callable[[Request], None]:
-        """After the request: which tokens the slot's ring now holds, if that is known exactly."""
+        """After the request: which tokens the slot's ring now holds, if that is known exactly (not after
+        a failure: its rows may be what failed)."""
         def end(req: Request) -> None:
-            slot.ids, slot.prompt_tokens = held_after(req, self.prompt, slot.cache), len(self.prompt)
+            slot.ids = None if req.failed else held_after(req, self.prompt, slot.cache)
+            slot.prompt_tokens = len(self.prompt)
         return end
 
 

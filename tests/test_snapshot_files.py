@@ -1,0 +1,141 @@
+"""Snapshot files as a hostile user or an unlucky moment makes them (`PrefixSnapshot.save/load`,
+`Model.restore`). Found by a hostile round (2026-12-01): a Ctrl-C while saving left the temporary
+file; saving over a device node, a FIFO or through a link replaced it with a regular file; a valid
+254-byte name could not be saved (the temporary name ran past the system's limit); a flipped bit in
+the zip's directory raised NotImplementedError or RuntimeError, not an EdgeInferError; a 1.2 MB file
+unpacked into 1.2 GB before its sizes were checked; a FIFO blocked restore for ever; and a snapshot of
+huge finite values made every later request of the model fail until another restore."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import stat
+import zipfile
+
+import numpy as np
+import pytest
+
+import edgeinfer
+import edgeinfer.prefix_cache as prefix_cache
+from conftest import STORIES_SRC
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError
+
+
+@pytest.fixture(scope="module")
+def model(converted):
+    return edgeinfer.load(converted(STORIES_SRC, "fp32"), capacity_tokens=64, threads=1)
+
+
+PROMPT = [1, 400, 401, 402, 403, 404, 405, 406, 407]
+
+
+def test_ctrl_c_while_saving_leaves_no_file(model, tmp_path, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model.snapshot(PROMPT, path=tmp_path / "s.npz")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_destination_that_is_not_a_regular_file_is_refused_not_replaced(model, tmp_path):
+    snap = model.snapshot(PROMPT)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(InvalidArgumentError, match="not a regular file"):
+        snap.save(fifo)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    (tmp_path / "store").mkdir()
+    (tmp_path / "link.npz").symlink_to(tmp_path / "store" / "target.npz")
+    snap.save(tmp_path / "link.npz")  # written through the link: the link stays, its target is the file
+    assert (tmp_path / "link.npz").is_symlink() and (tmp_path / "store" / "target.npz").is_file()
+    assert prefix_cache.PrefixSnapshot.load(tmp_path / "link.npz").token_ids == tuple(PROMPT)
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["target.npz"]
+
+
+def test_a_long_but_valid_name_can_be_saved(model, tmp_path):
+    path = tmp_path / ("s" * 250 + ".npz")
+    model.snapshot(PROMPT, path=path)
+    assert path.is_file()
+
+
+def _zip_bytes(model) -> bytes:
+    """What `save` writes for a snapshot of PROMPT, as bytes (the same layout, into a buffer)."""
+    buf = io.BytesIO()
+    snap = model.snapshot(PROMPT)
+    meta = {"format": 1, "model": snap.model, "token_ids": list(snap.token_ids), "n_valid": len(PROMPT),
+            "next_slot": snap.kv.next_slot, "next_position": len(PROMPT)}
+    arrays = {f"k{i}": k for i, k in enumerate(snap.kv.k)} | {f"v{i}": v for i, v in enumerate(snap.kv.v)}
+    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), positions=snap.kv.positions, **arrays)
+    return buf.getvalue()
+
+
+def test_a_damaged_zip_is_an_edgeinfer_error(model, tmp_path):
+    raw = bytearray(_zip_bytes(model))
+    central = raw.rfind(b"PK\x01\x02")
+    for offset, value in ((central + 10, 99), (central + 8, 0x01), (central + 6, 250)):  # method, encrypted, version
+        bad = bytearray(raw)
+        bad[offset] = value
+        p = tmp_path / f"bad{offset}.npz"
+        p.write_bytes(bytes(bad))
+        with pytest.raises(EdgeInferError):
+            model.restore(p)
+    assert model.generate(PROMPT, max_new_tokens=3, temperature=0).usage.completion_tokens == 3
+
+
+def test_arrays_larger_than_the_ring_are_refused_before_they_are_read(model, tmp_path, monkeypatch):
+    spec = model.manifest.arch
+    big = tmp_path / "big.npz"
+    with zipfile.ZipFile(big, "w", zipfile.ZIP_DEFLATED) as z:
+        for name in ["meta", "positions"] + [f"{c}{i}" for c in "kv" for i in range(spec.num_layers)]:
+            with z.open(name + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False,
+                                                         "shape": (1 << 30, spec.num_kv_heads, spec.head_dim)})
+    reads = []
+    monkeypatch.setattr(np.lib.format, "read_array", lambda *a, **k: reads.append(1))
+    with pytest.raises(InvalidArgumentError, match="not up to 64 rows"):
+        model.restore(big)
+    assert reads == []  # refused from the headers: no data read
+
+
+def test_a_fifo_is_refused_not_read_for_ever(model, tmp_path):
+    fifo = tmp_path / "s.npz"
+    os.mkfifo(fifo)
+    with pytest.raises(InvalidArgumentError, match="not a regular file"):
+        model.restore(fifo)
+
+
+def test_metadata_of_the_wrong_types_is_refused(model, tmp_path):
+    raw = _zip_bytes(model)
+    for change in ({"format": True}, {"token_ids": [1.9] * len(PROMPT)}, {"n_valid": str(len(PROMPT))}):
+        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+            meta = json.loads(np.lib.format.read_array(z.open("meta.npy")).tobytes()) | change
+            out = tmp_path / "m.npz"
+            with zipfile.ZipFile(out, "w") as w:
+                for name in z.namelist():
+                    if name == "meta.npy":
+                        buf = io.BytesIO()
+                        np.lib.format.write_array(buf, np.frombuffer(json.dumps(meta).encode(), np.uint8))
+                        w.writestr(name, buf.getvalue())
+                    else:
+                        w.writestr(name, z.read(name))
+        with pytest.raises(InvalidArgumentError):
+            model.restore(out)
+
+
+def test_a_request_that_fails_on_restored_rows_does_not_make_the_next_ones_fail(model, tmp_path):
+    """v0 of 3e38 passes the finiteness check; the request on it fails (non-finite logits), and its
+    rows were kept as a reusable prefix, so every later prompt starting with BOS failed too."""
+    snap = model.snapshot(PROMPT)
+    v = (np.full_like(snap.kv.v[0], 3e38),) + snap.kv.v[1:]
+    poisoned = prefix_cache.PrefixSnapshot(snap.token_ids, dataclasses.replace(snap.kv, v=v), snap.model)
+    model.restore(poisoned)
+    with pytest.raises(ModelFormatError):
+        model.generate(PROMPT + [500, 501], max_new_tokens=3, temperature=0)
+    fresh = edgeinfer.load(model.folder, capacity_tokens=64, threads=1)
+    want = fresh.generate([1, 300, 301], max_new_tokens=5, temperature=0).token_ids
+    assert model.generate([1, 300, 301], max_new_tokens=5, temperature=0).token_ids == want
