@@ -22,8 +22,9 @@ wait for another thread's turn gives up at once on Ctrl-C.
 
 from __future__ import annotations
 
-import signal
+import _signal
 import threading
+import weakref
 
 from edgeinfer import fork_safety
 from edgeinfer.errors import EdgeInferError
@@ -37,7 +38,10 @@ class interrupts_held:
     """`with interrupts_held() as held:` SIGINT is recorded, not raised, until the block ends; then it
     is raised again (KeyboardInterrupt there, under the handler the program had). `held.pending()`
     says whether one came. Only the main thread gets KeyboardInterrupt: elsewhere, and where SIGINT is
-    ignored or handled outside Python, it holds nothing back."""
+    ignored or handled outside Python, it holds nothing back. The handler is swapped with `_signal`'s
+    C functions: no Python code of the `signal` module runs (and checks for signals) in between."""
+
+    __slots__ = ("_pending", "_old")
 
     def __init__(self):
         self._pending = False
@@ -51,19 +55,19 @@ class interrupts_held:
 
     def __enter__(self) -> "interrupts_held":
         if threading.current_thread() is threading.main_thread():
-            old = signal.getsignal(signal.SIGINT)
-            if callable(old) or old == signal.SIG_DFL:
+            old = _signal.getsignal(_signal.SIGINT)
+            if callable(old) or old == _signal.SIG_DFL:
                 self._old = old
-                signal.signal(signal.SIGINT, self._record)
+                _signal.signal(_signal.SIGINT, self._record)
         return self
 
     def __exit__(self, *exc) -> None:
         if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+            _signal.signal(_signal.SIGINT, self._old)
             self._old = None
             if self._pending:
                 self._pending = False
-                signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt here, the lock's state whole
+                _signal.raise_signal(_signal.SIGINT)  # KeyboardInterrupt here, the lock's state whole
 
 
 class ContextLock:
@@ -73,28 +77,41 @@ class ContextLock:
         # the holder's Thread object (not its ident: the OS reuses a finished thread's ident, and a new
         # thread must wait, not be refused); only the holder sets it to itself
         self._owner: threading.Thread | None = None
+        # what holds it (a Request, a `hold()`): when that object is gone and the lock is still held,
+        # its release never ran (a Ctrl-C in the few bytecodes `interrupts_held` cannot cover), and the
+        # next `acquire` takes the lock back instead of waiting for ever
+        self._holder: weakref.ref | None = None
+        self._reclaiming = threading.Lock()
         fork_safety.watch(self, "_lock", what, "held_here")  # held by another thread at a fork: refused there
 
-    POLL_S = 0.05  # how often a wait that may give up looks whether it should
+    POLL_S = 0.05  # how often a wait looks whether it should give up, or whether its holder is gone
 
-    def acquire(self, give_up=None) -> bool:
-        """Take the lock (waiting for another thread's turn) and own it; False, not holding it, when
+    def acquire(self, holder, give_up=None) -> bool:
+        """Take the lock (waiting for another thread's turn) and own it for `holder` (an object that
+        lives as long as the use: the lock is taken back once it is gone); False, not holding it, when
         `give_up()` (polled while waiting) said so. Callers run it inside `interrupts_held` with
         give_up=held.pending, and record that they hold it inside that block too (`Generation.steps`)."""
         me = threading.current_thread()
+        self._reclaim()
         if self._owner is me:
             raise ContextBusyError(
                 f"{self.what} is in use by a stream that is still open in this thread: finish it or call its "
                 "close() first, or use model.conversation() for a second, independent context")
-        if give_up is None:
-            self._lock.acquire()
-        else:
-            while not self._lock.acquire(timeout=self.POLL_S):
-                if give_up():
-                    return False
-        self._owner = me
+        while not self._lock.acquire(timeout=self.POLL_S):  # (a release wakes it at once)
+            self._reclaim()
+            if give_up is not None and give_up():
+                return False
+        self._owner, self._holder = me, weakref.ref(holder)
         return True
 
+    def _reclaim(self) -> None:
+        """Release the lock if its holder is gone (its own release never ran)."""
+        h = self._holder
+        if h is not None and h() is None:
+            with self._reclaiming:
+                if self._holder is h:
+                    self._holder = self._owner = None
+                    self._lock.release()
 
     def hand_to(self, thread: threading.Thread) -> None:
         """The holder's stream is now advanced by `thread` (called in that thread, from inside the
@@ -107,15 +124,32 @@ class ContextLock:
 
     def release(self) -> None:
         with interrupts_held():
-            self._owner = None
+            self._holder = self._owner = None
             self._lock.release()
 
-    def __enter__(self) -> "ContextLock":
-        with interrupts_held() as held:
-            if self.acquire(give_up=held.pending) and held.pending():  # the block will not run: let go
-                self._owner = None
-                self._lock.release()
+    def hold(self) -> "_Hold":
+        """`with lock.hold():` the lock for a block (the `_Hold` is its holder: the with statement keeps
+        it alive while the block runs)."""
+        return _Hold(self)
+
+
+class _Hold:
+    __slots__ = ("lock", "__weakref__")
+
+    def __init__(self, lock: ContextLock):
+        self.lock = lock
+
+    def __enter__(self) -> "_Hold":
+        got = False
+        try:
+            while not got:  # a SIGINT handler that does not raise: wait again
+                with interrupts_held() as held:
+                    got = self.lock.acquire(self, give_up=held.pending)
+        except BaseException:
+            if got:  # the interrupt came as it took the lock: the block will not run
+                self.lock.release()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self.release()
+        self.lock.release()

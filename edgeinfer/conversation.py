@@ -62,7 +62,7 @@ class Conversation:
         self._rebuild = False  # emptied to recover (a failed rollback): the next turn feeds what the ring holds
 
     def reset(self) -> None:
-        with self.lock:
+        with self.lock.hold():
             self.messages = []
             self._forget()
 

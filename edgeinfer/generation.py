@@ -211,22 +211,24 @@ class Request:
         begin, end, lock = self._begin, self._end, self._lock
         self._begin = self._end = self._lock = None  # a kept, finished Generation holds no Model through them
         try:
-            if lock is not None:
+            while lock is not None and self.held is None:  # (a SIGINT handler that does not raise: wait again)
                 with interrupts_held() as held:  # a Ctrl-C while waiting gives up; one as it takes the lock
-                    if lock.acquire(give_up=held.pending):  # is raised once `held` says so (context_lock)
+                    if lock.acquire(self, give_up=held.pending):  # is raised once `held` says so (context_lock)
                         self.held = lock
             yield from self._run(begin(self))
+        except GenerationCancelled:  # abandoned, as a dropped stream is: its rows are sound
+            raise
         except Exception:
             self.failed = True
             raise
         finally:
-            self.pacer = None  # a kept, finished Generation must not keep the Model's power control alive
-            try:
-                if end is not None and (lock is None or self.held is not None):  # not another thread's context
-                    end(self)
-            finally:
-                if self.held is not None:
-                    with interrupts_held():  # (release holds it back too; nested, they pass it outwards)
+            with interrupts_held():  # end and the release as one (nested holds pass a Ctrl-C outwards)
+                self.pacer = None  # a kept, finished Generation must not keep the Model's power control alive
+                try:
+                    if end is not None and (lock is None or self.held is not None):  # not another thread's
+                        end(self)
+                finally:
+                    if self.held is not None:
                         self.held = None
                         lock.release()
 

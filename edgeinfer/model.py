@@ -239,7 +239,7 @@ class Model:
         prefilled with it first (its ids as `encode_prompt` makes them); else what the cache holds now.
         Written to `path` too when given. `restore` puts it back; a later prompt that starts with its
         ids then prefills only the rest."""
-        with self.lock:
+        with self.lock.hold():
             if prefix is not None:
                 ids = self.encode_prompt(prefix)
                 if len(ids) > self.capacity_tokens:  # the ring would shift: it could not hold the prefix whole
@@ -276,7 +276,7 @@ class Model:
             raise InvalidArgumentError("the snapshot holds values that are not finite (NaN or infinity)")
         # a prefix's bookkeeping, in this ring's terms (its own sinks), whatever the file said
         kv = Snapshot(snap.kv.k, snap.kv.v, np.arange(n, dtype=self.cache.positions.dtype), n, self.cache.n_sink, n, 0, 0)
-        with self.lock:
+        with self.lock.hold():
             self.held = None
             self.cache.restore(kv)
             self.held = list(snap.token_ids)
