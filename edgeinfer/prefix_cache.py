@@ -22,9 +22,11 @@ every reply again, so the whole held prefix is reused.
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import threading
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,6 +144,12 @@ class PrefixSnapshot:
                     raise ValueError(f"it holds {n_layers} layers, the model {layers}")
                 if row is not None:
                     most = max_rows if max_rows is not None else 1 << 31
+                    sizes = {"meta": (1 << 20) + 24 * most, "positions": 8 * most} | \
+                        {name: most * row[0] * row[1] * 4 for name in names - {"meta", "positions"}}
+                    for info in z.zip.infolist():  # what each member unpacks to, bounded before anything is read
+                        name = info.filename.removesuffix(".npy")
+                        if name not in sizes or info.file_size > sizes[name] + 4096:
+                            raise ValueError(f"its member {info.filename[:60]!r} is {info.file_size} bytes unpacked")
                     for name in sorted(names - {"meta", "positions"}):
                         shape = _header_shape(z, name)
                         if len(shape) != 3 or tuple(shape[1:]) != tuple(row) or shape[0] > most:
@@ -149,7 +157,10 @@ class PrefixSnapshot:
                     if len(_header_shape(z, "positions")) != 1 or _header_shape(z, "positions")[0] > most or \
                             _header_shape(z, "meta")[0] > (1 << 20) + 24 * most:  # JSON: a few bytes per token id
                         raise ValueError("its positions or metadata are larger than the ring")
-                meta = json.loads(z["meta"].tobytes())
+                raw = z["meta"]
+                if raw.dtype != np.uint8 or raw.ndim != 1:
+                    raise ValueError("its metadata is not JSON text")
+                meta = json.loads(raw.tobytes())
                 k = tuple(z[f"k{i}"] for i in range(n_layers))
                 v = tuple(z[f"v{i}"] for i in range(n_layers))
                 positions = z["positions"]
@@ -170,8 +181,9 @@ class PrefixSnapshot:
             return cls(ids, kv, meta["model"])
         except InvalidArgumentError:
             raise
-        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, RuntimeError,
-                NotImplementedError, OverflowError, MemoryError) as e:  # zipfile's own for a flipped flag or method
+        except (OSError, ValueError, KeyError, TypeError, IndexError, EOFError, zipfile.BadZipFile, RuntimeError,
+                NotImplementedError, OverflowError, MemoryError, zlib.error, lzma.LZMAError) as e:  # zipfile's own
+            # for a flipped flag or method, a broken deflate or LZMA stream
             raise InvalidArgumentError(f"{path} is not a prefix snapshot edgeinfer can read "
                                        f"({type(e).__name__}: {str(e)[:200]})") from None
 

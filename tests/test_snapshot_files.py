@@ -139,3 +139,30 @@ def test_a_request_that_fails_on_restored_rows_does_not_make_the_next_ones_fail(
     fresh = edgeinfer.load(model.folder, capacity_tokens=64, threads=1)
     want = fresh.generate([1, 300, 301], max_new_tokens=5, temperature=0).token_ids
     assert model.generate([1, 300, 301], max_new_tokens=5, temperature=0).token_ids == want
+
+
+def test_a_member_that_unpacks_past_what_the_ring_needs_is_refused_unread(model, tmp_path):
+    """A review: a header declaring a huge npy header length (numpy reads it whole), a dtype of
+    large items, or a 2-D meta got past the shape check (0.42 MB files, 400-800 MB of memory)."""
+    raw = _zip_bytes(model)
+    out = tmp_path / "big.npz"
+    with zipfile.ZipFile(io.BytesIO(raw)) as z, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as w:
+        for name in z.namelist():
+            w.writestr(name, z.read(name) + (b"\0" * (4 << 20) if name == "k0.npy" else b""))
+    with pytest.raises(InvalidArgumentError, match="unpacked"):
+        model.restore(out)
+
+
+@pytest.mark.parametrize("method", [zipfile.ZIP_DEFLATED, zipfile.ZIP_LZMA])
+def test_a_broken_compressed_stream_is_an_edgeinfer_error(model, tmp_path, method):
+    raw = _zip_bytes(model)
+    out = tmp_path / "c.npz"
+    with zipfile.ZipFile(io.BytesIO(raw)) as z, zipfile.ZipFile(out, "w", method) as w:
+        for name in z.namelist():
+            w.writestr(name, z.read(name))
+    data = bytearray(out.read_bytes())
+    start = data.find(b"k0.npy") + 6 + 40  # inside the first array's compressed stream
+    data[start:start + 16] = bytes(16)
+    out.write_bytes(bytes(data))
+    with pytest.raises(InvalidArgumentError):
+        model.restore(out)
