@@ -17,7 +17,10 @@ round's real signals left the lock held by nobody (every later call waited for e
 interrupts) or owned by a thread that had let it go (its every later call refused). So the lock's
 state changes run with the interrupt held back (`interrupts_held`: SIGINT's handler swapped for
 one that records it, then restored and the signal raised again once the state is whole), and a
-wait for another thread's turn gives up at once on Ctrl-C.
+wait for another thread's turn gives up at once on Ctrl-C. What that cannot cover (the few
+bytecodes before a release swaps the handler) is recovered: the lock records its holder (a
+Request, or a with-block's `hold()`) by weak reference, and takes itself back once the holder is
+gone, since then its release will never run.
 """
 
 from __future__ import annotations
