@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import lzma
 import os
-import threading
+import tempfile
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -92,8 +92,8 @@ class PrefixSnapshot:
     model: str
 
     def save(self, path: str | Path) -> None:
-        """Write to `path` (a .npz file; written whole to a temporary file beside it, then renamed: a
-        failed or interrupted write leaves neither; the temporary name is this thread's own, so
+        """Write to `path` (a .npz file; written whole to a new temporary file beside it, then renamed:
+        a failed or interrupted write leaves neither; each writer has its own temporary file, so
         writers of one path at once each rename a whole file). A link is written through to its
         target; a destination that exists and is not a regular file (a device, a FIFO, a folder) is
         refused, not replaced. InvalidArgumentError when it cannot be written there."""
@@ -111,9 +111,11 @@ class PrefixSnapshot:
             if path.exists() and not path.is_file():
                 raise InvalidArgumentError(f"{str(given)!r} is {'a folder' if path.is_dir() else 'not a regular file'}"
                                            ": give the snapshot a file name (it is not replaced)")
-            tmp = path.with_name(f".edgeinfer-snapshot-{os.getpid()}-{threading.get_ident()}.partial")
-            with open(tmp, "wb") as f:
+            fd, name = tempfile.mkstemp(prefix=".edgeinfer-snapshot-", suffix=".partial", dir=path.parent)
+            tmp = Path(name)  # a new file of its own (O_EXCL): a name planted beside it is not followed
+            with os.fdopen(fd, "wb") as f:
                 np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), positions=kv.positions, **arrays)
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from the other users a plain file is read by
             tmp.replace(path)
             tmp = None
         except (OSError, ValueError, RuntimeError) as e:  # ValueError: a NUL or a lone surrogate in the name

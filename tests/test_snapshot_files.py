@@ -166,3 +166,18 @@ def test_a_broken_compressed_stream_is_an_edgeinfer_error(model, tmp_path, metho
     out.write_bytes(bytes(data))
     with pytest.raises(InvalidArgumentError):
         model.restore(out)
+
+
+def test_a_name_planted_beside_the_destination_is_not_followed(model, tmp_path):
+    """A review: the temporary name was predictable (pid and thread), and open() followed a link
+    planted under it (written through into its target; a FIFO there blocked the save for ever)."""
+    import threading
+
+    other = tmp_path / "other.txt"
+    other.write_text("keep")
+    for name in (f".edgeinfer-snapshot-{os.getpid()}-{threading.get_ident()}.partial",
+                 f".s.npz.partial-{os.getpid()}-{threading.get_ident()}"):
+        (tmp_path / name).symlink_to(other)
+    model.snapshot(PROMPT, path=tmp_path / "s.npz")
+    assert other.read_text() == "keep"
+    assert (tmp_path / "s.npz").is_file() and stat.S_IMODE(os.stat(tmp_path / "s.npz").st_mode) == 0o644
