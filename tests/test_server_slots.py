@@ -71,6 +71,28 @@ def test_a_retry_after_a_long_reply_takes_the_slot_that_holds_its_prompt():
     assert choose_slot(free, prompt).index == 0
 
 
+def test_a_template_that_renders_its_generation_cue_otherwise_after_a_reply_still_continues_its_slot():
+    """A review: DeepSeek-R1's cue "<｜Assistant｜><think>\n" comes back in the history as "<｜Assistant｜>"
+    and the reply, so the last prompt is never whole in the next one: every second turn took an empty
+    slot, cold. A prompt that ended with the template's cue (`generation_cue`) may lose it."""
+    assistant, think, newline = 900, 901, 902
+    history = SYSTEM + [1, 2, 3]
+    free = _slots((history + [assistant, think, newline], [40, 41, 42]), None, last_used=(1, 0))
+    nxt = history + [assistant, 40, 41, 42, 7, 8, 9]
+    cue = (assistant, think, newline)
+    assert choose_slot(free, nxt).index == 1  # without the cue: the empty slot
+    assert choose_slot(free, nxt, cue=cue).index == 0
+    assert choose_slot(free, SYSTEM + [5, 6, 7, 8], cue=cue).index == 1  # another user's turn still does not
+    plain = _slots((history + [7, 8, 9], [40]), None, last_used=(1, 0))  # a prompt that did not end with the cue
+    assert choose_slot(plain, history + [7, 8, 10], cue=cue).index == 1
+
+
+def test_the_cue_comes_from_the_template(model):
+    from edgeinfer.server.scheduler import generation_cue
+
+    assert generation_cue(model) == tuple(model.tokenizer.encode("\nAssistant:", add_bos=False))
+
+
 def test_without_an_empty_slot_the_one_keeping_most_then_the_least_recently_used_is_taken():
     a, b, c = [1] + list(range(10, 60)), [1] + list(range(60, 110)), [1] + list(range(110, 160))
     assert choose_slot(_slots((a, []), (b, []), (c, []), last_used=(7, 3, 9)), [1, 5, 5]).index == 1

@@ -54,7 +54,25 @@ class Slot:
     prompt_tokens: int = 0  # the prompt of the request that filled `ids` (the rest is its reply)
 
 
-def choose_slot(free: list[Slot], prompt: list[int], keep: Callable[[list[int] | None], int] | None = None) -> Slot:
+def generation_cue(model) -> tuple[int, ...]:
+    """The token ids of the chat template's generation cue (what add_generation_prompt appends:
+    ChatML's "<|im_start|>assistant\n"); () when unknown. A template may render it otherwise once the
+    reply follows in the history (DeepSeek-R1's "<｜Assistant｜><think>\n" becomes "<｜Assistant｜>" and
+    the reply), so a chat's next turn may leave a prompt's closing cue out (`choose_slot`)."""
+    try:
+        msgs = [{"role": "user", "content": "x"}]
+        t = model.template
+        cue = t.render(msgs, add_generation_prompt=True)
+        base = t.render(msgs, add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template that fails here fails its requests with a clear error
+        return ()
+    if not cue.startswith(base) or len(cue) == len(base):
+        return ()
+    return tuple(model.tokenizer.encode(cue[len(base):], add_bos=False))
+
+
+def choose_slot(free: list[Slot], prompt: list[int], keep: Callable[[list[int] | None], int] | None = None,
+                cue: tuple[int, ...] = ()) -> Slot:
     """The free slot (`free`: not empty) a request for `prompt` takes. Deterministic: it depends only
     on the slots' remembered ids, `prompt_tokens`, `last_used` and `index`, and on the prompt.
     keep(ids): how many of the prompt's tokens a slot holding `ids` would keep (the scheduler's:
@@ -62,8 +80,9 @@ def choose_slot(free: list[Slot], prompt: list[int], keep: Callable[[list[int] |
     common prefix, less the two tokens `reuse` always feeds).
 
     1. A slot whose last prompt the new one starts with, whole (a chat's next turn re-sends the
-       prompt and the reply; a retry or a regenerate sends the prompt again), and that keeps some of
-       it. Of those, the most kept; then the least recently used.
+       prompt and the reply; a retry or a regenerate sends the prompt again), but for its closing
+       `cue` when it ended with one (`generation_cue`: a cue the template renders otherwise after a
+       reply), and that keeps some of it. Of those, the most kept; then the least recently used.
     2. Else a slot holding nothing known (never used, or emptied: ids None), so that a request that
        shares only a part (the template's system prompt, BOS) does not take another conversation's
        cache while a slot is idle.
@@ -80,7 +99,14 @@ def choose_slot(free: list[Slot], prompt: list[int], keep: Callable[[list[int] |
         return keep(slot.ids) if keep is not None else max(0, min(common_prefix(slot.ids, prompt), len(prompt) - 2))
 
     counts = {slot.index: kept(slot) for slot in free}
-    continuing = [s for s in free if counts[s.index] > 0 and common_prefix(s.ids, prompt) >= s.prompt_tokens]
+    def continued(s: Slot) -> bool:
+        if not counts[s.index]:
+            return False
+        n = s.prompt_tokens
+        slack = len(cue) if cue and tuple(s.ids[max(0, n - len(cue)):n]) == cue else 0
+        return common_prefix(s.ids, prompt) >= n - slack
+
+    continuing = [s for s in free if continued(s)]
     if continuing:
         return min(continuing, key=lambda s: (-counts[s.index], s.last_used, s.index))
     empty = [s for s in free if not s.ids]
@@ -101,6 +127,7 @@ class Scheduler:
         else:  # slot 0 reuses the model's own ring
             caches, self.stepper = [model.cache] + [model.new_cache() for _ in range(1, slots)], SoloStepper(engine)
         self.slots = [Slot(i, c) for i, c in enumerate(caches)]
+        self.cue = generation_cue(model)
         self.queue_limit = queue
         self._free = list(self.slots)
         self._cond = threading.Condition()
@@ -176,7 +203,8 @@ class Scheduler:
             self._leave_line(ticket)
             m = self.model
             best = choose_slot(self._free, prompt,
-                               lambda ids: keepable(ids, prompt, m.capacity_tokens, m.overflow, max_new_tokens))
+                               lambda ids: keepable(ids, prompt, m.capacity_tokens, m.overflow, max_new_tokens),
+                               self.cue)
             self._free.remove(best)
             self._clock += 1
             best.last_used = self._clock
