@@ -24,6 +24,7 @@ import numpy as np
 
 from edgeinfer.converters import gguf_blocks
 from edgeinfer.converters.gguf_header import HeaderError, read_header
+from edgeinfer.converters.gguf_tokenizer import SPM_DEFAULT_IDS
 from edgeinfer.converters.quantize import check_magnitude
 from edgeinfer.errors import ConvertError
 
@@ -199,7 +200,8 @@ class GGUFCheckpoint:
                "rope_theta": key("rope.freq_base", 10000.0),
                "max_position_embeddings": key("context_length", 2048),
                "tie_word_embeddings": "lm_head.weight" not in self,
-               "bos_token_id": m.get("tokenizer.ggml.bos_token_id"), "eos_token_id": m.get("tokenizer.ggml.eos_token_id"),
+               "bos_token_id": self._special("tokenizer.ggml.bos_token_id"),
+               "eos_token_id": self._special("tokenizer.ggml.eos_token_id"),
                "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self}
         for k in ("attention.key_length", "attention.value_length"):
             v = key(k)
@@ -219,9 +221,20 @@ class GGUFCheckpoint:
                 raise ConvertError(f"{self.path.name} metadata: {arch}.rope.dimension_count {dims} differs from the "
                                    f"head size {head_dim} ({source}): RoPE on part of each head (partial rotary) "
                                    "is not supported")
-        scaling = key("rope.scaling.type")
+        # as llama.cpp reads them: the type defaults to linear, the factor falls back to the older key
+        # rope.scale_linear, and 0 means none (a factor without a type was dropped: logits off by 49)
+        scaling, factor = key("rope.scaling.type"), key("rope.scaling.factor", key("rope.scale_linear"))
+        if scaling is None and factor not in (None, 0, 0.0, 1, 1.0):
+            scaling = "linear"
         if scaling not in (None, "none"):
-            cfg["rope_scaling"] = {"type": scaling, "factor": key("rope.scaling.factor", 1.0)}
+            cfg["rope_scaling"] = {"type": scaling, "factor": factor if factor not in (None, 0, 0.0) else 1.0}
+        attn_factor = key("rope.scaling.attn_factor")
+        if attn_factor not in (None, 1, 1.0):  # llama.cpp scales RoPE's cos and sin by it (so q and k)
+            raise ConvertError(f"{self.path.name} metadata: {arch}.rope.scaling.attn_factor {attn_factor!r:.40} "
+                               "(RoPE scaled by a factor) is not supported")
+        if key("attention.causal", True) is not True:  # llama.cpp then attends both ways
+            raise ConvertError(f"{self.path.name} metadata: {arch}.attention.causal is {key('attention.causal')!r:.40}"
+                               ": non-causal attention (an embedding model) is not supported")
         if key("attention.sliding_window"):
             cfg["use_sliding_window"] = True
         n_tokens = len(tokens) if isinstance(tokens, list) else 0
@@ -231,6 +244,15 @@ class GGUFCheckpoint:
         return cfg
 
     # --- internals --------------------------------------------------------------------------------
+
+    def _special(self, key: str):
+        """A BOS/EOS id: the file's, or llama.cpp's default for a SentencePiece vocabulary."""
+        m = self.metadata
+        if key in m or m.get("tokenizer.ggml.model") != "llama":
+            return m.get(key)
+        tokens = m.get("tokenizer.ggml.tokens")
+        default = SPM_DEFAULT_IDS.get(key)
+        return default if default is not None and isinstance(tokens, list) and default < len(tokens) else None
 
     def _info(self, name: str, shape: tuple[int, ...] | None = None):
         try:

@@ -118,8 +118,14 @@ def _numbers(meta: dict, key: str, n: int, name: str, integer: bool = False):
     return a
 
 
+SPM_DEFAULT_IDS = {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}  # llama.cpp's, for a
+# SentencePiece ("llama") vocabulary whose file leaves them out
+
+
 def _token_id(meta: dict, key: str, n: int, name: str) -> int | None:
     v = meta.get(key)
+    if v is None and meta.get("tokenizer.ggml.model") == "llama" and key in SPM_DEFAULT_IDS:
+        v = SPM_DEFAULT_IDS[key] if SPM_DEFAULT_IDS[key] < n else None  # as llama.cpp runs such a file
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n:
@@ -189,6 +195,9 @@ def tokenizer_info(meta: dict, name: str = "") -> TokenizerInfo:
     # llama.cpp adds BOS by default for SentencePiece vocabularies and the Llama 3 pre-tokenizer
     default_bos = meta.get("tokenizer.ggml.model") == "llama" or meta.get("tokenizer.ggml.pre") in ("llama-bpe", "llama3")
     add_bos = _flag(meta, "tokenizer.ggml.add_bos_token", default_bos, name)
+    if _flag(meta, "tokenizer.ggml.add_eos_token", False, name):  # llama.cpp and transformers append EOS to
+        raise ConvertError(f"{name} metadata: tokenizer.ggml.add_eos_token is true: every prompt would end with "
+                           "EOS, which a text generator cannot continue (an embedding model's setting): not supported")
     template = meta.get("tokenizer.chat_template")
     if template is not None:
         if not isinstance(template, str):

@@ -345,3 +345,46 @@ def test_a_crafted_sentencepiece_vocabulary_is_refused_in_proportion_to_its_size
         convert(src, tmp_path / "out")
     assert time.perf_counter() - t0 < 30 and resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 500_000
     assert not (tmp_path / "out").exists()
+
+
+# --- metadata read as llama.cpp reads it (a fidelity round against llama.cpp, 2026-12-01) -----------
+
+def _logits(folder: Path, ids=(1, 400, 401, 402, 403)) -> np.ndarray:
+    from edgeinfer.engine import Engine
+    from edgeinfer.session import DecoderSession
+
+    eng = Engine(DecoderSession(folder))
+    return eng.forward(eng.new_cache(64, 0), list(ids), all_logits=True).copy()
+
+
+@pytest.mark.parametrize("fields", [
+    {"llama.rope.scaling.factor": (4.0, V.FLOAT32)},  # no type: llama.cpp's default is linear
+    {"llama.rope.scale_linear": (4.0, V.FLOAT32)},  # the older key
+], ids=["factor_without_type", "scale_linear"])
+def test_a_rope_factor_is_read_as_llama_cpp_reads_it(tmp_path, fields):
+    """Both converted with exit 0 and no scaling at all (logits 33-49 from llama.cpp's)."""
+    want = convert(_mutate(F32, tmp_path / "typed.gguf", {"llama.rope.scaling.type": ("linear", V.STRING),
+                                                          "llama.rope.scaling.factor": (4.0, V.FLOAT32)}),
+                   tmp_path / "typed", quant="fp32")
+    got = convert(_mutate(F32, tmp_path / "bare.gguf", fields), tmp_path / "bare", quant="fp32")
+    assert (got.arch.rope.type, got.arch.rope.factor) == ("linear", 4.0) == (want.arch.rope.type, want.arch.rope.factor)
+    assert np.abs(_logits(tmp_path / "bare") - _logits(tmp_path / "typed")).max() == 0
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"llama.rope.scaling.attn_factor": (0.5, V.FLOAT32)}, "attn_factor"),  # llama.cpp scales q and k by it
+    ({"llama.attention.causal": (False, V.BOOL)}, "non-causal"),  # llama.cpp attends both ways
+    ({"tokenizer.ggml.add_eos_token": (True, V.BOOL)}, "add_eos_token"),  # llama.cpp appends EOS to every prompt
+], ids=["attn_factor", "non_causal", "add_eos"])
+def test_metadata_that_changes_the_math_we_do_not_build_is_refused_by_name(tmp_path, fields, needle):
+    with pytest.raises(ConvertError, match=needle):
+        convert(_mutate(F32, tmp_path / "bad.gguf", fields), tmp_path / "out", quant="fp32")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sentencepiece_vocabulary_without_special_ids_gets_llama_cpps_defaults(tmp_path):
+    src = _mutate(F32, tmp_path / "noids.gguf", {"tokenizer.ggml.bos_token_id": DROP,
+                                                 "tokenizer.ggml.eos_token_id": DROP})
+    m = convert(src, tmp_path / "out", quant="fp32")
+    assert (m.tokenizer.bos_token_id, m.tokenizer.eos_token_ids, m.tokenizer.add_bos) == (1, (2,), True)
+    assert edgeinfer.load(tmp_path / "out").tokenizer.encode("x")[0] == 1
