@@ -20,7 +20,9 @@ one that records it, then restored and the signal raised again once the state is
 wait for another thread's turn gives up at once on Ctrl-C. What that cannot cover (the few
 bytecodes before a release swaps the handler) is recovered: the lock records its holder (a
 Request, or a with-block's `hold()`) by weak reference, and takes itself back once the holder is
-gone, since then its release will never run.
+gone, unless the holder has begun its release (`settle`: the cycle collector clears weak
+references before it runs a dropped stream's finally). Each holding has a token, so a release
+after the lock was taken back lets go of nothing.
 """
 
 from __future__ import annotations
@@ -84,16 +86,19 @@ class ContextLock:
         # its release never ran (a Ctrl-C in the few bytecodes `interrupts_held` cannot cover), and the
         # next `acquire` takes the lock back instead of waiting for ever
         self._holder: weakref.ref | None = None
+        self._token = 0  # the current holding's number (0: none); a release or a settle of another is ignored
+        self._count = 0
         self._reclaiming = threading.Lock()
         fork_safety.watch(self, "_lock", what, "held_here")  # held by another thread at a fork: refused there
 
     POLL_S = 0.05  # how often a wait looks whether it should give up, or whether its holder is gone
 
-    def acquire(self, holder, give_up=None) -> bool:
+    def acquire(self, holder, give_up=None) -> int:
         """Take the lock (waiting for another thread's turn) and own it for `holder` (an object that
-        lives as long as the use: the lock is taken back once it is gone); False, not holding it, when
-        `give_up()` (polled while waiting) said so. Callers run it inside `interrupts_held` with
-        give_up=held.pending, and record that they hold it inside that block too (`Generation.steps`)."""
+        lives as long as the use: the lock is taken back once it is gone); returns the holding's token
+        for `settle` and `release`, or 0, not holding it, when `give_up()` (polled while waiting) said
+        so. Callers run it inside `interrupts_held` with give_up=held.pending, and record the token
+        inside that block too (`Generation.steps`)."""
         me = threading.current_thread()
         self._reclaim()
         if self._owner is me:
@@ -103,18 +108,30 @@ class ContextLock:
         while not self._lock.acquire(timeout=self.POLL_S):  # (a release wakes it at once)
             self._reclaim()
             if give_up is not None and give_up():
-                return False
-        self._owner, self._holder = me, weakref.ref(holder)
-        return True
+                return 0
+        self._count += 1
+        self._owner, self._holder, self._token = me, weakref.ref(holder), self._count
+        return self._token
 
     def _reclaim(self) -> None:
-        """Release the lock if its holder is gone (its own release never ran)."""
+        """Release the lock if its holder is gone and had not begun its release (`settle`)."""
         h = self._holder
         if h is not None and h() is None:
             with self._reclaiming:
                 if self._holder is h:
-                    self._holder = self._owner = None
+                    self._holder, self._owner, self._token = None, None, 0
                     self._lock.release()
+
+    def settle(self, token: int) -> bool:
+        """The holder begins its release: from now on the lock is not taken back from it, even if the
+        holder object is gone (the cycle collector clears weak references before it runs a dropped
+        stream's finally). False when it was already taken back: the holder must then touch neither
+        the context nor the lock."""
+        with self._reclaiming:
+            if token == 0 or self._token != token:
+                return False
+            self._holder = _settled
+            return True
 
     def hand_to(self, thread: threading.Thread) -> None:
         """The holder's stream is now advanced by `thread` (called in that thread, from inside the
@@ -125,10 +142,12 @@ class ContextLock:
         """Whether the current thread holds it (its stream is open here)."""
         return self._owner is threading.current_thread()
 
-    def release(self) -> None:
-        with interrupts_held():
-            self._holder = self._owner = None
-            self._lock.release()
+    def release(self, token: int) -> None:
+        """Let go of the holding `token` names (nothing, if it was taken back meanwhile)."""
+        with interrupts_held(), self._reclaiming:
+            if token != 0 and self._token == token:
+                self._holder, self._owner, self._token = None, None, 0
+                self._lock.release()
 
     def hold(self) -> "_Hold":
         """`with lock.hold():` the lock for a block (the `_Hold` is its holder: the with statement keeps
@@ -136,23 +155,25 @@ class ContextLock:
         return _Hold(self)
 
 
+def _settled() -> bool:  # the holder of a lock whose release has begun: never taken back
+    return True
+
+
 class _Hold:
-    __slots__ = ("lock", "__weakref__")
+    __slots__ = ("lock", "token", "__weakref__")
 
     def __init__(self, lock: ContextLock):
-        self.lock = lock
+        self.lock, self.token = lock, 0
 
     def __enter__(self) -> "_Hold":
-        got = False
         try:
-            while not got:  # a SIGINT handler that does not raise: wait again
+            while not self.token:  # a SIGINT handler that does not raise: wait again
                 with interrupts_held() as held:
-                    got = self.lock.acquire(self, give_up=held.pending)
+                    self.token = self.lock.acquire(self, give_up=held.pending)
         except BaseException:
-            if got:  # the interrupt came as it took the lock: the block will not run
-                self.lock.release()
+            self.lock.release(self.token)  # the interrupt came as it took the lock: the block will not run
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self.lock.release()
+        self.lock.release(self.token)

@@ -205,6 +205,7 @@ class Request:
         self.speculation = None  # with options.speculative: the request's `speculative.Stats`
         self._begin, self._end, self._lock = begin, end, lock
         self.held: ContextLock | None = None  # the context's lock while the steps hold it
+        self._token = 0  # its holding of the context's lock (`ContextLock.acquire`)
         self.failed = False  # it ended in an error (not finished, abandoned or interrupted): its rows may be bad
 
     def steps(self) -> Iterator[Chunk]:
@@ -213,8 +214,9 @@ class Request:
         try:
             while lock is not None and self.held is None:  # (a SIGINT handler that does not raise: wait again)
                 with interrupts_held() as held:  # a Ctrl-C while waiting gives up; one as it takes the lock
-                    if lock.acquire(self, give_up=held.pending):  # is raised once `held` says so (context_lock)
-                        self.held = lock
+                    token = lock.acquire(self, give_up=held.pending)  # is raised once `held` says so
+                    if token:
+                        self.held, self._token = lock, token
             yield from self._run(begin(self))
         except GenerationCancelled:  # abandoned, as a dropped stream is: its rows are sound
             raise
@@ -224,13 +226,14 @@ class Request:
         finally:
             with interrupts_held():  # end and the release as one (nested holds pass a Ctrl-C outwards)
                 self.pacer = None  # a kept, finished Generation must not keep the Model's power control alive
+                mine = self.held is not None and lock.settle(self._token)  # not taken back meanwhile
                 try:
-                    if end is not None and (lock is None or self.held is not None):  # not another thread's
+                    if end is not None and (lock is None or mine):  # not another thread's context
                         end(self)
                 finally:
                     if self.held is not None:
                         self.held = None
-                        lock.release()
+                        lock.release(self._token)
 
     def _run(self, prompt_ids: list[int]) -> Iterator[Chunk]:
         engine, tok, cache, opts = self.engine, self.tok, self.cache, self.options

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import lzma
 import os
-import tempfile
+import secrets
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -111,11 +111,10 @@ class PrefixSnapshot:
             if path.exists() and not path.is_file():
                 raise InvalidArgumentError(f"{str(given)!r} is {'a folder' if path.is_dir() else 'not a regular file'}"
                                            ": give the snapshot a file name (it is not replaced)")
-            fd, name = tempfile.mkstemp(prefix=".edgeinfer-snapshot-", suffix=".partial", dir=path.parent)
-            tmp = Path(name)  # a new file of its own (O_EXCL): a name planted beside it is not followed
-            with os.fdopen(fd, "wb") as f:
+            tmp = path.parent / f".edgeinfer-snapshot-{secrets.token_hex(8)}.partial"  # a new file of its own:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)  # a name
+            with os.fdopen(fd, "wb") as f:  # planted there is not followed; the mode is the umask's, as open()'s
                 np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), positions=kv.positions, **arrays)
-            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from the other users a plain file is read by
             tmp.replace(path)
             tmp = None
         except (OSError, ValueError, RuntimeError) as e:  # ValueError: a NUL or a lone surrogate in the name

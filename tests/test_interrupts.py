@@ -162,7 +162,7 @@ def test_a_lock_whose_holder_is_gone_is_taken_back(fp32):
         pass
 
     h = Holder()
-    assert m.lock.acquire(h)  # held, as by a request whose release was cut off
+    assert m.lock.acquire(h)  # held, as by a request whose release was cut off (its token is lost)
     del h
     gc.collect()
     assert m.generate(A, max_new_tokens=3, temperature=0).usage.completion_tokens == 3  # same thread: not refused
@@ -188,3 +188,48 @@ def test_a_cancelled_request_keeps_its_cached_prefix(fp32):
         for _ in stream:
             pass
     assert m.generate(prompt, max_new_tokens=3, temperature=0).usage.cached_tokens == len(prompt) - 2
+
+
+def test_a_stream_freed_by_the_cycle_collector_keeps_its_context_until_its_cleanup_ends(fp32):
+    """A review: the cycle collector clears weak references before it runs a dropped stream's
+    finally, so a waiting thread took the context back while that stream's end() still wrote it,
+    and the stream's release then let go of the other thread's lock. A holder that has begun its
+    release (`settle`) is not taken back; one taken back before that touches nothing."""
+    import gc
+    import time
+
+    m = _fresh(fp32)
+    stream = m.stream(A, max_new_tokens=50, temperature=0, ignore_eos=True)
+    req, order = stream._request, []
+    real_end = req._end
+
+    def slow_end(r):  # the dropped stream's bookkeeping, long enough for the waiter to poll meanwhile
+        order.append("end begins")
+        time.sleep(0.3)
+        real_end(r)
+        order.append("end ends")
+
+    req._end = slow_end
+    next(stream)
+    req.loop = stream  # a reference cycle: only the cycle collector frees it
+    entered = threading.Event()
+
+    def waiter():
+        entered.set()
+        c = m.generate(A, max_new_tokens=2, temperature=0)
+        order.append(("other", c.usage.completion_tokens))
+
+    del stream, req
+    gc.disable()
+    try:
+        t = threading.Thread(target=waiter, daemon=True)
+        t.start()
+        assert entered.wait(10)
+        time.sleep(0.1)  # the waiter polls the lock
+        gc.collect()  # frees the stream: weak references first, then its finally (end, release)
+        t.join(30)
+    finally:
+        gc.enable()
+    # the cleanup ran whole before the other got in, or (taken back first) not at all: never interleaved
+    assert order in ([("other", 2)], ["end begins", "end ends", ("other", 2)]), order
+    assert not m.lock._lock.locked() and m.lock._token == 0

@@ -179,5 +179,15 @@ def test_a_name_planted_beside_the_destination_is_not_followed(model, tmp_path):
                  f".s.npz.partial-{os.getpid()}-{threading.get_ident()}"):
         (tmp_path / name).symlink_to(other)
     model.snapshot(PROMPT, path=tmp_path / "s.npz")
-    assert other.read_text() == "keep"
-    assert (tmp_path / "s.npz").is_file() and stat.S_IMODE(os.stat(tmp_path / "s.npz").st_mode) == 0o644
+    assert other.read_text() == "keep" and (tmp_path / "s.npz").is_file()
+
+
+def test_a_snapshot_file_has_the_mode_the_umask_gives(model, tmp_path):
+    """A review: the file was forced to 0644, readable by everyone under a umask of 077 (a snapshot
+    holds what the prompt said)."""
+    old = os.umask(0o077)
+    try:
+        model.snapshot(PROMPT, path=tmp_path / "s.npz")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "s.npz").st_mode) == 0o600

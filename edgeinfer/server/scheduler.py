@@ -59,16 +59,14 @@ def generation_cue(model) -> tuple[int, ...]:
     ChatML's "<|im_start|>assistant\n"); () when unknown. A template may render it otherwise once the
     reply follows in the history (DeepSeek-R1's "<｜Assistant｜><think>\n" becomes "<｜Assistant｜>" and
     the reply), so a chat's next turn may leave a prompt's closing cue out (`choose_slot`)."""
-    try:
+    try:  # the ids a prompt ends with, in context (encoded alone, SentencePiece would add a leading space)
         msgs = [{"role": "user", "content": "x"}]
         t = model.template
-        cue = t.render(msgs, add_generation_prompt=True)
-        base = t.render(msgs, add_generation_prompt=False)
+        cued = model.encode_rendered(t.render(msgs, add_generation_prompt=True))
+        base = model.encode_rendered(t.render(msgs, add_generation_prompt=False))
     except Exception:  # noqa: BLE001 - a template that fails here fails its requests with a clear error
         return ()
-    if not cue.startswith(base) or len(cue) == len(base):
-        return ()
-    return tuple(model.tokenizer.encode(cue[len(base):], add_bos=False))
+    return tuple(cued[common_prefix(cued, base):])
 
 
 def choose_slot(free: list[Slot], prompt: list[int], keep: Callable[[list[int] | None], int] | None = None,
