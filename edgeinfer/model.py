@@ -219,8 +219,8 @@ class Model:
             return ids[n:]
 
         def end(req: Request) -> None:  # unknown after a Ctrl-C inside begin (the ring did not hold this prompt's
-            # prefix yet) or a failure (non-finite logits from a restored snapshot's rows: not reused again)
-            self.held = held_after(req, ids, self.cache) if begun and not req.failed else None
+            # prefix yet)
+            self.held = held_after(req, ids, self.cache) if begun else None
 
         return Generation(self.engine, self.tokenizer, self.cache, opts, self.overflow, begin=begin, end=end,
                           lock=self.lock, load_ms=self.load_ms, power=self.power)

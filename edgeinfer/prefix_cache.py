@@ -74,8 +74,9 @@ def reuse(held: list[int] | None, prompt: list[int], cache: RingKVCache, overflo
 
 def held_after(gen, prompt: list[int], cache: RingKVCache) -> list[int] | None:
     """The ids `cache` holds after Generation `gen` ran on `prompt` (from an empty ring or a kept
-    prefix of it), when known exactly; else None."""
-    if cache.dropped or cache.rebased_tokens or not cache.intact or gen.prompt_dropped:
+    prefix of it), when known exactly; else None (also after a failure: its rows may be what failed,
+    e.g. non-finite logits from a restored snapshot's rows, and must not be reused)."""
+    if cache.dropped or cache.rebased_tokens or not cache.intact or gen.prompt_dropped or gen.failed:
         return None
     if gen.completion is None:  # abandoned: the prompt, and some generated tokens not known here
         return prompt[:cache.n_valid]

@@ -280,10 +280,9 @@ class Job:
         return gen.completion
 
     def _remember(self, slot: Slot, cached: int) -> Callable[[Request], None]:
-        """After the request: which tokens the slot's ring now holds, if that is known exactly (not after
-        a failure: its rows may be what failed)."""
+        """After the request: which tokens the slot's ring now holds, if that is known exactly."""
         def end(req: Request) -> None:
-            slot.ids = None if req.failed else held_after(req, self.prompt, slot.cache)
+            slot.ids = held_after(req, self.prompt, slot.cache)
             slot.prompt_tokens = len(self.prompt)
         return end
 
