@@ -661,51 +661,68 @@ def test_a_client_that_leaves_while_sending_its_body_is_counted_as_gone_not_as_a
     assert count("400") == before_400
 
 
+class _BigPrompts:
+    """A server (one slot) whose tokenization of the prompt "BIG" blocks until `release` is set, and
+    TOKENIZE_THREADS + 1 clients sending it at once: `entered` names the threads that began
+    tokenizing one, `answers` holds the responses."""
+
+    def __init__(self, model, monkeypatch):
+        import threading
+
+        from edgeinfer.server.app import TOKENIZE_THREADS
+
+        real, self.release, self.entered, lock = model.encode_prompt, threading.Event(), [], threading.Lock()
+
+        def encode_prompt(prompt):
+            if prompt == "BIG":
+                with lock:
+                    self.entered.append(threading.current_thread().name)
+                self.release.wait(60)
+            return real(prompt)
+
+        monkeypatch.setattr(model, "encode_prompt", encode_prompt)
+        self.r = Running(ServeConfig(slots=1, queue=4, max_tokens_limit=64), model=model)
+        self.answers = []
+        self.threads = [threading.Thread(target=self._big, daemon=True) for _ in range(TOKENIZE_THREADS + 1)]
+        for t in self.threads:
+            t.start()
+
+    def _big(self) -> None:
+        self.answers.append(httpx.post(self.r.url + "/v1/completions", timeout=90,
+                                       json={"model": MODEL, "prompt": "BIG", "max_tokens": 2}))
+
+    def join(self, timeout_s: float) -> None:
+        for t in self.threads:
+            t.join(timeout_s)
+
+    def stop(self) -> None:
+        self.release.set()
+        self.join(60)
+        self.r.stop()
+
+
 def test_a_prompt_being_tokenized_does_not_hold_up_the_event_loop(model, monkeypatch):
     """Tokenization ran on the event loop before admission: N concurrent ~760 KB prompts stalled a
     running stream's events and /health by 0.7 s (N=1) to 4.3 s (N=8). Now it runs in a pool of
     TOKENIZE_THREADS threads. Deterministic: a prompt "BIG" blocks its tokenization until released;
     meanwhile /health, /v1/models and /metrics answer, and a second BIG waits for a tokenizing thread
     (no more tokenize at once however many bodies arrive); once released, both are served."""
-    import threading
-
     from edgeinfer.server.app import TOKENIZE_THREADS
 
-    real, release, lock = model.encode_prompt, threading.Event(), threading.Lock()
-    entered = []
-
-    def encode_prompt(prompt):
-        if prompt == "BIG":
-            with lock:
-                entered.append(threading.current_thread().name)
-            release.wait(60)
-        return real(prompt)
-
-    monkeypatch.setattr(model, "encode_prompt", encode_prompt)
-    r = Running(ServeConfig(slots=1, queue=4, max_tokens_limit=64), model=model)
-    statuses, threads = [], []
-
-    def big() -> None:
-        statuses.append(httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": "BIG", "max_tokens": 2},
-                                   timeout=90).status_code)
-
+    big = _BigPrompts(model, monkeypatch)
+    url, entered = big.r.url, big.entered
     try:
-        for _ in range(TOKENIZE_THREADS + 1):
-            threads.append(threading.Thread(target=big, daemon=True))
-            threads[-1].start()
         assert _wait(lambda: len(entered) == TOKENIZE_THREADS, 20)
-        health = httpx.get(r.url + "/health", timeout=10)  # before: a ReadTimeout (the loop waited in encode)
+        health = httpx.get(url + "/health", timeout=10)  # before: a ReadTimeout (the loop waited in encode)
         assert health.status_code == 200 and health.json()["status"] == "ok"
-        assert httpx.get(r.url + "/v1/models", timeout=10).status_code == 200
-        assert httpx.get(r.url + "/metrics", timeout=10).status_code == 200
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 200
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 200
         time.sleep(0.3)  # an unbounded pool would have let the last BIG in by now (a slow machine: a false pass only)
         assert len(entered) == TOKENIZE_THREADS
     finally:
-        release.set()
-        for t in threads:
-            t.join(60)
-        r.stop()
-    assert statuses == [200] * (TOKENIZE_THREADS + 1) and len(entered) == TOKENIZE_THREADS + 1
+        big.stop()
+    assert [a.status_code for a in big.answers] == [200] * (TOKENIZE_THREADS + 1)
+    assert len(entered) == TOKENIZE_THREADS + 1
     assert all(name.startswith("edgeinfer-tokenize") for name in entered)
 
 
@@ -714,37 +731,15 @@ def test_requests_waiting_to_be_tokenized_at_sigterm_are_answered_503_not_cut_of
     waiting for it; the drain counted only admitted requests, ended, and uvicorn cut those off with
     a text/plain 500 and a CancelledError traceback each. Now a request waiting for (or in) the
     tokenizing thread when the drain begins is answered the OpenAI-shaped 503 at once."""
-    import threading
-
     from edgeinfer.server.app import TOKENIZE_THREADS
 
-    real, release, entered = model.encode_prompt, threading.Event(), []
-
-    def encode_prompt(prompt):
-        if prompt == "BIG":
-            entered.append(1)
-            release.wait(60)
-        return real(prompt)
-
-    monkeypatch.setattr(model, "encode_prompt", encode_prompt)
-    r = Running(ServeConfig(slots=1, queue=4, max_tokens_limit=64), model=model)
-    answers, threads = [], []
-
-    def big() -> None:
-        answers.append(httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": "BIG", "max_tokens": 2},
-                                  timeout=90))
-
+    big = _BigPrompts(model, monkeypatch)  # one in the tokenizing thread, one waiting for it
     try:
-        for _ in range(TOKENIZE_THREADS + 1):  # one in the tokenizing thread, one waiting for it
-            threads.append(threading.Thread(target=big, daemon=True))
-            threads[-1].start()
-        assert _wait(lambda: len(entered) == TOKENIZE_THREADS, 20)
+        assert _wait(lambda: len(big.entered) == TOKENIZE_THREADS, 20)
         time.sleep(0.3)  # the last one is waiting in line for the thread
-        r.server.draining = True  # what SIGTERM sets (run.DrainingServer.handle_exit)
-        for t in threads:
-            t.join(30)
+        big.r.server.draining = True  # what SIGTERM sets (run.DrainingServer.handle_exit)
+        big.join(30)
     finally:
-        release.set()
-        r.stop()
-    assert [a.status_code for a in answers] == [503] * (TOKENIZE_THREADS + 1)
-    assert all(a.json()["error"]["code"] == "shutting_down" for a in answers)
+        big.stop()
+    assert [a.status_code for a in big.answers] == [503] * (TOKENIZE_THREADS + 1)
+    assert all(a.json()["error"]["code"] == "shutting_down" for a in big.answers)
