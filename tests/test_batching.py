@@ -51,7 +51,17 @@ def test_threads_through_the_batcher_equal_each_alone(gqa_model):
     opts = edgeinfer.GenerationOptions.from_kwargs(max_new_tokens=60, temperature=0, ignore_eos=True)
     alone = {p: m.generate(p, opts).token_ids for p in prompts}
     kv = BatchedKV(m.manifest.arch, 4, 48, 4, eng.max_chunk, eng.mode)
-    batcher = DecodeBatcher(eng, kv)
+    gathered = threading.Barrier(4, timeout=120)
+
+    class GatheredBatcher(DecodeBatcher):
+        """Every conversation joins before any steps, so the sharing asserted below does not hang on
+        how the OS schedules four threads on a loaded box (alone, the first could finish first)."""
+
+        def join(self, cache):
+            super().join(cache)
+            gathered.wait()
+
+    batcher = GatheredBatcher(eng, kv)
     got, errors = {}, []
 
     def run(i):
@@ -74,7 +84,7 @@ def test_threads_through_the_batcher_equal_each_alone(gqa_model):
         t.join(timeout=120)
     assert not errors and got == alone
     decode_calls = eng.calls - calls_before - 4  # minus the four prefills
-    assert decode_calls < 4 * 59 * 0.6  # steps were shared: far fewer graph calls than tokens
+    assert batcher.steps == decode_calls == 59  # every step was shared: one graph call for four tokens
 
 
 def test_a_leaving_conversation_does_not_stall_the_others(gqa_model):
