@@ -672,8 +672,10 @@ class _BigPrompts:
         from edgeinfer.server.app import TOKENIZE_THREADS
 
         real, self.release, self.entered, lock = model.encode_prompt, threading.Event(), [], threading.Lock()
+        self.encoded = []  # every prompt the tokenizing thread began
 
         def encode_prompt(prompt):
+            self.encoded.append(prompt)
             if prompt == "BIG":
                 with lock:
                     self.entered.append(threading.current_thread().name)
@@ -743,3 +745,57 @@ def test_requests_waiting_to_be_tokenized_at_sigterm_are_answered_503_not_cut_of
         big.stop()
     assert [a.status_code for a in big.answers] == [503] * (TOKENIZE_THREADS + 1)
     assert all(a.json()["error"]["code"] == "shutting_down" for a in big.answers)
+
+
+def _count(r, status: str) -> float:
+    text = httpx.get(r.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("edgeinfer_requests_total{") and f'status="{status}"' in line)
+
+
+def test_a_client_that_leaves_while_waiting_to_be_tokenized_is_never_tokenized(model, monkeypatch):
+    """A hostile round: a request whose client had gone while it waited for the tokenizing thread was
+    still tokenized when its turn came (a backlog of abandoned large bodies cost the server the
+    whole tokenizing time). Now the wait watches the client: the request is counted 499 and its
+    prompt never reaches the tokenizer."""
+    from edgeinfer.server.app import TOKENIZE_THREADS
+
+    big = _BigPrompts(model, monkeypatch)  # TOKENIZE_THREADS in the thread, one waiting for it
+    try:
+        assert _wait(lambda: len(big.entered) == TOKENIZE_THREADS, 20)
+        before = _count(big.r, "499")
+        host, port = big.r.url[7:].rsplit(":", 1)
+        body = json.dumps({"model": MODEL, "prompt": "LEFT", "max_tokens": 2}).encode()
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(0.5)  # read whole, now in line behind the BIGs
+        assert _wait(lambda: _count(big.r, "499") == before + 1, 10)  # before: only after the BIGs
+    finally:
+        big.stop()
+    assert [a.status_code for a in big.answers] == [200] * (TOKENIZE_THREADS + 1)
+    assert "LEFT" not in big.encoded
+
+
+def test_a_full_server_turns_a_request_away_before_tokenizing_it(model, monkeypatch):
+    """A hostile round: the queue-full check ran only after tokenizing, so under a backlog every
+    request was encoded (and waited its turn for the tokenizing thread) before its 429. Now a
+    request is refused at once when the slots and the queue are full, and never tokenized."""
+    seen, real = [], model.encode_prompt
+    monkeypatch.setattr(model, "encode_prompt", lambda prompt: (seen.append(prompt), real(prompt))[1])
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=64), model=model)
+    sched = r.server.scheduler
+    tickets = [sched.admit(), sched.admit()]  # the slot's place and the queue's: what two requests hold
+    try:
+        resp = httpx.post(r.url + "/v1/completions", timeout=30, json={"model": MODEL, "prompt": "AWAY", "max_tokens": 2})
+        assert resp.status_code == 429 and resp.json()["error"]["code"] == "queue_full"
+        assert resp.headers["Retry-After"] == "1"
+        assert "AWAY" not in seen
+    finally:
+        for t in tickets:
+            sched.withdraw(t)
+    try:  # the places given back: served again
+        resp = httpx.post(r.url + "/v1/completions", timeout=30, json={"model": MODEL, "prompt": "BACK", "max_tokens": 2})
+        assert resp.status_code == 200 and "BACK" in seen
+    finally:
+        r.stop()

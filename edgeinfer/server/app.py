@@ -6,11 +6,13 @@ Every error is OpenAI-shaped ({"error": {"message", "type", "param", "code"}}) w
 429 queue full (with Retry-After), 499 (logged and counted only) the client left, 503 shutting down or a background request (header
 x-edgeinfer-priority) the power plan refuses (with Retry-After), 500 a bug (logged, the server goes on).
 
-Request path: the body is read (at most max_body_bytes), then parsed (`protocol`) and tokenized in
-the tokenizing thread pool, not on the event loop (a large prompt takes most of a second: other
-streams and /health go on meanwhile); TOKENIZE_THREADS at once, the others wait their turn holding
-only their body, so many large bodies cannot take more than that many cores, nor more memory than
-their bodies, before admission. Then a place is reserved (`Scheduler.admit`, else 429 at once), and a
+Request path: the body is read (at most max_body_bytes); a request that could not be admitted now
+is answered 429 at once; the rest are parsed (`protocol`) and tokenized in the tokenizing thread
+pool, not on the event loop (a large prompt takes most of a second: other streams and /health go on
+meanwhile); TOKENIZE_THREADS at once, the others wait their turn holding only their body, so many
+large bodies cannot take more than that many cores, nor more memory than their bodies, before
+admission, and one whose client leaves meanwhile is dropped untokenized. Then a place is reserved
+(`Scheduler.admit`, else 429 at once), and a
 `Job` runs in a worker thread; its chunks come back through an asyncio queue. A streamed reply
 waits for the first event before answering, so a refused prompt is still a plain 400; the stream
 then stops when the client goes away (the job is cancelled within one token and its slot freed).
@@ -181,19 +183,32 @@ class Server:
         prompt = self.model.encode_prompt(req.prompt if isinstance(req.prompt, str) else list(req.prompt))
         return req, prompt, req.logprobs
 
-    async def _prepared(self, body: dict, chat: bool) -> tuple:
-        """`_prepare` in the tokenizing thread. On SIGTERM a request still waiting for it (or in it) is
-        answered 503 at once, as a body still arriving is: the drain counts only admitted requests, and
-        uvicorn would cut the rest off with a traceback when it stops (its place in line is given up;
-        a tokenization already running finishes unread)."""
+    async def _prepared(self, request: Request, body: dict, chat: bool) -> tuple:
+        """`_prepare` in the tokenizing thread, for a request that could be admitted now (else 429 at
+        once, before any tokenizing: a busy server turns away a backlog without encoding it).
+        While it waits for that thread (or is in it), a request is given up when the client leaves
+        (499: it is never tokenized, or its tokenization finishes unread) or when SIGTERM begins the
+        drain (503 at once, as for a body still arriving: the drain counts only admitted requests,
+        and uvicorn would cut the rest off with a traceback when it stops)."""
+        if self.scheduler.full:
+            raise self._queue_full()
         waiting = asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self._prepare, body, chat)
         while not waiting.done():
             await asyncio.wait({waiting}, timeout=DRAIN_CHECK_S)
-            if self.draining and not waiting.done():
+            if waiting.done():
+                break
+            if self.draining:
                 waiting.cancel()
                 raise APIError(503, "the server is shutting down; retry on another instance or later",
                                type="server_error", code="shutting_down")
+            if await request.is_disconnected():
+                waiting.cancel()
+                raise APIError(499, "the client closed the request", code="client_closed")
         return waiting.result()
+
+    def _queue_full(self) -> APIError:
+        return APIError(429, f"the server is busy: {len(self.scheduler.slots)} slots and a queue of "
+                             f"{self.config.queue} are full; retry shortly", type="rate_limit_error", code="queue_full")
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         t0 = time.perf_counter()
@@ -201,16 +216,14 @@ class Server:
         try:
             self._check_priority(request)
             body = await self.read_json(request)
-            req, prompt, logprobs = await self._prepared(body, chat)
+            req, prompt, logprobs = await self._prepared(request, body, chat)
             try:
                 ticket = self.scheduler.admit()
             except Closed:
                 raise APIError(503, "the server is shutting down; retry on another instance or later",
                                type="server_error", code="shutting_down") from None
             except QueueFull:
-                raise APIError(429, f"the server is busy: {len(self.scheduler.slots)} slots and a queue of "
-                                    f"{self.config.queue} are full; retry shortly", type="rate_limit_error",
-                               code="queue_full") from None
+                raise self._queue_full() from None
         except APIError as e:
             self.metrics.request(endpoint, e.status)
             headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None

@@ -148,13 +148,23 @@ class Scheduler:
         with self._cond:
             return self.busy + self.waiting
 
+    @property
+    def full(self) -> bool:
+        """Whether `admit` would raise QueueFull now (read before a request is tokenized, so that one
+        turned away costs no tokenizing; `admit` checks again after)."""
+        with self._cond:
+            return self._full()
+
+    def _full(self) -> bool:  # under _cond
+        return self.waiting - len(self._free) >= self.queue_limit  # those beyond the free slots would queue
+
     def admit(self) -> int:
         """Reserve a place (a free slot or the queue), or raise QueueFull at once. Returns the request's
         ticket, its place in line: pass it to `take`, or to `withdraw` if the request never gets there."""
         with self._cond:
             if self.closed:
                 raise Closed
-            if self.waiting - len(self._free) >= self.queue_limit:  # those beyond the free slots would queue
+            if self._full():
                 raise QueueFull
             self.waiting += 1
             ticket = next(self._tickets)
