@@ -14,16 +14,26 @@ from edgeinfer.tokenizer import Tokenizer
 class Detokenizer:
     """Incremental decode of generated tokens, seeded with the prompt's last ids as left context.
 
-    Contract: the texts `add` returns, joined, are exactly what the generated ids add after the
-    context: decode(context + ids) minus its prefix decode(context). So the first token keeps its
-    leading space (decoders drop a leading space at the start of a decode: "▁time" alone is "time",
+    Contract: the texts `add` returns, then `flush`'s, joined, are exactly what the generated ids add
+    after the context: decode(context + ids) minus its prefix decode(context). So the first token keeps
+    its leading space (decoders drop a leading space at the start of a decode: "▁time" alone is "time",
     after "Once upon a" it is " time"). With no context, they join to decode(ids). Each call decodes
     the new tokens with a little left context (the last emitted tokens), and holds text back while
     it ends in an incomplete UTF-8 character. A context that ends inside a character (a prompt of
     ids cut mid-character) has that character's text come with the first token that completes it.
+
+    Bytes that never make a character (only `logit_bias` forces them) are not held for ever: past
+    HOLD_TOKENS held tokens, the text up to a split among the last SPLIT_TRIES tokens is let out when
+    its decode is a prefix of the whole decode short of its last three U+FFFD. Decoders show an
+    incomplete character at the end (at most 3 bytes, which more bytes may complete) as one U+FFFD
+    (`tokenizers`) or one per byte (SentencePiece), and invalid bytes before it as U+FFFD that no
+    later byte changes. So each token costs a bounded decode, where it cost one of everything held
+    (quadratic: 9.4 s for 16,000 tokens).
     """
 
     CONTEXT = 8  # prompt ids kept as left context: enough for a leading space or a split character
+    HOLD_TOKENS = 16  # a character is at most 4 bytes: more tokens held than this are not one character
+    SPLIT_TRIES = 8  # splits tried before the held tokens' incomplete end
 
     def __init__(self, tok: Tokenizer, context: Sequence[int] = ()):
         self.tok = tok
@@ -39,11 +49,33 @@ class Detokenizer:
         self.ids.append(token)
         before = self.tok.decode(self.ids[:self.read])
         after = self.tok.decode(self.ids)
-        if after.endswith("\ufffd") or len(after) <= len(before):
+        if not after.endswith("\ufffd") and len(after) > len(before):
+            return self._take(len(self.ids), before, after)
+        if len(self.ids) - self.read <= self.HOLD_TOKENS:
             return ""
-        del self.ids[:self.read]  # the new tokens become the next call's left context
-        self.read = len(self.ids)
-        return after[len(before):]
+        if after == before:  # tokens that add no text: nothing to wait for
+            return self._take(len(self.ids), before, after)
+        # the text short of its incomplete end (at most 3 bytes, which more bytes may still complete) is final
+        final = after
+        for _ in range(3):
+            final = final[:-1] if final.endswith("\ufffd") else final
+        for split in range(len(self.ids) - 1, max(self.read, len(self.ids) - 1 - self.SPLIT_TRIES), -1):
+            head = self.tok.decode(self.ids[:split])
+            if len(head) > len(before) and final.startswith(head):
+                return self._take(split, before, head)
+        return ""
+
+    def flush(self) -> str:
+        """The text held back at the end (an incomplete character shows as U+FFFD, as decode shows it)."""
+        before, after = self.tok.decode(self.ids[:self.read]), self.tok.decode(self.ids)
+        return self._take(len(self.ids), before, after) if len(after) > len(before) else ""
+
+    def _take(self, split: int, before: str, text: str) -> str:
+        """`text` (the decode of ids[:split]) past `before` is out; the ids turned into text become the
+        next call's left context."""
+        done, self.read = self.read, split - self.read
+        del self.ids[:done]
+        return text[len(before):]
 
 
 class StopFilter:

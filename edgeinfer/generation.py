@@ -326,8 +326,9 @@ class Request:
             if t_first is None:
                 t_first = time.perf_counter()
             if token in eos:
-                rest = stops.flush()  # what the stop filter held back
-                return "eos", (Chunk(rest, None) if rest else None), t_first
+                rest = stops.feed(detok.flush())  # what the detokenizer held back (an incomplete character)
+                rest += stops.flush()  # and what the stop filter held back
+                return ("stop" if stops.stopped else "eos"), (Chunk(rest, None) if rest else None), t_first
             generated.append(token)
             sampler.accept(token)
             piece = detok.add(token)
@@ -335,7 +336,9 @@ class Request:
             if stops.stopped:
                 return "stop", Chunk(text, token, lp, top, piece), t_first
             if len(generated) >= max_new or (overflow != "shift" and cache.full):
-                return "length", Chunk(text + stops.flush(), token, lp, top, piece), t_first
+                text += stops.feed(detok.flush())
+                finish = "stop" if stops.stopped else "length"
+                return finish, Chunk(text + stops.flush(), token, lp, top, piece), t_first
             yield Chunk(text, token, lp, top, piece)
             if held is not None:  # the thread that resumed the steps holds the context (a stream may change threads)
                 held.hand_to(threading.current_thread())

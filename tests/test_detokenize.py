@@ -1,0 +1,141 @@
+"""The incremental detokenizer against the whole decode: on SentencePiece (the bundled model's, byte
+fallback) and on a byte-level BPE built here with the `tokenizers` library, over random mixes of
+words, characters split into byte tokens and bytes that never make a character."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import edgeinfer
+from edgeinfer.detokenize import Detokenizer
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return edgeinfer.load()
+
+
+class _ByteLevel:
+    """A byte-level BPE (GPT-2's byte alphabet, a few merges): `decode` only, as Detokenizer uses it."""
+
+    def __init__(self):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        vocab = {c: i for i, c in enumerate(sorted(alphabet))}
+        merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ã", "©")]  # " the", "é" as one token
+        for a, b in merges:
+            vocab[a + b] = len(vocab)
+        self.hf = Tokenizer(models.BPE(vocab, merges))
+        self.hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self.hf.decoder = decoders.ByteLevel()
+        self.calls = 0
+        self.decoded_ids = 0
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text).ids
+
+    def decode(self, ids) -> str:
+        self.calls += 1
+        self.decoded_ids += len(ids)
+        return self.hf.decode(list(ids))
+
+
+def _pieces(encode, byte_id, rng: random.Random) -> list[int]:
+    """Random ids: words, characters of 2-4 bytes as byte tokens, and lone bytes (lead bytes, stray
+    continuation bytes) that never make a character."""
+    ids: list[int] = []
+    for _ in range(rng.randrange(1, 30)):
+        kind = rng.random()
+        if kind < 0.4:
+            ids += encode(rng.choice([" the", " a", "cat", " dog.", "é", " Once"]))
+        elif kind < 0.7:
+            ids += [byte_id(b) for b in rng.choice(["é", "€", "😀", "ß", "中"]).encode()]
+        else:
+            ids += [byte_id(rng.choice([0xE2, 0xF0, 0x82, 0xAC, 0xC3, 0xFF, 0x41]))
+                    for _ in range(rng.randrange(1, 40))]
+    return ids
+
+
+def _check(tok, ids: list[int], context: list[int]) -> None:
+    d = Detokenizer(tok, context)
+    whole = tok.decode(context + ids)
+    before = tok.decode(context)
+    assert whole.startswith(before)
+    want = whole[len(before):]
+    got = ""
+    for t in ids:
+        got += d.add(t)
+        assert want.startswith(got)  # what is out is never taken back
+    got += d.flush()
+    assert got == want
+
+
+def test_sentencepiece_pieces_join_to_the_whole_decode(bundled):
+    tok = bundled.tokenizer
+    rng = random.Random(7)
+    for _ in range(300):
+        context = tok.encode(rng.choice(["", "Once upon a", "She said"]), add_bos=False)
+        _check(tok, _pieces(lambda s: tok.encode(s, add_bos=False), lambda b: 3 + b, rng), context)
+
+
+def test_byte_level_pieces_join_to_the_whole_decode():
+    tok = _ByteLevel()
+    vocab = tok.hf.get_vocab()
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # GPT-2's byte -> character map
+    extra = iter(range(256, 512))
+    byte_char = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+
+    def byte_id(b: int) -> int:
+        return vocab[byte_char[b]]
+
+    rng = random.Random(11)
+    for _ in range(300):
+        context = tok.encode(rng.choice(["", "the cat", " é"]))
+        _check(tok, _pieces(tok.encode, byte_id, rng), context)
+
+
+def test_bytes_that_never_make_a_character_cost_a_bounded_decode_each(bundled):
+    """A hostile round: 16,000 lead bytes forced with logit_bias were held whole and re-decoded at
+    every token (9.4 s; quadratic), and the reply's text was empty while decode gave 16,000 U+FFFD.
+    Now what is final is let out: each token decodes at most about HOLD_TOKENS + SPLIT_TRIES ids."""
+
+    class Counting:
+        def __init__(self, tok):
+            self.tok, self.decoded_ids = tok, 0
+
+        def decode(self, ids):
+            self.decoded_ids += len(ids)
+            return self.tok.decode(ids)
+
+    tok = Counting(bundled.tokenizer)
+    n = 4000
+    d = Detokenizer(tok)
+    text = "".join(d.add(3 + 0xE2) for _ in range(n)) + d.flush()
+    assert text == "\ufffd" * n
+    per_token = 4 * (Detokenizer.CONTEXT + Detokenizer.HOLD_TOKENS + Detokenizer.SPLIT_TRIES)
+    assert tok.decoded_ids < n * per_token  # before: about n * n / 2 = 8,000,000
+
+
+def test_a_reply_of_broken_bytes_has_the_text_decode_gives(bundled):
+    """The reply's text was "" for any run of bytes that never made a character, and a reply that
+    ended inside a character lost it; now it is what the tokenizer's decode of its ids gives, as the
+    streamed chunks join to it."""
+    m = bundled
+    for n in (3, 40, 500):
+        stream = m.stream("Once", max_new_tokens=n, temperature=0, ignore_eos=True, logit_bias={3 + 0xE2: 100})
+        chunks = list(stream)
+        text = "".join(ch.text for ch in chunks)
+        assert text == m.tokenizer.decode([ch.token_id for ch in chunks if ch.token_id is not None])
+        assert text == "\ufffd" * n == stream.completion.text
+    c = m.generate("Once", max_new_tokens=40, temperature=0, ignore_eos=True, logit_bias={3 + 0xE2: 100})
+    assert c.text == "\ufffd" * 40 and c.finish_reason == "length"
+
+
+def test_a_stop_string_in_the_text_held_at_the_end_stops(bundled):
+    """The held text comes out through the stop filter: a stop string in it ends the reply as "stop"."""
+    c = bundled.generate("Once", max_new_tokens=3, temperature=0, ignore_eos=True, logit_bias={3 + 0xE2: 100},
+                         stop=["\ufffd"])
+    assert c.text == "" and c.finish_reason == "stop"
