@@ -799,3 +799,19 @@ def test_a_full_server_turns_a_request_away_before_tokenizing_it(model, monkeypa
         assert resp.status_code == 200 and "BACK" in seen
     finally:
         r.stop()
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"99999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt"),
+    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages"),
+])
+def test_a_prompt_or_bias_the_model_cannot_take_is_a_400_naming_its_field(srv, path, body, param):
+    """A hostile round: these were 400s with `param: null` (the model's own checks, past the protocol's):
+    ids past the vocabulary, a lone surrogate. Every bad field is a 400 whose param names it."""
+    resp = httpx.post(srv.url + path, headers=AUTH, timeout=30, content=json.dumps({"model": MODEL, "max_tokens": 2, **body}))
+    _assert_400_and_still_serving(srv, resp)
+    err = resp.json()["error"]
+    assert err["param"] == param and ("vocabulary" in err["message"] or "UTF-8" in err["message"])

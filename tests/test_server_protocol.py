@@ -117,6 +117,11 @@ COMMON_BAD = [
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     (dict(functions=[{"name": "f"}]), 400, "functions"),
     (dict(response_format={"type": "json_object"}), 400, "response_format"),
+    (dict(response_format=[]), 400, "response_format"),  # was taken: [] counted as "no tools"
+    (dict(tool_choice="banana"), 400, "tool_choice"),  # was taken, as any value
+    (dict(tool_choice="required"), 400, "tool_choice"),  # no tool can be called
+    (dict(tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tool_choice"),
+    (dict(function_call={"name": "f"}), 400, "function_call"),
 ]
 
 CHAT_BAD = COMMON_BAD + [
@@ -218,7 +223,8 @@ def test_absent_fields_take_edgeinfer_s_defaults_and_the_server_limit():
 
 NULLABLE = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed", "frequency_penalty",
             "presence_penalty", "logit_bias", "logprobs", "top_logprobs", "stream", "stream_options", "top_k",
-            "min_p", "typical_p", "repetition_penalty", "ignore_eos", "tools", "functions", "response_format"]
+            "min_p", "typical_p", "repetition_penalty", "ignore_eos", "tools", "functions", "response_format",
+            "tool_choice", "function_call"]
 
 
 def test_null_fields_count_as_absent():
@@ -230,7 +236,7 @@ def test_null_fields_count_as_absent():
 def test_unknown_fields_are_ignored():
     extra = dict(user="u1", metadata={"a": "b"}, store=False, tool_choice="none", parallel_tool_calls=False,
                  service_tier="auto", whatever=[1, 2])
-    assert chat(**extra) == chat()
+    assert chat(**extra) == chat() == chat(tool_choice="auto", tools=[], response_format={"type": "text"})
     assert comp(**extra, suffix=None, best_of=None) == comp()
 
 

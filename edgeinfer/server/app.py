@@ -36,7 +36,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from edgeinfer.errors import EdgeInferError, ModelFormatError
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError
 from edgeinfer.server import protocol, replies
 from edgeinfer.server.config import ServeConfig
 from edgeinfer.server.metrics import Metrics
@@ -178,9 +178,18 @@ class Server:
         limit = self.config.max_tokens_limit
         if chat:
             req = protocol.parse_chat(body, model_id=self.model_id, max_tokens_limit=limit)
-            return req, self.model.encode_chat(list(req.messages)), req.top_logprobs if req.logprobs else None
-        req = protocol.parse_completion(body, model_id=self.model_id, max_tokens_limit=limit)
-        prompt = self.model.encode_prompt(req.prompt if isinstance(req.prompt, str) else list(req.prompt))
+        else:
+            req = protocol.parse_completion(body, model_id=self.model_id, max_tokens_limit=limit)
+        vocab = self.model.manifest.arch.vocab_size
+        bad = next((t for t in req.options.sampling.logit_bias or {} if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias")
+        try:  # what the prompt's text or ids themselves break (vocabulary, UTF-8, the template's own checks)
+            if chat:
+                return req, self.model.encode_chat(list(req.messages)), req.top_logprobs if req.logprobs else None
+            prompt = self.model.encode_prompt(req.prompt if isinstance(req.prompt, str) else list(req.prompt))
+        except InvalidArgumentError as e:
+            raise APIError(400, str(e), param="messages" if chat else "prompt") from None
         return req, prompt, req.logprobs
 
     async def _prepared(self, request: Request, body: dict, chat: bool) -> tuple:

@@ -4,9 +4,10 @@ Requests: `parse_chat` / `parse_completion` take a decoded JSON body and return 
 `options` come from `GenerationOptions.from_kwargs`, or raise `APIError` (an HTTP status and OpenAI's
 error body). Every bad field is a 400 whose `param` names it. A null optional field counts as absent
 (OpenAI's schema makes them nullable); an absent sampling field takes edgeinfer's default. Unknown
-fields are ignored, except `tools` / `functions` / `response_format`, refused unless null, and on
-completions `echo`, `best_of` and `suffix`, refused unless they ask for what this server does anyway
-(a client that relies on them must not get other numbers silently).
+fields are ignored, except `tools` / `functions` / `tool_choice` / `function_call` /
+`response_format` and, on completions, `echo`, `best_of` and `suffix`: each is refused unless it asks
+for what this server does anyway (no tools, plain text, no echo), so a client that relies on them
+does not get something else silently.
 
 Responses are built in `replies`.
 """
@@ -23,8 +24,10 @@ from edgeinfer.sampling.params import INT32_MAX, MIN_TEMPERATURE, PENALTY_LIMIT
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs
 MAX_LEGACY_LOGPROBS = 5  # completions' logprobs
-UNSUPPORTED = ("tools", "functions", "response_format")
-# completions' fields this server does not implement -> the values that ask for nothing
+# fields this server does not implement -> the values that ask for nothing it does not do anyway (no
+# tools, so a tool choice of "auto" calls none; plain text)
+UNSUPPORTED = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+                    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"})}
 UNSUPPORTED_COMPLETION = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -138,14 +141,19 @@ def _common(body, model_id: str) -> None:
         raise _bad("model", f"model is required and must be a string, got {_show(model)}")
     if model != model_id:
         raise APIError(404, f"The model '{model[:200]}' does not exist", param="model", code="model_not_found")
-    for name in UNSUPPORTED:
-        value = body.get(name)
-        harmless = value in (None, [], {"type": "text"})  # no tools, plain text: what this server does anyway
-        if not harmless:
-            raise _bad(name, f"{name} is not supported by this server")
+    _refuse_unsupported(body, UNSUPPORTED)
     n = body.get("n")
     if n is not None and (type(n) is not int or n != 1):
         raise _bad("n", f"only n=1 is supported, got n={_show(n)}")
+
+
+def _refuse_unsupported(body: dict, unsupported: dict) -> None:
+    """A 400 naming the first field in `unsupported` whose value asks for more than its harmless
+    values (compared with their types: 1 is not True, [] is not {})."""
+    for name, harmless in unsupported.items():
+        value = body.get(name)
+        if not any(value is h or (type(value) is type(h) and value == h) for h in harmless):
+            raise _bad(name, f"{name}={_show(value)} is not supported by this server")
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -288,10 +296,7 @@ def parse_completion(body, *, model_id: str, max_tokens_limit: int) -> Completio
     """A /v1/completions body -> CompletionRequest, or APIError (400 naming the field; 404 for
     another model). max_tokens is checked against `max_tokens_limit`, which is also the default."""
     _common(body, model_id)
-    for name, harmless in UNSUPPORTED_COMPLETION.items():
-        value = body.get(name)
-        if not any(value is h or (type(value) is type(h) and value == h) for h in harmless):
-            raise _bad(name, f"{name}={_show(value)} is not supported by this server")
+    _refuse_unsupported(body, UNSUPPORTED_COMPLETION)
     prompt = _prompt(body)
     options = _options(body, ("max_tokens",), max_tokens_limit)
     logprobs = _integer(body, "logprobs", 0, MAX_LEGACY_LOGPROBS)
