@@ -12,6 +12,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from edgeinfer.errors import InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.sampling import SamplingParams
+from edgeinfer.sampling.params import is_integer
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 SPECULATIVE = ("ngram", "draft")  # drafters for speculative decoding (edgeinfer/speculative.py)
@@ -35,15 +36,18 @@ class GenerationOptions:
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        if not is_integer(n) or n <= 0:
             raise InvalidArgumentError(f"max_new_tokens must be a positive integer, got {n!r}")
+        object.__setattr__(self, "max_new_tokens", int(n))
         stop = self.stop
         stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
         if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
             raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         object.__setattr__(self, "stop", tuple(stops))
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidArgumentError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None:
+            if not is_integer(self.seed):
+                raise InvalidArgumentError(f"seed must be an integer or None, got {self.seed!r}")
+            object.__setattr__(self, "seed", int(self.seed))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.speculative is not None and (not isinstance(self.speculative, str) or self.speculative not in SPECULATIVE):

@@ -186,3 +186,27 @@ def test_a_failed_stream_raises_its_error_again_whole(model, monkeypatch):
         with pytest.raises(FileNotFoundError) as e:
             next(g)
         assert e.value.filename == "/nowhere/x"
+
+
+def test_numpy_numbers_are_taken_as_the_python_numbers_they_are(model):
+    """A hostile round: np.float64 was taken (a float subclass) but np.float32 temperatures and np.int64
+    token ids (what an app holding numpy arrays passes) were refused as "not a number". They are numbers:
+    the options keep them as Python ints and floats, and give the same tokens as the plain values."""
+    np_opts = edgeinfer.GenerationOptions.from_kwargs(
+        temperature=np.float32(0.5), top_k=np.int64(5), top_p=np.float16(0.5), max_new_tokens=np.int32(8),
+        seed=np.uint64(3), penalty_last_n=np.uint8(16), repetition_penalty=np.float32(1.25),
+        logit_bias={np.int64(7): np.float32(1.5), np.uint16(9): -np.inf})
+    plain = edgeinfer.GenerationOptions.from_kwargs(
+        temperature=0.5, top_k=5, top_p=0.5, max_new_tokens=8, seed=3, penalty_last_n=16, repetition_penalty=1.25,
+        logit_bias={7: 1.5, 9: -math.inf})
+    assert np_opts == plain
+    s = np_opts.sampling
+    assert [type(v) for v in (s.temperature, s.top_k, s.top_p, np_opts.max_new_tokens, np_opts.seed)] == \
+        [float, int, float, int, int]
+    assert all(type(k) is int and type(v) is float for k, v in s.logit_bias.items())
+    assert model.generate("Once", np_opts).token_ids == model.generate("Once", plain).token_ids
+    for bad in (dict(temperature=np.float32("nan")), dict(top_p=np.float64("inf")), dict(top_k=np.True_),
+                dict(temperature=True), dict(logit_bias={5: -10**400}), dict(logit_bias={np.float32(5): 1}),
+                dict(seed=np.float64(3)), dict(max_new_tokens=np.int64(0))):
+        with pytest.raises(InvalidArgumentError):
+            edgeinfer.GenerationOptions.from_kwargs(**bad)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-import sys
+import numbers
 from dataclasses import dataclass, field
 
 from edgeinfer.errors import InvalidArgumentError
@@ -11,6 +11,27 @@ from edgeinfer.errors import InvalidArgumentError
 INT32_MAX = 2**31 - 1  # the C sampler indexes the vocabulary with int32
 MIN_TEMPERATURE = 1e-6  # (0, 1e-6) is refused: 1 / 1e-310 overflows, and the sampler drew garbage
 PENALTY_LIMIT = 1e6  # penalties and biases beyond it could push a logit to +inf (the sampler drew garbage)
+
+
+def is_integer(v) -> bool:
+    """An integer, a numpy one included, and not a bool (True is an int in Python)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def is_real(v) -> bool:
+    """A real number (int, float, a numpy float or int, a Fraction), not a bool. Decimal is not one."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def as_float(v) -> float:
+    """`v` as a Python float if it is a real number that a float holds, else NaN (an int past float's
+    range is no infinity: only a float -inf is a ban in logit_bias)."""
+    if not is_real(v):
+        return math.nan
+    try:
+        return float(v)
+    except OverflowError:
+        return math.nan
 
 
 @dataclass(frozen=True)
@@ -43,16 +64,19 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def num(name: str) -> float:
-            v = getattr(self, name)  # abs(nan) <= max is False; an int too large for a float fails too
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= sys.float_info.max:
+            v = getattr(self, name)
+            f = as_float(v)
+            if not math.isfinite(f):
                 raise InvalidArgumentError(f"{name} must be a finite number, got {v!r}")
-            return float(v)
+            object.__setattr__(self, name, f)  # a numpy scalar is kept as the Python float it is
+            return f
 
         def integer(name: str) -> int:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= INT32_MAX:
+            if not is_integer(v) or not 0 <= v <= INT32_MAX:
                 raise InvalidArgumentError(f"{name} must be an integer in [0, {INT32_MAX}] (0 means off), got {v!r}")
-            return v
+            object.__setattr__(self, name, int(v))
+            return int(v)
 
         t = num("temperature")
         if t < 0 or 0 < t < MIN_TEMPERATURE:
@@ -76,14 +100,15 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise InvalidArgumentError("logit_bias must be a dict {token_id: bias}")
-            bias = dict(self.logit_bias)  # checked as copied: the caller's dict may change later, or meanwhile
-            for k, v in bias.items():
-                if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= INT32_MAX:
+            bias = {}  # checked as copied: the caller's dict may change later, or meanwhile
+            for k, v in dict(self.logit_bias).items():
+                if not is_integer(k) or not 0 <= k <= INT32_MAX:
                     raise InvalidArgumentError(f"logit_bias keys must be token ids in [0, {INT32_MAX}], got {k!r}")
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
-                        v == -math.inf or abs(v) <= PENALTY_LIMIT):
+                f = as_float(v)
+                if not (f == -math.inf or abs(f) <= PENALTY_LIMIT):
                     raise InvalidArgumentError(f"logit_bias[{k}] must be a number in [-{PENALTY_LIMIT:g}, "
                                                f"{PENALTY_LIMIT:g}] or -inf, got {v!r}")
+                bias[int(k)] = f
             object.__setattr__(self, "logit_bias", bias)
 
     @property
