@@ -815,3 +815,39 @@ def test_a_prompt_or_bias_the_model_cannot_take_is_a_400_naming_its_field(srv, p
     _assert_400_and_still_serving(srv, resp)
     err = resp.json()["error"]
     assert err["param"] == param and ("vocabulary" in err["message"] or "UTF-8" in err["message"])
+
+
+def test_every_refused_request_has_its_log_line(srv):
+    """The docs' audit: the log was "one line per request" only for requests that generated; a 404
+    model, a 400 field, a 401 key or a 404 route wrote nothing, so an operator reading the journal
+    saw no trace of refused clients. Now each has a line: status, path and why."""
+    records: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    lg, handler = logging.getLogger("edgeinfer.server"), Lines(logging.INFO)
+    level = lg.level
+    lg.setLevel(logging.INFO)
+    lg.addHandler(handler)
+    try:
+        url = srv.url
+        assert httpx.post(url + "/v1/completions", headers=AUTH, json={"model": "x", "prompt": "Hi"}).status_code == 404
+        assert httpx.post(url + "/v1/chat/completions", headers=AUTH, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10**6}).status_code == 400
+        assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi"}).status_code == 401
+        assert httpx.get(url + "/v1/nowhere", headers=AUTH).status_code == 404
+        assert httpx.post(url + "/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+                          ).status_code == 200
+        _wait(lambda: len(records) >= 5, 5)
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(level)
+    want = ["path=/v1/completions status=404 error=model_not_found",
+            "path=/v1/chat/completions status=400 error=max_tokens",
+            "path=/v1/completions status=401 error=invalid_api_key",
+            "path=/v1/nowhere status=404 error=not_found",
+            "path=/v1/completions status=200 prompt_tokens="]
+    for w in want:
+        assert sum(w in line for line in records) == 1, (w, records)

@@ -91,13 +91,10 @@ class Reply:
     def _log(self, status: int, completion_tokens: int) -> None:
         total_ms = (time.perf_counter() - self.t0) * 1e3
         ttft = f"{self.ttft_s * 1e3:.1f}" if self.ttft_s is not None else "-"
-        fields = {"method": "POST", "path": f"/v1/{'chat/' if self.chat else ''}completions", "status": status,
-                  "prompt_tokens": len(self.prompt), "completion_tokens": completion_tokens, "ttft_ms": ttft,
-                  "total_ms": round(total_ms, 1)}
-        if self.server.config.log_format == "json":
-            log.info(json.dumps(fields))
-        else:
-            log.info(" ".join(f"{k}={v}" for k, v in fields.items()))
+        log_request(self.server.config.log_format, {
+            "method": "POST", "path": f"/v1/{'chat/' if self.chat else ''}completions", "status": status,
+            "prompt_tokens": len(self.prompt), "completion_tokens": completion_tokens, "ttft_ms": ttft,
+            "total_ms": round(total_ms, 1)})
 
     def _finish_metrics(self, completion, cached: int, status: int = 200) -> None:
         m = self.server.metrics
@@ -217,6 +214,14 @@ class Reply:
                                        delta={"content": text}, logprobs=self._logprobs(entries))
         return replies.completion_chunk(id=self.id, created=self.created, model=self.model_id, text=text,
                                          logprobs=self._logprobs(entries))
+
+
+def log_request(log_format: str, fields: dict) -> None:
+    """One request's log line: key=value pairs, or a JSON object (`log_format` "json")."""
+    if log_format == "json":
+        log.info(json.dumps(fields))
+    else:
+        log.info(" ".join(f"{k}={v}" for k, v in fields.items()))
 
 
 async def cancel_on_disconnect(request: Request, job: Job, every_s: float = 0.1) -> None:

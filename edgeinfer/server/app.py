@@ -41,7 +41,7 @@ from edgeinfer.server import protocol, replies
 from edgeinfer.server.config import ServeConfig
 from edgeinfer.server.metrics import Metrics
 from edgeinfer.server.protocol import APIError
-from edgeinfer.server.answer import JSON, Reply, cancel_on_disconnect, error_response
+from edgeinfer.server.answer import JSON, Reply, cancel_on_disconnect, error_response, log_request
 from edgeinfer.server.scheduler import Closed, Job, QueueFull, Scheduler
 
 log = logging.getLogger("edgeinfer.server")
@@ -83,7 +83,21 @@ class Server:
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = f"{request.method} {request.url.path}: " + ("no such route" if exc.status_code == 404 else exc.detail)
+        self.log_refusal(request.method, request.url.path, exc.status_code, code)
         return error_response(APIError(exc.status_code, msg, code=code), headers=exc.headers)  # 405: Allow
+
+    def _refused(self, request: Request, endpoint: str, err: APIError, t0: float) -> Response:
+        """A completion request answered with `err` before it was admitted: counted, logged, answered."""
+        self.metrics.request(endpoint, err.status)
+        self.log_refusal(request.method, request.url.path, err.status, err.code or err.param, t0)
+        return error_response(err, {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else None)
+
+    def log_refusal(self, method: str, path: str, status: int, why: str | None, t0: float | None = None) -> None:
+        """The log line of a request refused before generating (a generated reply logs its own)."""
+        fields = {"method": method, "path": path[:200], "status": status, "error": why or "-"}
+        if t0 is not None:
+            fields["total_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+        log_request(self.config.log_format, fields)
 
     async def _bug(self, request: Request, exc: Exception) -> Response:
         log.exception("internal error on %s %s", request.method, request.url.path)
@@ -234,16 +248,12 @@ class Server:
             except QueueFull:
                 raise self._queue_full() from None
         except APIError as e:
-            self.metrics.request(endpoint, e.status)
-            headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None
-            return error_response(e, headers)
+            return self._refused(request, endpoint, e, t0)
         except ModelFormatError as e:  # the model's own (a chat template that does not parse): not the client's
             log.error("cannot prepare the prompt: %s", e)
-            self.metrics.request(endpoint, 500)
-            return error_response(APIError(500, str(e), type="server_error"))
+            return self._refused(request, endpoint, APIError(500, str(e), type="server_error"), t0)
         except EdgeInferError as e:  # the prompt itself (vocabulary, empty, a template's raise_exception)
-            self.metrics.request(endpoint, 400)
-            return error_response(APIError(400, str(e)))
+            return self._refused(request, endpoint, APIError(400, str(e)), t0)
         try:  # from admit to a queued job: nothing may keep the ticket, or its place holds the line for ever
             if self.config.log_prompts:
                 log.info("prompt %s", json.dumps(self.model.tokenizer.decode(prompt)))
@@ -290,4 +300,5 @@ class _Gate:
         if err is None:
             return await self.app(scope, receive, send)
         self.server.metrics.request("other", err.status)
+        self.server.log_refusal(scope.get("method", "-"), path, err.status, err.code)
         return await error_response(err)(scope, receive, send)
