@@ -56,9 +56,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     flags = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in SERVE_FLAGS}
     flags.update(model=args.model, log_prompts=args.log_prompts)
-    if args.print_systemd_unit:  # the key is the service's (its environment file), not needed to print
+    if args.print_systemd_unit:
+        load_config(args.config, flags)  # the service's own checks now, not at each of its starts: a host
+        # off loopback needs a key (from the flags, the file or EDGEINFER_API_KEY: source the env file first)
         config = load_config(args.config, {**flags, "host": None, "api_key": None, "api_key_file": None},
-                             use_env_key=False)
+                             use_env_key=False)  # the unit never holds the key: its environment file does
         return _print_systemd_unit(args, config)
     from edgeinfer.server.run import serve
 

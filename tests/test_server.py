@@ -357,6 +357,24 @@ def test_print_systemd_unit_carries_config_and_no_key(tmp_path, capsys, monkeypa
     assert any(x.startswith("ReadWritePaths=") for x in unit.splitlines())  # the verification stamp
 
 
+def test_a_unit_for_a_public_host_is_not_printed_without_a_key(tmp_path, capsys, monkeypatch):
+    """The docs' audit: `--host 0.0.0.0 --print-systemd-unit` with no key anywhere printed a unit (exit
+    0) whose service then refused every start, and Restart=on-failure retried it every 5 s. The
+    service's checks run when printing: refused now, as docs/daemon.md says; with the key (the
+    environment file sourced first) the unit prints, still without the key."""
+    from edgeinfer.cli import main
+
+    monkeypatch.delenv("EDGEINFER_API_KEY", raising=False)
+    assert main(["serve", "--print-systemd-unit", "--host", "0.0.0.0", "--port", "9000"]) == 1
+    assert "without an API key" in capsys.readouterr().err
+    key_file = tmp_path / "key"
+    key_file.write_text("a-key-of-some-length\n")
+    assert main(["serve", "--print-systemd-unit", "--host", "0.0.0.0", "--port", "9000",
+                 "--api-key-file", str(key_file)]) == 0
+    assert "a-key-of-some-length" not in capsys.readouterr().out
+    assert main(["serve", "--print-systemd-unit", "--port", "9000"]) == 0  # loopback: no key needed
+
+
 def test_config_file_paths_are_relative_to_the_file(tmp_path, monkeypatch):
     """A relative path in the TOML file names a file beside it, wherever the daemon starts (systemd
     runs it from /); one on the command line stays relative to the working directory."""
@@ -564,3 +582,23 @@ def test_logprob_tokens_join_to_the_reply_of_a_prompt_of_token_ids(srv, prompt, 
             c = cl.completions.create(**kw)
             text, tokens = c.choices[0].text, c.choices[0].logprobs.tokens
         assert text and "".join(tokens) == text, (stream, tokens, text)
+
+
+def test_the_config_file_in_the_docs_loads(monkeypatch, tmp_path):
+    """The docs' audit: docs/daemon.md's example file set speculative = "off" beside a draft-model,
+    which the server refuses: a user copying it got an error at start. Its keys and values load as
+    written (model paths swapped for a real folder)."""
+    import re
+    from pathlib import Path
+
+    from edgeinfer.server.config import load_config
+
+    doc = (Path(__file__).parents[1] / "docs" / "daemon.md").read_text()
+    (block,) = re.findall(r"```toml\n(.*?)```", doc, re.S)
+    folder = str(Path(__file__).parents[1] / "models" / "stories260K-int8")
+    text = re.sub(r'^(model|draft-model) = "[^"]*"', lambda m: f'{m.group(1)} = "{folder}"', block, flags=re.M)
+    assert text.count(folder) == 2
+    (tmp_path / "serve.toml").write_text(text)
+    monkeypatch.setenv("EDGEINFER_API_KEY", "a-key-of-some-length")  # its host is 0.0.0.0
+    config = load_config(str(tmp_path / "serve.toml"), {})
+    assert (config.host, config.slots, config.speculative, config.log_format) == ("0.0.0.0", 2, "draft", "json")
