@@ -602,3 +602,15 @@ def test_the_config_file_in_the_docs_loads(monkeypatch, tmp_path):
     monkeypatch.setenv("EDGEINFER_API_KEY", "a-key-of-some-length")  # its host is 0.0.0.0
     config = load_config(str(tmp_path / "serve.toml"), {})
     assert (config.host, config.slots, config.speculative, config.log_format) == ("0.0.0.0", 2, "draft", "json")
+
+
+@pytest.mark.parametrize("line, key", [('capacity = "256"', "capacity"), ("capacity = 1", "capacity"),
+                                       ('slots = "2"', "slots"), ("queue = -1", "queue")])
+def test_a_bad_value_in_the_config_file_is_named_by_its_key(tmp_path, line, key):
+    """The docs' audit: `capacity = "256"` was reported as capacity_tokens, a name the file does not use."""
+    from edgeinfer.errors import InvalidArgumentError
+    from edgeinfer.server.config import load_config
+
+    (tmp_path / "serve.toml").write_text(line + "\n")
+    with pytest.raises(InvalidArgumentError, match=f"^{key} must be"):
+        load_config(str(tmp_path / "serve.toml"), {})

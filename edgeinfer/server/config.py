@@ -81,6 +81,8 @@ class ServeConfig:
         for name in ("slots", "max_tokens_limit", "max_body_bytes"):
             positive(name)
         positive("queue", 0)
+        if self.capacity is not None:
+            positive("capacity", 2)  # named as the file and the flag name it (load's check says capacity_tokens)
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in [0, 65535], got {self.port!r}")
         if self.speculative not in ("off",) + SPECULATIVE:
