@@ -6,11 +6,18 @@ sampled token (`_unfed`, fed at the start of the next turn); `messages` ends wit
 empty `_prompt_text` means "the cache holds nothing useful": the next turn re-prefills the whole
 rendered history.
 
+A turn's prompt is the whole conversation: `_held`, the ids fed so far, then its new ones. Its
+penalties count them all and its usage says so (prompt_tokens: all of them, as a stateless request
+would count them; cached_tokens: those earlier turns fed), so a turn gives the tokens that plain
+decoding of the same ids gives.
+
 A turn commits (history and bookkeeping updated) only when its generation finishes. A turn that is
 refused (ContextOverflowError under overflow="error", a bad option), fails, or is abandoned (its
 stream closed or dropped half-way, Ctrl-C) is rolled back: `messages` is left as it was, and the
-cache is rewound to where the turn started; if the turn's tokens already evicted or moved older ones
-(the ring wrapped or re-based), the cache is emptied instead and the next turn re-prefills the history.
+cache is rewound to where the turn started (a turn that started over and wrote nothing yet gets
+the emptied cache back, `RingKVCache.unforget`); if the turn's tokens already evicted or moved older
+ones (the ring wrapped or re-based), the cache is emptied instead and the next turn re-prefills the
+history, as a fresh conversation would when there was none.
 That rebuild (also after a stop string that could not be taken back out of a wrapped ring, or a step
 cut short) feeds, under overflow="shift", only what the ring can hold: the history's first `n_sink`
 tokens and its last `capacity - n_sink` (the rest counted as dropped). Feeding all of it would end
@@ -56,10 +63,22 @@ class Conversation:
     def _forget(self) -> None:
         """Empty the cache and its bookkeeping (messages are kept: the next turn re-prefills them)."""
         self.cache.reset()
+        self._clear()
+
+    def _clear(self) -> None:
+        """The bookkeeping of an empty cache."""
         self._prompt_text = ""  # the last turn's rendered prompt (its tokens are in the cache)
         self._reply = ""  # the reply generated after it (its tokens are in the cache, but the last)
         self._unfed: list[int] = []  # last sampled token, not yet fed to the cache
+        self._held: list[int] = []  # the ids fed so far, in order, less `_unfed` (the ring may have forgotten
+        # the oldest): a turn's prompt is these and its new ids, for the penalties and the usage
         self._rebuild = False  # emptied to recover (a failed rollback): the next turn feeds what the ring holds
+
+    def _state(self) -> tuple:
+        return self._prompt_text, self._reply, self._unfed, self._held, self._rebuild
+
+    def _set_state(self, state: tuple) -> None:
+        self._prompt_text, self._reply, self._unfed, self._held, self._rebuild = state
 
     def reset(self) -> None:
         with self.lock.hold():
@@ -86,24 +105,32 @@ class Conversation:
             full = m.template.render(msgs, add_generation_prompt=True, defuse=m.tokenizer.defuse)
             if not self.cache.intact:  # a mutation was cut short (Ctrl-C inside a step): start clean
                 self._recover()
-            ids, req.cut = self._ids_for(full, opts)
+            ids, whole, over = self._ids_for(full, opts)
+            req.cut = len(whole) - len(ids)
             if not ids:
                 raise EdgeInferError("nothing new to say: the messages add no text")
-            turn.update(msgs=msgs, full=full, mark=self.cache.mark())
+            before = self._state()
+            if over:  # the cache is emptied (its rows kept until written: `unforget` takes it back)
+                turn["forgotten"] = self.cache.forget()
+                self._clear()
+            else:  # the cache holds the history: the turn's prompt begins with it
+                req.prefix = self._held
+            turn.update(msgs=msgs, full=full, whole=whole, before=before, mark=self.cache.mark())
             return ids
 
         def end(req: Request) -> None:
             if req.completion is not None:
-                self._commit(turn["msgs"], turn["full"], req)
-            elif "mark" in turn and not self.cache.rewind(turn["mark"]):
-                self._recover()
+                self._commit(turn["msgs"], turn["full"], turn["whole"], req)
+            elif "mark" in turn:
+                self._roll_back(turn)
 
         return Generation(m.engine, m.tokenizer, self.cache, opts, m.overflow, begin=begin, end=end, lock=self.lock,
                           load_ms=m.load_ms, power=m.power)
 
-    def _commit(self, msgs: list[dict], full: str, gen: Request) -> None:
+    def _commit(self, msgs: list[dict], full: str, whole: list[int], gen: Request) -> None:
         """The turn finished: the history gains the reply; the bookkeeping says what the cache holds
-        (the reply's text less a stop string, the Generation having taken its tokens back out)."""
+        (the reply's text less a stop string, the Generation having taken its tokens back out).
+        `whole`: the turn's prompt ids past the cache's (a rebuild fed only some of them)."""
         self.messages = msgs + [{"role": "assistant", "content": gen.completion.text}]
         if gen.cache_stale:
             self._recover()
@@ -111,31 +138,47 @@ class Conversation:
             # the reply as the next rendering holds it: control strings in it defused, as in `full`
             self._prompt_text, self._reply = full, self.model.tokenizer.defuse(gen.cached_text)
             self._unfed = list(gen.unfed)
+            self._held = gen.prefix + (whole if gen.cut else gen.fed) + list(gen.cached_ids)
             self._rebuild = False
+
+    def _roll_back(self, turn: dict) -> None:
+        """The turn did not finish: the cache and its bookkeeping go back to where the turn began when
+        they can (nothing it fed evicted or moved an older token; or, for a turn that started over,
+        nothing was written yet). Otherwise the cache is emptied: the next turn feeds the history
+        again, rebuilding what the ring holds when it held something (the module doc), or starting
+        as a fresh conversation would when it held nothing."""
+        forgotten = turn.get("forgotten")
+        if forgotten is not None and self.cache.rewind(turn["mark"]) and self.cache.unforget(forgotten):
+            self._set_state(turn["before"])
+        elif forgotten is None and self.cache.rewind(turn["mark"]):
+            self._set_state(turn["before"])
+        elif turn["before"][0] or turn["before"][4]:  # it held a history, or had a rebuild pending
+            self._recover()
+        else:
+            self._forget()
 
     def _recover(self) -> None:
         """The cache no longer matches the history: empty it, and have the next turn rebuild it."""
         self._forget()
         self._rebuild = True
 
-    def _ids_for(self, full: str, opts: GenerationOptions) -> tuple[list[int], int]:
-        """(token ids this turn feeds, rendered tokens left out): the new text after what the cache
-        holds, or (starting over) the whole rendering; rebuilding after a recovery under
-        overflow="shift", only its first n_sink and last capacity - n_sink tokens (the module doc).
-        Under overflow="truncate", a turn that would not fit beside what the cache holds starts over,
-        so that truncation drops the oldest turns, not the new one."""
+    def _ids_for(self, full: str, opts: GenerationOptions) -> tuple[list[int], list[int], bool]:
+        """(token ids this turn feeds, the ids they stand for, whether it starts over): the new text
+        after what the cache holds, or (starting over: the first turn, a template whose earlier turns
+        render differently, truncation, a recovery) the whole rendering; rebuilding after a recovery
+        under overflow="shift", only its first n_sink and last capacity - n_sink tokens (the module
+        doc). Under overflow="truncate", a turn that would not fit beside what the cache holds starts
+        over, so that truncation drops the oldest turns, not the new one. Changes nothing."""
         m, cache = self.model, self.cache
         new_text = self._new_text(full)
         if new_text is not None:
             ids = self._unfed + m.tokenizer.encode(new_text, add_bos=False)
             if fits_beside(cache.n_valid, len(ids), cache.capacity, m.overflow, opts.max_new_tokens):
-                return ids, 0
-        rebuild = self._rebuild
-        self._forget()  # first turn, a template whose earlier turns render differently, truncation, a recovery
+                return ids, ids, False
         ids = m.encode_rendered(full)
-        if rebuild and m.overflow == "shift" and len(ids) > cache.capacity:
-            return sinks_and_tail(ids, cache.n_sink, cache.capacity), len(ids) - cache.capacity
-        return ids, 0
+        if self._rebuild and m.overflow == "shift" and len(ids) > cache.capacity:
+            return sinks_and_tail(ids, cache.n_sink, cache.capacity), ids, True
+        return ids, ids, True
 
     def _new_text(self, full: str) -> str | None:
         """The part of this turn's rendering that the cache has not seen, or None to start over.

@@ -318,6 +318,7 @@ class Engine(ChunkedSteps):
         caches = kv.caches
         with self.lock:
             for b, cache in enumerate(caches):
+                cache.writes += 1  # a stepped row, or a throwaway one just past the valid slots
                 if b in tokens:
                     cache.rebase_if_due(1)
                 kv.ids[b, 0] = tokens.get(b, 0)

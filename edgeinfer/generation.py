@@ -198,6 +198,8 @@ class Request:
         self.pacer = power.pacer(self.cancelled) if power is not None else None
         self.completion: Completion | None = None
         self.unfed: tuple[int, ...] = ()
+        self.fed: list[int] = []  # the prompt ids prefilled (after the overflow policy's cut)
+        self.cached_ids: tuple[int, ...] = ()  # the generated ids the cache holds at the end (`cached_text`'s)
         self.cached_text = ""
         self.cache_stale = False
         self.prompt_dropped = 0  # prompt tokens the overflow policy dropped before prefill (and `cut`)
@@ -251,7 +253,7 @@ class Request:
         if bad:
             raise InvalidArgumentError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         feed, dropped = fit_prompt(cache, prompt_ids, self.overflow, opts.max_new_tokens)
-        self.prompt_dropped = self.cut + dropped
+        self.fed, self.prompt_dropped = feed, self.cut + dropped
         dropped_before = cache.dropped
         detok, stops = Detokenizer(tok, self.prefix + prompt_ids), StopFilter(opts.stop)
         generated: list[int] = []
@@ -277,11 +279,13 @@ class Request:
         t_first = t_first or t_prefill
         t_end = time.perf_counter()
         self.unfed = tuple(generated[-1:]) if finish == "length" else ()
+        self.cached_ids = tuple(generated[:-1] if finish == "length" else generated)
         self.cached_text = text = stops.text  # joined once
         if finish == "stop":  # keep in the cache only whole tokens of the text before the stop string
-            kept = [(length, m) for _, length, clean, m in marks if clean and length <= len(text)]
-            self.cache_stale = not kept or not cache.rewind(kept[-1][1])
-            self.cached_text = text[:kept[-1][0]] if kept else ""
+            kept = [(n, length, m) for n, length, clean, m in marks if clean and length <= len(text)]
+            self.cache_stale = not kept or not cache.rewind(kept[-1][2])
+            self.cached_text = text[:kept[-1][1]] if kept else ""
+            self.cached_ids = tuple(generated[:kept[-1][0]]) if kept else ()
         n, decode_s = len(generated), t_end - t_first
         self.completion = Completion(
             text=text, token_ids=tuple(generated), finish_reason=finish,

@@ -34,8 +34,8 @@ once full. A larger one re-bases more often (every T - C tokens; `load` warns), 
 re-bases every token and its steps write position T, the least a full ring of T tokens plus the new
 token needs.
 
-Owned by one conversation; mutated only by `rebase_if_due`, `commit`, `rewind`, `reset` and
-`restore`. `intact` is False while (or if an exception such as Ctrl-C stopped) `rebase_if_due` or
+Owned by one conversation; mutated only by `rebase_if_due`, `commit`, `rewind`, `reset` (and
+`forget`, a reset that `unforget` takes back while no row has been written since) and `restore`. `intact` is False while (or if an exception such as Ctrl-C stopped) `rebase_if_due` or
 `commit` is half done: such a cache must be reset before use.
 """
 
@@ -145,6 +145,7 @@ class RingKVCache:
             raise InvalidArgumentError(f"rebase_every_tokens must be >= 1, got {rebase_every_tokens}")
         self.logits = np.zeros((1, 1, spec.vocab_size), np.float32)  # the engine writes the last token's here
         self.bytes = spec.kv_bytes_per_token * rows * self.dtype.itemsize // 4
+        self.writes = 0  # graph calls that wrote rows here (`write_offset`, batched steps), and restores
         self.reset()
 
     @staticmethod
@@ -236,7 +237,9 @@ class RingKVCache:
         return d
 
     def write_offset(self, s: int) -> int:
-        """Row where a call appending s tokens writes its new rows: always right after the valid slots."""
+        """Row where a call appending s tokens writes its new rows: always right after the valid slots.
+        Every call that writes rows asks here first (`writes` counts them)."""
+        self.writes += 1
         if not 0 < s <= self.max_chunk:
             raise ValueError(f"a call may append 1..{self.max_chunk} tokens, got {s}")
         if s > 1 and s > self.call_room():  # a decode step always fits (call_room >= 1): nothing more per token
@@ -292,6 +295,24 @@ class RingKVCache:
         self.n_valid, self.next_position = n_valid, next_position
         return True
 
+    def forget(self) -> tuple:
+        """`reset`, returning what `unforget` needs to take it back (the bookkeeping; the rows stay)."""
+        kept = (self.mark(), self.positions[:self.n_valid].copy(), self.writes, self.intact)
+        self.reset()
+        return kept
+
+    def unforget(self, kept: tuple) -> bool:
+        """Undo the `forget` that returned `kept`, if no row was written since (nothing was fed, or only
+        refused before its first call): the cache holds again what it held then. Returns False and
+        changes nothing otherwise."""
+        (n_valid, next_slot, next_position, dropped, rebased), positions, writes, intact = kept
+        if self.writes != writes or self.n_valid or not self.intact or not intact:
+            return False
+        self.positions[:n_valid] = positions
+        self.n_valid, self.next_slot, self.next_position = n_valid, next_slot, next_position
+        self.dropped, self.rebased_tokens = dropped, rebased
+        return True
+
     def snapshot(self) -> Snapshot:
         """A copy of the valid slots ([n_valid, Hkv, Dh] per layer, slot-major whatever the mode) and the
         bookkeeping."""
@@ -304,6 +325,7 @@ class RingKVCache:
         if snap.n_valid > self.capacity:
             raise ValueError(f"snapshot holds {snap.n_valid} slots, this cache has {self.capacity}")
         self.reset()
+        self.writes += 1
         n = snap.n_valid
         for k, v, sk, sv in zip(self.ks, self.vs, snap.k, snap.v):
             k[:n], v[:n] = sk, sv

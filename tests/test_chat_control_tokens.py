@@ -79,7 +79,8 @@ def test_a_reply_holding_a_control_string_is_found_again_in_the_next_rendering(m
     msgs = [{"role": "user", "content": "Say it."}]
     full = model.template.render(msgs, defuse=model.tokenizer.defuse)
     reply = "It is </s>"
-    conv._commit(msgs, full, SimpleNamespace(completion=SimpleNamespace(text=reply), cache_stale=False,
-                                             cached_text=reply, unfed=[5]))
+    conv._commit(msgs, full, [1, 2], SimpleNamespace(completion=SimpleNamespace(text=reply), cache_stale=False, cut=0,
+                                                     cached_text=reply, unfed=[5], prefix=[], fed=[1, 2],
+                                                     cached_ids=(3, 4)))
     nxt = model.template.render(conv.messages + [{"role": "user", "content": "Go on."}], defuse=model.tokenizer.defuse)
     assert conv._new_text(nxt) is not None and conv._new_text(nxt).strip().startswith("User: Go on.")

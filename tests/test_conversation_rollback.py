@@ -150,4 +150,5 @@ def test_the_turn_after_a_rollback_in_a_wrapped_ring_feeds_only_what_the_ring_ho
     assert r.usage.prompt_tokens == len(rendered) and r.usage.dropped_tokens >= len(rendered) - 64
     assert conv.messages[:-1] == history + [{"role": "user", "content": "What did the dog do?"}]
     again = conv.say("Then what?", temperature=0, max_new_tokens=8)  # and the conversation goes on, cheaply
-    assert again.usage.prompt_tokens < 64 and again.finish_reason in ("length", "eos")
+    fed = again.usage.prompt_tokens - again.usage.cached_tokens  # the whole conversation, less what earlier turns fed
+    assert fed < 64 and again.usage.cached_tokens == len(rendered) + 7 and again.finish_reason in ("length", "eos")

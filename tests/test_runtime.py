@@ -166,7 +166,9 @@ def test_conversation_keeps_kv_across_turns(bundled):
     new_text = "\nUser: Then what?\nAssistant:"
     expected = 1 + len(bundled.tokenizer.encode(new_text, add_bos=False))
     whole = len(bundled.tokenizer.encode(bundled.template.render(conv.messages[:-1])))
-    assert r2.usage.prompt_tokens == expected < whole
+    assert r2.usage.prompt_tokens - r2.usage.cached_tokens == expected < whole
+    assert r2.usage.cached_tokens == after_first  # turn 1's prompt and reply (its last token is fed by turn 2)
+    assert r2.usage.prompt_tokens == whole  # the whole conversation, as a stateless request would count it
     assert new_tokens == expected + 11
     assert conv.messages[-1] == {"role": "assistant", "content": r2.text}
     assert r1.usage.completion_tokens == 12

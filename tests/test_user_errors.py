@@ -111,7 +111,7 @@ def test_conversation_reply_keeps_space_and_turn_two_prefills_only_new_text(bund
     # `_new_text` still finds reply 1 in the re-rendered history: turn 2 feeds the last sampled
     # token of reply 1 and the new text only, and the cache grows instead of starting over
     new_ids = tok.encode("\nUser: Then what?\nAssistant:", add_bos=False)
-    assert r2.usage.prompt_tokens == 1 + len(new_ids)
+    assert r2.usage.prompt_tokens - r2.usage.cached_tokens == 1 + len(new_ids)
     assert conv.cache.n_valid == after_first + 1 + len(new_ids) + 11
 
 

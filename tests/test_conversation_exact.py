@@ -1,0 +1,112 @@
+"""A Conversation turn against plain decoding of the same ids (fp32, so exactly): its penalties and
+usage see the whole conversation, and a turn rolled back leaves the conversation exactly as a twin
+that never had it (the cache's rows, its bookkeeping, the next reply). Each test is a defect a
+hostile round found."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from conftest import STORIES_SRC
+from edgeinfer.generation import GenerationCancelled
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+LONG = ("Lily had a red ball. She liked to play with it in the park every day with her friend Ben. "
+        "One day the ball rolled away and they ran after it.")  # 66 tokens: past a ring of 64
+
+
+@pytest.fixture(scope="module")
+def fp32(converted):
+    return converted(STORIES_SRC, "fp32")
+
+
+def _cancelled(stream) -> None:
+    stream.cancel()
+    with pytest.raises(GenerationCancelled):
+        next(stream)
+
+
+def _same_state(a, b) -> None:
+    """Two conversations hold the same cache (rows and bookkeeping) and history."""
+    assert a.messages == b.messages
+    assert [(c._prompt_text, c._reply, c._unfed, c._rebuild, getattr(c, "_held", None)) for c in (a, b)] == \
+        [(b._prompt_text, b._reply, b._unfed, b._rebuild, getattr(b, "_held", None))] * 2
+    assert a.cache.mark() == b.cache.mark()
+    n = a.cache.n_valid
+    assert np.array_equal(a.cache.positions[:n], b.cache.positions[:n])
+    for ka, kb, va, vb in zip(a.cache.ks, b.cache.ks, a.cache.vs, b.cache.vs):
+        assert np.array_equal(ka[:n], kb[:n]) and np.array_equal(va[:n], vb[:n])
+
+
+@pytest.mark.parametrize("penalty", [dict(repetition_penalty=1.5), dict(presence_penalty=1.0),
+                                     dict(frequency_penalty=0.5, penalty_last_n=0)])
+def test_a_turn_s_penalties_and_usage_see_the_whole_conversation(fp32, penalty):
+    """The sampler's penalty history held only the ids the turn fed, not the conversation before it
+    (576 of 577 penalised turns differed from plain decoding of the same ids); and the usage counted
+    only the fed ids, with cached_tokens 0, where generate on the same ids counts the whole prompt."""
+    m = edgeinfer.load(fp32)
+    opts = dict(GREEDY, max_new_tokens=20, **penalty)
+    c = m.conversation()
+    p1 = m.encode_chat([{"role": "user", "content": "Lily had a red ball."}])
+    r1 = c.say("Lily had a red ball.", **opts)
+    new = m.tokenizer.encode("\nUser: What did Lily do?\nAssistant:", add_bos=False)
+    r2 = c.say("What did Lily do?", **opts)
+    ids = p1 + list(r1.token_ids) + new
+    plain = m.generate(ids, **opts)
+    assert r2.token_ids == plain.token_ids
+    assert (r2.usage.prompt_tokens, r2.usage.cached_tokens) == (len(ids), len(p1) + len(r1.token_ids) - 1)
+    warm = m.generate(ids, **opts)  # the default context holds ids' prefix now: the same count
+    assert warm.usage.prompt_tokens == len(ids) and warm.token_ids == plain.token_ids
+
+
+def test_a_turn_refused_after_it_started_over_leaves_the_cache_as_it_was(fp32):
+    """Under truncate, a turn that does not fit beside the history starts over; cancelled before its
+    first graph call, it used to leave the cache emptied (the next turn re-prefilled the history
+    from text, logprobs 0.1-0.2 off). Nothing was written: the cache is as before, row for row."""
+    m = edgeinfer.load(fp32, capacity_tokens=64, overflow="truncate")
+    a, b = m.conversation(), m.conversation()
+    for c in (a, b):
+        c.say("Lily had a red ball.", max_new_tokens=10, **GREEDY)
+    _cancelled(a.stream_say("Who is Ben?", max_new_tokens=40, **GREEDY))  # does not fit beside: starts over
+    _same_state(a, b)
+    ra, rb = a.say("Why?", max_new_tokens=6, **GREEDY), b.say("Why?", max_new_tokens=6, **GREEDY)
+    assert ra.token_ids == rb.token_ids and ra.usage == rb.usage
+    _same_state(a, b)
+
+
+def test_a_rolled_back_turn_keeps_a_pending_rebuild(fp32):
+    """Under shift, a turn rolled back from a wrapped ring leaves a rebuild pending (the next turn
+    feeds what the ring holds); a second turn cancelled before writing cleared it, so the next turn
+    fed the whole history instead (80 of 120 next replies differed from a twin's)."""
+    m = edgeinfer.load(fp32, capacity_tokens=64)
+    a, b = m.conversation(), m.conversation()
+    for c in (a, b):
+        c.say("Tell me a story.", max_new_tokens=40, **GREEDY)
+        g = c.stream_say("What happened next?", max_new_tokens=40, **GREEDY)
+        for _ in range(30):
+            next(g)
+        g.close()  # wrapped: rolled back, rebuild pending
+        assert c._rebuild
+    _cancelled(a.stream_say("Hm.", max_new_tokens=40, **GREEDY))
+    _same_state(a, b)
+    ra, rb = a.say("Who is Ben?", max_new_tokens=40, **GREEDY), b.say("Who is Ben?", max_new_tokens=40, **GREEDY)
+    assert ra.token_ids == rb.token_ids and ra.usage == rb.usage
+    _same_state(a, b)
+
+
+def test_a_first_turn_rolled_back_after_it_wrapped_is_retried_as_a_fresh_conversation(fp32):
+    """A first turn whose own prompt wrapped the ring, abandoned, made the retry feed only the sinks
+    and the tail of its prompt (38 of 55 retries differed from a fresh conversation's reply). With
+    nothing before it there is nothing to rebuild: the retry starts as a fresh conversation."""
+    m = edgeinfer.load(fp32, capacity_tokens=64)
+    a = m.conversation()
+    g = a.stream_say(LONG, max_new_tokens=20, **GREEDY)
+    next(g)
+    g.close()
+    assert a.messages == [] and not a._rebuild
+    fresh = m.conversation()
+    ra, rf = a.say(LONG, max_new_tokens=20, **GREEDY), fresh.say(LONG, max_new_tokens=20, **GREEDY)
+    assert ra.token_ids == rf.token_ids and ra.usage == rf.usage
+    _same_state(a, fresh)
