@@ -46,7 +46,8 @@ class PortableEngine(ChunkedSteps):
         folder = session.folder
         try:
             self.prefill_session = ort.InferenceSession(str(folder / self.info.prefill_file),
-                                                        session_options(threads, spin_duration_us),
+                                                        session_options(threads, spin_duration_us,
+                                                                        portable=session.portable_on_cpu),
                                                         providers=[PROVIDERS[session.provider]])
             self.embeddings = np.load(folder / self.info.embeddings_file, mmap_mode="r")
         except Exception as e:
