@@ -28,6 +28,17 @@ def summary(folder: Path | str) -> dict:
     return _summary(Path(folder), read_manifest(folder))
 
 
+def _quantization(m: Manifest) -> dict:
+    """The weights' scheme as the graph holds it: a portable folder's int8 is per output channel
+    (DequantizeLinear), its embedding a host table (fp16, or fp32 beside fp32 weights), whatever
+    scheme its manifest's quantization section carries (the fused graph's defaults)."""
+    p = m.portable
+    if p is None:
+        return m.quantization.to_json()
+    return {"weights": p.weights, "per": "output channel" if p.weights == "int8" else None,
+            "embedding": "fp32" if p.weights == "fp32" else "fp16", "embedding_on_host": True}
+
+
 def _summary(folder: Path, m: Manifest) -> dict:
     a = m.arch
     disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != STAMP_FILE)
@@ -37,7 +48,7 @@ def _summary(folder: Path, m: Manifest) -> dict:
         "family": a.family, "parameters": parameter_count(a), "layers": a.num_layers, "hidden_size": a.hidden_size,
         "heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
         "source_head_dim": a.source_head_dim, "vocab_size": a.vocab_size,
-        "tied_embeddings": a.tie_word_embeddings, "quantization": m.quantization.to_json(), "target": m.target,
+        "tied_embeddings": a.tie_word_embeddings, "quantization": _quantization(m), "target": m.target,
         "flavour": m.flavour, "kv_mode": m.interface.kv_mode.name, "attention": m.interface.kv_mode.description,
         "size_on_disk_bytes": disk, "kv_bytes_per_token": a.kv_bytes_per_token,
         "default_capacity_tokens": m.default_capacity_tokens,

@@ -208,3 +208,18 @@ def test_edgeinfer_computes_what_the_shipped_ort_graphs_compute(portable, target
         feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) * 0.1 for i in mine.get_inputs()}
         feeds["attention_mask"][:] = 0  # every slot visible
         np.testing.assert_allclose(mine.run(None, feeds)[0], shipped.run(None, feeds)[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("target, quant", [("nnapi", "int8"), ("coreml", "fp32"), ("coreml", "fp16")])
+def test_inspect_json_describes_the_portable_weights_as_they_are(portable, target, quant, capsys):
+    """A hostile round: `inspect --json` gave a portable int8 folder the fused graph's default scheme
+    (blocks of 32, accuracy level 4, an int8 embedding); its weights are per output channel and its
+    embedding an fp16 table on the host. It now says what the files hold (the text form did already)."""
+    from edgeinfer.cli import main
+
+    folder = portable(STORIES_SRC, target, quant)
+    assert main(["inspect", str(folder), "--json"]) == 0
+    q = json.loads(capsys.readouterr().out)["quantization"]
+    table = np.load(folder / "embeddings.npy", mmap_mode="r")
+    assert q == {"weights": quant, "per": "output channel" if quant == "int8" else None,
+                 "embedding": {np.float16: "fp16", np.float32: "fp32"}[table.dtype.type], "embedding_on_host": True}
