@@ -133,7 +133,7 @@ def verify(folder: Path | str, out=print) -> bool:
         raise ModelFormatError(f"{folder / MANIFEST_FILE} lists no file checksums (an older converter wrote it): "
                                "nothing to verify; convert again")
     ok = True
-    for name, problem in check(folder, files):
+    for name, problem in check(folder, files, manifest.named_files):
         ok = ok and problem is None
         out(f"ok        {name}" if problem is None else f"MISMATCH  {name}: {problem}")
     if ok and manifest.flavour == "fused":  # is the manifest what the graph says? (load's own checks)

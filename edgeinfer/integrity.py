@@ -17,7 +17,7 @@ import os
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from edgeinfer import small_files
@@ -44,10 +44,11 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 MUST_LIST = ("*.onnx", "*.onnx.data", "*.ort", "*.npy", "tokenizer.model", "tokenizer.json")
 
 
-def _entries(folder: Path, files: dict) -> dict:
+def _entries(folder: Path, files: dict, named: Iterable[str] = ()) -> dict:
     """`files` checked for shape (plain file names -> {"bytes": int, "sha256": str}) and for what
-    it leaves out: a graph, weights or tokenizer file in the folder that it does not list would go
-    unchecked (an entry deleted from the manifest must not switch the check off)."""
+    it leaves out: a graph, weights or tokenizer file in the folder that it does not list, or a file
+    the manifest names elsewhere (`named`: `Manifest.named_files`), would go unchecked (an entry
+    deleted from the manifest must not switch the check off)."""
     if not isinstance(files, dict):
         raise ModelFormatError(f"{folder / MANIFEST_FILE} is corrupted (bad files section)")
     for name, want in files.items():
@@ -55,7 +56,7 @@ def _entries(folder: Path, files: dict) -> dict:
                 or not isinstance(want, dict)
                 or not isinstance(want.get("bytes"), int) or not isinstance(want.get("sha256"), str)):
             raise ModelFormatError(f"{folder / MANIFEST_FILE} is corrupted (bad files entry {name!r})")
-    unlisted = sorted({p.name for pattern in MUST_LIST for p in folder.glob(pattern)} - set(files))
+    unlisted = sorted(({p.name for pattern in MUST_LIST for p in folder.glob(pattern)} | set(named)) - set(files))
     if unlisted:
         raise ModelFormatError(f"{folder} holds {', '.join(unlisted)}, which its {MANIFEST_FILE} does not list "
                                "(so nothing would check it): move it out of the folder, or convert again")
@@ -130,7 +131,7 @@ def _write_stamps(folder: Path, stamps: dict) -> None:
                 pass
 
 
-def verify(folder: Path | str, files: dict) -> None:
+def verify(folder: Path | str, files: dict, named: Iterable[str] = ()) -> None:
     """Raise ModelFormatError unless every file in `files` (edgeinfer.json's "files": name ->
     {"bytes", "sha256"}) is present with that size and sha256. Empty `files` (an older manifest):
     nothing to check. Stamped files whose stat is unchanged are not hashed again; after hashing,
@@ -139,7 +140,7 @@ def verify(folder: Path | str, files: dict) -> None:
     if not files:
         return
     stats = {}
-    for name, want in _entries(folder, files).items():
+    for name, want in _entries(folder, files, named).items():
         stats[name] = _stat(folder, name)
         problem = _size_problem(stats[name], want)
         if problem:
@@ -160,11 +161,11 @@ def verify(folder: Path | str, files: dict) -> None:
         _write_stamps(folder, new)
 
 
-def check(folder: Path | str, files: dict) -> Iterator[tuple[str, str | None]]:
+def check(folder: Path | str, files: dict, named: Iterable[str] = ()) -> Iterator[tuple[str, str | None]]:
     """Full check, stamps ignored: yield (name, None) for a good file, (name, problem) otherwise,
     in the manifest's order, hashing each file as it comes."""
     folder = Path(folder)
-    for name, want in _entries(folder, files).items():
+    for name, want in _entries(folder, files, named).items():
         try:
             st = os.stat(folder / name)
         except OSError as e:

@@ -294,6 +294,13 @@ class Manifest:
     portable: PortableInfo | None = None  # the portable flavour's geometry and files
     origin: Origin | None = None  # where the weights came from (folders converted before it have none)
 
+    @property
+    def named_files(self) -> tuple[str, ...]:
+        """The files this manifest itself names (the graph; a portable folder's prefill graph and
+        embedding table): each must be among `files`, or it would be read unchecked."""
+        p = self.portable
+        return (MODEL_FILE,) + ((p.prefill_file, p.embeddings_file) if p is not None else ())
+
     def to_json(self) -> dict:
         return {**({"portable": self.portable.to_json()} if self.portable is not None else {}),
             **({"origin": self.origin.to_json()} if self.origin is not None else {}),

@@ -90,7 +90,7 @@ class DecoderSession:
         self.folder = Path(folder)
         self.manifest = manifest or read_manifest(self.folder)
         if not hashed:
-            verify(self.folder, self.manifest.files)  # every loader (Model, eval) runs checked weights
+            verify(self.folder, self.manifest.files, self.manifest.named_files)  # every loader runs checked weights
         spec = self.manifest.arch
         self.names = io_names(spec.num_layers)
         self.provider = resolve_provider(provider, self.manifest.target)

@@ -223,3 +223,22 @@ def test_inspect_json_describes_the_portable_weights_as_they_are(portable, targe
     table = np.load(folder / "embeddings.npy", mmap_mode="r")
     assert q == {"weights": quant, "per": "output channel" if quant == "int8" else None,
                  "embedding": {np.float16: "fp16", np.float32: "fp32"}[table.dtype.type], "embedding_on_host": True}
+
+
+def test_a_file_the_manifest_names_must_be_listed_for_its_check(portable, tmp_path):
+    """A hostile round: a portable manifest may name its embedding table or prefill graph under any
+    file name; one that its "files" did not list (a name no listing rule covered, e.g. emb.dat) was
+    read unchecked: a zeroed table loaded and gave "⁇ ⁇ ⁇". Every file the manifest names must be
+    listed, as every graph, weights and tokenizer file in the folder must."""
+    import shutil
+
+    folder = tmp_path / "f"
+    shutil.copytree(portable(STORIES_SRC, "coreml", "fp32"), folder)
+    raw = json.loads((folder / "edgeinfer.json").read_text())
+    (folder / "emb.dat").write_bytes((folder / "embeddings.npy").read_bytes())
+    (folder / "embeddings.npy").unlink()
+    del raw["files"]["embeddings.npy"]
+    raw["portable"]["embeddings_file"] = "emb.dat"
+    (folder / "edgeinfer.json").write_text(json.dumps(raw))
+    with pytest.raises(edgeinfer.ModelFormatError, match="emb.dat, which its edgeinfer.json does not list"):
+        edgeinfer.load(folder)
