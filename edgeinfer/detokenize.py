@@ -22,18 +22,26 @@ class Detokenizer:
     it ends in an incomplete UTF-8 character. A context that ends inside a character (a prompt of
     ids cut mid-character) has that character's text come with the first token that completes it.
 
-    Bytes that never make a character (only `logit_bias` forces them) are not held for ever: past
-    HOLD_TOKENS held tokens, the text up to a split among the last SPLIT_TRIES tokens is let out when
-    its decode is a prefix of the whole decode short of its last three U+FFFD. Decoders show an
-    incomplete character at the end (at most 3 bytes, which more bytes may complete) as one U+FFFD
-    (`tokenizers`) or one per byte (SentencePiece), and invalid bytes before it as U+FFFD that no
-    later byte changes. So each token costs a bounded decode, where it cost one of everything held
-    (quadratic: 9.4 s for 16,000 tokens).
+    What is held is bounded, so that each token costs a bounded decode (held whole, a run of bytes
+    that never made a character, which only `logit_bias` forces, was re-decoded at every token:
+    quadratic, 10 s for 16,000 tokens). Past HOLD_TOKENS held tokens:
+    1. tokens that add no text (special tokens, which decode drops) are dropped, the context kept;
+    2. else the text up to a split among the last SPLIT_TRIES tokens is let out when its decode is a
+       prefix of the whole decode short of its last three U+FFFD: decoders show an incomplete
+       character at the end (at most 3 bytes, which more bytes may complete) as one U+FFFD
+       (`tokenizers`) or one per byte (SentencePiece), and invalid bytes before it as U+FFFD that
+       a later byte does not change;
+    3. past FORCE_TOKENS, what is held is let out as it decodes now: a character whose bytes lie
+       more than that many tokens apart (special tokens between them) shows as U+FFFD.
+    Where the contract does not hold: Hugging Face's ByteFallback decoder (Llama-style
+    tokenizer.json) shows a whole run of byte tokens as U+FFFD once any byte in it is invalid, so a
+    character already let out (its bytes complete) can show as U+FFFD in a later whole decode.
     """
 
     CONTEXT = 8  # prompt ids kept as left context: enough for a leading space or a split character
     HOLD_TOKENS = 16  # a character is at most 4 bytes: more tokens held than this are not one character
     SPLIT_TRIES = 8  # splits tried before the held tokens' incomplete end
+    FORCE_TOKENS = 64  # held past this (special tokens inside a character's bytes): let out as they decode
 
     def __init__(self, tok: Tokenizer, context: Sequence[int] = ()):
         self.tok = tok
@@ -51,11 +59,13 @@ class Detokenizer:
         after = self.tok.decode(self.ids)
         if not after.endswith("\ufffd") and len(after) > len(before):
             return self._take(len(self.ids), before, after)
-        if len(self.ids) - self.read <= self.HOLD_TOKENS:
+        held = len(self.ids) - self.read
+        if held <= self.HOLD_TOKENS:
             return ""
-        if after == before:  # tokens that add no text: nothing to wait for
-            return self._take(len(self.ids), before, after)
-        # the text short of its incomplete end (at most 3 bytes, which more bytes may still complete) is final
+        if after == before and not before.endswith("\ufffd"):  # 1. no text, none to complete: the context stays
+            del self.ids[self.read:]  # (as context they would lose the next token's leading space)
+            return ""
+        # 2. the text short of its incomplete end (at most 3 bytes, which more bytes may complete) is final
         final = after
         for _ in range(3):
             final = final[:-1] if final.endswith("\ufffd") else final
@@ -63,6 +73,8 @@ class Detokenizer:
             head = self.tok.decode(self.ids[:split])
             if len(head) > len(before) and final.startswith(head):
                 return self._take(split, before, head)
+        if held > self.FORCE_TOKENS:  # 3.
+            return self._take(len(self.ids), before, after)
         return ""
 
     def flush(self) -> str:
