@@ -249,9 +249,7 @@ class Request:
         draft = getattr(engine, "draft", None)  # read once: set_draft may change it while this request runs
         if opts.speculative == "draft" and draft is None:
             raise InvalidArgumentError("speculative='draft' needs a draft model: model.set_draft(DIR)")
-        bad = [t for t in (opts.sampling.logit_bias or {}) if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgumentError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        opts.sampling.check_vocabulary(vocab)
         feed, dropped = fit_prompt(cache, prompt_ids, self.overflow, opts.max_new_tokens)
         self.fed, self.prompt_dropped = feed, self.cut + dropped
         dropped_before = cache.dropped

@@ -56,7 +56,11 @@ def _entries(folder: Path, files: dict, named: Iterable[str] = ()) -> dict:
                 or not isinstance(want, dict)
                 or not isinstance(want.get("bytes"), int) or not isinstance(want.get("sha256"), str)):
             raise ModelFormatError(f"{folder / MANIFEST_FILE} is corrupted (bad files entry {name!r})")
-    unlisted = sorted(({p.name for pattern in MUST_LIST for p in folder.glob(pattern)} | set(named)) - set(files))
+    unnamed = sorted(set(named) - set(files))
+    if unnamed:
+        raise ModelFormatError(f"{folder / MANIFEST_FILE} names {', '.join(unnamed)} but does not list it in its "
+                               "files (so nothing would check it): convert again")
+    unlisted = sorted({p.name for pattern in MUST_LIST for p in folder.glob(pattern)} - set(files))
     if unlisted:
         raise ModelFormatError(f"{folder} holds {', '.join(unlisted)}, which its {MANIFEST_FILE} does not list "
                                "(so nothing would check it): move it out of the folder, or convert again")

@@ -41,7 +41,7 @@ def _same_state(a, b) -> None:
 
 
 @pytest.mark.parametrize("penalty", [dict(repetition_penalty=1.5), dict(presence_penalty=1.0),
-                                     dict(frequency_penalty=0.5, penalty_last_n=0)])
+                                     dict(frequency_penalty=0.5, penalty_last_n=256)])
 def test_a_turn_s_penalties_and_usage_see_the_whole_conversation(fp32, penalty):
     """The sampler's penalty history held only the ids the turn fed, not the conversation before it
     (576 of 577 penalised turns differed from plain decoding of the same ids); and the usage counted

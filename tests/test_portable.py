@@ -240,5 +240,5 @@ def test_a_file_the_manifest_names_must_be_listed_for_its_check(portable, tmp_pa
     del raw["files"]["embeddings.npy"]
     raw["portable"]["embeddings_file"] = "emb.dat"
     (folder / "edgeinfer.json").write_text(json.dumps(raw))
-    with pytest.raises(edgeinfer.ModelFormatError, match="emb.dat, which its edgeinfer.json does not list"):
+    with pytest.raises(edgeinfer.ModelFormatError, match="names emb.dat but does not list it"):
         edgeinfer.load(folder)

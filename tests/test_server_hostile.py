@@ -851,3 +851,20 @@ def test_every_refused_request_has_its_log_line(srv):
             "path=/v1/completions status=200 prompt_tokens="]
     for w in want:
         assert sum(w in line for line in records) == 1, (w, records)
+
+
+def test_a_full_scheduler_that_is_closing_is_not_called_full(model):
+    """A review: `Scheduler.full` did not look at `closed`, so a request whose body finished as the
+    drain began, on a busy server, got 429 "retry shortly" before `admit` could say 503 "retry on
+    another instance". While closing, `full` is False and `admit` raises Closed."""
+    from edgeinfer.server.scheduler import Closed, Scheduler
+
+    sched = Scheduler(model, slots=1, queue=1)
+    tickets = [sched.admit(), sched.admit()]
+    assert sched.full
+    sched.close()
+    assert not sched.full
+    with pytest.raises(Closed):
+        sched.admit()
+    for t in tickets:
+        sched.withdraw(t)

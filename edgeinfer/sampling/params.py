@@ -111,6 +111,12 @@ class SamplingParams:
                 bias[int(k)] = f
             object.__setattr__(self, "logit_bias", bias)
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """InvalidArgumentError naming the first logit_bias id at or past the model's vocabulary."""
+        bad = next((t for t in self.logit_bias or {} if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidArgumentError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
+
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -194,10 +194,10 @@ class Server:
             req = protocol.parse_chat(body, model_id=self.model_id, max_tokens_limit=limit)
         else:
             req = protocol.parse_completion(body, model_id=self.model_id, max_tokens_limit=limit)
-        vocab = self.model.manifest.arch.vocab_size
-        bad = next((t for t in req.options.sampling.logit_bias or {} if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias")
+        try:
+            req.options.sampling.check_vocabulary(self.model.manifest.arch.vocab_size)
+        except InvalidArgumentError as e:
+            raise APIError(400, str(e), param="logit_bias") from None
         try:  # what the prompt's text or ids themselves break (vocabulary, UTF-8, the template's own checks)
             if chat:
                 return req, self.model.encode_chat(list(req.messages)), req.top_logprobs if req.logprobs else None

@@ -151,9 +151,10 @@ class Scheduler:
     @property
     def full(self) -> bool:
         """Whether `admit` would raise QueueFull now (read before a request is tokenized, so that one
-        turned away costs no tokenizing; `admit` checks again after)."""
+        turned away costs no tokenizing; `admit` checks again after). Not while closing: `admit`
+        then raises Closed, a 503 (retry elsewhere), not a 429 (retry here)."""
         with self._cond:
-            return self._full()
+            return not self.closed and self._full()
 
     def _full(self) -> bool:  # under _cond
         return self.waiting - len(self._free) >= self.queue_limit  # those beyond the free slots would queue
