@@ -64,6 +64,7 @@ class Conversation:
         """Empty the cache and its bookkeeping (messages are kept: the next turn re-prefills them)."""
         self.cache.reset()
         self._clear()
+        self._open: dict | None = None  # the turn under way: begun (it may have changed the cache), not ended
 
     def _clear(self) -> None:
         """The bookkeeping of an empty cache."""
@@ -101,6 +102,9 @@ class Conversation:
         m, turn = self.model, {}
 
         def begin(req: Request) -> list[int]:  # under the lock, at the first next()
+            if self._open is not None:  # a turn whose `end` never ran (a Ctrl-C as its steps ended): undone now
+                stale, self._open = self._open, None
+                self._roll_back(stale)
             msgs = list(messages) if messages is not None else self.messages + [{"role": "user", "content": content}]
             full = m.template.render(msgs, add_generation_prompt=True, defuse=m.tokenizer.defuse)
             if not self.cache.intact:  # a mutation was cut short (Ctrl-C inside a step): start clean
@@ -109,19 +113,22 @@ class Conversation:
             req.cut = len(whole) - len(ids)
             if not ids:
                 raise EdgeInferError("nothing new to say: the messages add no text")
-            before = self._state()
+            turn.update(msgs=msgs, full=full, whole=whole, over=over, before=self._state(), mark=self.cache.mark())
+            self._open = turn  # from here until `end` has run, whatever stops the turn undoes it (`_roll_back`)
             if over:  # the cache is emptied (its rows kept until written: `unforget` takes it back)
                 turn["forgotten"] = self.cache.forget()
                 self._clear()
             else:  # the cache holds the history: the turn's prompt begins with it
                 req.prefix = self._held
-            turn.update(msgs=msgs, full=full, whole=whole, before=before, mark=self.cache.mark())
             return ids
 
-        def end(req: Request) -> None:
+        def end(req: Request) -> None:  # with Ctrl-C held off (`Request.steps`)
+            if self._open is not turn:  # begin changed nothing (it failed first), or a later begin undid it
+                return
+            self._open = None
             if req.completion is not None:
                 self._commit(turn["msgs"], turn["full"], turn["whole"], req)
-            elif "mark" in turn:
+            else:
                 self._roll_back(turn)
 
         return Generation(m.engine, m.tokenizer, self.cache, opts, m.overflow, begin=begin, end=end, lock=self.lock,
@@ -144,13 +151,15 @@ class Conversation:
     def _roll_back(self, turn: dict) -> None:
         """The turn did not finish: the cache and its bookkeeping go back to where the turn began when
         they can (nothing it fed evicted or moved an older token; or, for a turn that started over,
-        nothing was written yet). Otherwise the cache is emptied: the next turn feeds the history
-        again, rebuilding what the ring holds when it held something (the module doc), or starting
-        as a fresh conversation would when it held nothing."""
-        forgotten = turn.get("forgotten")
-        if forgotten is not None and self.cache.rewind(turn["mark"]) and self.cache.unforget(forgotten):
-            self._set_state(turn["before"])
-        elif forgotten is None and self.cache.rewind(turn["mark"]):
+        nothing was written since the cache was emptied). Otherwise the cache is emptied: the next
+        turn feeds the history again, rebuilding what the ring holds when it held something (the
+        module doc), or starting as a fresh conversation would when it held nothing. Any point at
+        which the turn stopped (a Ctrl-C between two of `begin`'s steps) ends in one of these."""
+        if turn["over"]:  # its `forget` may not have returned (then nothing can be taken back)
+            restored = "forgotten" in turn and self.cache.unforget(turn["forgotten"])
+        else:
+            restored = self.cache.rewind(turn["mark"])
+        if restored:
             self._set_state(turn["before"])
         elif turn["before"][0] or turn["before"][4]:  # it held a history, or had a rebuild pending
             self._recover()

@@ -50,7 +50,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     dropped_tokens: int  # prompt tokens truncated plus tokens the ring forgot during this request
-    cached_tokens: int = 0  # prompt tokens the cache already held (a reused prefix: not prefilled again)
+    cached_tokens: int = 0  # prompt tokens not prefilled again: a reused prefix the cache held, or the tokens
+    # a conversation's earlier turns fed (of which a full ring under shift has forgotten the oldest)
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class Generation:
 
     @property
     def prefix(self) -> list[int]:
-        """Tokens the cache already held just before the prompt (a reused prefix)."""
+        """Tokens fed before the prompt: a reused prefix the cache held, or a conversation's earlier turns."""
         return self._request.prefix
 
     @property
@@ -185,7 +186,8 @@ class Request:
         logprobs: None (off) or n >= 0: each chunk carries its token's logprob and the n best.
         stepper: how decode steps run (`batching.SoloStepper`, the default, or a `DecodeBatcher`
         that runs this conversation's steps together with others').
-        prefix: tokens the cache already holds just before this prompt (a reused prefix): the
+        prefix: tokens fed before this prompt (a reused prefix the cache holds, or a conversation's
+        earlier turns, of which a full ring may have forgotten the oldest): the
         penalties and the detokenizer see them as the prompt's start, as if it had been fed whole.
         cancelled: when set, the request stops at the next prefill chunk or token (GenerationCancelled).
         power: the Model's `PowerController` (None: off): its plan paces decode steps, sets the
@@ -253,7 +255,7 @@ class Request:
         feed, dropped = fit_prompt(cache, prompt_ids, self.overflow, opts.max_new_tokens)
         self.fed, self.prompt_dropped = feed, self.cut + dropped
         dropped_before = cache.dropped
-        detok, stops = Detokenizer(tok, self.prefix + prompt_ids), StopFilter(opts.stop)
+        detok, stops = Detokenizer(tok, self.prefix[-Detokenizer.CONTEXT:] + prompt_ids), StopFilter(opts.stop)
         generated: list[int] = []
         # (tokens fed, text length they make, no text pending, cache mark) of the last tokens, for stop strings
         marks: deque = deque(maxlen=STOP_MARKS if opts.stop else 1)
@@ -264,9 +266,10 @@ class Request:
         marks.append((0, 0, True, cache.mark()))
         t_prefill = time.perf_counter()
         stepper = self.stepper
-        if opts.speculative:
-            drafter = ModelDrafter(draft, self.prefix + feed) if opts.speculative == "draft" else None
-            stepper = SpeculativeStepper(engine, stepper, self.prefix + feed, opts.max_new_tokens, drafter=drafter)
+        if opts.speculative:  # drafts come from what the ring can hold (a conversation's prefix is all its turns:
+            history = self.prefix[-cache.capacity:] + feed  # indexing them each turn cost 52 ms at turn 1,000)
+            drafter = ModelDrafter(draft, history) if opts.speculative == "draft" else None
+            stepper = SpeculativeStepper(engine, stepper, history, opts.max_new_tokens, drafter=drafter)
             self.speculation = stepper.stats
         stepper.join(cache)
         try:

@@ -110,3 +110,75 @@ def test_a_first_turn_rolled_back_after_it_wrapped_is_retried_as_a_fresh_convers
     ra, rf = a.say(LONG, max_new_tokens=20, **GREEDY), fresh.say(LONG, max_new_tokens=20, **GREEDY)
     assert ra.token_ids == rf.token_ids and ra.usage == rf.usage
     _same_state(a, fresh)
+
+
+def _interrupt_call(monkeypatch, module, name: str, nth: int) -> list:
+    """`module.name` raises KeyboardInterrupt at its nth call (as a Ctrl-C there would), once."""
+    real, calls = getattr(module, name), []
+
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        if len(calls) == nth:
+            monkeypatch.setattr(module, name, real)
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+def test_a_ctrl_c_as_a_turn_s_steps_end_leaves_no_half_turn(fp32, monkeypatch):
+    """A hostile round: a Ctrl-C as the steps' `finally` began (before it held Ctrl-C off) skipped
+    the conversation's `end`: neither committed nor rolled back, the cache kept the turn's rows while
+    the bookkeeping said it held the history only (8 of 2,000 real signals; every next reply then
+    differed from a twin's). The next turn now undoes such a turn first."""
+    import edgeinfer.generation as generation
+
+    m = edgeinfer.load(fp32)
+    opts = dict(GREEDY, max_new_tokens=8)
+    a, b = m.conversation(), m.conversation()
+    for c in (a, b):
+        c.say("Lily had a red ball.", **opts)
+    _interrupt_call(monkeypatch, generation, "interrupts_held", 2)  # 1: taking the lock; 2: the finally's
+    with pytest.raises(KeyboardInterrupt):
+        for _ in a.stream_say("Who is Ben?", **opts):
+            pass
+    ra, rb = a.say("Why?", max_new_tokens=30, **GREEDY), b.say("Why?", max_new_tokens=30, **GREEDY)
+    assert ra.token_ids == rb.token_ids and ra.usage == rb.usage
+    _same_state(a, b)
+
+
+def test_a_ctrl_c_inside_begin_after_the_cache_was_emptied_is_undone(fp32, monkeypatch):
+    """A hostile round: a Ctrl-C between the start-over's `forget` and the bookkeeping's `_clear`
+    left an empty cache whose bookkeeping said it held the history: the next turn fed only its new
+    ids and reported them cached. Such a turn is now undone by the next one."""
+    import edgeinfer.conversation as conversation
+
+    m = edgeinfer.load(fp32, capacity_tokens=64, overflow="truncate")
+    a, b = m.conversation(), m.conversation()
+    for c in (a, b):
+        c.say("Lily had a red ball.", max_new_tokens=10, **GREEDY)
+    _interrupt_call(monkeypatch, conversation.Conversation, "_clear", 1)
+    with pytest.raises(KeyboardInterrupt):
+        next(a.stream_say("Who is Ben?", max_new_tokens=40, **GREEDY))  # does not fit beside: starts over
+    ra, rb = a.say("Why?", max_new_tokens=30, **GREEDY), b.say("Why?", max_new_tokens=30, **GREEDY)
+    assert ra.token_ids == rb.token_ids and ra.usage == rb.usage
+    _same_state(a, b)
+
+
+def test_drafts_in_a_long_conversation_come_from_what_the_ring_can_hold(fp32, monkeypatch):
+    """A hostile round: with speculative="ngram", each turn indexed the whole conversation for its
+    drafts (52 of a turn's 62 ms at turn 1,000 in a 64-token ring). The history given to the drafter
+    is at most the ring's capacity before the turn's own ids."""
+    import edgeinfer.generation as generation
+
+    seen, real = [], generation.SpeculativeStepper
+    monkeypatch.setattr(generation, "SpeculativeStepper",
+                        lambda engine, inner, history, *a, **k: (seen.append(len(history)), real(engine, inner, history,
+                                                                                                 *a, **k))[1])
+    m = edgeinfer.load(fp32, capacity_tokens=64)
+    c = m.conversation()
+    for i in range(12):
+        r = c.say(f"Turn {i}: and then?", max_new_tokens=16, speculative="ngram", **GREEDY)
+    new_ids = r.usage.prompt_tokens - r.usage.cached_tokens  # the last turn's own ids (about 27 each turn)
+    assert r.usage.cached_tokens > 400 and max(seen) <= 64 + new_ids + 2
