@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from edgeinfer.chat import check_messages
-from edgeinfer.context_lock import ContextLock
+from edgeinfer.context_lock import ContextLock, interrupts_held
 from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError
 from edgeinfer.generation import Completion, Generation, Request
 from edgeinfer.options import GenerationOptions, resolve
@@ -61,9 +61,11 @@ class Conversation:
         self._forget()
 
     def _forget(self) -> None:
-        """Empty the cache and its bookkeeping (messages are kept: the next turn re-prefills them)."""
-        self.cache.reset()
+        """Empty the cache and its bookkeeping (messages are kept: the next turn re-prefills them). The
+        bookkeeping first: cut between the two, it says "nothing held" of a cache that still holds rows,
+        which the next turn empties (it starts over), never the reverse."""
         self._clear()
+        self.cache.reset()
         self._open: dict | None = None  # the turn under way: begun (it may have changed the cache), not ended
 
     def _clear(self) -> None:
@@ -102,24 +104,27 @@ class Conversation:
         m, turn = self.model, {}
 
         def begin(req: Request) -> list[int]:  # under the lock, at the first next()
-            if self._open is not None:  # a turn whose `end` never ran (a Ctrl-C as its steps ended): undone now
-                stale, self._open = self._open, None
-                self._roll_back(stale)
+            with interrupts_held():  # the repairs whole or not at all (a Ctrl-C waits for their end)
+                if self._open is not None:  # a turn whose `end` never ran (a Ctrl-C as its steps ended)
+                    self._roll_back(self._open)
+                    self._open = None
+                if not self.cache.intact:  # a mutation was cut short (Ctrl-C inside a step): start clean
+                    self._recover()
             msgs = list(messages) if messages is not None else self.messages + [{"role": "user", "content": content}]
             full = m.template.render(msgs, add_generation_prompt=True, defuse=m.tokenizer.defuse)
-            if not self.cache.intact:  # a mutation was cut short (Ctrl-C inside a step): start clean
-                self._recover()
             ids, whole, over = self._ids_for(full, opts)
             req.cut = len(whole) - len(ids)
             if not ids:
                 raise EdgeInferError("nothing new to say: the messages add no text")
-            turn.update(msgs=msgs, full=full, whole=whole, over=over, before=self._state(), mark=self.cache.mark())
-            self._open = turn  # from here until `end` has run, whatever stops the turn undoes it (`_roll_back`)
-            if over:  # the cache is emptied (its rows kept until written: `unforget` takes it back)
-                turn["forgotten"] = self.cache.forget()
-                self._clear()
-            else:  # the cache holds the history: the turn's prompt begins with it
-                req.prefix = self._held
+            with interrupts_held():  # the turn's changes begin whole: from here until `end` has run, whatever
+                turn.update(msgs=msgs, full=full, whole=whole, over=over, before=self._state(),  # stops the turn
+                            mark=self.cache.mark())  # undoes it (`_roll_back`)
+                self._open = turn
+                if over:  # the cache is emptied (its rows kept until written: `unforget` takes it back)
+                    turn["forgotten"] = self.cache.forget()
+                    self._clear()
+                else:  # the cache holds the history: the turn's prompt begins with it
+                    req.prefix = self._held
             return ids
 
         def end(req: Request) -> None:  # with Ctrl-C held off (`Request.steps`)

@@ -20,19 +20,23 @@ class Detokenizer:
     after "Once upon a" it is " time"). With no context, they join to decode(ids). Each call decodes
     the new tokens with a little left context (the last emitted tokens), and holds text back while
     it ends in an incomplete UTF-8 character. A context that ends inside a character (a prompt of
-    ids cut mid-character) has that character's text come with the first token that completes it.
+    ids cut mid-character: its last tokens are bytes that begin one) has that character's text come
+    with the first token that completes it.
+
+    A special token (`Tokenizer.special_ids`: decode drops it) is never held: with nothing held it
+    changes no text, before or after it, and is passed over; with bytes held, `tokenizers` passes
+    over it too (it drops special tokens before decoding), while SentencePiece ends a byte run at a
+    control piece, so what is held is let out as final.
 
     What is held is bounded, so that each token costs a bounded decode (held whole, a run of bytes
     that never made a character, which only `logit_bias` forces, was re-decoded at every token:
-    quadratic, 10 s for 16,000 tokens). Past HOLD_TOKENS held tokens:
-    1. tokens that add no text (special tokens, which decode drops) are dropped, the context kept;
-    2. else the text up to a split among the last SPLIT_TRIES tokens is let out when its decode is a
-       prefix of the whole decode short of its last three U+FFFD: decoders show an incomplete
-       character at the end (at most 3 bytes, which more bytes may complete) as one U+FFFD
-       (`tokenizers`) or one per byte (SentencePiece), and invalid bytes before it as U+FFFD that
-       a later byte does not change;
-    3. past FORCE_TOKENS, what is held is let out as it decodes now: a character whose bytes lie
-       more than that many tokens apart (special tokens between them) shows as U+FFFD.
+    quadratic, 10 s for 16,000 tokens). Past HOLD_TOKENS held tokens, the text up to a split among
+    the last SPLIT_TRIES tokens is let out when its decode is a prefix of the whole decode short of
+    its last three U+FFFD: decoders show an incomplete character at the end (at most 3 bytes, which
+    more bytes may complete) as one U+FFFD (`tokenizers`) or one per byte (SentencePiece), and
+    invalid bytes before it as U+FFFD that a later byte does not change. Past FORCE_TOKENS (no such
+    split: a safety net), what is held is let out as it decodes now.
+
     Where the contract does not hold: Hugging Face's ByteFallback decoder (Llama-style
     tokenizer.json) shows a whole run of byte tokens as U+FFFD once any byte in it is invalid, so a
     character already let out (its bytes complete) can show as U+FFFD in a later whole decode.
@@ -41,19 +45,23 @@ class Detokenizer:
     CONTEXT = 8  # prompt ids kept as left context: enough for a leading space or a split character
     HOLD_TOKENS = 16  # a character is at most 4 bytes: more tokens held than this are not one character
     SPLIT_TRIES = 8  # splits tried before the held tokens' incomplete end
-    FORCE_TOKENS = 64  # held past this (special tokens inside a character's bytes): let out as they decode
+    FORCE_TOKENS = 64  # held past this, with no split found: let out as they decode
 
     def __init__(self, tok: Tokenizer, context: Sequence[int] = ()):
         self.tok = tok
+        self.special = getattr(tok, "special_ids", frozenset())
+        self.special_ends_bytes = getattr(tok, "specials_end_bytes", False)
         # the context window (prompt tail, later the last emitted tokens) + tokens not yet turned into text
         self.ids: list[int] = [int(t) for t in context[-self.CONTEXT:]]
-        self.read = len(self.ids)  # how many of `ids` are already text
-        for _ in range(3):  # a character split across the end of the context is decoded with the new tokens
-            if not self.read or not tok.decode(self.ids[:self.read]).endswith("\ufffd"):
-                break
-            self.read -= 1
+        self.read = len(self.ids) - _incomplete_tail(tok, self.ids)  # how many of `ids` are already text
 
     def add(self, token: int) -> str:
+        if token in self.special:
+            if self.read == len(self.ids) or not self.special_ends_bytes:
+                return ""  # no text, and none it changes: as if it had not come
+            self.ids.append(token)  # SentencePiece: the bytes held are final now
+            before, after = self.tok.decode(self.ids[:self.read]), self.tok.decode(self.ids)
+            return self._take(len(self.ids), before, after)
         self.ids.append(token)
         before = self.tok.decode(self.ids[:self.read])
         after = self.tok.decode(self.ids)
@@ -62,10 +70,7 @@ class Detokenizer:
         held = len(self.ids) - self.read
         if held <= self.HOLD_TOKENS:
             return ""
-        if after == before and not before.endswith("\ufffd"):  # 1. no text, none to complete: the context stays
-            del self.ids[self.read:]  # (as context they would lose the next token's leading space)
-            return ""
-        # 2. the text short of its incomplete end (at most 3 bytes, which more bytes may complete) is final
+        # the text short of its incomplete end (at most 3 bytes, which more bytes may complete) is final
         final = after
         for _ in range(3):
             final = final[:-1] if final.endswith("\ufffd") else final
@@ -73,7 +78,7 @@ class Detokenizer:
             head = self.tok.decode(self.ids[:split])
             if len(head) > len(before) and final.startswith(head):
                 return self._take(split, before, head)
-        if held > self.FORCE_TOKENS:  # 3.
+        if held > self.FORCE_TOKENS:
             return self._take(len(self.ids), before, after)
         return ""
 
@@ -88,6 +93,29 @@ class Detokenizer:
         done, self.read = self.read, split - self.read
         del self.ids[:done]
         return text[len(before):]
+
+
+def _incomplete_tail(tok: Tokenizer, ids: list[int]) -> int:
+    """How many of `ids`' last tokens carry the start of a character whose other bytes have not come
+    (0 when the text ends whole: a literal U+FFFD is a whole character). Read from the tokens' own
+    bytes (`Tokenizer.token_text`); a tokenizer without them: its decode ending in U+FFFD, at most 3."""
+    if not hasattr(tok, "token_text"):
+        n = len(ids)
+        while n > len(ids) - 3 and n and tok.decode(ids[:n]).endswith("\ufffd"):
+            n -= 1
+        return len(ids) - n
+    pieces: list[bytes] = []
+    for t in reversed(ids[-3:]):  # a character is at most 4 bytes: its start lies in the last 3 tokens
+        text = tok.token_text(t)
+        if not isinstance(text, bytes):
+            break
+        pieces.insert(0, text)
+        try:
+            b"".join(pieces).decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.reason == "unexpected end of data" and e.start < len(pieces[0]):  # it starts in this token
+                return len(pieces)
+    return 0
 
 
 class StopFilter:

@@ -86,6 +86,10 @@ class Tokenizer:
         self._placeholder_re = re.compile(f"\ue000{nonce}\\.(\\d+)\ue001")
         self._controls = controls
 
+        self.special_ids = frozenset(self._specials.values())  # what `decode` drops (BOS, EOS, chat controls)
+        # SentencePiece ends a run of byte pieces at a control piece (the bytes before it are final
+        # then); `tokenizers` drops special tokens before decoding, as if they were not there
+        self.specials_end_bytes = self.kind == "sentencepiece"
         self._texts: dict[int, str | bytes] = {}  # token_text's cache
         self._anchor = self._encode("a")[-1:]  # a plain token for token_text to put before another
 

@@ -151,7 +151,8 @@ def test_a_ctrl_c_as_a_turn_s_steps_end_leaves_no_half_turn(fp32, monkeypatch):
 def test_a_ctrl_c_inside_begin_after_the_cache_was_emptied_is_undone(fp32, monkeypatch):
     """A hostile round: a Ctrl-C between the start-over's `forget` and the bookkeeping's `_clear`
     left an empty cache whose bookkeeping said it held the history: the next turn fed only its new
-    ids and reported them cached. Such a turn is now undone by the next one."""
+    ids and reported them cached. A real Ctrl-C there now waits for the block's end (`interrupts_held`);
+    an error raised inside it (injected here) is undone by the turn's own `end`."""
     import edgeinfer.conversation as conversation
 
     m = edgeinfer.load(fp32, capacity_tokens=64, overflow="truncate")

@@ -18,7 +18,10 @@ def bundled():
 
 
 class _ByteLevel:
-    """A byte-level BPE (GPT-2's byte alphabet, a few merges): `decode` only, as Detokenizer uses it."""
+    """A byte-level BPE (GPT-2's byte alphabet, a few merges, one special token that decode drops):
+    what Detokenizer uses of a Tokenizer, as the `tokenizers` back end has it."""
+
+    specials_end_bytes = False  # `tokenizers` drops special tokens before decoding
 
     def __init__(self):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -31,6 +34,8 @@ class _ByteLevel:
         self.hf = Tokenizer(models.BPE(vocab, merges))
         self.hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self.hf.decoder = decoders.ByteLevel()
+        self.hf.add_special_tokens(["<|end|>"])
+        self.special_ids = frozenset({self.hf.token_to_id("<|end|>")})
         self.calls = 0
         self.decoded_ids = 0
 
@@ -40,7 +45,7 @@ class _ByteLevel:
     def decode(self, ids) -> str:
         self.calls += 1
         self.decoded_ids += len(ids)
-        return self.hf.decode(list(ids))
+        return self.hf.decode(list(ids), skip_special_tokens=True)
 
 
 def _pieces(encode, byte_id, rng: random.Random, specials: tuple[int, ...] = ()) -> list[int]:
@@ -49,8 +54,8 @@ def _pieces(encode, byte_id, rng: random.Random, specials: tuple[int, ...] = ())
     ids: list[int] = []
     for _ in range(rng.randrange(1, 30)):
         kind = rng.random()
-        if specials and kind < 0.1:
-            ids += [rng.choice(specials) for _ in range(rng.choice([1, 5, 17, 40, 70]))]
+        if specials and kind < 0.1:  # runs about the hold's bounds
+            ids += [rng.choice(specials) for _ in range(rng.choice([1, 5, 15, 16, 17, 40, 63, 64, 65, 70, 130]))]
         elif kind < 0.4:
             ids += encode(rng.choice([" the", " a", "cat", " dog.", "é", " Once"]))
         elif kind < 0.7:
@@ -61,10 +66,12 @@ def _pieces(encode, byte_id, rng: random.Random, specials: tuple[int, ...] = ())
     return ids
 
 
-def _check(tok, ids: list[int], context: list[int]) -> None:
+def _check(tok, ids: list[int], context: list[int], cut: int = 0) -> None:
+    """The pieces join to what `ids` add after `context`; `cut`: the context's last tokens begin a
+    character (their text comes with the token that completes it)."""
     d = Detokenizer(tok, context)
     whole = tok.decode(context + ids)
-    before = tok.decode(context)
+    before = tok.decode(context[:len(context) - cut])
     assert whole.startswith(before)
     want = whole[len(before):]
     got = ""
@@ -75,12 +82,15 @@ def _check(tok, ids: list[int], context: list[int]) -> None:
     assert got == want
 
 
-def test_sentencepiece_pieces_join_to_the_whole_decode(bundled):
+@pytest.mark.parametrize("seed", range(6))
+def test_sentencepiece_pieces_join_to_the_whole_decode(bundled, seed):
     tok = bundled.tokenizer
-    rng = random.Random(7)
-    for _ in range(300):
-        context = tok.encode(rng.choice(["", "Once upon a", "She said"]), add_bos=False)
-        _check(tok, _pieces(lambda s: tok.encode(s, add_bos=False), lambda b: 3 + b, rng, specials=(1, 2)), context)
+    rng = random.Random(seed)
+    contexts = [(tok.encode(text, add_bos=False), 0) for text in ("", "Once upon a", "She said", "a \ufffd")]
+    contexts += [([1], 0), (tok.encode("Once", add_bos=False) + [3 + 0xE2, 3 + 0x82], 2)]  # BOS; cut mid-"€"
+    for _ in range(150):
+        context, cut = rng.choice(contexts)
+        _check(tok, _pieces(lambda s: tok.encode(s, add_bos=False), lambda b: 3 + b, rng, specials=(1, 2)), context, cut)
 
 
 def test_byte_level_pieces_join_to_the_whole_decode():
@@ -94,9 +104,9 @@ def test_byte_level_pieces_join_to_the_whole_decode():
         return vocab[byte_char[b]]
 
     rng = random.Random(11)
-    for _ in range(300):
+    for _ in range(600):
         context = tok.encode(rng.choice(["", "the cat", " é"]))
-        _check(tok, _pieces(tok.encode, byte_id, rng), context)
+        _check(tok, _pieces(tok.encode, byte_id, rng, specials=tuple(tok.special_ids)), context)
 
 
 def test_bytes_that_never_make_a_character_cost_a_bounded_decode_each(bundled):
@@ -104,9 +114,12 @@ def test_bytes_that_never_make_a_character_cost_a_bounded_decode_each(bundled):
     every token (9.4 s; quadratic), and the reply's text was empty while decode gave 16,000 U+FFFD.
     Now what is final is let out: each token decodes at most about HOLD_TOKENS + SPLIT_TRIES ids."""
 
-    class Counting:
+    class Counting:  # the tokenizer, counting what it decodes
         def __init__(self, tok):
             self.tok, self.decoded_ids = tok, 0
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
 
         def decode(self, ids):
             self.decoded_ids += len(ids)
@@ -130,9 +143,12 @@ def test_special_tokens_held_long_neither_cost_a_whole_decode_nor_lose_a_space(b
     for n in (16, 17, 100):
         _check(tok, [2] * n + tok.encode(" time", add_bos=False), context)
 
-    class Counting:
+    class Counting:  # the tokenizer, counting what it decodes
         def __init__(self):
             self.decoded_ids = 0
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
 
         def decode(self, ids):
             self.decoded_ids += len(ids)
@@ -143,9 +159,24 @@ def test_special_tokens_held_long_neither_cost_a_whole_decode_nor_lose_a_space(b
     text = "".join(d.add(t) for t in [3 + 0xE2] + [2] * (n - 1)) + d.flush()
     assert text == tok.decode([3 + 0xE2] + [2] * (n - 1)) == "\ufffd"
     assert counting.decoded_ids < n * 4 * (Detokenizer.FORCE_TOKENS + Detokenizer.SPLIT_TRIES)
-    c = bundled.generate("Once upon a time", max_new_tokens=400, temperature=1.0, ignore_eos=True, seed=1,
-                         logit_bias={2: 26.0})  # EOS, ignored, often: runs of it between words
-    assert c.text == tok.decode(list(c.token_ids))
+    for prompt, seed, bias in (("Once upon a time", 1, {2: 26.0}),  # EOS, ignored, often: runs of it
+                               ([1], 247, {2: 30.0, 410: 6.0}),  # from BOS alone, "▁" often (a review)
+                               ("The sign said \ufffd", 0, {})):  # a prompt ending in a literal U+FFFD
+        ids = bundled.encode_prompt(prompt)
+        c = bundled.generate(ids, max_new_tokens=400, temperature=1.0, ignore_eos=True, seed=seed, logit_bias=bias)
+        assert c.text == tok.decode(ids + list(c.token_ids))[len(tok.decode(ids)):]
+
+
+@pytest.mark.parametrize("context, ids, want", [
+    ([1], [2] * 16 + [410, 265], " the"),  # a "▁" after held specials kept its space (a review)
+    ("Once upon a", [3 + 0x82] + [2] * 62 + [3 + 0xE2, 3 + 0x82, 3 + 0xAC], "\ufffd€"),  # a stray byte, specials, "€"
+    ("Once upon a", [3 + 0xAC] + [2] * 129 + [280], "\ufffd c"),
+])
+def test_cases_a_review_found(bundled, context, ids, want):
+    tok = bundled.tokenizer
+    context = tok.encode(context, add_bos=False) if isinstance(context, str) else context
+    assert tok.decode(context + ids)[len(tok.decode(context)):] == want
+    _check(tok, ids, context)
 
 
 def test_a_reply_of_broken_bytes_has_the_text_decode_gives(bundled):
