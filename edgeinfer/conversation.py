@@ -84,7 +84,7 @@ class Conversation:
         self._prompt_text, self._reply, self._unfed, self._held, self._rebuild = state
 
     def reset(self) -> None:
-        with self.lock.hold():
+        with self.lock.hold(), interrupts_held():
             self.messages = []
             self._forget()
 
@@ -106,8 +106,12 @@ class Conversation:
         def begin(req: Request) -> list[int]:  # under the lock, at the first next()
             with interrupts_held():  # the repairs whole or not at all (a Ctrl-C waits for their end)
                 if self._open is not None:  # a turn whose `end` never ran (a Ctrl-C as its steps ended)
-                    self._roll_back(self._open)
-                    self._open = None
+                    stale, self._open = self._open, None
+                    try:
+                        self._roll_back(stale)
+                    except BaseException:  # (never seen) the cache emptied rather than this tried again each turn
+                        self._recover()
+                        raise
                 if not self.cache.intact:  # a mutation was cut short (Ctrl-C inside a step): start clean
                     self._recover()
             msgs = list(messages) if messages is not None else self.messages + [{"role": "user", "content": content}]

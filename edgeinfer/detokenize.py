@@ -23,10 +23,11 @@ class Detokenizer:
     ids cut mid-character: its last tokens are bytes that begin one) has that character's text come
     with the first token that completes it.
 
-    A special token (`Tokenizer.special_ids`: decode drops it) is never held: with nothing held it
-    changes no text, before or after it, and is passed over; with bytes held, `tokenizers` passes
-    over it too (it drops special tokens before decoding), while SentencePiece ends a byte run at a
-    control piece, so what is held is let out as final.
+    A token that decode drops is never held. An id past the tokenizer's vocabulary (a padded row's)
+    and, on `tokenizers`, a special token (`Tokenizer.special_ids`) are dropped before decoding: they
+    are passed over, as if they had not come. SentencePiece's control pieces end a run of byte pieces:
+    with bytes held, what is held is let out as final; with none, the piece changes no text and is
+    passed over.
 
     What is held is bounded, so that each token costs a bounded decode (held whole, a run of bytes
     that never made a character, which only `logit_bias` forces, was re-decoded at every token:
@@ -51,14 +52,48 @@ class Detokenizer:
         self.tok = tok
         self.special = getattr(tok, "special_ids", frozenset())
         self.special_ends_bytes = getattr(tok, "specials_end_bytes", False)
+        self.vocab_size = getattr(tok, "vocab_size", None)
         # the context window (prompt tail, later the last emitted tokens) + tokens not yet turned into text
         self.ids: list[int] = [int(t) for t in context[-self.CONTEXT:]]
-        self.read = len(self.ids) - _incomplete_tail(tok, self.ids)  # how many of `ids` are already text
+        self.read = len(self.ids) - self._incomplete_tail()  # how many of `ids` are already text
+
+    def _passed_over(self, token: int) -> bool:
+        """decode drops `token` before decoding: it changes no text, before or after it."""
+        return (self.vocab_size is not None and not 0 <= token < self.vocab_size) or \
+            (token in self.special and not self.special_ends_bytes)
+
+    def _incomplete_tail(self) -> int:
+        """How many of `ids`' last tokens carry the start of a character whose other bytes have not
+        come, with the tokens decode passes over among them (0 when the text ends whole: a literal
+        U+FFFD is a whole character). Read from the tokens' own bytes (`Tokenizer.token_text`); a
+        tokenizer without them: its decode ending in U+FFFD, at most 3 tokens."""
+        tok, ids = self.tok, self.ids
+        if not hasattr(tok, "token_text"):
+            n = len(ids)
+            while n > len(ids) - 3 and n and tok.decode(ids[:n]).endswith("\ufffd"):
+                n -= 1
+            return len(ids) - n
+        pieces: list[bytes] = []
+        for back, t in enumerate(reversed(ids), 1):
+            if self._passed_over(t):
+                continue
+            text = tok.token_text(t) if t not in self.special else ""  # a control piece ends a byte run
+            if not isinstance(text, bytes) or len(pieces) == 3:  # a character's start lies in its last 3 pieces
+                break
+            pieces.insert(0, text)
+            try:
+                b"".join(pieces).decode("utf-8")
+            except UnicodeDecodeError as e:
+                if e.reason == "unexpected end of data" and e.start < len(pieces[0]):  # it starts in this token
+                    return back
+        return 0
 
     def add(self, token: int) -> str:
-        if token in self.special:
-            if self.read == len(self.ids) or not self.special_ends_bytes:
-                return ""  # no text, and none it changes: as if it had not come
+        if self._passed_over(token):
+            return ""  # as if it had not come
+        if token in self.special:  # SentencePiece's control piece
+            if self.read == len(self.ids):
+                return ""  # no text, and none it changes
             self.ids.append(token)  # SentencePiece: the bytes held are final now
             before, after = self.tok.decode(self.ids[:self.read]), self.tok.decode(self.ids)
             return self._take(len(self.ids), before, after)
@@ -93,29 +128,6 @@ class Detokenizer:
         done, self.read = self.read, split - self.read
         del self.ids[:done]
         return text[len(before):]
-
-
-def _incomplete_tail(tok: Tokenizer, ids: list[int]) -> int:
-    """How many of `ids`' last tokens carry the start of a character whose other bytes have not come
-    (0 when the text ends whole: a literal U+FFFD is a whole character). Read from the tokens' own
-    bytes (`Tokenizer.token_text`); a tokenizer without them: its decode ending in U+FFFD, at most 3."""
-    if not hasattr(tok, "token_text"):
-        n = len(ids)
-        while n > len(ids) - 3 and n and tok.decode(ids[:n]).endswith("\ufffd"):
-            n -= 1
-        return len(ids) - n
-    pieces: list[bytes] = []
-    for t in reversed(ids[-3:]):  # a character is at most 4 bytes: its start lies in the last 3 tokens
-        text = tok.token_text(t)
-        if not isinstance(text, bytes):
-            break
-        pieces.insert(0, text)
-        try:
-            b"".join(pieces).decode("utf-8")
-        except UnicodeDecodeError as e:
-            if e.reason == "unexpected end of data" and e.start < len(pieces[0]):  # it starts in this token
-                return len(pieces)
-    return 0
 
 
 class StopFilter:

@@ -86,6 +86,7 @@ class Tokenizer:
         self._placeholder_re = re.compile(f"\ue000{nonce}\\.(\\d+)\ue001")
         self._controls = controls
 
+        self.vocab_size = self._n_vocab  # `decode` drops an id at or past it (a padded embedding row's)
         self.special_ids = frozenset(self._specials.values())  # what `decode` drops (BOS, EOS, chat controls)
         # SentencePiece ends a run of byte pieces at a control piece (the bytes before it are final
         # then); `tokenizers` drops special tokens before decoding, as if they were not there

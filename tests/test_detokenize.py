@@ -36,6 +36,7 @@ class _ByteLevel:
         self.hf.decoder = decoders.ByteLevel()
         self.hf.add_special_tokens(["<|end|>"])
         self.special_ids = frozenset({self.hf.token_to_id("<|end|>")})
+        self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
         self.calls = 0
         self.decoded_ids = 0
 
@@ -45,12 +46,13 @@ class _ByteLevel:
     def decode(self, ids) -> str:
         self.calls += 1
         self.decoded_ids += len(ids)
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+        return self.hf.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=True)
 
 
 def _pieces(encode, byte_id, rng: random.Random, specials: tuple[int, ...] = ()) -> list[int]:
     """Random ids: words, characters of 2-4 bytes as byte tokens, lone bytes (lead bytes, stray
-    continuation bytes) that never make a character, and runs of special tokens (decoded as nothing)."""
+    continuation bytes) that never make a character, and runs of special tokens and of ids past the
+    vocabulary (a padded embedding row's), which decode drops."""
     ids: list[int] = []
     for _ in range(rng.randrange(1, 30)):
         kind = rng.random()
@@ -59,7 +61,10 @@ def _pieces(encode, byte_id, rng: random.Random, specials: tuple[int, ...] = ())
         elif kind < 0.4:
             ids += encode(rng.choice([" the", " a", "cat", " dog.", "é", " Once"]))
         elif kind < 0.7:
-            ids += [byte_id(b) for b in rng.choice(["é", "€", "😀", "ß", "中"]).encode()]
+            char = [byte_id(b) for b in rng.choice(["é", "€", "😀", "ß", "中"]).encode()]
+            if specials and rng.random() < 0.2:  # something decode drops between its bytes
+                char.insert(rng.randrange(1, len(char)), rng.choice(specials))
+            ids += char
         else:
             ids += [byte_id(rng.choice([0xE2, 0xF0, 0x82, 0xAC, 0xC3, 0xFF, 0x41]))
                     for _ in range(rng.randrange(1, 40))]
@@ -87,10 +92,12 @@ def test_sentencepiece_pieces_join_to_the_whole_decode(bundled, seed):
     tok = bundled.tokenizer
     rng = random.Random(seed)
     contexts = [(tok.encode(text, add_bos=False), 0) for text in ("", "Once upon a", "She said", "a \ufffd")]
-    contexts += [([1], 0), (tok.encode("Once", add_bos=False) + [3 + 0xE2, 3 + 0x82], 2)]  # BOS; cut mid-"€"
+    contexts += [([1], 0), (tok.encode("Once", add_bos=False) + [3 + 0xE2, 3 + 0x82], 2),  # BOS; cut mid-"€"
+                 (tok.encode("Once", add_bos=False) + [3 + 0xE2, 600], 2)]  # then an id past the vocabulary
     for _ in range(150):
         context, cut = rng.choice(contexts)
-        _check(tok, _pieces(lambda s: tok.encode(s, add_bos=False), lambda b: 3 + b, rng, specials=(1, 2)), context, cut)
+        ids = _pieces(lambda s: tok.encode(s, add_bos=False), lambda b: 3 + b, rng, specials=(1, 2, 600, 700))
+        _check(tok, ids, context, cut)
 
 
 def test_byte_level_pieces_join_to_the_whole_decode():
@@ -106,7 +113,7 @@ def test_byte_level_pieces_join_to_the_whole_decode():
     rng = random.Random(11)
     for _ in range(600):
         context = tok.encode(rng.choice(["", "the cat", " é"]))
-        _check(tok, _pieces(tok.encode, byte_id, rng, specials=tuple(tok.special_ids)), context)
+        _check(tok, _pieces(tok.encode, byte_id, rng, specials=(*tok.special_ids, tok.vocab_size + 5)), context)
 
 
 def test_bytes_that_never_make_a_character_cost_a_bounded_decode_each(bundled):
@@ -171,6 +178,9 @@ def test_special_tokens_held_long_neither_cost_a_whole_decode_nor_lose_a_space(b
     ([1], [2] * 16 + [410, 265], " the"),  # a "▁" after held specials kept its space (a review)
     ("Once upon a", [3 + 0x82] + [2] * 62 + [3 + 0xE2, 3 + 0x82, 3 + 0xAC], "\ufffd€"),  # a stray byte, specials, "€"
     ("Once upon a", [3 + 0xAC] + [2] * 129 + [280], "\ufffd c"),
+    ("Once upon a", [600, 2, 378], " time"),  # an id past the vocabulary, then EOS (a review)
+    ("Once upon a", [600] * 65 + [378], " time"),
+    ("Once", [3 + 0xE2] + [600] * 64 + [3 + 0x82, 3 + 0xAC], "€"),
 ])
 def test_cases_a_review_found(bundled, context, ids, want):
     tok = bundled.tokenizer
