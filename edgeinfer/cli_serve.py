@@ -74,11 +74,17 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
     from edgeinfer.server.systemd import systemd_unit
 
     def footprint(folder: Path, capacity: int | None) -> int:
-        """Weights plus one KV ring per slot (each request holds one, of the draft model too)."""
+        """Weights plus one KV ring per slot (each request holds one, of the draft model too). A
+        portable folder on the CPU holds its weights as float32 twice (each graph folds its own:
+        `session.session_options`), whatever their size on disk."""
+        from edgeinfer.inspect import parameter_count
+
         manifest = read_manifest(folder)
         spec = manifest.arch
         cap = resolve_capacity(manifest.default_capacity_tokens, spec, capacity)
         weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        if manifest.portable is not None:
+            weights = max(weights, 2 * 4 * parameter_count(spec))
         return weights + config.slots * spec.kv_bytes_per_token * (cap + min(256, cap))
 
     if config.port == 0:

@@ -242,3 +242,22 @@ def test_a_file_the_manifest_names_must_be_listed_for_its_check(portable, tmp_pa
     (folder / "edgeinfer.json").write_text(json.dumps(raw))
     with pytest.raises(edgeinfer.ModelFormatError, match="names emb.dat but does not list it"):
         edgeinfer.load(folder)
+
+
+def test_the_service_unit_of_a_portable_folder_counts_its_float32_weights(portable, monkeypatch):
+    """The final review: portable sessions on the CPU fold their weights to float32, once per graph,
+    but the unit's MemoryMax counted the folder's size on disk (int8: an eighth of it), so the kernel
+    would have killed the service in a loop."""
+    import edgeinfer.server.systemd as systemd
+    from edgeinfer.cli import main
+    from edgeinfer.inspect import parameter_count
+    from edgeinfer.manifest import read_manifest
+
+    folder = portable(STORIES_SRC, "nnapi", "int8")
+    sized = []
+    monkeypatch.setattr(systemd, "systemd_unit", lambda **kw: sized.append(kw["memory_max_bytes"]) or "")
+    assert main(["serve", "-m", str(folder), "--port", "8080", "--slots", "1", "--print-systemd-unit"]) == 0
+    spec = read_manifest(folder).arch
+    on_disk = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    assert 2 * 4 * parameter_count(spec) > on_disk  # (int8 weights: about an eighth)
+    assert sized[0] >= 2 * 4 * parameter_count(spec) + spec.kv_bytes_per_token  # weights, then a ring

@@ -868,3 +868,28 @@ def test_a_full_scheduler_that_is_closing_is_not_called_full(model):
         sched.admit()
     for t in tickets:
         sched.withdraw(t)
+
+
+def test_a_client_cannot_forge_a_log_line(srv):
+    """The final review: a refused request's path, decoded by uvicorn, went into the text log as it
+    was: "/x%0Amethod=POST path=/v1/chat/completions status=200" wrote a second, forged line, before
+    any key check. A value with a newline, a space, "=" or a quote is written as a JSON string."""
+    records: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    lg, handler = logging.getLogger("edgeinfer.server"), Lines(logging.INFO)
+    level = lg.level
+    lg.setLevel(logging.INFO)
+    lg.addHandler(handler)
+    try:
+        resp = httpx.get(srv.url + "/x%0Amethod=POST%20path=/v1/chat/completions%20status=200")
+        assert resp.status_code == 401
+        _wait(lambda: records, 5)
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(level)
+    (line,) = [r for r in records if "status=401" in r]
+    assert "\n" not in line and line.startswith('method=GET path="/x\\nmethod=POST path=/v1/chat/completions status=200"')

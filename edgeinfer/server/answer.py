@@ -217,11 +217,18 @@ class Reply:
 
 
 def log_request(log_format: str, fields: dict) -> None:
-    """One request's log line: key=value pairs, or a JSON object (`log_format` "json")."""
+    """One request's log line: key=value pairs, or a JSON object (`log_format` "json"). A text value
+    with a space, "=", a quote or anything unprintable (a client's path: "%0A" is a newline once
+    decoded, which would start a forged line in the journal) is written as a JSON string."""
     if log_format == "json":
         log.info(json.dumps(fields))
     else:
-        log.info(" ".join(f"{k}={v}" for k, v in fields.items()))
+        log.info(" ".join(f"{k}={_plain(v)}" for k, v in fields.items()))
+
+
+def _plain(v) -> str:
+    s = str(v)
+    return s if s.isprintable() and not any(c in s for c in ' ="\\') else json.dumps(s)
 
 
 async def cancel_on_disconnect(request: Request, job: Job, every_s: float = 0.1) -> None:
