@@ -6,7 +6,7 @@ sampled token (`_unfed`, fed at the start of the next turn); `messages` ends wit
 empty `_prompt_text` means "the cache holds nothing useful": the next turn re-prefills the whole
 rendered history.
 
-A turn's prompt is the whole conversation: `_held`, the ids fed so far, then its new ones. Its
+A turn's prompt is the whole conversation: `_held`, its ids so far, then its new ones. Its
 penalties count them all and its usage says so (prompt_tokens: all of them, as a stateless request
 would count them; cached_tokens: those earlier turns fed), so a turn gives the tokens that plain
 decoding of the same ids gives.
@@ -73,8 +73,10 @@ class Conversation:
         self._prompt_text = ""  # the last turn's rendered prompt (its tokens are in the cache)
         self._reply = ""  # the reply generated after it (its tokens are in the cache, but the last)
         self._unfed: list[int] = []  # last sampled token, not yet fed to the cache
-        self._held: list[int] = []  # the ids fed so far, in order, less `_unfed` (the ring may have forgotten
-        # the oldest): a turn's prompt is these and its new ids, for the penalties and the usage
+        # the conversation's ids so far, in order, less `_unfed`: what was fed (the ring may have forgotten
+        # the oldest; a rebuild fed only the ends of its rendering, all of which count), then the reply's
+        # ids the cache holds. A turn's prompt is these and its new ids, for the penalties and the usage.
+        self._held: list[int] = []
         self._rebuild = False  # emptied to recover (a failed rollback): the next turn feeds what the ring holds
 
     def _state(self) -> tuple:

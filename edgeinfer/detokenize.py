@@ -23,11 +23,10 @@ class Detokenizer:
     ids cut mid-character: its last tokens are bytes that begin one) has that character's text come
     with the first token that completes it.
 
-    A token that decode drops is never held. An id past the tokenizer's vocabulary (a padded row's)
-    and, on `tokenizers`, a special token (`Tokenizer.special_ids`) are dropped before decoding: they
-    are passed over, as if they had not come. SentencePiece's control pieces end a run of byte pieces:
-    with bytes held, what is held is let out as final; with none, the piece changes no text and is
-    passed over.
+    A token that decode drops is never held. One it drops before decoding (`Tokenizer.drops`: an id
+    past the vocabulary, a special token of `tokenizers`) is passed over, as if it had not come.
+    SentencePiece's control pieces end a run of byte pieces: with bytes held, what is held is let out
+    as final; with none, the piece changes no text and is passed over.
 
     What is held is bounded, so that each token costs a bounded decode (held whole, a run of bytes
     that never made a character, which only `logit_bias` forces, was re-decoded at every token:
@@ -50,34 +49,20 @@ class Detokenizer:
 
     def __init__(self, tok: Tokenizer, context: Sequence[int] = ()):
         self.tok = tok
-        self.special = getattr(tok, "special_ids", frozenset())
-        self.special_ends_bytes = getattr(tok, "specials_end_bytes", False)
-        self.vocab_size = getattr(tok, "vocab_size", None)
         # the context window (prompt tail, later the last emitted tokens) + tokens not yet turned into text
         self.ids: list[int] = [int(t) for t in context[-self.CONTEXT:]]
         self.read = len(self.ids) - self._incomplete_tail()  # how many of `ids` are already text
 
-    def _passed_over(self, token: int) -> bool:
-        """decode drops `token` before decoding: it changes no text, before or after it."""
-        return (self.vocab_size is not None and not 0 <= token < self.vocab_size) or \
-            (token in self.special and not self.special_ends_bytes)
-
     def _incomplete_tail(self) -> int:
         """How many of `ids`' last tokens carry the start of a character whose other bytes have not
-        come, with the tokens decode passes over among them (0 when the text ends whole: a literal
-        U+FFFD is a whole character). Read from the tokens' own bytes (`Tokenizer.token_text`); a
-        tokenizer without them: its decode ending in U+FFFD, at most 3 tokens."""
+        come, with the tokens decode drops among them (0 when the text ends whole: a literal U+FFFD is
+        a whole character). Read from the tokens' own bytes (`Tokenizer.token_text`)."""
         tok, ids = self.tok, self.ids
-        if not hasattr(tok, "token_text"):
-            n = len(ids)
-            while n > len(ids) - 3 and n and tok.decode(ids[:n]).endswith("\ufffd"):
-                n -= 1
-            return len(ids) - n
         pieces: list[bytes] = []
         for back, t in enumerate(reversed(ids), 1):
-            if self._passed_over(t):
+            if tok.drops(t):
                 continue
-            text = tok.token_text(t) if t not in self.special else ""  # a control piece ends a byte run
+            text = tok.token_text(t) if t not in tok.special_ids else ""  # a control piece ends a byte run
             if not isinstance(text, bytes) or len(pieces) == 3:  # a character's start lies in its last 3 pieces
                 break
             pieces.insert(0, text)
@@ -89,9 +74,9 @@ class Detokenizer:
         return 0
 
     def add(self, token: int) -> str:
-        if self._passed_over(token):
+        if self.tok.drops(token):
             return ""  # as if it had not come
-        if token in self.special:  # SentencePiece's control piece
+        if token in self.tok.special_ids:  # SentencePiece's control piece
             if self.read == len(self.ids):
                 return ""  # no text, and none it changes
             self.ids.append(token)  # SentencePiece: the bytes held are final now

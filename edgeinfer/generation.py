@@ -181,7 +181,7 @@ class Request:
                  stepper=None, prefix: Sequence[int] = (), cancelled: threading.Event | None = None,
                  power=None):
         """begin(request): run under the lock at the first `next()`, returns the prompt ids to feed
-        (it may set `request.prefix`: tokens the cache holds before them; and `request.cut`: prompt
+        (it may set `request.prefix`: the tokens fed before them, see `prefix` below; and `request.cut`: prompt
         tokens it left out, counted in usage as prompt tokens dropped). end(request): step 6.
         logprobs: None (off) or n >= 0: each chunk carries its token's logprob and the n best.
         stepper: how decode steps run (`batching.SoloStepper`, the default, or a `DecodeBatcher`
@@ -273,7 +273,8 @@ class Request:
             self.speculation = stepper.stats
         stepper.join(cache)
         try:
-            sampler = Sampler(opts.sampling, opts.seed, self.prefix + feed)  # keeps the last penalty_last_n
+            window = opts.sampling.penalty_last_n if opts.sampling.has_penalties else 0  # the ids it keeps, at most
+            sampler = Sampler(opts.sampling, opts.seed, (self.prefix[-window:] if window else []) + feed)
             finish, final, t_first = yield from self._decode(logits, sampler, detok, stops, generated, marks, stepper)
         finally:
             stepper.leave(cache)

@@ -34,9 +34,10 @@ once full. A larger one re-bases more often (every T - C tokens; `load` warns), 
 re-bases every token and its steps write position T, the least a full ring of T tokens plus the new
 token needs.
 
-Owned by one conversation; mutated only by `rebase_if_due`, `commit`, `rewind`, `reset` (and
-`forget`, a reset that `unforget` takes back while no row has been written since) and `restore`. `intact` is False while (or if an exception such as Ctrl-C stopped) `rebase_if_due` or
-`commit` is half done: such a cache must be reset before use.
+Owned by one conversation; mutated only by `rebase_if_due`, `commit`, `rewind`, `reset`, `forget`
+(a reset) and `unforget` (its undo, while no row has been written since), and `restore`. `intact` is
+False while (or if an exception such as Ctrl-C stopped) `rebase_if_due` or `commit` is half done:
+such a cache must be reset before use.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class RingKVCache:
             raise InvalidArgumentError(f"rebase_every_tokens must be >= 1, got {rebase_every_tokens}")
         self.logits = np.zeros((1, 1, spec.vocab_size), np.float32)  # the engine writes the last token's here
         self.bytes = spec.kv_bytes_per_token * rows * self.dtype.itemsize // 4
-        self.writes = 0  # graph calls that wrote rows here (`write_offset`, batched steps), and restores
+        self.writes = 0  # calls that may have written rows here (`write_offset`, batched steps), and restores
         self.reset()
 
     @staticmethod

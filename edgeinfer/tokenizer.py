@@ -86,11 +86,7 @@ class Tokenizer:
         self._placeholder_re = re.compile(f"\ue000{nonce}\\.(\\d+)\ue001")
         self._controls = controls
 
-        self.vocab_size = self._n_vocab  # `decode` drops an id at or past it (a padded embedding row's)
         self.special_ids = frozenset(self._specials.values())  # what `decode` drops (BOS, EOS, chat controls)
-        # SentencePiece ends a run of byte pieces at a control piece (the bytes before it are final
-        # then); `tokenizers` drops special tokens before decoding, as if they were not there
-        self.specials_end_bytes = self.kind == "sentencepiece"
         self._texts: dict[int, str | bytes] = {}  # token_text's cache
         self._anchor = self._encode("a")[-1:]  # a plain token for token_text to put before another
 
@@ -156,6 +152,13 @@ class Tokenizer:
         which Hugging Face checkpoints often have: Qwen2.5's 151,936 rows for 151,665 tokens) adds
         nothing, as a special token does."""
         return self._decode([i for i in map(int, ids) if 0 <= i < self._n_vocab])
+
+    def drops(self, token_id: int) -> bool:
+        """Whether `decode` drops `token_id` before decoding, as if it were not there: an id past the
+        vocabulary (a padded row's), or a special token of the `tokenizers` back end. SentencePiece's
+        control pieces (`special_ids`) decode to nothing too, but end a run of byte pieces: the bytes
+        before one never join those after it."""
+        return not 0 <= token_id < self._n_vocab or (self.kind != "sentencepiece" and token_id in self.special_ids)
 
     def token_text(self, token_id: int) -> str | bytes:
         """What the token adds to a text, as an API shows one token of logprobs: its text after other

@@ -143,6 +143,7 @@ def test_a_ctrl_c_as_a_turn_s_steps_end_leaves_no_half_turn(fp32, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         for _ in a.stream_say("Who is Ben?", **opts):
             pass
+    assert a._open is not None  # the scenario: the turn's end never ran
     ra, rb = a.say("Why?", max_new_tokens=30, **GREEDY), b.say("Why?", max_new_tokens=30, **GREEDY)
     assert ra.token_ids == rb.token_ids and ra.usage == rb.usage
     _same_state(a, b)
@@ -159,9 +160,10 @@ def test_a_ctrl_c_inside_begin_after_the_cache_was_emptied_is_undone(fp32, monke
     a, b = m.conversation(), m.conversation()
     for c in (a, b):
         c.say("Lily had a red ball.", max_new_tokens=10, **GREEDY)
-    _interrupt_call(monkeypatch, conversation.Conversation, "_clear", 1)
+    calls = _interrupt_call(monkeypatch, conversation.Conversation, "_clear", 1)
     with pytest.raises(KeyboardInterrupt):
         next(a.stream_say("Who is Ben?", max_new_tokens=40, **GREEDY))  # does not fit beside: starts over
+    assert calls == ["_clear"]  # the scenario: cut after the cache's forget, in begin
     ra, rb = a.say("Why?", max_new_tokens=30, **GREEDY), b.say("Why?", max_new_tokens=30, **GREEDY)
     assert ra.token_ids == rb.token_ids and ra.usage == rb.usage
     _same_state(a, b)

@@ -17,36 +17,28 @@ def bundled():
     return edgeinfer.load()
 
 
-class _ByteLevel:
-    """A byte-level BPE (GPT-2's byte alphabet, a few merges, one special token that decode drops):
-    what Detokenizer uses of a Tokenizer, as the `tokenizers` back end has it."""
+def _byte_level(folder):
+    """A real `Tokenizer` (the `tokenizers` back end) over a byte-level BPE built here: GPT-2's byte
+    alphabet, a few merges, one special token that decode drops. Returns it and its byte -> id map."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-    specials_end_bytes = False  # `tokenizers` drops special tokens before decoding
+    from edgeinfer.manifest import TokenizerInfo
+    from edgeinfer.tokenizer import Tokenizer
 
-    def __init__(self):
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-        alphabet = pre_tokenizers.ByteLevel.alphabet()
-        vocab = {c: i for i, c in enumerate(sorted(alphabet))}
-        merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ã", "©")]  # " the", "é" as one token
-        for a, b in merges:
-            vocab[a + b] = len(vocab)
-        self.hf = Tokenizer(models.BPE(vocab, merges))
-        self.hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        self.hf.decoder = decoders.ByteLevel()
-        self.hf.add_special_tokens(["<|end|>"])
-        self.special_ids = frozenset({self.hf.token_to_id("<|end|>")})
-        self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
-        self.calls = 0
-        self.decoded_ids = 0
-
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text).ids
-
-    def decode(self, ids) -> str:
-        self.calls += 1
-        self.decoded_ids += len(ids)
-        return self.hf.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=True)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ã", "©")]  # " the", "é" as one token
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    hf = HFTokenizer(models.BPE(vocab, merges))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(["<|end|>"])
+    hf.save(str(folder / "tokenizer.json"))
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # GPT-2's byte -> character map
+    extra = iter(range(256, 512))
+    byte_char = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+    return Tokenizer(folder, TokenizerInfo(kind="hf_tokenizers")), {b: vocab[byte_char[b]] for b in range(256)}
 
 
 def _pieces(encode, byte_id, rng: random.Random, specials: tuple[int, ...] = ()) -> list[int]:
@@ -100,20 +92,28 @@ def test_sentencepiece_pieces_join_to_the_whole_decode(bundled, seed):
         _check(tok, ids, context, cut)
 
 
-def test_byte_level_pieces_join_to_the_whole_decode():
-    tok = _ByteLevel()
-    vocab = tok.hf.get_vocab()
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # GPT-2's byte -> character map
-    extra = iter(range(256, 512))
-    byte_char = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+def test_byte_level_pieces_join_to_the_whole_decode(tmp_path):
+    tok, byte = _byte_level(tmp_path)
+    (end,) = tok.special_ids
+    dropped = (end, len(byte) + 400)  # the special token; an id past the vocabulary
 
-    def byte_id(b: int) -> int:
-        return vocab[byte_char[b]]
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_bos=False)
 
     rng = random.Random(11)
     for _ in range(600):
-        context = tok.encode(rng.choice(["", "the cat", " é"]))
-        _check(tok, _pieces(tok.encode, byte_id, rng, specials=(*tok.special_ids, tok.vocab_size + 5)), context)
+        context, cut = encode(rng.choice(["", "the cat", " é"])), 0
+        if rng.random() < 0.4:  # the context ends mid-character, maybe with a dropped id among its bytes
+            char = rng.choice(["€", "😀", "中"]).encode()
+            k = rng.randrange(1, len(char))
+            tail = [byte[b] for b in char[:k]]
+            if rng.random() < 0.5:
+                tail.insert(rng.randrange(1, len(tail) + 1), rng.choice(dropped))
+            context, cut = context + tail, len(tail)
+            ids = [byte[b] for b in char[k:]] + _pieces(encode, byte.__getitem__, rng, specials=dropped)
+        else:
+            ids = _pieces(encode, byte.__getitem__, rng, specials=dropped)
+        _check(tok, ids, context, cut)
 
 
 def test_bytes_that_never_make_a_character_cost_a_bounded_decode_each(bundled):

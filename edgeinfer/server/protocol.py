@@ -27,7 +27,7 @@ MAX_LEGACY_LOGPROBS = 5  # completions' logprobs
 # fields this server does not implement -> the values that ask for nothing it does not do anyway (no
 # tools, so a tool choice of "auto" calls none; plain text)
 UNSUPPORTED = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
-                    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"})}
+               "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"})}
 UNSUPPORTED_COMPLETION = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
