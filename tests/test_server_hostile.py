@@ -893,3 +893,18 @@ def test_a_client_cannot_forge_a_log_line(srv):
         lg.setLevel(level)
     (line,) = [r for r in records if "status=401" in r]
     assert "\n" not in line and line.startswith('method=GET path="/x\\nmethod=POST path=/v1/chat/completions status=200"')
+
+
+def test_a_held_byte_s_text_is_not_counted_again_in_the_next_token_s_logprobs(srv):
+    """A hostile round: a lone lead byte held back (it never makes a character) came out with the
+    next token's text, and that token's logprob entry took the whole piece as its text, so the
+    entries' bytes held the byte and its U+FFFD both ('��a' for '�a'). Each entry keeps its own bytes."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Lily had a ball."}], "max_tokens": 10,
+            "temperature": 2, "seed": 1, "ignore_eos": True, "logit_bias": {"229": 95, "100": 100},
+            "logprobs": True, "top_logprobs": 2}
+    resp = httpx.post(srv.url + "/v1/chat/completions", headers=AUTH, json=body, timeout=30)
+    choice = resp.json()["choices"][0]
+    text, entries = choice["message"]["content"], choice["logprobs"]["content"]
+    assert "\ufffd" in text and "a" in text  # the scenario: lead bytes then plain tokens
+    joined = b"".join(bytes(e["bytes"]) for e in entries)
+    assert joined.decode("utf-8", errors="replace") == text and len(entries) == 10

@@ -54,6 +54,7 @@ class Reply:
         wanted = bool(req.logprobs) if chat else req.logprobs is not None
         # logprobs go out with the text their tokens add (a stop string's: never); none asked: no gate, no cost
         self._gate = replies.LogprobGate() if wanted else None
+        self._first_entry = True  # the reply's first token's entry is still to come
 
     def failed(self, exc: BaseException, tokens: int = 0) -> Response:
         """The error answer to a request that did not finish, after generating `tokens`."""
@@ -84,8 +85,11 @@ class Reply:
             return None
         top = [(self.tok.token_text(i), lp) for i, lp in chunk.top_logprobs]
         text = self.tok.token_text(chunk.token_id)
-        if isinstance(text, str) and chunk.piece and chunk.piece != text:  # what it added to this reply: a first
-            text = chunk.piece  # token's space dropped, a character the prompt began completed (byte tokens: exact)
+        first, self._first_entry = self._first_entry, False
+        if isinstance(text, str) and chunk.piece and chunk.piece != text and (first or text.endswith(chunk.piece)):
+            text = chunk.piece  # what it added to this reply: a first token's space dropped, or the text of a
+            # character the prompt began (whole or never made); a later piece that holds text held back before
+            # it (bytes of a character never made) keeps the token's own text: those bytes have their entries
         return [replies.token_logprob(text, chunk.logprob, top)]
 
     def _log(self, status: int, completion_tokens: int) -> None:
