@@ -908,3 +908,12 @@ def test_a_held_byte_s_text_is_not_counted_again_in_the_next_token_s_logprobs(sr
     assert "\ufffd" in text and "a" in text  # the scenario: lead bytes then plain tokens
     joined = b"".join(bytes(e["bytes"]) for e in entries)
     assert joined.decode("utf-8", errors="replace") == text and len(entries) == 10
+
+
+def test_legacy_offsets_of_lone_lead_bytes_count_each_replacement_character(srv):
+    """A hostile round: a lone lead byte was held as the start of a character, so the token after it
+    had its offset, and the two then counted at once: [16, 16, 18, 18, 20] for '�����'."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {"229": 100}, "logprobs": 0}
+    choice = httpx.post(srv.url + "/v1/completions", headers=AUTH, json=body, timeout=30).json()["choices"][0]
+    assert choice["text"] == "\ufffd" * 5 and choice["logprobs"]["text_offset"] == [16, 17, 18, 19, 20]

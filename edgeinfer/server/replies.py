@@ -98,17 +98,38 @@ class TextOffsets:
         self.next, self.pending = start, b""
 
     def take(self, entry: dict) -> int:
-        """The offset of `entry` (a `token_logprob` dict); moves past its text."""
-        at, self.pending = self.next, self.pending + bytes(entry["bytes"])
-        try:
-            self.next, self.pending = self.next + len(self.pending.decode("utf-8")), b""
-        except UnicodeDecodeError as err:
-            if err.reason == "unexpected end of data" and len(self.pending) - err.start < 4:  # the rest follows
-                self.next += len(self.pending[:err.start].decode("utf-8"))
-                self.pending = self.pending[err.start:]
-            else:  # bytes that never make a character: counted as the decode shows them
-                self.next, self.pending = self.next + len(self.pending.decode("utf-8", errors="replace")), b""
+        """The offset of `entry` (a `token_logprob` dict); moves past its text. Bytes that never make a
+        character count as the decode shows them (U+FFFD), once the next bytes show they never will:
+        a lone lead byte's U+FFFD comes before the token after it."""
+        new = bytes(entry["bytes"])
+        if self.pending and not _continues(self.pending, new):  # the character begun before is never made
+            self.next, self.pending = self.next + len(self.pending.decode("utf-8", errors="replace")), b""
+        at = self.next
+        final, self.pending = _incomplete_end(self.pending + new)
+        self.next += len(final.decode("utf-8", errors="replace"))
         return at
+
+
+def _continues(pending: bytes, new: bytes) -> bool:
+    """Whether `new` goes on with the character whose first bytes are `pending` (or ends it whole)."""
+    try:
+        (pending + new).decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start > 0 or e.reason == "unexpected end of data"
+    return True
+
+
+def _incomplete_end(data: bytes) -> tuple[bytes, bytes]:
+    """`data` split before a character's first bytes at its end (at most 3, more may complete it)."""
+    for k in (3, 2, 1):
+        if len(data) < k:
+            continue
+        try:
+            data[-k:].decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.reason == "unexpected end of data" and e.start == 0:
+                return data[:-k], data[-k:]
+    return data, b""
 
 
 def completion_logprobs(entries: list[dict], *, text_offset: "int | TextOffsets") -> dict:
