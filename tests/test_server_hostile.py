@@ -917,3 +917,19 @@ def test_legacy_offsets_of_lone_lead_bytes_count_each_replacement_character(srv)
             "logit_bias": {"229": 100}, "logprobs": 0}
     choice = httpx.post(srv.url + "/v1/completions", headers=AUTH, json=body, timeout=30).json()["choices"][0]
     assert choice["text"] == "\ufffd" * 5 and choice["logprobs"]["text_offset"] == [16, 17, 18, 19, 20]
+
+
+@pytest.mark.parametrize("path, extra", [("/v1/chat/completions", {"logprobs": True}),
+                                         ("/v1/completions", {"logprobs": 0})])
+def test_tokens_held_into_a_stop_string_have_no_logprob_entries(srv, path, extra):
+    """A hostile round: bytes the detokenizer held (a lone lead byte never makes a character) had
+    their entries sent at once, so at a stop string made of their text the reply was "" with five
+    entries (legacy offsets [16, 16, 18, 18, 20] for an empty text). Such entries now wait for the
+    piece that lets their text out, and go with the stop string's."""
+    prompt = {"messages": [{"role": "user", "content": "Lily had a ball."}]} if "chat" in path else {"prompt": "Once"}
+    body = {"model": MODEL, **prompt, "max_tokens": 5, "temperature": 0, "stop": "\ufffd",
+            "logit_bias": {"229": 100}, **extra}
+    choice = httpx.post(srv.url + path, headers=AUTH, json=body, timeout=30).json()["choices"][0]
+    text = choice["message"]["content"] if "chat" in path else choice["text"]
+    entries = choice["logprobs"]["content"] if "chat" in path else choice["logprobs"]["tokens"]
+    assert (text, choice["finish_reason"], entries) == ("", "stop", [])

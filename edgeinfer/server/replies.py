@@ -53,10 +53,12 @@ def token_logprob(token_text: str | bytes, logprob: float, top: list[tuple[str |
 class LogprobGate:
     """Logprob entries released in step with the reply's text, so that their tokens join to it: an
     entry waits while the text its token added (`Chunk.piece`) runs past the text sent so far (text
-    held back for a stop string that may follow); at the end all that waits goes out, except at a
-    stop string, where the token that runs into it keeps only its part before it and the later ones
-    (the stop string's) are dropped. Counted in UTF-8 bytes of the pieces, which is the reply's text
-    whatever the tokens' own texts are (a first token's dropped space, a prompt ending mid-character)."""
+    held back for a stop string that may follow), and a token whose bytes the detokenizer still holds
+    (no piece yet, its bytes a character's start) waits for the later piece that lets them out. At the
+    end all that waits goes out, except at a stop string, where the token that runs into it keeps only
+    its part before it and the later ones (the stop string's) are dropped. Counted in UTF-8 bytes of
+    the pieces, which is the reply's text whatever the tokens' own texts are (a first token's dropped
+    space, a prompt ending mid-character)."""
 
     def __init__(self):
         self.pending: deque[tuple[dict | None, str]] = deque()  # (entry or None, its token's piece)
@@ -68,8 +70,16 @@ class LogprobGate:
         self.text_bytes += len(text.encode("utf-8"))
         self.pending.append((entry, piece))
         out = []
-        while self.pending and self.sent_bytes + len(self.pending[0][1].encode("utf-8")) <= self.text_bytes:
-            e, released = self.pending.popleft()
+        while self.pending:
+            e, released = self.pending[0]
+            if released or not _holds_bytes(e):  # its text (maybe none) waits while it runs past what is sent
+                ready = self.sent_bytes + len(released.encode("utf-8")) <= self.text_bytes
+            else:  # bytes held: out with the first later piece that has text, once that piece is
+                later = next((p for _, p in self.pending if p), None)
+                ready = later is not None and self.sent_bytes + len(later.encode("utf-8")) <= self.text_bytes
+            if not ready:
+                break
+            self.pending.popleft()
             self.sent_bytes += len(released.encode("utf-8"))
             if e is not None:
                 out.append(e)
@@ -81,11 +91,26 @@ class LogprobGate:
         if not stopped:
             return [e for e, _ in waiting if e is not None]
         room = self.text_bytes - self.sent_bytes
-        for e, piece in waiting:  # the first token with text left in the reply runs into the stop string
-            if e is not None and room > 0:
-                cut = piece.encode("utf-8")[:room]
-                return [{**e, "token": cut.decode("utf-8", errors="replace"), "bytes": list(cut)}]
-        return []
+        if room <= 0:  # the stop string begins with what waits: all of it is the stop string's
+            return []
+        out = []
+        for e, piece in waiting:  # tokens whose bytes were held come first in the piece that lets them out
+            if not piece:
+                if e is not None:
+                    out.append(e)
+                continue
+            if e is not None:  # the first token with text left in the reply runs into the stop string
+                own = bytes(e["bytes"]) if out else piece.encode("utf-8")  # after held bytes: its own
+                cut = own[:max(0, room - (len(piece.encode("utf-8")) - len(own)))] if out else own[:room]
+                if cut:
+                    out.append({**e, "token": cut.decode("utf-8", errors="replace"), "bytes": list(cut)})
+            break
+        return out
+
+
+def _holds_bytes(entry: dict | None) -> bool:
+    """A token's entry whose token has bytes of its own (not a special token's empty text)."""
+    return entry is not None and bool(entry.get("bytes"))
 
 
 class TextOffsets:
