@@ -498,3 +498,23 @@ def test_streamed_text_offsets_carry_a_split_character_across_chunks():
     offsets = TextOffsets(10)
     streamed = [o for e in entries for o in completion_logprobs([e], text_offset=offsets)["text_offset"]]
     assert streamed == whole == [10, 11, 11, 12]
+
+
+def test_the_logprob_gate_sends_held_bytes_with_the_piece_that_lets_them_out():
+    """Two lone lead bytes held by the detokenizer (no piece yet), then "a" letting their text out
+    ("\\ufffd\\ufffda"): nothing goes before that piece does; at a stop string right after the held
+    text ("a" stopped), the held entries go and "a"'s is dropped; with no text before the stop, none."""
+    from edgeinfer.server.replies import LogprobGate, token_logprob
+
+    e2a, e2b, a = (token_logprob(t, -1.0, []) for t in (b"\xe2", b"\xe2", "a"))
+
+    def run(texts, stopped):
+        gate, out = LogprobGate(), []
+        for entry, piece, text in zip((e2a, e2b, a), ("", "", "\ufffd\ufffda"), texts):
+            out += gate.feed(text, entry, piece)
+        return out, gate.finish(stopped)
+
+    assert run(["", "", "\ufffd\ufffda"], False) == ([e2a, e2b, a], [])  # all out with "a"'s piece
+    assert run(["", "", ""], False) == ([], [e2a, e2b, a])  # a stop string might follow: held, then all at the end
+    assert run(["", "", "\ufffd\ufffd"], True) == ([], [e2a, e2b])  # stopped at "a": its entry dropped
+    assert run(["", "", ""], True) == ([], [])  # stopped at the first U+FFFD: none
