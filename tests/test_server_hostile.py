@@ -7,6 +7,7 @@ fixed; its docstring gives the expected and the actual behaviour. None is marked
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -817,10 +818,9 @@ def test_a_prompt_or_bias_the_model_cannot_take_is_a_400_naming_its_field(srv, p
     assert err["param"] == param and ("vocabulary" in err["message"] or "UTF-8" in err["message"])
 
 
-def test_every_refused_request_has_its_log_line(srv):
-    """The docs' audit: the log was "one line per request" only for requests that generated; a 404
-    model, a 400 field, a 401 key or a 404 route wrote nothing, so an operator reading the journal
-    saw no trace of refused clients. Now each has a line: status, path and why."""
+@contextlib.contextmanager
+def _server_log():
+    """The daemon's log lines (INFO and up) while the block runs, as a list of messages."""
     records: list[str] = []
 
     class Lines(logging.Handler):
@@ -832,6 +832,17 @@ def test_every_refused_request_has_its_log_line(srv):
     lg.setLevel(logging.INFO)
     lg.addHandler(handler)
     try:
+        yield records
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(level)
+
+
+def test_every_refused_request_has_its_log_line(srv):
+    """The docs' audit: the log was "one line per request" only for requests that generated; a 404
+    model, a 400 field, a 401 key or a 404 route wrote nothing, so an operator reading the journal
+    saw no trace of refused clients. Now each has a line: status, path and why."""
+    with _server_log() as records:
         url = srv.url
         assert httpx.post(url + "/v1/completions", headers=AUTH, json={"model": "x", "prompt": "Hi"}).status_code == 404
         assert httpx.post(url + "/v1/chat/completions", headers=AUTH, json={
@@ -841,9 +852,6 @@ def test_every_refused_request_has_its_log_line(srv):
         assert httpx.post(url + "/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}
                           ).status_code == 200
         _wait(lambda: len(records) >= 5, 5)
-    finally:
-        lg.removeHandler(handler)
-        lg.setLevel(level)
     want = ["path=/v1/completions status=404 error=model_not_found",
             "path=/v1/chat/completions status=400 error=max_tokens",
             "path=/v1/completions status=401 error=invalid_api_key",
@@ -874,23 +882,10 @@ def test_a_client_cannot_forge_a_log_line(srv):
     """The final review: a refused request's path, decoded by uvicorn, went into the text log as it
     was: "/x%0Amethod=POST path=/v1/chat/completions status=200" wrote a second, forged line, before
     any key check. A value with a newline, a space, "=" or a quote is written as a JSON string."""
-    records: list[str] = []
-
-    class Lines(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    lg, handler = logging.getLogger("edgeinfer.server"), Lines(logging.INFO)
-    level = lg.level
-    lg.setLevel(logging.INFO)
-    lg.addHandler(handler)
-    try:
+    with _server_log() as records:
         resp = httpx.get(srv.url + "/x%0Amethod=POST%20path=/v1/chat/completions%20status=200")
         assert resp.status_code == 401
         _wait(lambda: records, 5)
-    finally:
-        lg.removeHandler(handler)
-        lg.setLevel(level)
     (line,) = [r for r in records if "status=401" in r]
     assert "\n" not in line and line.startswith('method=GET path="/x\\nmethod=POST path=/v1/chat/completions status=200"')
 
