@@ -85,6 +85,12 @@ class Conversation:
     def _set_state(self, state: tuple) -> None:
         self._prompt_text, self._reply, self._unfed, self._held, self._rebuild = state
 
+    @staticmethod
+    def _held_history(state: tuple) -> bool:
+        """Whether a `_state` held a history in the cache, or had a rebuild pending."""
+        prompt_text, _, _, _, rebuild = state
+        return bool(prompt_text) or rebuild
+
     def reset(self) -> None:
         with self.lock.hold(), interrupts_held():
             self.messages = []
@@ -172,7 +178,7 @@ class Conversation:
             restored = self.cache.rewind(turn["mark"])
         if restored:
             self._set_state(turn["before"])
-        elif turn["before"][0] or turn["before"][4]:  # it held a history, or had a rebuild pending
+        elif self._held_history(turn["before"]):
             self._recover()
         else:
             self._forget()
