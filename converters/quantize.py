@@ -126,9 +126,10 @@ def _int4_asym(w: np.ndarray, block: int):
         for f in ASYM_FACTORS:
             s = span * (f / 15.0)
             z0 = np.rint(-lo / s)
+            c = np.rint(x / s[..., None])  # the codes before the zero point (shared by the three z)
             for dz in (-1.0, 0.0, 1.0):
                 z = np.clip(z0 + dz, 0, 15)
-                q = np.clip(np.rint(x / s[..., None]) + z[..., None], 0, 15)
+                q = np.clip(c + z[..., None], 0, 15)
                 err = np.square(x - s[..., None] * (q - z[..., None])).sum(-1)
                 better = err < best[0]
                 best = (np.where(better, err, best[0]), np.where(better, s, best[1]), np.where(better, z, best[2]))

@@ -29,12 +29,14 @@ def add_convert_parser(sub) -> None:
                    help="precision of the token embedding and lm_head (default: measured per --quant)")
     c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
                    help="MatMulNBits accuracy_level (0: fp32 math; 4: int8 activations)")
-    c.add_argument("--asymmetric", action="store_true", help="int4/int8 with zero points")
+    c.add_argument("--asymmetric", action="store_true",
+                   help="int4/int8 with zero points (int4's default recipe, asym, always has them)")
     c.add_argument("--recipe", choices=("rtn", "mse", "asym", "q4_1"), default=None,
-                   help="int4 rounding: rtn (default; round to nearest, scale from the block's extreme), mse "
-                   "(per-block scale search for the least squared error), asym (with --asymmetric: integer zero "
-                   "points and scales searched per block) or q4_1 (asymmetric blocks with an fp16 minimum, as "
-                   "llama.cpp's Q4_1: the most accurate, ~11 %% larger, ~0.7x decode speed)")
+                   help="int4 rounding: asym (default; integer zero points, scale and zero point searched per "
+                   "block), rtn (symmetric, round to nearest, scale from the block's extreme, as llama.cpp's Q4_0; "
+                   "~3 %% smaller, less accurate), mse (symmetric, per-block scale search "
+                   "for the least squared error) or q4_1 (asymmetric blocks with an fp16 minimum, as llama.cpp's "
+                   "Q4_1: the most accurate, ~11 %% larger, ~0.7x decode speed)")
     c.add_argument("--int8-tensors", nargs="*", metavar="NAME",
                    help="with --quant int4, keep these projections at int8 (e.g. qkv_proj down_proj)")
     c.add_argument("--attention", choices=("auto", *(m.name for m in KV_MODES)), default="auto",
@@ -110,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
     elif scheme_flags:
         scheme = default_scheme(args.quant or "int4", args.block_size or 32, accuracy_level=args.accuracy_level,
                                 embedding=args.embedding, symmetric=not args.asymmetric,
-                                int8_tensors=tuple(args.int8_tensors or ()), recipe=args.recipe or "rtn")
+                                int8_tensors=tuple(args.int8_tensors or ()), recipe=args.recipe)
     log = (lambda msg: print(msg, file=sys.stderr)) if not args.quiet else (lambda msg: None)
     convert(args.src, args.output, quant="keep" if keep else args.quant, block_size=args.block_size or 32,
             target=args.target, force=args.force, scheme=scheme, attention=args.attention, capacity_tokens=args.capacity,

@@ -21,13 +21,17 @@ RECIPES = [
     ("fp32", {}),
     ("int8", {}),
     ("int8", {"accuracy_level": 0}),
-    ("int4", {}),
+    ("int4", {}),  # the default recipe: asym
     ("int4", {"accuracy_level": 0}),
+    ("int4", {"recipe": "rtn"}),
+    ("int4", {"recipe": "mse"}),
+    ("int4", {"recipe": "q4_1"}),
     ("int4", {"embedding": "int8"}),
-    ("int4", {"embedding": "int8", "symmetric": False}),
+    ("int4", {"embedding": "int8", "recipe": "rtn"}),
     ("int4", {"embedding": "int8", "int8_tensors": ("down_proj",)}),  # what llama.cpp's Q4_0 does here
     ("int4", {"embedding": "int8", "int8_tensors": ("qkv_proj",)}),
     ("int4", {"embedding": "int8", "int8_tensors": ("qkv_proj", "down_proj")}),
+    ("int4", {"embedding": "int8", "int8_tensors": ("qkv_proj", "down_proj"), "recipe": "rtn"}),
     ("int4", {"block_size": 16, "embedding": "int8"}),
 ]
 
@@ -47,6 +51,7 @@ def main() -> None:
             base = base or r.perplexity
             size = sum((dst / f).stat().st_size for f in ("model.onnx", "model.onnx.data"))
             print(json.dumps({"quant": quant, **{k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()},
+                              "recipe": scheme.recipe if quant == "int4" else None,
                               "perplexity": round(r.perplexity, 4),
                               "vs_fp32_pct": round((r.perplexity / base - 1) * 100, 2), "model_bytes": size}),
                   flush=True)
