@@ -16,6 +16,9 @@ runtime reads it without these kernels; it is re-exported here for the converter
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
@@ -114,27 +117,66 @@ ASYM_FACTORS = np.linspace(0.85, 1.05, 9, dtype=np.float32)
 def _int4_asym(w: np.ndarray, block: int):
     """Asymmetric 4-bit blocks, w = s (q - z) with an integer z in [0, 15]: per block the (s, z) among
     s = f (max - min) / 15 (f in ASYM_FACTORS) and z = round(-min / s) + {-1, 0, 1} with the least
-    squared error. Zero points packed two per byte, low nibble first, as MatMulNBits reads them."""
+    squared error. Zero points packed two per byte, low nibble first, as MatMulNBits reads them.
+    Chunks of rows are searched on the cores this process may use (numpy releases the GIL)."""
     n, nb = len(w), -(-w.shape[1] // block)
     packed = np.empty((n, nb, block // 2), np.uint8)
     scales = np.empty((n, nb), np.float32)
     zps = np.zeros((n, nb + nb % 2), np.uint8)  # an even count, so the last byte's high nibble is 0
-    for r, x in _row_blocks(w, block):
-        lo, hi = x.min(-1), x.max(-1)
-        span = np.maximum(hi - lo, 1e-12)
-        best = (np.full(lo.shape, np.inf, np.float32), np.zeros_like(lo), np.zeros(lo.shape, np.float32))
-        for f in ASYM_FACTORS:
-            s = span * (f / 15.0)
-            z0 = np.rint(-lo / s)
-            c = np.rint(x / s[..., None])  # the codes before the zero point (shared by the three z)
-            for dz in (-1.0, 0.0, 1.0):
-                z = np.clip(z0 + dz, 0, 15)
-                q = np.clip(c + z[..., None], 0, 15)
-                err = np.square(x - s[..., None] * (q - z[..., None])).sum(-1)
-                better = err < best[0]
-                best = (np.where(better, err, best[0]), np.where(better, s, best[1]), np.where(better, z, best[2]))
-        _, s, z = best
-        packed[r:r + len(x)] = pack4(np.clip(np.rint(x / s[..., None]) + z[..., None], 0, 15).astype(np.uint8))
+
+    def one(chunk):
+        r, x = chunk
+        codes, s, z = _asym_search(x)
+        packed[r:r + len(x)] = pack4(codes)
         scales[r:r + len(x)] = s
         zps[r:r + len(x), :nb] = z.astype(np.uint8)
+
+    workers = min(_cores(), -(-n // ASYM_ROWS))
+    if workers <= 1:
+        for chunk in _row_blocks(w, block, ASYM_ROWS):
+            one(chunk)
+        return packed, scales, pack4(zps)
+    with ThreadPoolExecutor(workers) as pool:  # at most `workers` chunks in memory at once
+        running: list = []
+        for chunk in _row_blocks(w, block, ASYM_ROWS):
+            if len(running) == workers:
+                running.pop(0).result()
+            running.append(pool.submit(one, chunk))
+        for fut in running:
+            fut.result()
     return packed, scales, pack4(zps)
+
+
+ASYM_ROWS = 512  # rows per chunk: a chunk's buffers are a few times rows x K floats
+
+
+def _asym_search(x: np.ndarray):
+    """`_int4_asym`'s search on blocks x [rows, n_blocks, block]: (codes uint8, s, z) per block. The
+    candidates' error is computed in place, in the same operations' order as the plain expression
+    sum((x - s (clip(rint(x / s) + z, 0, 15) - z))^2), so the choice does not depend on the buffers."""
+    lo, hi = x.min(-1), x.max(-1)
+    span = np.maximum(hi - lo, 1e-12)
+    best_err = np.full(lo.shape, np.inf, np.float32)
+    best_s, best_z = np.zeros_like(lo), np.zeros(lo.shape, np.float32)
+    c, q = np.empty_like(x), np.empty_like(x)
+    for f in ASYM_FACTORS:
+        s = span * (f / 15.0)
+        z0 = np.rint(-lo / s)
+        np.rint(np.divide(x, s[..., None], out=c), out=c)  # the codes before the zero point (shared by the z)
+        for dz in (-1.0, 0.0, 1.0):
+            z = np.clip(z0 + dz, 0, 15)
+            np.clip(np.add(c, z[..., None], out=q), 0, 15, out=q)
+            np.subtract(q, z[..., None], out=q)
+            np.multiply(s[..., None], q, out=q)
+            np.square(np.subtract(x, q, out=q), out=q)
+            err = q.sum(-1)
+            better = err < best_err
+            best_err, best_s, best_z = (np.where(better, err, best_err), np.where(better, s, best_s),
+                                        np.where(better, z, best_z))
+    np.rint(np.divide(x, best_s[..., None], out=c), out=c)
+    codes = np.clip(np.add(c, best_z[..., None], out=c), 0, 15, out=c).astype(np.uint8)
+    return codes, best_s, best_z
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
