@@ -313,6 +313,62 @@ def test_bad_trip_point_and_model_files(tmp_path):
     assert warned(r, "model", "empty")
 
 
+@pytest.mark.parametrize("blocked", ["sys/class/thermal/thermal_zone1", "sys/class/power_supply/bms"])
+def test_a_folder_this_process_may_not_enter_costs_only_its_own_readings(tmp_path, monkeypatch, blocked):
+    """Python before 3.12 raises PermissionError from Path.is_file/is_dir under a folder the process
+    may not enter (Android apps and /sys/class/power_supply): that folder's sensor is skipped, every
+    other one is read, at the first read and at every later one (the hostile round: one such folder
+    took the device name and every reading, for good)."""
+    files = {**PI5, "sys/class/thermal/thermal_zone1/type": "gpu-thermal\n",
+             "sys/class/thermal/thermal_zone1/temp": "60000\n",
+             BAT + "type": "Battery\n", BAT + "capacity": "60\n", BAT + "status": "Discharging\n",
+             "sys/class/power_supply/bms/type": "Battery\n", "sys/class/power_supply/bms/capacity": "10\n"}
+    s = sensors(tmp_path, files)
+    root = str(tmp_path / "root" / blocked)
+    real_stat, real_open = pathlib.Path.stat, os.open
+
+    def stat(self, *a, **k):
+        if str(self).startswith(root + "/"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_stat(self, *a, **k)
+
+    def open_(path, *a, **k):
+        if str(path).startswith(root + "/"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "stat", stat)
+    monkeypatch.setattr(os, "open", open_)
+    for _ in range(2):
+        r = s.read()
+        assert r.device == "Raspberry Pi 5 Model B Rev 1.0"
+        assert r.temp_c == (51.95 if "thermal" in blocked else 60.0)
+        assert r.battery_pct == (60.0 if "power_supply" in blocked else 35.0)
+        assert not warned(r, "internal error")
+
+
+def test_a_sensor_file_swapped_for_a_fifo_never_blocks(tmp_path, monkeypatch):
+    """The file is opened without blocking and checked after: a FIFO put in its place after a check
+    by name (the hostile round's rename race, here a stat that still sees the regular file) is
+    skipped, not waited on forever."""
+    import threading
+
+    s = sensors(tmp_path, {ZONE + "type": "cpu-thermal\n", ZONE + "temp": "50000\n"})
+    assert s.read().temp_c == 50.0
+    temp = tmp_path / "root" / ZONE / "temp"
+    regular = os.stat(tmp_path / "root" / ZONE / "type")
+    temp.unlink()
+    os.mkfifo(temp)
+    monkeypatch.setattr(linux_sysfs.os, "stat", lambda *a, **k: regular)  # the check by name saw a file
+    out = []
+    t = threading.Thread(target=lambda: out.append(s.read()), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # release the blocked read before failing
+        open(temp, "wb").close()
+    assert not t.is_alive() and out[0].temp_c is None and warned(out[0], "not a regular file")
+
+
 def test_sensor_vanishes_mid_run(tmp_path):
     files = {ZONE + "type": "cpu-thermal\n", ZONE + "temp": "50000\n",
              "sys/class/thermal/thermal_zone1/type": "gpu-thermal\n",

@@ -23,7 +23,7 @@ import re
 from typing import Mapping
 
 from .commands import CommandGate
-from .linux_sysfs import TEMP_RANGE_C, Report, SysfsTree, in_range
+from .linux_sysfs import TEMP_RANGE_C, Report, SysfsTree, in_range, is_file
 from .readings import ANDROID_THERMAL_STATUS
 
 TERMUX_BATTERY = ("termux-battery-status",)
@@ -107,7 +107,7 @@ class Android(SysfsTree):
 
     def is_android(self) -> bool:
         live_hint = self.live and ("ANDROID_ROOT" in self.env or "TERMUX_VERSION" in self.env)
-        return live_hint or (self.root / "system/build.prop").is_file()
+        return live_hint or is_file(self.root / "system/build.prop")
 
     def read(self, report: Report) -> None:
         if self.stale:

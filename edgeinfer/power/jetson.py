@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .commands import CommandGate
-from .linux_sysfs import FREQ_MAX_MHZ, POWER_MAX_W, Report, SysfsTree, numbered, in_range
+from .linux_sysfs import FREQ_MAX_MHZ, POWER_MAX_W, Report, SysfsTree, in_range, is_file, numbered
 
 NVPMODEL = ("nvpmodel", "-q")
 NVPMODEL_TIMEOUT_S = 5.0
@@ -32,7 +32,7 @@ TOTAL_RAIL = "VDD_IN"
 
 
 def is_jetson(device: str | None, root: Path) -> bool:
-    return bool(device and "jetson" in device.lower()) or (root / "etc/nv_tegra_release").is_file()
+    return bool(device and "jetson" in device.lower()) or is_file(root / "etc/nv_tegra_release")
 
 
 def parse_nvpmodel(text: str) -> str | None:
@@ -57,10 +57,11 @@ class Jetson(SysfsTree):
         self.commands = commands
 
     def discover(self, report: Report) -> None:
-        self.stale = False
         self.enabled = is_jetson(report.fields.get("device"), self.root)
         self.rails: list[_Rail] = []
+        self.gpu_load = self.gpu_freq = None
         if not self.enabled:
+            self.stale = False
             return
         for hwmon in sorted(self.root.glob("sys/class/hwmon/hwmon*")):
             if self.optional_text(hwmon / "name", report) != "ina3221":
@@ -69,12 +70,13 @@ class Jetson(SysfsTree):
                 n = label_file.name[2:-len("_label")]
                 mv, ma = hwmon / f"in{n}_input", hwmon / f"curr{n}_input"
                 label = self.text(label_file, report)
-                if label and "sum" not in label.lower() and mv.is_file() and ma.is_file():
+                if label and "sum" not in label.lower() and is_file(mv) and is_file(ma):
                     self.rails.append(_Rail(label, mv, ma))
         self.gpu_load = next((p for g in GPU_LOAD_GLOBS for p in sorted(self.root.glob(g))), None)
         self.gpu_freq = next((d / "cur_freq" for d in sorted(self.root.glob("sys/class/devfreq/*"))
                               if any(w in d.name.lower() for w in GPU_DEVFREQ_WORDS)
-                              and (d / "cur_freq").is_file()), None)
+                              and is_file(d / "cur_freq")), None)
+        self.stale = False  # listed whole (an error on the way: listed again at the next read)
 
     def read(self, report: Report) -> None:
         if self.stale:

@@ -97,6 +97,23 @@ def in_range(value: float | None, lo: float, hi: float, what: str, report: Repor
     return None
 
 
+def is_file(path: Path) -> bool:
+    """`path.is_file()`, False where this process may not look (Python before 3.12 raises
+    PermissionError from is_file under a folder it may not enter: Android apps, locked-down boards)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def is_dir(path: Path) -> bool:
+    """`path.is_dir()`, False where this process may not look (as `is_file`)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
 class SysfsTree:
     """File reading under `root` that never raises. `stale` is set when a known file vanished."""
 
@@ -114,11 +131,12 @@ class SysfsTree:
     def text(self, path: Path, report: Report) -> str | None:
         """The file's text, stripped of whitespace and NULs; None (and a warning) when it vanished,
         is unreadable or empty."""
-        try:
-            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or device would block the read
-                report.warn(f"{self.rel(path)}: not a regular file, skipped")
-                return None
-            with open(path, "rb") as f:
+        try:  # opened without blocking, then checked: a FIFO or device (even one swapped in) never blocks
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            with open(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    report.warn(f"{self.rel(path)}: not a regular file, skipped")
+                    return None
                 data = f.read(65536)
         except FileNotFoundError:
             report.warn(f"{self.rel(path)}: vanished")
@@ -153,7 +171,7 @@ class SysfsTree:
 
     def optional_text(self, path: Path, report: Report) -> str | None:
         """Like `text`, but a file that does not exist is simply None (no warning)."""
-        return self.text(path, report) if path.is_file() else None
+        return self.text(path, report) if is_file(path) else None
 
 
 def numbered(folder: Path, glob: str) -> list[Path]:
@@ -200,11 +218,10 @@ class LinuxSysfs(SysfsTree):
     def discover(self, report: Report) -> None:
         """List the sensor files (again). Reads names, types and trip points once."""
         r = self.root
-        self.stale = False
         self.sensors: list[_Sensor] = []
         zone_types = set()
         for zone in numbered(r / "sys/class/thermal", "thermal_zone*"):
-            if not (zone / "temp").is_file():
+            if not is_file(zone / "temp"):
                 continue
             name = self.optional_text(zone / "type", report) or zone.name
             zone_types.add(name.replace("-", "_"))
@@ -234,19 +251,19 @@ class LinuxSysfs(SysfsTree):
                 self.sensors.append(_Sensor(name, inp, is_cpu_sensor(name)))
         policies: dict[Path, tuple[Path, int]] = {}  # real folder: (first path to it, CPUs)
         cpu_dirs = numbered(r / "sys/devices/system/cpu", "cpu[0-9]*")
-        for cpufreq in [d / "cpufreq" for d in cpu_dirs if (d / "cpufreq").is_dir()]:
+        for cpufreq in [d / "cpufreq" for d in cpu_dirs if is_dir(d / "cpufreq")]:
             first, cpus = policies.get(cpufreq.resolve(), (cpufreq, 0))
             policies[cpufreq.resolve()] = (first, cpus + 1)
         self.cpufreq = [(folder / name, name, cpus) for folder, cpus in policies.values()
                         for name in ("scaling_cur_freq", "scaling_max_freq", "cpuinfo_max_freq")
-                        if (folder / name).is_file()]
+                        if is_file(folder / name)]
         self.supplies = []  # (name, type, {file name: path}) of the files it has
         for supply in sorted(r.glob("sys/class/power_supply/*")):
             kind = self.optional_text(supply / "type", report)
             if kind is None or self.optional_text(supply / "scope", report) == "Device":
                 continue
             names = ("capacity", "status", "power_now", "current_now", "voltage_now", "online")
-            files = {n: supply / n for n in names if (supply / n).is_file()}
+            files = {n: supply / n for n in names if is_file(supply / n)}
             self.supplies.append((supply.name, kind, files))
         self.device = None
         for model in ("proc/device-tree/model", "sys/firmware/devicetree/base/model",
@@ -256,7 +273,8 @@ class LinuxSysfs(SysfsTree):
                 report.source("device_model")
                 break
         online = r / "sys/devices/system/cpu/online"
-        self.online_file = online if self.read_online and online.is_file() else None
+        self.online_file = online if self.read_online and is_file(online) else None
+        self.stale = False  # listed whole: a listing cut short by an error is tried again at the next read
 
     def read(self, report: Report) -> None:
         if self.stale:
