@@ -397,14 +397,14 @@ def test_unreadable_file(tmp_path, monkeypatch):
     s = sensors(tmp_path, {ZONE + "type": "cpu-thermal\n", ZONE + "temp": "50000\n"})
     temp = tmp_path / "root" / ZONE / "temp"
     temp.chmod(0)
-    real_open = open
+    real_open = os.open
 
     def denying_open(path, *args, **kw):  # root reads mode-000 files: deny like a normal user
         if Path(path) == temp:
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, *args, **kw)
 
-    monkeypatch.setattr(linux_sysfs, "open", denying_open, raising=False)
+    monkeypatch.setattr(os, "open", denying_open)
     r = s.read()
     assert r.temp_c is None and warned(r, "thermal_zone0/temp", "permission denied")
     temp.chmod(0o644)
@@ -412,14 +412,14 @@ def test_unreadable_file(tmp_path, monkeypatch):
 
 def test_io_error_from_a_driver(tmp_path, monkeypatch):
     s = sensors(tmp_path, {ZONE + "type": "cpu-thermal\n", ZONE + "temp": "50000\n"})
-    real_open = open
+    real_open = os.open
 
     def failing_open(path, *args, **kw):  # e.g. an Android zone whose sensor is switched off
         if Path(path).name == "temp":
             raise OSError(22, "Invalid argument", str(path))
         return real_open(path, *args, **kw)
 
-    monkeypatch.setattr(linux_sysfs, "open", failing_open, raising=False)
+    monkeypatch.setattr(os, "open", failing_open)
     r = s.read()
     assert r.temp_c is None and warned(r, "thermal_zone0/temp", "unreadable (Invalid argument)")
 
