@@ -261,7 +261,12 @@ class Request:
         marks: deque = deque(maxlen=STOP_MARKS if opts.stop else 1)
 
         t0 = time.perf_counter()
+        # a plan's smaller prefill calls (a hot device) only where they cannot change the reply: a prompt that
+        # shifts the ring as it enters is attended otherwise in calls of another size (18 of 30 replies
+        # differed, hostile round), and a portable graph pads every call to its fixed P (more work, not less)
         chunk = self.pacer.prefill_chunk if self.pacer is not None else None
+        if chunk is not None and (not isinstance(engine, Engine) or cache.n_valid + len(feed) > cache.capacity):
+            chunk = None
         logits = engine.prefill(cache, feed, chunk, before_chunk=self._check_cancelled)  # cancellable between chunks
         marks.append((0, 0, True, cache.mark()))
         t_prefill = time.perf_counter()

@@ -138,3 +138,36 @@ def test_a_broken_sensor_mid_run_keeps_generating():
     assert "failed" in m.power.plan.reason
     m.power.stop()
     assert len(os.sched_getaffinity(0)) == m.power.cores.max_threads
+
+
+def test_a_hot_plan_prefills_in_small_calls_only_where_the_reply_cannot_change():
+    """A hot plan prefills in calls of 32 tokens. A prompt longer than the ring shifts it as it enters,
+    and rows then attend to what the ring holds at their call, so other-sized calls give another reply
+    (18 of 30 differed on fp32 at a 128-token ring, hostile round): such a prompt keeps the model's own
+    calls, and a hot device replies as a cool one does. A prompt that fits takes the small calls."""
+    from pathlib import Path
+
+    from edgeinfer.power.policy import HOT_PREFILL_CHUNK
+
+    text = (Path(__file__).resolve().parent / "fixtures" / "stories260K" / "eval.txt").read_text().split("\n")
+    cool = edgeinfer.load(capacity_tokens=128)
+    hot = edgeinfer.load(capacity_tokens=128, power=Policy("performance", hold_s=0.0))
+    hot.power.sensors = Switch(Readings(temp_c=90.0))
+    hot.power.tick()
+    try:
+        assert hot.power_state().plan.prefill_chunk == HOT_PREFILL_CHUNK
+        calls = []
+        real = hot.engine.forward
+        hot.engine.forward = lambda cache, ids, *a, **k: (calls.append(len(ids)), real(cache, ids, *a, **k))[1]
+        stories = [ids[:300] for ids in map(cool.tokenizer.encode, text) if len(ids) >= 300][:6]
+        assert len(stories) == 6
+        for ids in stories:
+            want = cool.generate(ids, max_new_tokens=24, temperature=0, ignore_eos=True).token_ids
+            calls.clear()
+            assert hot.generate(ids, max_new_tokens=24, temperature=0, ignore_eos=True).token_ids == want
+            assert max(calls) > HOT_PREFILL_CHUNK  # the ring shifted: the model's own calls
+        calls.clear()
+        hot.generate(ids[:100], max_new_tokens=2, temperature=0, ignore_eos=True)
+        assert max(calls) == HOT_PREFILL_CHUNK and sum(calls[:-1]) == 100  # it fits: calls of 32
+    finally:
+        hot.power.stop()
