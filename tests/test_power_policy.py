@@ -96,6 +96,18 @@ def test_limits_come_from_the_device_less_the_margin():
     assert Policy("balanced").temperature_limit_c(Readings(temp_c=50.0)) == 79.0  # 80 default less 1
 
 
+def test_a_limit_past_the_critical_point_keeps_the_critical_guard():
+    """max_temp_c 125 on a device whose critical point is 110 °C: the limit is the guard performance
+    keeps (105 °C), so at 112 °C the device is hot and paced, not run flat out (hostile round)."""
+    r = Readings(temp_c=112.0, critical_temp_c=110.0, time_s=10.0)
+    assert Policy("balanced", max_temp_c=125).temperature_limit_c(r) == 105.0
+    assert Policy("balanced", max_temp_c=90).temperature_limit_c(r) == 90.0
+    plan = decide(r, Policy("balanced", max_temp_c=125), LOAD)
+    assert plan.level == "hot" and plan.max_tokens_per_s is not None
+    perf = decide(r, Policy("performance"), LOAD)
+    assert plan.max_tokens_per_s <= perf.max_tokens_per_s * 1.0001
+
+
 def test_hot_paces_down_refuses_background_and_chunks_prefill():
     # balanced on an 85 °C device: limit 84, target 83.5; at 84 °C the error is -0.5
     r = Readings(temp_c=84.0, throttle_temp_c=85.0, time_s=10.0)

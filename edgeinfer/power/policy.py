@@ -83,12 +83,17 @@ class Policy:
                                            "for heat nor refuses work); use balanced, battery or thermal-guard")
 
     def temperature_limit_c(self, readings: Readings) -> float:
-        """The temperature to stay under: max_temp_c, else the device's throttle point less the margin."""
+        """The temperature to stay under: max_temp_c, else the device's throttle point less the margin;
+        never above the critical guard (CRITICAL_GUARD_C under the device's critical point, what even
+        performance holds): a max_temp_c past it would have run flat out to the shutdown point."""
         if self.max_temp_c is not None:
-            return float(self.max_temp_c)
-        margin = self.margin_c if self.margin_c is not None else (2.0 if self.name == "thermal-guard" else 1.0)
-        base = readings.throttle_temp_c if readings.throttle_temp_c is not None else DEFAULT_LIMIT_C
-        return base - margin
+            limit = float(self.max_temp_c)
+        else:
+            margin = self.margin_c if self.margin_c is not None else (2.0 if self.name == "thermal-guard" else 1.0)
+            limit = (readings.throttle_temp_c if readings.throttle_temp_c is not None else DEFAULT_LIMIT_C) - margin
+        if readings.critical_temp_c is not None:
+            limit = min(limit, readings.critical_temp_c - CRITICAL_GUARD_C)
+        return limit
 
     def battery_floor_pct(self) -> float:
         if self.min_battery_pct is not None:
