@@ -375,6 +375,23 @@ def test_a_limit_no_sensor_here_can_enforce_is_said_once(caplog):
                             "edgeinfer power: power_budget_w is not enforced: no power draw can be read on this device"]
 
 
+@pytest.mark.parametrize("name", ["thermal-guard", "balanced", "battery", "performance"])
+def test_a_policy_that_can_pace_nothing_for_heat_says_so_once(caplog, name):
+    """No temperature on this device and no limit of the user's: the policy's own heat pacing is
+    idle, which it now says once (hostile round: thermal-guard ran without a word)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        ctl = PowerController(Policy(name), Script(Readings()), cores(), clock=FakeClock())
+        for _ in range(5):
+            ctl.tick()
+        warm = PowerController(Policy(name), Script(Readings(temp_c=50.0), Readings()), cores(), clock=FakeClock())
+        for _ in range(5):
+            warm.tick()
+    said = [r.getMessage() for r in caplog.records if "for heat" in r.getMessage()]
+    assert said == [f"edgeinfer power: the {name} policy paces nothing for heat: no temperature can be read on this device"]
+
+
 def test_garbage_sensor_text_is_not_a_reading(tmp_path):
     """Python's float() and int() take what no sensor writes (hostile review): "8_5_000" read as
     85 °C made the plan hot; a 5,000-digit vcgencmd mask set every throttle bit; a 5,000-digit thermal

@@ -126,6 +126,8 @@ class PowerController:
             elif (getattr(self.policy, limit) is not None and reading not in self._seen
                   and self._reads >= UNENFORCED_AFTER):
                 self._warn(f"{limit} is not enforced: no {what} can be read on this device")
+        if self.policy.max_temp_c is None and "temp_c" not in self._seen and self._reads >= UNENFORCED_AFTER:
+            self._warn(f"the {self.policy.name} policy paces nothing for heat: no temperature can be read on this device")
 
     def set_policy(self, policy: Policy) -> Plan:
         """Switch policy now (e.g. the user changed a limit); the next plan is decided at once."""
