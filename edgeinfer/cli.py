@@ -240,8 +240,8 @@ def _cmd_power(args: argparse.Namespace) -> int:
     from edgeinfer.power.report import format_report, report
     from edgeinfer.power.sensors import Sensors, sensors_from_fixture
 
-    if args.watch and not (math.isfinite(args.interval_s) and 0 < args.interval_s <= 86400):
-        raise EdgeInferError(f"--interval-s must be a number of seconds in (0, 86400], got {args.interval_s}")
+    if args.watch and not (math.isfinite(args.interval_s) and 0.1 <= args.interval_s <= 86400):
+        raise EdgeInferError(f"--interval-s must be a number of seconds in [0.1, 86400], got {args.interval_s}")
     if args.root is not None and not (args.root / "root").is_dir() and not (args.root / "platform.txt").is_file():
         raise EdgeInferError(f"{args.root} is not a recorded device (a folder with root/ and platform.txt)")
     sensors = sensors_from_fixture(args.root) if args.root is not None else Sensors()

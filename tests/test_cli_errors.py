@@ -108,7 +108,7 @@ def test_power_limits_past_any_float_and_a_watch_interval_past_a_day_are_one_lin
     with pytest.raises(InvalidArgumentError, match="max_tokens_per_s must be a number"):
         Policy("balanced", max_tokens_per_s=10 ** 400)
     assert main(["power", "--watch", "--interval-s", "1e10"]) == 1
-    assert "--interval-s must be a number of seconds in (0, 86400]" in capsys.readouterr().err
+    assert "--interval-s must be a number of seconds in [0.1, 86400]" in capsys.readouterr().err
 
 
 def test_chat_help_is_not_a_message_and_json_does_not_go_with_stream(capsys):

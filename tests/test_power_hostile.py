@@ -406,7 +406,7 @@ def _one_error_line(err: str) -> None:
     assert err.startswith("edgeinfer: error: ") and len(err.splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("interval", ["-1", "0", "nan", "inf", "-inf", "-0.5"])
+@pytest.mark.parametrize("interval", ["-1", "0", "nan", "inf", "-inf", "-0.5", "1e-300", "0.09"])
 def test_power_watch_with_a_bad_interval_is_a_user_error(capsys, monkeypatch, interval):
     """`--watch --interval-s 0` prints as fast as it can (75,000 reports in 3 s here, a core at 100 %);
     negative, nan and inf end in a traceback from time.sleep."""
