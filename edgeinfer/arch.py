@@ -44,6 +44,13 @@ class RopeSpec:
         return inv
 
 
+# the most each size may be: far past any model this runtime is for, and small enough that what a
+# manifest's sizes make (the graph inputs named per layer, the ring, RoPE's table) cannot take the
+# machine's memory before a check fails (an edited num_layers of 10**12 ran a load out of memory)
+SIZE_LIMITS = {"hidden_size": 1 << 20, "intermediate_size": 1 << 22, "num_layers": 4096, "num_heads": 4096,
+               "num_kv_heads": 4096, "head_dim": 4096, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 27}
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     family: str  # registry key: "llama", "mistral", "qwen2", "qwen3"
@@ -84,10 +91,9 @@ class ArchSpec:
     def from_json(cls, d: dict, where: str = "architecture") -> "ArchSpec":
         """Checked (FieldError naming a bad field): types, positive sizes, a known rope type."""
         spec = cls(**json_fields(cls, d, where))
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "vocab_size", "max_position_embeddings"):
-            if getattr(spec, name) < 1:
-                raise FieldError(f"{where}.{name}", f"must be positive, got {getattr(spec, name)}")
+        for name, most in SIZE_LIMITS.items():
+            if not 1 <= getattr(spec, name) <= most:
+                raise FieldError(f"{where}.{name}", f"must be in 1..{most:,}, got {getattr(spec, name):,}")
         s = spec.source_head_dim
         if s is not None and (s < 2 or s % 2 or s >= spec.head_dim or spec.head_dim % s):
             raise FieldError(f"{where}.source_head_dim", f"{s} is not an even head size that divides head_dim "

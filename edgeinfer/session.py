@@ -118,4 +118,12 @@ class DecoderSession:
         if got != want:
             raise ModelFormatError(f"{self.folder / MODEL_FILE} does not take the inputs its edgeinfer.json names "
                                    f"(interface version {self.manifest.interface.version}): missing "
-                                   f"{sorted(want - got) or 'none'}, unexpected {sorted(got - want) or 'none'}")
+                                   f"{_some(want - got)}, unexpected {_some(got - want)}")
+
+
+def _some(names: set[str], most: int = 8) -> str:
+    """A few of `names` for a message (a manifest edited to 4,096 layers misses 8,000 of them)."""
+    if not names:
+        return "none"
+    shown = sorted(names)[:most]
+    return str(shown) + (f" and {len(names) - most:,} more" if len(names) > most else "")

@@ -101,12 +101,28 @@ def test_a_bad_stamp_file_is_ignored_and_every_file_hashed(folder, how):
     (lambda m: m.update(files={}), "bad field files"),
     (lambda m: m.update(origin={"format": "gguf", "tensor_types": {"F32": float("nan")}}),
      "origin.tensor_types.F32: expected a count"),
+    (lambda m: m["architecture"].update(num_layers=10 ** 12), "architecture.num_layers: must be in 1..4,096"),
+    (lambda m: m["architecture"].update(vocab_size=10 ** 9), "architecture.vocab_size: must be in 1..16,777,216"),
+    (lambda m: m["architecture"].update(head_dim=0), "architecture.head_dim: must be in 1..4,096"),
 ])
 def test_a_bad_manifest_field_is_one_error_naming_it(capsys, folder, change, needle):
     _edit(folder, change)
     assert main(["inspect", str(folder)]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("edgeinfer: error: ") and needle in err, err
+
+
+def test_a_manifest_whose_layer_count_disagrees_with_its_graph_is_one_short_error(capsys, folder):
+    """num_layers edited to the most allowed (every hash still matches: the manifest is not hashed):
+    `inspect --verify` and load say the graph's inputs disagree in a line of a few names (hostile
+    round: 3,000,000 layers printed a 190 MB line after 14 s at 1.4 GB; 10**12 ran out of memory)."""
+    _edit(folder, lambda m: m["architecture"].update(num_layers=4096))
+    assert main(["inspect", "--verify", str(folder)]) == 1
+    err = capsys.readouterr()
+    text = (err.out + err.err).strip()
+    assert "does not take the inputs its edgeinfer.json names" in text and "more" in text and len(text) < 2000, text
+    out = _load_within(folder)
+    assert isinstance(out.get("error"), ModelFormatError) and len(str(out["error"])) < 1000
 
 
 def test_a_manifest_nested_past_the_recursion_limit_or_too_large_is_refused(capsys, folder):
