@@ -30,6 +30,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                                  "--path applies to window scoring")
         if args.capacity is None:
             raise EdgeInferError("--stream needs --capacity N (the ring size)")
+        if args.window is not None:
+            raise EdgeInferError("--window cuts stories into windows; --stream runs each story through the ring "
+                                 "whole: drop one of them")
         r = stream_perplexity(args.model, args.text, capacity=args.capacity,
                               sinks=args.sinks, threads=args.threads)
     else:

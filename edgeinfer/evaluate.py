@@ -1,6 +1,7 @@
 """Perplexity, by the method of the stories260K `eval_ppl.json`.
 
-1. Every non-empty line of the text is one story; ids = [BOS] + encode(story) (no EOS).
+1. Every non-empty line of the text (UTF-8, a byte-order mark ignored; lines end at "\n", a "\r" before
+   it dropped) is one story; ids = [BOS] + encode(story) (no EOS).
 2. The ids are cut into consecutive non-overlapping windows of at most `window` tokens.
 3. Each window runs from position 0 with an empty cache, on one of the runtime's two paths
    (`PATHS`): "prefill" (the default), one forward call over the whole window, as a prompt is
@@ -10,12 +11,14 @@
    that scores what generation computes. A portable model (one position's logits per call) is
    always scored on its decode graph, token by token, and the result says "decode".
 4. Within a window every token but the first is scored: NLL = -log_softmax(logits[t-1])[ids[t]] (float32).
-5. perplexity = exp(sum NLL / number of scored tokens).
+5. perplexity = exp(sum NLL / number of scored tokens) (infinity past float's range: a broken model's
+   mean NLL over ~709.8 nats; its JSON says null there, beside the finite mean NLL).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +28,10 @@ import numpy as np
 from edgeinfer import small_files
 from edgeinfer.engine import Engine
 from edgeinfer.portable_engine import open_engine
-from edgeinfer.errors import EdgeInferError, ModelFormatError
+from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError, ModelFormatError
 from edgeinfer.kv_cache import RingKVCache, binding_window
 from edgeinfer.overflow import resolve_sinks
+from edgeinfer.sampling.params import is_integer
 from edgeinfer.session import DecoderSession
 from edgeinfer.tokenizer import Tokenizer
 
@@ -46,7 +50,8 @@ class PerplexityResult:
     path: str = "prefill"  # which forward path scored it (PATHS; "stream" for stream_perplexity)
 
     def to_json(self) -> dict:
-        return {"perplexity": self.perplexity, "mean_nll_nats_per_token": self.mean_nll,
+        return {"perplexity": self.perplexity if math.isfinite(self.perplexity) else None,
+                "mean_nll_nats_per_token": self.mean_nll,
                 "scored_tokens": self.scored_tokens, "n_stories": self.n_stories, "n_windows": self.n_windows,
                 "eval_s": round(self.eval_s, 3), "path": self.path}
 
@@ -57,8 +62,9 @@ def _read_stories(text_path: Path) -> list[str]:
             raise EdgeInferError(f"text file not found: {text_path}")
     except OSError as e:  # a name the system refuses (too long)
         raise EdgeInferError(f"cannot read {text_path}: {e.strerror or e}") from None
-    text = small_files.read_text(text_path, small_files.MAX_TEXT_BYTES, EdgeInferError)
-    stories = [line for line in text.splitlines() if line.strip()]
+    text = small_files.read_text(text_path, small_files.MAX_TEXT_BYTES, EdgeInferError).removeprefix("\ufeff")
+    lines = (line.removesuffix("\r") for line in text.split("\n"))  # not splitlines: U+2028, \x0c... are text
+    stories = [line for line in lines if line.strip()]
     if not stories:
         raise EdgeInferError(f"{text_path} has no non-empty line to score")
     return stories
@@ -72,6 +78,24 @@ def _finite(mean_nll: float, model_dir) -> float:
         raise ModelFormatError(f"{model_dir} computed logits that are not finite (NaN or infinity): its weights "
                                "are broken (`edgeinfer inspect --verify` checks the files against the conversion)")
     return mean_nll
+
+
+def _exp(mean_nll: float) -> float:
+    """exp(mean NLL), infinity past float's range (a mean over ~709.8 nats: a broken model)."""
+    try:
+        return math.exp(mean_nll)
+    except OverflowError:
+        return math.inf
+
+
+def _check_args(model_dir, text_path, **ints) -> None:
+    """The Python API's arguments: paths are str or os.PathLike, the named ones integers (None allowed)."""
+    for name, v in (("model_dir", model_dir), ("text_path", text_path)):
+        if not isinstance(v, (str, os.PathLike)):
+            raise InvalidArgumentTypeError(f"{name} must be a path (str or os.PathLike), got {type(v).__name__}")
+    for name, v in ints.items():
+        if v is not None and not is_integer(v):
+            raise InvalidArgumentTypeError(f"{name} must be an integer, got {v!r}")
 
 
 def _nll(logits: np.ndarray, targets: list[int]) -> float:
@@ -102,6 +126,8 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
                session: DecoderSession | None = None, path: str = "prefill") -> PerplexityResult:
     """window: tokens scored per window (None: 512, or the model's context or a portable model's ring
     if shorter)."""
+    _check_args(model_dir, text_path, window=window)
+    window = None if window is None else int(window)
     if window is not None and window < 2:
         raise EdgeInferError(f"--window must be at least 2, got {window}")
     if path not in PATHS:
@@ -123,7 +149,7 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
         raise EdgeInferError(f"--window {window} is over the {built} tokens this portable model holds: "
                              f"use --window {built} or less")
     tok = Tokenizer(session.folder, session.manifest.tokenizer)
-    engine = open_engine(session, max_chunk=window)
+    engine = open_engine(session, max_chunk=window, threads=threads)
     if built is not None:  # a portable graph gives one position's logits per call: it scores token by token
         path = "decode"
     cache = engine.new_cache(min(window, sliding - 1) if sliding else window, 0)
@@ -137,7 +163,7 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
     if count == 0:
         raise EdgeInferError(f"{text_path}: no token to score")
     mean = _finite(total / count, model_dir)
-    return PerplexityResult(math.exp(mean), mean, count, len(stories), windows, time.perf_counter() - t0, path)
+    return PerplexityResult(_exp(mean), mean, count, len(stories), windows, time.perf_counter() - t0, path)
 
 
 def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity: int, sinks: int | None = None,
@@ -149,13 +175,19 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
     the sinks and the latest tokens the ring holds, at their true positions. sinks: None is `load`'s
     default (4, none for a model whose sliding window binds).
     """
+    _check_args(model_dir, text_path, capacity=capacity, sinks=sinks, chunk=chunk)
+    if capacity is None:
+        raise InvalidArgumentTypeError("capacity must be an integer, got None")
+    capacity, chunk, sinks = int(capacity), int(chunk), None if sinks is None else int(sinks)
+    if chunk < 1:
+        raise EdgeInferError(f"chunk must be at least 1, got {chunk}")
     session = DecoderSession(model_dir, threads=threads)
     sinks = resolve_sinks(session.manifest.arch, sinks)
     if capacity < 2 or not 0 <= sinks < capacity:
         raise EdgeInferError(f"--capacity must be >= 2 and --sinks in [0, capacity), got {capacity} and {sinks}")
     stories = _read_stories(Path(text_path))
     tok = Tokenizer(session.folder, session.manifest.tokenizer)
-    engine = open_engine(session, max_chunk=min(chunk, capacity))
+    engine = open_engine(session, max_chunk=min(chunk, capacity), threads=threads)
     cache = engine.new_cache(capacity, sinks)
     t0 = time.perf_counter()
     total, count = 0.0, 0
@@ -173,5 +205,5 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
     if count == 0:
         raise EdgeInferError(f"{text_path}: no token to score")
     mean = _finite(total / count, model_dir)
-    return PerplexityResult(math.exp(mean), mean, count, len(stories), len(stories), time.perf_counter() - t0,
+    return PerplexityResult(_exp(mean), mean, count, len(stories), len(stories), time.perf_counter() - t0,
                             "stream")

@@ -52,3 +52,88 @@ def test_cli_path_flag_and_its_refusals():
     assert r.returncode == 1 and "--path applies to window scoring" in r.stderr
     with pytest.raises(EdgeInferError, match="unknown --path"):
         perplexity(STORIES_SRC.parent / "stories260K-int8", EVAL, path="sideways")
+
+
+def test_a_byte_order_mark_and_line_ends_are_not_text(tmp_path):
+    """A UTF-8 BOM is not scored (it was: +4.8 % and 3 more tokens), CRLF ends a line as LF does,
+    and only "\\n" separates stories: U+2028, a form feed or a lone CR inside a line are its text
+    (splitlines() cut a story there into two that each started again from BOS)."""
+    model = STORIES_SRC.parent / "stories260K-int8"
+    plain = perplexity(model, EVAL)
+    lines = EVAL.read_text(encoding="utf-8").split("\n")
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode())
+    got = perplexity(model, bom)
+    assert (got.scored_tokens, got.n_stories, got.perplexity) == (plain.scored_tokens, plain.n_stories, plain.perplexity)
+    story = next(line for line in lines if line.strip())
+    words = story.split(" ")
+    odd = tmp_path / "odd.txt"
+    odd.write_text(" ".join(words[:20]) + "\u2028" + " ".join(words[20:40]) + "\x0c" + " ".join(words[40:60])
+                   + "\r" + " ".join(words[60:80]) + "\n", encoding="utf-8", newline="")
+    r = perplexity(model, odd)
+    assert (r.n_stories, r.n_windows) == (1, 1)
+
+
+def test_a_perplexity_past_floats_range_is_infinite_and_null_in_json(monkeypatch, capsys):
+    """A broken model's mean NLL over ~709.8 nats (finite logits, a norm scaled x2000 in the hostile
+    round) ended eval in an OverflowError traceback: the perplexity is infinite, the JSON says null
+    beside the finite mean, the text says inf."""
+    import edgeinfer.evaluate as ev
+    from edgeinfer.cli import main
+
+    monkeypatch.setattr(ev, "window_nll", lambda engine, cache, ids, path="prefill": (800.0 * (len(ids) - 1),
+                                                                                     len(ids) - 1))
+    model = STORIES_SRC.parent / "stories260K-int8"
+    r = perplexity(model, EVAL)
+    assert r.perplexity == math.inf and r.mean_nll == pytest.approx(800.0)
+    assert main(["eval", "-m", str(model), "--text", str(EVAL), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["perplexity"] is None and out["mean_nll_nats_per_token"] == pytest.approx(800.0)
+    assert main(["eval", "-m", str(model), "--text", str(EVAL)]) == 0
+    assert capsys.readouterr().out.startswith("perplexity inf over 7898 tokens")
+
+
+def test_stream_scoring_refuses_a_window(capsys):
+    from edgeinfer.cli import main
+
+    model = STORIES_SRC.parent / "stories260K-int8"
+    assert main(["eval", "-m", str(model), "--text", str(EVAL), "--stream", "--capacity", "64", "--window", "8"]) == 1
+    assert "--stream runs each story through the ring whole" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs", [dict(window="64"), dict(window=float("nan")), dict(window=2.5),
+                                    dict(text_path=None), dict(model_dir=None)])
+def test_bad_api_arguments_are_edgeinfer_errors(kwargs):
+    from edgeinfer.errors import InvalidArgumentTypeError
+
+    args = dict(model_dir=STORIES_SRC.parent / "stories260K-int8", text_path=EVAL) | kwargs
+    with pytest.raises(InvalidArgumentTypeError):
+        perplexity(**args)
+
+
+@pytest.mark.parametrize("kwargs,error", [(dict(capacity=None), "capacity must be an integer"),
+                                          (dict(capacity="64"), "capacity must be an integer"),
+                                          (dict(capacity=64, chunk=-3), "chunk must be at least 1"),
+                                          (dict(capacity=64, sinks=1.5), "sinks must be an integer")])
+def test_bad_stream_arguments_are_edgeinfer_errors(kwargs, error):
+    from edgeinfer.evaluate import stream_perplexity
+
+    with pytest.raises(EdgeInferError, match=error):
+        stream_perplexity(STORIES_SRC.parent / "stories260K-int8", EVAL, **kwargs)
+
+
+def test_numpy_integers_are_taken_and_threads_reach_every_session(monkeypatch):
+    """np.int64 arguments are the integers they are (window=np.int64(64) was refused, naming
+    capacity_tokens); the engine gets the threads given (a portable folder's prefill session ran on
+    every core under eval --threads 1)."""
+    import edgeinfer.evaluate as ev
+
+    seen = []
+    real = ev.open_engine
+    monkeypatch.setattr(ev, "open_engine", lambda session, max_chunk, threads=None, **k: (
+        seen.append(threads), real(session, max_chunk, threads, **k))[1])
+    model = STORIES_SRC.parent / "stories260K-int8"
+    r = perplexity(model, EVAL, window=np.int64(64), threads=1)
+    assert r.scored_tokens == 7919 - r.n_windows and seen == [1]
+    ev.stream_perplexity(model, EVAL, capacity=np.int64(64), sinks=np.int64(4), chunk=np.int64(16), threads=1)
+    assert seen == [1, 1]
