@@ -70,7 +70,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _print_systemd_unit(args: argparse.Namespace, config) -> int:
     from edgeinfer.manifest import read_manifest
     from edgeinfer.model import default_model_path
-    from edgeinfer.overflow import resolve_capacity
+    from edgeinfer.overflow import DEFAULT_PREFILL_CHUNK, resolve_capacity
     from edgeinfer.server.systemd import systemd_unit
 
     def footprint(folder: Path, capacity: int | None) -> int:
@@ -85,7 +85,7 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
         weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         if manifest.portable is not None:
             weights = max(weights, 2 * 4 * parameter_count(spec))
-        return weights + config.slots * spec.kv_bytes_per_token * (cap + min(256, cap))
+        return weights + config.slots * spec.kv_bytes_per_token * (cap + min(DEFAULT_PREFILL_CHUNK, cap))
 
     if config.port == 0:
         raise EdgeInferError("port 0 lets the system pick a free port at each start, which no client of a service "

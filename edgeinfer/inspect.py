@@ -10,7 +10,7 @@ from edgeinfer.arch import ArchSpec
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError
 from edgeinfer.integrity import STAMP_FILE, check
 from edgeinfer.manifest import MANIFEST_FILE, Manifest, read_manifest
-from edgeinfer.overflow import resolve_capacity
+from edgeinfer.overflow import DEFAULT_PREFILL_CHUNK, resolve_capacity
 
 
 def parameter_count(a: ArchSpec) -> int:
@@ -44,16 +44,20 @@ def _summary(folder: Path, m: Manifest) -> dict:
     disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != STAMP_FILE)
     load_capacity = resolve_capacity(m.default_capacity_tokens, a, None)
     weight_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name.startswith("model.onnx"))
+    kv_per_token = a.kv_bytes_per_token * (2 if m.interface.kv_dtype == "float16" else 4) // 4
+    # what `load` allocates: the ring and its overflow rows (a prefill call's, 256 by default; a portable
+    # graph's fixed R)
+    rows = m.portable.ring_rows if m.portable is not None else load_capacity + min(DEFAULT_PREFILL_CHUNK, load_capacity)
     return {
         "family": a.family, "parameters": parameter_count(a), "layers": a.num_layers, "hidden_size": a.hidden_size,
         "heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
         "source_head_dim": a.source_head_dim, "vocab_size": a.vocab_size,
         "tied_embeddings": a.tie_word_embeddings, "quantization": _quantization(m), "target": m.target,
         "flavour": m.flavour, "kv_mode": m.interface.kv_mode.name, "attention": m.interface.kv_mode.description,
-        "size_on_disk_bytes": disk, "kv_bytes_per_token": a.kv_bytes_per_token,
+        "size_on_disk_bytes": disk, "kv_bytes_per_token": kv_per_token,
         "default_capacity_tokens": m.default_capacity_tokens,
         "load_capacity_tokens": load_capacity,  # what `load` allocates without capacity_tokens (`resolve_capacity`)
-        "kv_bytes_at_default_capacity": a.kv_bytes_per_token * load_capacity,
+        "kv_rows_at_load": rows, "kv_bytes_at_default_capacity": kv_per_token * rows,
         "tokenizer": m.tokenizer.kind, "format_version": m.format_version, "converter_version": m.converter_version,
         "kv_dtype": m.interface.kv_dtype, "portable": m.portable.to_json() if m.portable is not None else None,
         "origin": m.origin.to_json() if m.origin is not None else None,
@@ -111,10 +115,9 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         f"  graph         {s['flavour']} flavour for {s['target']}, format v{s['format_version']}; attention: "
         f"{s['attention']} (KV mode {s['kv_mode']})",
         f"  size on disk  {s['size_on_disk_bytes'] / 1e6:.2f} MB",
-        f"  KV cache      {s['kv_bytes_per_token'] * (2 if s['kv_dtype'] == 'float16' else 4) // 4} bytes per token "
-        f"({s['kv_dtype']}); "
-        f"{s['kv_bytes_at_default_capacity'] * (2 if s['kv_dtype'] == 'float16' else 4) // 4 / 1e6:.2f} MB at the "
-        f"default capacity of {s['load_capacity_tokens']}"
+        f"  KV cache      {s['kv_bytes_per_token']} bytes per token ({s['kv_dtype']}); "
+        f"{s['kv_bytes_at_default_capacity'] / 1e6:.2f} MB at the default capacity of {s['load_capacity_tokens']} "
+        f"(+{s['kv_rows_at_load'] - s['load_capacity_tokens']} overflow rows)"
         + (f" ({cap_why}; the manifest says {s['default_capacity_tokens']})"
            if s['load_capacity_tokens'] != s['default_capacity_tokens'] else ""),
         f"  tokenizer     {s['tokenizer']}",

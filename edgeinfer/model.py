@@ -34,7 +34,7 @@ from edgeinfer.generation import Completion, Generation, Request
 from edgeinfer.kv_cache import RingKVCache, Snapshot
 from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.prefix_cache import PrefixSnapshot, held_after, reuse
-from edgeinfer.overflow import check_policy, rebase_warning, resolve_capacity, resolve_sinks
+from edgeinfer.overflow import DEFAULT_PREFILL_CHUNK, check_policy, rebase_warning, resolve_capacity, resolve_sinks
 from edgeinfer.power.controller import PowerController, PowerState
 from edgeinfer.power.policy import resolve_policy
 from edgeinfer.power.sensors import Sensors
@@ -54,7 +54,7 @@ def default_model_path() -> Path:
 
 def load(path: str | Path | None = None, *, provider: str = "auto", threads: int | None = None,
          capacity_tokens: int | None = None, n_sink: int | None = None, overflow: str = "shift",
-         prefill_chunk: int = 256, verbose: bool = False, power=None) -> "Model":
+         prefill_chunk: int = DEFAULT_PREFILL_CHUNK, verbose: bool = False, power=None) -> "Model":
     """Load an edgeinfer model folder (None: the bundled default model).
 
     provider: "auto" (the detected device profile's, `platforms.detect`) | "cpu" | "cuda"; threads: None

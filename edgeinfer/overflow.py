@@ -18,6 +18,7 @@ from edgeinfer.errors import EdgeInferError, InvalidArgumentError
 from edgeinfer.kv_cache import binding_window, max_capacity
 
 OVERFLOW_POLICIES = ("shift", "truncate", "error")
+DEFAULT_PREFILL_CHUNK = 256  # `load`'s tokens per prefill call: also the overflow rows its ring allocates
 
 
 class ContextOverflowError(EdgeInferError, ValueError):

@@ -54,6 +54,24 @@ def test_graph_structure(folders):
     assert types["cos_cache"] == types["sin_cache"] == F16  # RoPE's rows come from the host (interface 2)
 
 
+def test_inspect_counts_the_float16_ring_and_its_overflow_rows(folders, capsys):
+    """inspect --json gave a float16 ring's bytes as float32 ones, and both views left out the
+    overflow rows that load allocates (hostile round); now they say what `generate -v` says."""
+    import json
+
+    import edgeinfer
+    from edgeinfer.cli import main
+
+    folder = folders(TINY / "llama2_gqa_tied", "cuda")
+    spec = read_manifest(folder).arch
+    assert main(["inspect", str(folder), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["kv_bytes_per_token"] == spec.kv_bytes_per_token // 2  # float16: half the float32 figure
+    m = edgeinfer.load(folder, provider="cpu")
+    cache = m.new_cache()
+    assert s["kv_rows_at_load"] == cache.rows and s["kv_bytes_at_default_capacity"] == cache.bytes
+
+
 def test_rope_table_at_long_positions_keeps_its_angles(folders):
     """The float16 table holds cos/sin of angles the runtime computed in float32: at position 5,000
     every entry is within float16's rounding of the exact value (angles taken to float16 first
