@@ -171,3 +171,35 @@ def test_a_hot_plan_prefills_in_small_calls_only_where_the_reply_cannot_change()
         assert max(calls) == HOT_PREFILL_CHUNK and sum(calls[:-1]) == 100  # it fits: calls of 32
     finally:
         hot.power.stop()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_samples_its_sensors_again():
+    """fork() copies only the calling thread: the child's controller had no sampling thread and kept
+    the plan of the fork's moment (hot and paced in a child long cooled; hostile round). It samples
+    again in the child, and the parent's goes on."""
+    m = edgeinfer.load(power=Policy("balanced", hold_s=0.0))
+    sensors = Switch(Readings(temp_c=95.0))
+    m.power.sensors = sensors
+    m.power.tick()
+    assert m.power_state().plan.level == "hot"
+    pid = os.fork()
+    if pid == 0:  # the child: cool down and see the plan follow, then a token
+        code = 1
+        try:
+            import time
+
+            sensors.now = Readings(temp_c=40.0)
+            deadline = time.monotonic() + 10
+            while m.power_state().plan.level != "cool" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            ok = m.power_state().plan.level == "cool" and m.generate("Once", max_new_tokens=2).usage.completion_tokens == 2
+            code = 0 if ok else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    try:
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert m.power._thread.is_alive() and m.power_state().plan.level == "hot"  # the parent's, unchanged
+    finally:
+        m.power.stop()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -142,12 +143,19 @@ class PowerController:
             log.warning("edgeinfer power: %s", message)
 
     def start(self) -> "PowerController":
-        """Take a first reading now, then sample every interval_s on a daemon thread."""
+        """Take a first reading now, then sample every interval_s on a daemon thread (started again in
+        a forked child, whose copy of the process has no such thread: `_after_fork_in_child`)."""
         self.tick()
+        self._spawn(first_wait=True)
+        return self
+
+    def _spawn(self, first_wait: bool) -> None:
         ref, stop, interval = weakref.ref(self), self._stop, self.interval_s
 
         def loop() -> None:  # holds the controller only while ticking, so a dropped Model ends it
-            while not stop.wait(interval):
+            wait = first_wait
+            while not (stop.wait(interval) if wait else stop.is_set()):
+                wait = True
                 c = ref()
                 if c is None:
                     return
@@ -156,7 +164,7 @@ class PowerController:
 
         self._thread = threading.Thread(target=loop, name="edgeinfer-power", daemon=True)
         self._thread.start()
-        return self
+        _SAMPLING.add(self)
 
     def stop(self) -> None:
         self._stop.set()
@@ -235,3 +243,22 @@ class Pacer:
         else:
             self._release = now
         self._started = now
+
+
+_SAMPLING: "weakref.WeakSet[PowerController]" = weakref.WeakSet()  # controllers whose thread was started
+
+
+def _after_fork_in_child() -> None:
+    """fork() copies only the thread that called it: a child's controllers lost their sampling thread
+    and kept the plan of the fork's moment (a child forked while hot stayed paced when cool; hostile
+    round). Each one not stopped samples again at once, and the step statistics' lock, which the lost
+    thread may have held, is a new one."""
+    for c in list(_SAMPLING):
+        c._lock = threading.Lock()
+        if not c._stop.is_set():
+            c._stop = threading.Event()
+            c._spawn(first_wait=False)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
