@@ -42,8 +42,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(r.to_json()))
     else:
+        windows = f"{r.n_windows} windows of at most {r.window} tokens" if r.window else f"{r.n_windows} windows"
         print(f"perplexity {r.perplexity:.4f} over {r.scored_tokens} tokens "
-              f"({r.n_stories} stories, {r.n_windows} windows, {r.path} path, {r.eval_s:.1f} s)")
+              f"({r.n_stories} stories, {windows}, {r.path} path, {r.eval_s:.1f} s)")
     return 0
 
 

@@ -48,12 +48,13 @@ class PerplexityResult:
     n_windows: int
     eval_s: float
     path: str = "prefill"  # which forward path scored it (PATHS; "stream" for stream_perplexity)
+    window: int | None = None  # tokens per scored window (None: stream scoring, a story through the ring)
 
     def to_json(self) -> dict:
         return {"perplexity": self.perplexity if math.isfinite(self.perplexity) else None,
                 "mean_nll_nats_per_token": self.mean_nll,
                 "scored_tokens": self.scored_tokens, "n_stories": self.n_stories, "n_windows": self.n_windows,
-                "eval_s": round(self.eval_s, 3), "path": self.path}
+                "eval_s": round(self.eval_s, 3), "path": self.path, "window": self.window}
 
 
 def _read_stories(text_path: Path) -> list[str]:
@@ -163,7 +164,7 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
     if count == 0:
         raise EdgeInferError(f"{text_path}: no token to score")
     mean = _finite(total / count, model_dir)
-    return PerplexityResult(_exp(mean), mean, count, len(stories), windows, time.perf_counter() - t0, path)
+    return PerplexityResult(_exp(mean), mean, count, len(stories), windows, time.perf_counter() - t0, path, window)
 
 
 def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity: int, sinks: int | None = None,
