@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 from edgeinfer.errors import EdgeInferError
@@ -350,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     if sys.stdout is None:  # started with its standard output closed (`>&-`)
         print("edgeinfer: error: cannot write the output: standard output is closed", file=sys.stderr)
         return 1
+    show = warnings.showwarning
+    warnings.showwarning = _show_warning
     try:
         rc = args.func(args)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
@@ -372,6 +375,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edgeinfer: error: cannot write the output: {e.strerror}", file=sys.stderr)
         _drop_stdout()  # what is still buffered would fail again at exit, with a traceback
         return 1
+    finally:
+        warnings.showwarning = show
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as the CLI's other diagnostics read: one line, no source file or code (a library
+    caller keeps Python's own form)."""
+    print(f"edgeinfer: warning: {message}", file=sys.stderr if file is None else file)
 
 
 def _standard_streams() -> None:

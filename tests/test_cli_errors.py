@@ -236,3 +236,17 @@ def test_negative_numbers_in_exponent_form_are_values(capsys):
     for value in ("-1e6", "-2.5E+1", "-.5e-3"):
         assert main(["generate", "Once", "--presence-penalty", value, "--max-tokens", "2", "--seed", "1"]) == 0
         assert capsys.readouterr().err == ""
+
+
+def test_a_warning_reads_as_one_cli_line(capsys):
+    """The CLI printed Python's raw warning form, its source file and code line included (hostile
+    round: `bench --capacity 500`); it is one `edgeinfer: warning:` line now, and library callers keep
+    Python's form after main returns."""
+    import warnings
+
+    before = warnings.showwarning
+    assert main(["bench", "--capacity", "500", "--runs", "1", "--prompt-tokens", "8", "--gen-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "edgeinfer: warning: capacity_tokens=500 leaves 12" in err
+    assert "UserWarning" not in err and ".py:" not in err
+    assert warnings.showwarning is before
