@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeinfer.errors import InvalidArgumentError
+
 
 MAX_PROMPT_TOKENS = 1 << 20  # a million tokens: hours on a device, and an id array of 8 MB
 
@@ -57,11 +59,11 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     import edgeinfer
 
     if cfg.prompt_tokens < 1 or cfg.gen_tokens < 2 or cfg.runs < 1 or cfg.threads < 1:
-        raise ValueError("--prompt-tokens >= 1, --gen-tokens >= 2, --runs >= 1 and --threads >= 1 are required")
+        raise InvalidArgumentError("--prompt-tokens >= 1, --gen-tokens >= 2, --runs >= 1 and --threads >= 1 are required")
     if cfg.prompt_tokens > MAX_PROMPT_TOKENS or cfg.gen_tokens > MAX_PROMPT_TOKENS:  # an array of ids is made
-        raise ValueError(f"--prompt-tokens and --gen-tokens may be at most {MAX_PROMPT_TOKENS}")
+        raise InvalidArgumentError(f"--prompt-tokens and --gen-tokens may be at most {MAX_PROMPT_TOKENS}")
     if cfg.capacity is not None and cfg.capacity < 2:  # 0 read as "not given"
-        raise ValueError(f"--capacity must be at least 2, got {cfg.capacity}")
+        raise InvalidArgumentError(f"--capacity must be at least 2, got {cfg.capacity}")
     capacity = cfg.capacity or cfg.prompt_tokens + cfg.gen_tokens + 8
     if cfg.capacity is None:
         from edgeinfer.kv_cache import binding_window, max_capacity
@@ -73,7 +75,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         if portable is not None and capacity > portable.capacity_tokens:  # fixed at convert: say which sizes fit
             n = portable.capacity_tokens
             fit = f"--prompt-tokens + --gen-tokens up to {n - 8}, or " if n - 8 >= 3 else ""
-            raise ValueError(f"this portable model holds {n} tokens, and the benchmark's ring would be --prompt-tokens "
+            raise InvalidArgumentError(f"this portable model holds {n} tokens, and the benchmark's ring would be --prompt-tokens "
                              f"{cfg.prompt_tokens} + --gen-tokens {cfg.gen_tokens} + 8 = {capacity}: give {fit}"
                              f"--capacity {n} (the prompt then shifts through the ring)")
         window = binding_window(manifest.arch)
