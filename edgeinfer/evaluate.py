@@ -60,6 +60,8 @@ class PerplexityResult:
 def _read_stories(text_path: Path) -> list[str]:
     try:
         if not text_path.exists():
+            if text_path.is_symlink():
+                raise EdgeInferError(f"{text_path} is a symbolic link that leads nowhere (a missing target or a loop)")
             raise EdgeInferError(f"text file not found: {text_path}")
     except OSError as e:  # a name the system refuses (too long)
         raise EdgeInferError(f"cannot read {text_path}: {e.strerror or e}") from None

@@ -150,3 +150,10 @@ def test_the_result_says_its_window(capsys):
     assert json.loads(capsys.readouterr().out)["window"] == 64
     assert main(["eval", "-m", str(model), "--text", str(EVAL), "--window", "64"]) == 0
     assert "windows of at most 64 tokens" in capsys.readouterr().out
+
+
+def test_a_symlink_loop_is_named_as_such(tmp_path):
+    loop = tmp_path / "loop.txt"
+    loop.symlink_to(loop)
+    with pytest.raises(EdgeInferError, match="symbolic link that leads nowhere"):
+        perplexity(STORIES_SRC.parent / "stories260K-int8", loop)
