@@ -212,8 +212,10 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
         raise ConvertError(f"accuracy_level must be an integer 0..4, got {accuracy_level!r}")
     gguf = gguf_import.is_gguf(src)
     if via == "optimum" or (via == "auto" and not gguf and _needs_optimum(src, log)):
-        if scheme is not None and scheme == default_scheme(scheme.weights, scheme.block_size):
-            quant, block_size, scheme = quant or scheme.weights, scheme.block_size, None  # only --block-size given
+        if scheme is not None and scheme in (default_scheme(scheme.weights, scheme.block_size),
+                                             default_scheme(scheme.weights, scheme.block_size, recipe="rtn")):
+            # only --block-size (or --recipe rtn, what Optimum's int4 is) given: the export's own scheme
+            quant, block_size, scheme = quant or scheme.weights, scheme.block_size, None
         if target != "cpu" or scheme is not None or attention != "auto" or ort_format or accuracy_level is not None \
                 or capacity_tokens is not None or prefill_tokens is not None or quant not in (None, "int4", "int8", "fp32"):
             raise ConvertError("--via optimum builds a cpu graph from --quant int4, int8 or fp32 (and --block-size); "

@@ -8,7 +8,8 @@ Gemma, ...) -> an edgeinfer model folder, through Hugging Face Optimum's ONNX ex
 2. `optimum_graph.rewire` turns that graph's KV exchange into the `optimum` KV mode's (slot-major
    past, the new rows as present, `logits_index`).
 3. ONNX Runtime's own MatMulNBitsQuantizer quantizes the MatMul weights (int4 or int8, blocks of 32,
-   symmetric, accuracy level 4 as the native default) and the embedding's Gather
+   symmetric round to nearest: the native `--recipe rtn`, not the native int4 default asym; accuracy
+   level 4) and the embedding's Gather
    (GatherBlockQuantized); fp32 keeps the float graph.
 4. The tokenizer files are copied and `edgeinfer.json` written (the `optimum` KV mode, origin
    "optimum"), all in `.DST.partial-PID-N`, renamed into place at the end (`convert._convert`'s rule).
@@ -152,7 +153,9 @@ def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transfor
         t0 = time.perf_counter()
         _rewire_and_quantize(exported, tmp, spec, scheme)
         shutil.rmtree(exported)
-        log(f"graph rewired for the KV ring and weights stored as {scheme.weights} in {time.perf_counter() - t0:.1f} s")
+        log(f"graph rewired for the KV ring and weights stored as {scheme.weights}"
+            f"{' (symmetric round to nearest: recipe rtn)' if scheme.weights == 'int4' else ''} in "
+            f"{time.perf_counter() - t0:.1f} s")
         tokenizer_files = [n for n in TOKENIZER_FILES if (src / n).exists()]
         for name in tokenizer_files:
             regular_file(src / name)  # not a link to /dev/zero (copied until the disk filled) or a FIFO

@@ -117,7 +117,7 @@ ASYM_FACTORS = np.linspace(0.85, 1.05, 9, dtype=np.float32)
 def _int4_asym(w: np.ndarray, block: int):
     """Asymmetric 4-bit blocks, w = s (q - z) with an integer z in [0, 15]: per block the (s, z) among
     s = f (max - min) / 15 (f in ASYM_FACTORS) and z = round(-min / s) + {-1, 0, 1} with the least
-    squared error. Zero points packed two per byte, low nibble first, as MatMulNBits reads them.
+    squared error, min and max the block's with 0 included. Zero points packed two per byte, low nibble first, as MatMulNBits reads them.
     Chunks of rows are searched on the cores this process may use (numpy releases the GIL)."""
     n, nb = len(w), -(-w.shape[1] // block)
     packed = np.empty((n, nb, block // 2), np.uint8)
@@ -154,7 +154,9 @@ def _asym_search(x: np.ndarray):
     """`_int4_asym`'s search on blocks x [rows, n_blocks, block]: (codes uint8, s, z) per block. The
     candidates' error is computed in place, in the same operations' order as the plain expression
     sum((x - s (clip(rint(x / s) + z, 0, 15) - z))^2), so the choice does not depend on the buffers."""
-    lo, hi = x.min(-1), x.max(-1)
+    lo, hi = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)  # the range holds 0, as ONNX Runtime's
+    # asymmetric quantizer's does: a block on one side of it (a constant one) is then reached by the grid
+    # s (q - z), z in [0, 15], where its own [min, max] left it at 0 (hostile round)
     span = np.maximum(hi - lo, 1e-12)
     best_err = np.full(lo.shape, np.inf, np.float32)
     best_s, best_z = np.zeros_like(lo), np.zeros(lo.shape, np.float32)

@@ -33,8 +33,8 @@ def _quantization(m: Manifest) -> dict:
     (DequantizeLinear), its embedding a host table (fp16, or fp32 beside fp32 weights), whatever
     scheme its manifest's quantization section carries (the fused graph's defaults)."""
     p = m.portable
-    if p is None:
-        return m.quantization.to_json()
+    if p is None:  # every field, defaults included (the manifest leaves out a default recipe and scale dtype)
+        return {**m.quantization.to_json(), "recipe": m.quantization.recipe, "scale_dtype": m.quantization.scale_dtype}
     return {"weights": p.weights, "per": "output channel" if p.weights == "int8" else None,
             "embedding": "fp32" if p.weights == "fp32" else "fp16", "embedding_on_host": True}
 

@@ -326,3 +326,24 @@ def test_auto_routes_an_unknown_architecture_through_optimum_with_a_note(tmp_pat
     assert r.returncode == 0, r.stderr
     assert "note: 'Phi3ForCausalLM' is not a native family: converting through Optimum" in r.stderr
     assert "source        Optimum ONNX export" in r.stdout
+
+
+def test_via_optimum_takes_the_rounding_it_does_and_refuses_others(tmp_path, monkeypatch, capsys):
+    """Optimum's int4 is ONNX Runtime's symmetric round to nearest: `--recipe rtn` is what it does and
+    is taken (it was refused once asym became the native default), `--recipe asym` and
+    `--asymmetric` are refused (they were taken and ignored: hostile round)."""
+    import edgeinfer.converters.optimum_export as ox
+    from edgeinfer.cli import main
+    from edgeinfer.converters import convert, default_scheme
+
+    got = []
+    monkeypatch.setattr(ox, "convert_via_optimum", lambda src, dst, **kw: got.append(kw))
+    src = _hf_folder(tmp_path, "phi3")
+    for scheme in (default_scheme("int4", 64), default_scheme("int4", 64, recipe="rtn")):
+        convert(src, tmp_path / "out", via="optimum", scheme=scheme)
+    assert [(k["quant"], k["block_size"]) for k in got] == [("int4", 64)] * 2
+    for flags in (["--recipe", "asym"], ["--asymmetric"], ["--recipe", "mse"]):
+        assert main(["convert", str(src), "-o", str(tmp_path / "o2"), "--via", "optimum", *flags]) == 1
+        assert "--via optimum quantizes with ONNX Runtime's symmetric round to nearest" in capsys.readouterr().err
+    assert main(["convert", str(src), "-o", str(tmp_path / "o3"), "--via", "optimum", "--recipe", "rtn", "-q"]) == 0
+    assert got[-1]["quant"] == "int4"

@@ -241,3 +241,29 @@ def test_q4_1_recipe_is_for_the_cpu_graph(tmp_path):
     with pytest.raises(ConvertError, match="--recipe q4_1 builds the cpu graph"):
         convert(STORIES_SRC, tmp_path / "out", target="cuda", scheme=default_scheme("int4", recipe="q4_1"))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name,w", [
+    ("constant", np.full((4, 64), 0.5, np.float32)),
+    ("negative constant", np.full((4, 64), -0.02, np.float32)),
+    ("offset", (0.05 + np.random.default_rng(0).standard_normal((16, 64)) * 0.001).astype(np.float32)),
+    ("far offset", (3.0 + np.random.default_rng(1).standard_normal((16, 64))).astype(np.float32))])
+def test_asym_keeps_blocks_on_one_side_of_zero(name, w):
+    """A block that does not hold 0 (a constant one, an offset one): its range was its own [min, max],
+    which the grid s (q - z), z in [0, 15], cannot reach, and every weight of a constant block came out
+    0 (hostile round). The range holds 0 now: such blocks are kept at least as well as rtn keeps them."""
+    errs = {}
+    for recipe in ("rtn", "asym"):
+        packed, scales, zp = quantize_blockwise(w, 4, 32, recipe == "rtn", recipe)
+        errs[recipe] = np.linalg.norm(decode(packed, scales, zp, 4, w.shape[1]) - w) / np.linalg.norm(w)
+    assert errs["asym"] <= errs["rtn"] + 1e-6 and errs["asym"] < 0.05, errs
+
+
+def test_a_scheme_whose_recipe_contradicts_its_storage_is_refused():
+    """QuantScheme(weights="int4", recipe="asym") with the default symmetric=True stored rtn blocks
+    labelled asym (hostile round): a recipe and a storage that disagree are refused."""
+    with pytest.raises(ConvertError, match="recipe asym stores asymmetric blocks"):
+        QuantScheme(weights="int4", recipe="asym")
+    with pytest.raises(ConvertError, match="recipe mse stores symmetric blocks"):
+        QuantScheme(weights="int4", recipe="mse", symmetric=False)
+    assert QuantScheme(weights="int4", recipe="asym", symmetric=False).recipe == "asym"
