@@ -76,6 +76,7 @@ class PowerController:
         self._warned: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()  # the process its locks and thread belong to (`_own_process`)
 
     # --- the sampling side (off the token path) ---
     def tick(self) -> Plan:
@@ -144,10 +145,27 @@ class PowerController:
 
     def start(self) -> "PowerController":
         """Take a first reading now, then sample every interval_s on a daemon thread (started again in
-        a forked child, whose copy of the process has no such thread: `_after_fork_in_child`)."""
+        a forked child when a generation there first uses it: `_own_process`)."""
         self.tick()
         self._spawn(first_wait=True)
         return self
+
+    def _own_process(self) -> None:
+        """fork() copies only the thread that called it: in a child the sampling thread is gone, and the
+        plan of the fork's moment would stay (a child forked while hot stayed paced when cool; hostile
+        round), and a lock that thread held would stay held. The first use in a new process (a
+        generation's pacer, a state query; a getpid each) takes new locks and samples again. Nothing
+        runs inside fork() itself: a child that never uses the Model pays nothing (and an at-fork hook
+        that started a thread could let the collector free an ONNX Runtime session there, which hangs)."""
+        pid = os.getpid()
+        if self._pid == pid:
+            return
+        self._pid = pid
+        self._lock = threading.Lock()
+        self.cores.after_fork()
+        if self._thread is not None and not self._stop.is_set():
+            self._stop = threading.Event()
+            self._spawn(first_wait=False)
 
     def _spawn(self, first_wait: bool) -> None:
         ref, stop, interval = weakref.ref(self), self._stop, self.interval_s
@@ -164,7 +182,6 @@ class PowerController:
 
         self._thread = threading.Thread(target=loop, name="edgeinfer-power", daemon=True)
         self._thread.start()
-        _SAMPLING.add(self)
 
     def stop(self) -> None:
         self._stop.set()
@@ -180,9 +197,11 @@ class PowerController:
             pass
 
     def state(self) -> PowerState:
+        self._own_process()
         return PowerState(self.policy, self.readings, self.plan, self.cores.applied, self.paced_s_total)
 
     def admits_background(self) -> bool:
+        self._own_process()
         plan = self.plan
         return plan is None or plan.admit_background
 
@@ -193,6 +212,7 @@ class PowerController:
             self._compute_s += compute_s
 
     def pacer(self, cancelled: threading.Event | None = None) -> "Pacer":
+        self._own_process()
         return Pacer(self, cancelled)
 
 
@@ -243,22 +263,3 @@ class Pacer:
         else:
             self._release = now
         self._started = now
-
-
-_SAMPLING: "weakref.WeakSet[PowerController]" = weakref.WeakSet()  # controllers whose thread was started
-
-
-def _after_fork_in_child() -> None:
-    """fork() copies only the thread that called it: a child's controllers lost their sampling thread
-    and kept the plan of the fork's moment (a child forked while hot stayed paced when cool; hostile
-    round). Each one not stopped samples again at once, and the step statistics' lock, which the lost
-    thread may have held, is a new one."""
-    for c in list(_SAMPLING):
-        c._lock = threading.Lock()
-        if not c._stop.is_set():
-            c._stop = threading.Event()
-            c._spawn(first_wait=False)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

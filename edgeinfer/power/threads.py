@@ -65,6 +65,12 @@ class CoreLimit:
     def max_threads(self) -> int:
         return len(self.cores)
 
+    def after_fork(self) -> None:
+        """In a forked child: new locks (a thread the child lacks may have held them mid-`apply`, whose
+        `applied = -1` then makes the next apply confine every thread again)."""
+        self._lock = threading.Lock()
+        CoreLimit._shared_lock = threading.Lock()
+
     def apply(self, k: int) -> int:
         """Confine every thread of the process to the first k cores (1 <= k <= max_threads, clamped);
         return the count now in force. Threads that exit meanwhile are skipped; never raises."""
