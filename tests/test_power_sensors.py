@@ -369,6 +369,20 @@ def test_a_sensor_file_swapped_for_a_fifo_never_blocks(tmp_path, monkeypatch):
     assert not t.is_alive() and out[0].temp_c is None and warned(out[0], "not a regular file")
 
 
+def test_a_device_node_in_a_recorded_tree_is_never_opened(tmp_path, monkeypatch):
+    """A recording whose sensor file is a link to a device is refused by name, unopened (opening some
+    devices does something: /dev/watchdog arms the watchdog; review)."""
+    s = sensors(tmp_path, {ZONE + "type": "cpu-thermal\n", ZONE + "temp": "50000\n"})
+    temp = tmp_path / "root" / ZONE / "temp"
+    temp.unlink()
+    temp.symlink_to("/dev/null")
+    opened, real_open = [], os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: (opened.append(str(path)), real_open(path, *a, **k))[1])
+    r = s.read()
+    assert r.temp_c is None and warned(r, "not a regular file")
+    assert str(temp) not in opened
+
+
 def test_sensor_vanishes_mid_run(tmp_path):
     files = {ZONE + "type": "cpu-thermal\n", ZONE + "temp": "50000\n",
              "sys/class/thermal/thermal_zone1/type": "gpu-thermal\n",

@@ -131,8 +131,12 @@ class SysfsTree:
     def text(self, path: Path, report: Report) -> str | None:
         """The file's text, stripped of whitespace and NULs; None (and a warning) when it vanished,
         is unreadable or empty."""
-        try:  # opened without blocking, then checked: a FIFO or device (even one swapped in) never blocks
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:  # checked by name (a device node is never opened: opening /dev/watchdog arms it), then opened
+            # without blocking and checked again (a FIFO swapped in between never blocks the read)
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                report.warn(f"{self.rel(path)}: not a regular file, skipped")
+                return None
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
             with open(fd, "rb") as f:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     report.warn(f"{self.rel(path)}: not a regular file, skipped")
