@@ -373,6 +373,7 @@ def test_a_device_node_in_a_recorded_tree_is_never_opened(tmp_path, monkeypatch)
     """A recording whose sensor file is a link to a device is refused by name, unopened (opening some
     devices does something: /dev/watchdog arms the watchdog; review)."""
     s = sensors(tmp_path, {ZONE + "type": "cpu-thermal\n", ZONE + "temp": "50000\n"})
+    assert s.read().temp_c == 50.0  # listed as a sensor; then the file becomes a link to a device
     temp = tmp_path / "root" / ZONE / "temp"
     temp.unlink()
     temp.symlink_to("/dev/null")
