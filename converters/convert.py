@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from edgeinfer import __version__
+from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import gguf_import
 from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_decoder
 from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
@@ -34,6 +35,7 @@ from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.converters.source_files import read_json, read_text, regular_file
 from edgeinfer.converters.widen import WidenedSource, choose_kv_mode, widened_spec
 from edgeinfer.errors import ConvertError
+from edgeinfer.fields import FieldError
 from edgeinfer.kv_mode import PORTABLE
 from edgeinfer.manifest import (MODEL_FILE, Manifest, Origin, TokenizerInfo, graph_interface,
                                 portable_interface)
@@ -322,6 +324,10 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
     else:
         spec = spec_from_config(read_config(src))
         ckpt = Checkpoint(src)
+    try:  # the bounds `load` checks (ArchSpec.from_json): refused here, not once the folder is written
+        ArchSpec.from_json(spec.to_json())
+    except FieldError as e:
+        raise ConvertError(f"{'the GGUF metadata' if gguf else 'config.json'}: {e}") from None
     trained = spec.max_position_embeddings
     if portable is not None and portable.capacity_tokens > trained:  # a ring past it attends over untrained distances
         if capacity_given:

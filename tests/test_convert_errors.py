@@ -125,6 +125,9 @@ def test_unsupported_architecture_lists_supported(capsys, src, tmp_path):
     ({"rope_scaling": "linear"}, "'rope_scaling' must be an object"),
     ({"architectures": "LlamaForCausalLM"}, "architectures must be a list of names"),
     ({"max_position_embeddings": 2}, "must be at least 16"),
+    # past the bounds load checks: refused before writing a folder that `load` calls corrupted (review)
+    ({"max_position_embeddings": 2 ** 28}, "config.json: architecture.max_position_embeddings: must be in 1.."),
+    ({"num_hidden_layers": 5000}, "config.json: architecture.num_layers: must be in 1..4,096"),
     ({"rope_parameters": "x"}, "'rope_parameters' must be an object"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": "abc"}, "sliding_window"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 3}, "integer >= 16"),
