@@ -70,14 +70,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _print_systemd_unit(args: argparse.Namespace, config) -> int:
     from edgeinfer.manifest import read_manifest
     from edgeinfer.model import default_model_path
-    from edgeinfer.overflow import DEFAULT_PREFILL_CHUNK, resolve_capacity
+    from edgeinfer.overflow import resolve_capacity
     from edgeinfer.server.systemd import systemd_unit
 
     def footprint(folder: Path, capacity: int | None) -> int:
         """Weights plus one KV ring per slot (each request holds one, of the draft model too). A
         portable folder on the CPU holds its weights as float32 twice (each graph folds its own:
         `session.session_options`), whatever their size on disk."""
-        from edgeinfer.inspect import parameter_count
+        from edgeinfer.inspect import kv_at_load, parameter_count
 
         manifest = read_manifest(folder)
         spec = manifest.arch
@@ -85,7 +85,7 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
         weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         if manifest.portable is not None:
             weights = max(weights, 2 * 4 * parameter_count(spec))
-        return weights + config.slots * spec.kv_bytes_per_token * (cap + min(DEFAULT_PREFILL_CHUNK, cap))
+        return weights + config.slots * kv_at_load(manifest, cap)[1]  # a float16 ring, a portable graph's R
 
     if config.port == 0:
         raise EdgeInferError("port 0 lets the system pick a free port at each start, which no client of a service "

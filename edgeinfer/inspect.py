@@ -39,15 +39,25 @@ def _quantization(m: Manifest) -> dict:
             "embedding": "fp32" if p.weights == "fp32" else "fp16", "embedding_on_host": True}
 
 
+def kv_bytes_per_token(m: Manifest) -> int:
+    """K and V bytes of one token across the layers, in the ring's dtype (float16 for a cuda folder)."""
+    return m.arch.kv_bytes_per_token * (2 if m.interface.kv_dtype == "float16" else 4) // 4
+
+
+def kv_at_load(m: Manifest, capacity: int) -> tuple[int, int]:
+    """(rows, bytes) of one KV ring as `load` allocates it for `capacity` tokens: the ring and its
+    overflow rows (a prefill call's, DEFAULT_PREFILL_CHUNK by default), or a portable graph's fixed R."""
+    rows = m.portable.ring_rows if m.portable is not None else capacity + min(DEFAULT_PREFILL_CHUNK, capacity)
+    return rows, kv_bytes_per_token(m) * rows
+
+
 def _summary(folder: Path, m: Manifest) -> dict:
     a = m.arch
     disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != STAMP_FILE)
     load_capacity = resolve_capacity(m.default_capacity_tokens, a, None)
     weight_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name.startswith("model.onnx"))
-    kv_per_token = a.kv_bytes_per_token * (2 if m.interface.kv_dtype == "float16" else 4) // 4
-    # what `load` allocates: the ring and its overflow rows (a prefill call's, 256 by default; a portable
-    # graph's fixed R)
-    rows = m.portable.ring_rows if m.portable is not None else load_capacity + min(DEFAULT_PREFILL_CHUNK, load_capacity)
+    kv_per_token = kv_bytes_per_token(m)
+    rows, kv_bytes = kv_at_load(m, load_capacity)
     return {
         "family": a.family, "parameters": parameter_count(a), "layers": a.num_layers, "hidden_size": a.hidden_size,
         "heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
@@ -57,7 +67,7 @@ def _summary(folder: Path, m: Manifest) -> dict:
         "size_on_disk_bytes": disk, "kv_bytes_per_token": kv_per_token,
         "default_capacity_tokens": m.default_capacity_tokens,
         "load_capacity_tokens": load_capacity,  # what `load` allocates without capacity_tokens (`resolve_capacity`)
-        "kv_rows_at_load": rows, "kv_bytes_at_default_capacity": kv_per_token * rows,
+        "kv_rows_at_load": rows, "kv_bytes_at_default_capacity": kv_bytes,
         "tokenizer": m.tokenizer.kind, "format_version": m.format_version, "converter_version": m.converter_version,
         "kv_dtype": m.interface.kv_dtype, "portable": m.portable.to_json() if m.portable is not None else None,
         "origin": m.origin.to_json() if m.origin is not None else None,
