@@ -62,8 +62,8 @@ def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | No
     lm_head at the same width, stored once. accuracy_level 4 (int8 activations) is 1.7x faster per
     decode step on this CPU and moves stories260K's perplexity by < 0.1 %. int4's recipe (None: the
     default) is "asym", integer zero points searched per block: the most accurate recipe that keeps
-    the decode speed (0.98x symmetric rtn's; perplexity stories260K +15.2 % -> +12.0 %, SmolLM2
-    +22.5 % -> +21.3 %; docs/quantization.md). int8 is symmetric round-to-nearest. fp16 / fp32:
+    the decode speed (0.97-1.01x symmetric rtn's step; perplexity stories260K +15.2 % -> +12.2 %,
+    SmolLM2 +22.4 % -> +21.5 %; docs/quantization.md). int8 is symmetric round-to-nearest. fp16 / fp32:
     plain weights. `int8_tensors` keeps chosen int4 projections at int8.
     """
     if recipe is None:
