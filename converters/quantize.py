@@ -1,7 +1,8 @@
-"""Weight quantization, on ONNX Runtime's own block quantizers.
+"""Weight quantization into the initializers MatMulNBits reads.
 
-`quantize_blockwise` wraps `onnxruntime.capi._pybind_state.quantize_matmul_{4,8}bits` (the C++
-kernels behind ORT's MatMulNBitsQuantizer) and returns the exact initializers MatMulNBits reads:
+`quantize_blockwise` runs a recipe: ONNX Runtime's own `quantize_matmul_{4,8}bits` (the C++ kernels
+behind ORT's MatMulNBitsQuantizer: int8, int4 `rtn`) or our per-block searches (int4 `asym`, the
+default, and `mse`), and returns the exact initializers MatMulNBits reads:
 
     packed [N, n_blocks, block_size * bits / 8] uint8   (low nibble first for 4 bits)
     scales [N, n_blocks] float32
@@ -49,7 +50,7 @@ MSE_FACTORS = np.linspace(0.80, 1.10, 13, dtype=np.float32)  # scale candidates 
 def quantize_blockwise(w_out_in: np.ndarray, bits: int, block_size: int, symmetric: bool, recipe: str = "rtn"):
     """Quantize a [N, K] (out, in) float32 weight for MatMulNBits; returns (packed, scales, zero_points).
 
-    recipe (symmetric int4 only; other widths always "rtn"):
+    recipe (int4 only; other widths always "rtn"; asym is asymmetric storage, rtn either, mse symmetric):
       rtn  ONNX Runtime's quantizer, round to nearest: scale = (the block's signed extreme) / -8, as
            llama.cpp's Q4_0 (a numpy copy of that rule gives the same perplexity on stories260K)
       mse  per block, the scale among `MSE_FACTORS` x that one with the least squared weight error

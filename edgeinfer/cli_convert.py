@@ -36,7 +36,7 @@ def add_convert_parser(sub) -> None:
                    "block), rtn (symmetric, round to nearest, scale from the block's extreme, as llama.cpp's Q4_0; "
                    "~3 %% smaller, less accurate), mse (symmetric, per-block scale search "
                    "for the least squared error) or q4_1 (asymmetric blocks with an fp16 minimum, as llama.cpp's "
-                   "Q4_1: the most accurate, ~11 %% larger, ~0.7x decode speed)")
+                   "Q4_1: the most accurate, 8-17 %% larger than asym, ~0.7x decode speed)")
     c.add_argument("--int8-tensors", nargs="*", metavar="NAME",
                    help="with --quant int4, keep these projections at int8 (e.g. qkv_proj down_proj)")
     c.add_argument("--attention", choices=("auto", *(m.name for m in KV_MODES)), default="auto",

@@ -34,7 +34,8 @@ def _quantization(m: Manifest) -> dict:
     scheme its manifest's quantization section carries (the fused graph's defaults)."""
     p = m.portable
     if p is None:  # every field, defaults included (the manifest leaves out a default recipe and scale dtype)
-        return {**m.quantization.to_json(), "recipe": m.quantization.recipe, "scale_dtype": m.quantization.scale_dtype}
+        q = m.quantization
+        return {**q.to_json(), "recipe": None if _kept(m) else q.recipe, "scale_dtype": _scale_dtype(m)}
     return {"weights": p.weights, "per": "output channel" if p.weights == "int8" else None,
             "embedding": "fp32" if p.weights == "fp32" else "fp16", "embedding_on_host": True}
 
@@ -49,6 +50,18 @@ def kv_at_load(m: Manifest, capacity: int) -> tuple[int, int]:
     overflow rows (a prefill call's, DEFAULT_PREFILL_CHUNK by default), or a portable graph's fixed R."""
     rows = m.portable.ring_rows if m.portable is not None else capacity + min(DEFAULT_PREFILL_CHUNK, capacity)
     return rows, kv_bytes_per_token(m) * rows
+
+
+def _kept(m: Manifest) -> bool:
+    """A GGUF's own blocks taken over (`--quant keep`): no recipe of ours rounded them."""
+    return m.origin is not None and m.origin.quant == "keep"
+
+
+def _scale_dtype(m: Manifest) -> str:
+    """The block scales as the graph holds them: a cuda folder's float16 pass makes them float16
+    whatever the manifest's scheme (float32, the scheme it was built from) says."""
+    q = m.quantization
+    return "float16" if m.target == "cuda" and q.weights in ("int4", "int8") else q.scale_dtype
 
 
 def _summary(folder: Path, m: Manifest) -> dict:
@@ -100,9 +113,8 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         return json.dumps(s, indent=1)
     q = m.quantization
     mixed = f", int8 for {', '.join(q.int8_tensors)}" if q.int8_tensors else ""
-    kept = m.origin is not None and m.origin.quant == "keep"  # a GGUF's own blocks: no recipe of ours
-    recipe = f", recipe {q.recipe}" if q.weights == "int4" and not kept else ""
-    scales = ", fp16 scales" if q.scale_dtype == "float16" else ""
+    recipe = f", recipe {q.recipe}" if q.weights == "int4" and not _kept(m) else ""
+    scales = ", fp16 scales" if _scale_dtype(m) == "float16" else ""
     blocks = f" (block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}, " \
              f"accuracy_level {q.accuracy_level}{mixed}{recipe}{scales})" if q.weights in ("int4", "int8") else ""
     widened = f" (widened from {s['source_head_dim']} for GroupQueryAttention)" if s["source_head_dim"] else ""

@@ -70,6 +70,8 @@ def test_inspect_counts_the_float16_ring_and_its_overflow_rows(folders, capsys):
     m = edgeinfer.load(folder, provider="cpu")
     cache = m.new_cache()
     assert s["kv_rows_at_load"] == cache.rows and s["kv_bytes_at_default_capacity"] == cache.bytes
+    assert s["quantization"]["scale_dtype"] == "float16"  # the graph's, whatever the scheme it was built from
+    assert main(["inspect", str(folder)]) == 0 and "fp16 scales" in capsys.readouterr().out
 
 
 def test_rope_table_at_long_positions_keeps_its_angles(folders):

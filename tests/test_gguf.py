@@ -202,6 +202,7 @@ def test_inspect_names_the_source_and_what_was_kept(gguf_models):
     line = describe(gguf_models["Q4_0"]).splitlines()[-1]
     assert "GGUF stories260K-Q4_0.gguf" in line and "Q4_0 x30" in line and "kept exactly: Q4_0, Q8_0" in line
     assert summary(gguf_models["Q4_0"])["origin"]["kept_exact"] == ["Q4_0", "Q8_0"]
+    assert summary(gguf_models["Q4_0"])["quantization"]["recipe"] is None  # kept blocks: no recipe of ours rounded them
 
 
 def test_requantize_instead_of_keep(tmp_path):

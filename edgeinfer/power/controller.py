@@ -105,7 +105,7 @@ class PowerController:
 
     def _smoothed(self, r: Readings) -> Readings:
         """What a plan decides on: temp_c the median of the last TEMP_MEDIAN_OF temperatures read (a
-        missed read or a NaN skipped, not a reset), so that a sensor glitch (52 -> 120 -> 52 °C in half
+        missed read or a NaN skipped, not a reset), so that a sensor glitch (52 -> 100 -> 52 °C in half
         a second; a real die does not jump 68 °C) does not throttle decoding to 1 token/s for the
         plan's hold time; a real rise shows after TEMP_MEDIAN_OF // 2 + 1 samples. A reading at or past
         the device's critical point acts at once: there, a false alarm costs less than a late one."""

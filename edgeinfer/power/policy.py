@@ -52,7 +52,8 @@ LOG_MAX_CAP = math.log(1e6)
 class Policy:
     """A named policy and the user's limits. Build with `Policy(name, ...)` or `resolve_policy`."""
     name: str = "balanced"
-    max_temp_c: float | None = None  # stay under this (default: the device's throttle point less margin_c)
+    max_temp_c: float | None = None  # stay under this (default: the device's throttle point less margin_c);
+    # never above CRITICAL_GUARD_C under the device's critical point (`temperature_limit_c`)
     min_battery_pct: float | None = None  # on battery below this, refuse background work (default 20; battery: 50)
     power_budget_w: float | None = None  # hold the device's draw (power_w) at or under this
     max_tokens_per_s: float | None = None  # never decode faster than this
