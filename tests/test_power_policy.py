@@ -420,6 +420,18 @@ def test_the_power_report_escapes_control_characters_from_the_device():
     assert "\x1b" not in text and "\x07" not in text and "Pi \\x1b]0;pwned\\x07 5" in text
 
 
+def test_the_power_report_says_which_cpu_count_its_plans_use():
+    """A tree whose CPU count is unread showed "? CPUs" while its plans used this host's cores
+    (hostile round): the header says so."""
+    from edgeinfer.power.report import format_report, report
+    from edgeinfer.power.threads import allowed_cores
+
+    head = format_report(report(Readings(temp_c=50.0))).splitlines()[0]
+    assert f"CPU count unread: plans for this host's {len(allowed_cores())}" in head
+    data = report(Readings(temp_c=50.0, cpu_count=4))
+    assert data["plan_cpus"] == 4 and "(4 CPUs;" in format_report(data).splitlines()[0]
+
+
 def test_deeply_nested_recorded_device_files_are_one_line_errors(tmp_path):
     from edgeinfer.errors import InvalidArgumentError
     from edgeinfer.platforms import detect_from_fixture

@@ -384,6 +384,23 @@ def test_a_device_node_in_a_recorded_tree_is_never_opened(tmp_path, monkeypatch)
     assert str(temp) not in opened
 
 
+@pytest.mark.parametrize("how", ["fifo", "folder", "loop"])
+def test_a_zone_whose_temp_is_no_regular_file_is_said_when_listed(tmp_path, how):
+    """Such a zone was dropped without a word, its critical trip point with it (hostile round)."""
+    files = {ZONE + "type": "cpu-thermal\n", ZONE + "trip_point_0_type": "critical\n",
+             ZONE + "trip_point_0_temp": "100000\n"}
+    root = make_tree(tmp_path / "root", files)
+    temp = root / ZONE / "temp"
+    if how == "fifo":
+        os.mkfifo(temp)
+    elif how == "folder":
+        temp.mkdir()
+    else:
+        temp.symlink_to(temp)
+    r = Sensors(root, run=RecordedCommands({}), platform="linux", clock=Clock()).read()
+    assert r.temp_c is None and warned(r, "thermal_zone0/temp", "not a regular file, zone skipped")
+
+
 def test_sensor_vanishes_mid_run(tmp_path):
     files = {ZONE + "type": "cpu-thermal\n", ZONE + "temp": "50000\n",
              "sys/class/thermal/thermal_zone1/type": "gpu-thermal\n",

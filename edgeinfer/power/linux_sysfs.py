@@ -226,6 +226,8 @@ class LinuxSysfs(SysfsTree):
         zone_types = set()
         for zone in numbered(r / "sys/class/thermal", "thermal_zone*"):
             if not is_file(zone / "temp"):
+                if os.path.lexists(zone / "temp"):  # a FIFO, a folder, a link loop: said, not silently lost
+                    report.warn(f"{self.rel(zone / 'temp')}: not a regular file, zone skipped")
                 continue
             name = self.optional_text(zone / "type", report) or zone.name
             zone_types.add(name.replace("-", "_"))

@@ -11,7 +11,7 @@ from edgeinfer.power.threads import allowed_cores
 def report(readings: Readings) -> dict:
     """{"readings": ..., "plans": {policy: plan}} for an idle runtime on all its cores."""
     load = Load(max_threads=readings.cpu_count or len(allowed_cores()))
-    return {"readings": readings.as_dict(),
+    return {"readings": readings.as_dict(), "plan_cpus": load.max_threads,
             "plans": {name: decide(readings, Policy(name), load).as_dict() for name in POLICY_NAMES}}
 
 
@@ -27,8 +27,9 @@ def _fmt(value, unit: str = "", digits: int = 1) -> str:
 
 def format_report(data: dict) -> str:
     r = data["readings"]
-    lines = [f"device      {r['device'] or 'unknown'}  ({r['cpu_count'] or '?'} CPUs; read: "
-             f"{', '.join(r['sources']) or 'nothing'})",
+    cpus = f"{r['cpu_count']} CPUs" if r["cpu_count"] else \
+        f"CPU count unread: plans for this host's {data.get('plan_cpus', '?')}"
+    lines = [f"device      {r['device'] or 'unknown'}  ({cpus}; read: {', '.join(r['sources']) or 'nothing'})",
              f"temperature {_fmt(r['temp_c'], ' °C')}  throttles at {_fmt(r['throttle_temp_c'], ' °C')}  "
              f"critical {_fmt(r['critical_temp_c'], ' °C')}",
              f"cpu         {_fmt(r['cpu_freq_mhz'], ' MHz', 0)} of {_fmt(r['cpu_max_freq_mhz'], ' MHz', 0)}",
