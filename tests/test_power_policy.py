@@ -120,12 +120,14 @@ def test_hot_paces_down_refuses_background_and_chunks_prefill():
     later = decide(replace(r, time_s=15.0), Policy("balanced"), LOAD, plan)
     assert later.thermal_i == pytest.approx(math.log(20.0) + KI_PER_C_S * -0.5 * 5.0)
     assert later.max_tokens_per_s == pytest.approx(math.exp(later.thermal_i + KP_PER_C * -0.5))
-    # performance never paces for heat (no critical point known) and never refuses work
+    # performance never paces for heat (no critical point known) and never refuses work, nor chunks its
+    # prefill at the generic hot level (it did: 32-token calls at 85 °C; hostile round)
     perf = decide(r, Policy("performance"), LOAD)
-    assert perf.max_tokens_per_s is None and perf.admit_background
+    assert perf.max_tokens_per_s is None and perf.admit_background and perf.prefill_chunk is None
     # ... but guards the critical point
     near = decide(replace(r, temp_c=100.0, critical_temp_c=104.0), Policy("performance"), LOAD)
     assert near.max_tokens_per_s == pytest.approx(20.0 * math.exp(KP_PER_C * (99.0 - 100.0)))
+    assert near.prefill_chunk == HOT_PREFILL_CHUNK  # while the critical guard paces
 
 
 def test_the_controller_keeps_the_rate_that_held_the_target_and_lets_go_when_cool():

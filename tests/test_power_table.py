@@ -16,7 +16,8 @@ RATE = 20.0  # the decode rate the runtime reports (tok/s); a hot plan's first c
 
 # device -> {policy: (threads, capped, prefill_chunk, admit_background, level)}
 COOL4 = {p: (4, False, None, True, "cool") for p in POLICY_NAMES}
-HOT_PI = {"performance": (4, False, H, True, "hot"), "balanced": (4, True, H, False, "hot"),
+# performance guards the critical point only: no smaller prefill calls at the generic hot level
+HOT_PI = {"performance": (4, False, None, True, "hot"), "balanced": (4, True, H, False, "hot"),
           "battery": (4, True, H, False, "hot"), "thermal-guard": (4, True, H, False, "hot")}
 TABLE = {
     "pi4-cool": COOL4,
@@ -24,7 +25,7 @@ TABLE = {
     "pi4-throttled": HOT_PI,  # 82 °C, firmware flags 0xe000e
     "pi5-throttled": HOT_PI,
     # 58 °C: no pacing for heat, but half the cores and no background work while the supply sags
-    "pi5-undervoltage": {"performance": (4, False, H, True, "hot"), "balanced": (2, False, H, False, "hot"),
+    "pi5-undervoltage": {"performance": (4, False, None, True, "hot"), "balanced": (2, False, H, False, "hot"),
                          "battery": (2, False, H, False, "hot"), "thermal-guard": (2, False, H, False, "hot")},
     "jetson-orin-nano-15w": {p: (6, False, None, True, "cool") for p in POLICY_NAMES},
     "jetson-orin-nano-7w": {p: (4, False, None, True, "cool") for p in POLICY_NAMES},

@@ -282,7 +282,10 @@ def decide(readings: Readings, policy: Policy, load: Load, previous: Plan | None
         if low_battery:
             admit = False
             reasons.append(f"background refused: battery {readings.battery_pct:g}% < {policy.battery_floor_pct():g}%")
-    prefill = HOT_PREFILL_CHUNK if level == "hot" else None
+    # performance guards the critical point only: its prefill is chunked while that guard paces, not at
+    # the generic hot level (79 °C where the device names no throttle point)
+    prefill = HOT_PREFILL_CHUNK if level == "hot" and (policy.name != "performance" or thermal_cap is not None) \
+        else None
     plan = Plan(threads=threads, max_tokens_per_s=cap, prefill_chunk=prefill, admit_background=admit,
                 reason="; ".join(r for r in reasons if r), level=level, heat_cap=heat_cap, since_s=readings.time_s, thermal_cap=thermal_cap,
                 thermal_i=thermal_i, budget_cap=budget_cap)
