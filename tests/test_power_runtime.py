@@ -232,24 +232,66 @@ def test_a_forked_child_samples_its_sensors_again():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(os, "sched_setaffinity"), reason="needs fork, affinity")
-def test_a_forked_child_is_not_held_by_a_lock_the_lost_thread_held():
-    """A thread that held the core limit's lock mid-apply at the fork (applied = -1) does not exist in
-    the child: its generation waited on that lock for ever (review). The child takes new locks."""
+@pytest.mark.parametrize("then", ["generate", "set_policy", "stop", "new_model"])
+def test_a_forked_child_is_not_held_by_a_lock_the_lost_thread_held(then):
+    """A thread that held the controller's lock and the core limit's mid-apply (applied = -1) at the
+    fork does not exist in the child: a generation, a policy change, stop() and a new Model under
+    power control there waited on those locks for ever (review). They are reset in the child."""
     m = edgeinfer.load(power=Policy("balanced", hold_s=0.0))
     held, release = threading.Event(), threading.Event()
 
     def hold():
-        with m.power.cores._lock:
+        with m.power._lock, m.power.cores._lock, type(m.power.cores)._shared_lock:
             m.power.cores.applied = -1  # as `apply` leaves it while it moves the threads
             held.set()
             release.wait()
+
+    def child() -> bool:
+        if then == "generate":
+            return m.generate("Once", max_new_tokens=3).usage.completion_tokens == 3
+        if then == "set_policy":
+            return m.power.set_policy(Policy("battery")).threads >= 1
+        if then == "stop":
+            m.power.stop()
+            return True
+        other = edgeinfer.load(power=Policy("balanced"))
+        return other.generate("Once", max_new_tokens=2).usage.completion_tokens == 2
 
     t = threading.Thread(target=hold)
     t.start()
     held.wait()
     try:
-        assert _in_a_child(lambda: m.generate("Once", max_new_tokens=3).usage.completion_tokens == 3, 30) == 0
+        assert _in_a_child(child, 30) == 0
     finally:
         release.set()
         t.join()
+        m.power.stop()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_stream_opened_before_a_fork_follows_the_childs_sensors():
+    """A stream the forking thread had open goes on in the child (tests/test_concurrency.py); its
+    pacer was made in the parent, and it kept the fork's plan (review). Its steps sample again."""
+    import time
+
+    m = edgeinfer.load(power=Policy("balanced", hold_s=0.0))
+    sensors = Switch(Readings(temp_c=95.0))
+    m.power.sensors = sensors
+    m.power.tick()
+    gen = m.stream("Once upon a time", max_new_tokens=400, temperature=0, ignore_eos=True)
+    next(gen)
+
+    def child() -> bool:
+        sensors.now = Readings(temp_c=40.0)
+        deadline = time.monotonic() + 10
+        for _ in gen:
+            if m.power.plan.level == "cool" or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        return m.power.plan.level == "cool"
+
+    try:
+        assert _in_a_child(child) == 0
+    finally:
+        gen.close()
         m.power.stop()

@@ -21,6 +21,7 @@ message; nothing on the token path can raise from here.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -76,7 +77,8 @@ class PowerController:
         self._warned: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pid = os.getpid()  # the process its locks and thread belong to (`_own_process`)
+        self._forks_seen = _FORKS[0]  # the forks its sampling thread belongs to (`_own_process`)
+        _CONTROLLERS.add(self)
 
     # --- the sampling side (off the token path) ---
     def tick(self) -> Plan:
@@ -133,6 +135,7 @@ class PowerController:
 
     def set_policy(self, policy: Policy) -> Plan:
         """Switch policy now (e.g. the user changed a limit); the next plan is decided at once."""
+        self._own_process()
         if not isinstance(policy, Policy):
             raise TypeError(f"set_policy takes a Policy, got {type(policy).__name__}")
         self.policy, self.plan = policy, None
@@ -153,19 +156,18 @@ class PowerController:
     def _own_process(self) -> None:
         """fork() copies only the thread that called it: in a child the sampling thread is gone, and the
         plan of the fork's moment would stay (a child forked while hot stayed paced when cool; hostile
-        round), and a lock that thread held would stay held. The first use in a new process (a
-        generation's pacer, a state query; a getpid each) takes new locks and samples again. Nothing
-        runs inside fork() itself: a child that never uses the Model pays nothing (and an at-fork hook
-        that started a thread could let the collector free an ONNX Runtime session there, which hangs)."""
-        pid = os.getpid()
-        if self._pid == pid:
+        round). The first use after a fork (a generation's pacer or step, a state query, a policy
+        change) samples again; the locks that thread may have held were reset by `_reset_locks_in_child`
+        inside fork() itself, which starts no thread (one started there let the collector free an ONNX
+        Runtime session, which hangs: review). Each check compares a counter, no system call."""
+        if self._forks_seen == _FORKS[0]:
             return
-        self._pid = pid
-        self._lock = threading.Lock()
-        self.cores.after_fork()
-        if self._thread is not None and not self._stop.is_set():
-            self._stop = threading.Event()
-            self._spawn(first_wait=False)
+        with _RESPAWN:  # two threads of the child: one starts the thread; the count is set last
+            if self._forks_seen != _FORKS[0]:
+                if self._thread is not None and not self._stop.is_set():
+                    self._stop = threading.Event()
+                    self._spawn(first_wait=False)
+                self._forks_seen = _FORKS[0]
 
     def _spawn(self, first_wait: bool) -> None:
         ref, stop, interval = weakref.ref(self), self._stop, self.interval_s
@@ -233,6 +235,7 @@ class Pacer:
     def pace(self) -> None:
         """Run right before each decode step."""
         c = self.c
+        c._own_process()  # a stream opened before a fork and continued in the child
         plan = c.plan
         if plan is not None and plan.threads != c.cores.applied:
             c.cores.apply(plan.threads)
@@ -263,3 +266,34 @@ class Pacer:
         else:
             self._release = now
         self._started = now
+
+
+_CONTROLLERS: "weakref.WeakSet[PowerController]" = weakref.WeakSet()
+_RESPAWN = threading.Lock()  # `_own_process`: one thread of a child starts the sampling thread
+_FORKS = [0]  # forks this process descends from (a list: the hook changes it in place)
+
+
+def _reset_locks_in_child() -> None:
+    """Inside fork(), in the child: the locks the parent's other threads may have held (a sampling
+    thread inside `tick`, a core limit mid-`apply`) are reset in place and the fork counted. Nothing
+    is allocated and the collector is held off: what runs inside fork() must not free an ONNX Runtime
+    session (that waits for the parent's threads for ever). `_own_process` does the rest later."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        _FORKS[0] += 1
+        _RESPAWN._at_fork_reinit()
+        CoreLimit._shared_lock._at_fork_reinit()
+        for ref in _CONTROLLERS.data:
+            c = ref()
+            if c is not None:
+                c._lock._at_fork_reinit()
+                c._stop._at_fork_reinit()  # its condition's lock: the lost thread waited on it
+                c.cores._lock._at_fork_reinit()
+    finally:
+        if enabled:
+            gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_locks_in_child)

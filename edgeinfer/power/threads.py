@@ -65,11 +65,6 @@ class CoreLimit:
     def max_threads(self) -> int:
         return len(self.cores)
 
-    def after_fork(self) -> None:
-        """In a forked child: new locks (a thread the child lacks may have held them mid-`apply`, whose
-        `applied = -1` then makes the next apply confine every thread again)."""
-        self._lock = threading.Lock()
-        CoreLimit._shared_lock = threading.Lock()
 
     def apply(self, k: int) -> int:
         """Confine every thread of the process to the first k cores (1 <= k <= max_threads, clamped);
