@@ -92,6 +92,15 @@ def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | No
                        scale_dtype=scale_dtype)
 
 
+def check_spec(spec: ArchSpec, where: str) -> None:
+    """The bounds `load` checks (ArchSpec.from_json), refused before any work rather than once the
+    folder is written (a max_position_embeddings of 2**28 converted into a folder load refused)."""
+    try:
+        ArchSpec.from_json(spec.to_json())
+    except FieldError as e:
+        raise ConvertError(f"{where}: {e}") from None
+
+
 def _json_object(path: Path) -> dict:
     """A source's optional JSON settings file ({} when absent); ConvertError when it is not an object."""
     if not path.exists():
@@ -324,10 +333,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
     else:
         spec = spec_from_config(read_config(src))
         ckpt = Checkpoint(src)
-    try:  # the bounds `load` checks (ArchSpec.from_json): refused here, not once the folder is written
-        ArchSpec.from_json(spec.to_json())
-    except FieldError as e:
-        raise ConvertError(f"{'the GGUF metadata' if gguf else 'config.json'}: {e}") from None
+    check_spec(spec, "the GGUF metadata" if gguf else "config.json")
     trained = spec.max_position_embeddings
     if portable is not None and portable.capacity_tokens > trained:  # a ring past it attends over untrained distances
         if capacity_given:

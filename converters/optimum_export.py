@@ -33,7 +33,7 @@ from pathlib import Path
 
 from edgeinfer import __version__
 from edgeinfer.arch import ArchSpec
-from edgeinfer.converters.convert import MAX_DEFAULT_CAPACITY, TOKENIZER_FILES, _check_source, _tokenizer_info
+from edgeinfer.converters.convert import MAX_DEFAULT_CAPACITY, TOKENIZER_FILES, _check_source, _tokenizer_info, check_spec
 from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
 from edgeinfer.converters.source_files import regular_file
 from edgeinfer.converters.hf_config import _eos_ids, _int, flag, parse_rope, read_config
@@ -137,6 +137,7 @@ def convert_via_optimum(src: Path | str, dst: Path | str, *, quant: str = "int4"
         if why:
             raise ConvertError(why)
         spec = spec_from_hf_config(cfg)
+        check_spec(spec, "config.json")
         return _convert(src, dst, spec, scheme, transformers, TasksManager, export, log, force)
     except OSError as e:
         raise _os_error(e, dst) from None

@@ -53,8 +53,10 @@ def kv_at_load(m: Manifest, capacity: int) -> tuple[int, int]:
 
 
 def _kept(m: Manifest) -> bool:
-    """A GGUF's own blocks taken over (`--quant keep`): no recipe of ours rounded them."""
-    return m.origin is not None and m.origin.quant == "keep"
+    """A GGUF's own blocks all taken over (`--quant keep`, none re-quantized to int4): no recipe of
+    ours rounded them."""
+    o = m.origin
+    return o is not None and o.quant == "keep" and not any(r.endswith("-> int4") for r in o.requantized)
 
 
 def _scale_dtype(m: Manifest) -> str:

@@ -395,3 +395,19 @@ def test_flipped_bytes_in_the_header_give_a_convert_error_or_a_valid_model():
                 tokenizer_json(ckpt.metadata, path.name)
             except ConvertError:
                 pass
+
+
+def test_inspect_names_a_recipe_only_where_ours_rounded_int4_blocks():
+    """A kept folder has no recipe of ours, unless some tensor we could not keep was re-quantized to
+    int4 by it (review): then the recipe in the manifest applies to those tensors."""
+    from types import SimpleNamespace
+
+    from edgeinfer.inspect import _kept
+    from edgeinfer.manifest import Origin
+
+    def m(*requantized):
+        return SimpleNamespace(origin=Origin(format="gguf", quant="keep", requantized=requantized))
+
+    assert _kept(m()) and _kept(m("model.layers.0.self_attn.v_proj.weight: Q5_0 -> int8"))
+    assert not _kept(m("model.layers.0.mlp.down_proj.weight: Q4_K -> int4"))
+    assert not _kept(SimpleNamespace(origin=None))

@@ -20,7 +20,8 @@ The steps of `decide`:
    (cap *= sqrt(budget / watts) per plan); the lower cap wins; the user's `max_tokens_per_s`
    always applies on top.
 3. Threads, prefill and admission from the policy's table (docs/power.md):
-   battery halves the cores on battery; hot runs prefill in small chunks; background work is refused
+   battery halves the cores on battery; hot runs prefill in small chunks (performance: only while its
+   critical guard paces); background work is refused
    when hot (thermal-guard: warm too) or on battery under `min_battery_pct`.
 4. Hold: a plan differs from `previous` at most once per `hold_s`, except a change that makes it
    safer because the device is hot, which applies at once.

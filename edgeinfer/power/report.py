@@ -9,7 +9,8 @@ from edgeinfer.power.threads import allowed_cores
 
 
 def report(readings: Readings) -> dict:
-    """{"readings": ..., "plans": {policy: plan}} for an idle runtime on all its cores."""
+    """{"readings": ..., "plan_cpus": the cores the plans are for, "plans": {policy: plan}} for an idle
+    runtime on all its cores (the readings' CPU count, else this host's)."""
     load = Load(max_threads=readings.cpu_count or len(allowed_cores()))
     return {"readings": readings.as_dict(), "plan_cpus": load.max_threads,
             "plans": {name: decide(readings, Policy(name), load).as_dict() for name in POLICY_NAMES}}
