@@ -140,3 +140,22 @@ def test_memory_check_counts_fp16_elements_and_portable_rows(monkeypatch):
     K.RingKVCache.check_geometry(spec, 1000, 4, 8, itemsize=2)  # half the bytes: fits
     with pytest.raises(InvalidArgumentError, match="memory"):
         K.RingKVCache.check_geometry(spec, 1000, 4, 8, rows=4000, itemsize=2)  # a portable graph's fixed rows
+
+
+def test_the_systemd_unit_sizes_a_float16_ring_as_load_allocates_it(folders, monkeypatch):
+    """The unit's MemoryMax counted a cuda folder's float16 ring at float32 size (review): its
+    footprint is the weights plus, per slot, what `load` allocates (inspect.kv_at_load)."""
+    import edgeinfer.server.systemd as systemd
+    from edgeinfer.cli import main
+    from edgeinfer.inspect import kv_at_load
+
+    folder = folders(TINY / "llama2_gqa_tied", "cuda")
+    m = read_manifest(folder)
+    sized = []
+    monkeypatch.setattr(systemd, "systemd_unit", lambda **kw: sized.append(kw["memory_max_bytes"]) or "")
+    assert main(["serve", "-m", str(folder), "--port", "8080", "--slots", "3", "--capacity", "64",
+                 "--print-systemd-unit"]) == 0
+    weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    rows, ring = kv_at_load(m, 64)
+    assert ring == m.arch.kv_bytes_per_token // 2 * rows  # float16: half the float32 bytes
+    assert sized == [weights + 3 * ring]
