@@ -44,7 +44,11 @@ def read_text(root: Path, rel: str, warnings: list[str]) -> str | None:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block the read
             warnings.append(f"{rel}: not a regular file, skipped")
             return None
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+        with open(fd, "rb") as f:  # opened without blocking and checked again: one swapped in never blocks
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                warnings.append(f"{rel}: not a regular file, skipped")
+                return None
             data = f.read(READ_LIMIT)
     except (FileNotFoundError, NotADirectoryError):
         return None

@@ -187,10 +187,14 @@ def test_unreadable_file_is_a_warning(tmp_path, monkeypatch):
 
     root = tree(tmp_path, {MODEL: b"Raspberry Pi 5 Model B Rev 1.0\0", "proc/cpuinfo": "model name : x"})
 
-    def denied(path, *args, **kwargs):  # what a chmod 000 file gives a non-root user
-        raise PermissionError(13, "Permission denied", str(path))
+    real_open = os.open
 
-    monkeypatch.setattr(platform_rules, "open", denied, raising=False)
+    def denied(path, *args, **kwargs):  # what a chmod 000 file gives a non-root user
+        if str(path).startswith(str(root)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
     d = detect(root, {}, "linux", "aarch64")
     assert d.profile.name == GENERIC
     assert f"{MODEL}: unreadable (Permission denied)" in d.warnings and "proc/cpuinfo: unreadable (Permission denied)" in d.warnings

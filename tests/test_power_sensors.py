@@ -727,3 +727,27 @@ def test_live_system_smoke():
     assert isinstance(r, Readings)
     if hasattr(os, "sched_getaffinity"):
         assert r.cpu_count == len(os.sched_getaffinity(0))
+
+
+def test_a_raspberry_pi_listing_cut_short_is_tried_again(tmp_path, monkeypatch):
+    """The Pi reader marked its listing done before it ran: a glob that failed once left it without
+    its throttle file until the minute's re-listing (review). It lists again at the next read."""
+    from edgeinfer.power.raspberry_pi import RaspberryPi
+
+    files = {"sys/devices/platform/soc/soc:firmware/get_throttled": "50005\n"}
+    root = make_tree(tmp_path / "root", files)
+    pi = RaspberryPi(root, CommandGate(RecordedCommands({})))
+    real_glob, calls = pathlib.Path.glob, []
+
+    def glob(self, pattern, *a, **k):
+        calls.append(pattern)
+        if len(calls) == 1:
+            raise PermissionError(13, "Permission denied")
+        return real_glob(self, pattern, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "glob", glob)
+    with pytest.raises(PermissionError):
+        pi.discover()
+    assert pi.stale
+    pi.discover()
+    assert not pi.stale and pi.throttled_file == root / next(iter(files))

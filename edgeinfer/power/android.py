@@ -111,10 +111,10 @@ class Android(SysfsTree):
 
     def read(self, report: Report) -> None:
         if self.stale:
-            self.stale = False
             self.android = self.is_android()
             props = [self.optional_text(self.root / p, report) for p in BUILD_PROPS]
             self.device = parse_build_prop("\n".join(p for p in props if p))
+            self.stale = False  # listed whole (an error on the way: listed again at the next read)
         if not self.android:
             return
         f = report.fields

@@ -52,9 +52,9 @@ class RaspberryPi(SysfsTree):
         self.commands = commands
 
     def discover(self) -> None:
-        self.stale = False
         found = sorted(self.root.glob("sys/devices/platform/soc*/soc*:firmware/get_throttled"))
         self.throttled_file = found[0] if found else None
+        self.stale = False  # listed whole (an error on the way: listed again at the next read)
 
     def read(self, report: Report) -> None:
         device = report.fields.get("device")
