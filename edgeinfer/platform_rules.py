@@ -7,14 +7,13 @@ which never raises; `choose(facts) -> (profile name, reason, note or None)` is p
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
 from edgeinfer.power.android import parse_build_prop
+from edgeinfer.power.linux_sysfs import read_regular
 
 GENERIC = "generic-cpu"
 READ_LIMIT = 65536  # bytes read of any file (the first CPU's block of cpuinfo is near the start)
@@ -41,15 +40,10 @@ def read_text(root: Path, rel: str, warnings: list[str]) -> str | None:
     read or is empty. Never raises."""
     path = root / rel
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block the read
+        data = read_regular(path, READ_LIMIT)  # a FIFO or a device would block the read: never opened
+        if data is None:
             warnings.append(f"{rel}: not a regular file, skipped")
             return None
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
-        with open(fd, "rb") as f:  # opened without blocking and checked again: one swapped in never blocks
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                warnings.append(f"{rel}: not a regular file, skipped")
-                return None
-            data = f.read(READ_LIMIT)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, ValueError) as e:

@@ -114,6 +114,17 @@ def is_dir(path: Path) -> bool:
         return False
 
 
+def read_regular(path: Path, limit: int) -> bytes | None:
+    """At most `limit` bytes of `path`, or None when it is no regular file. Checked by name first, so a
+    device node is never opened (opening /dev/watchdog arms it), then opened without blocking and
+    checked again, so a FIFO swapped in between never blocks the read. OSError propagates."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        return None
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    with open(fd, "rb") as f:
+        return f.read(limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+
+
 class SysfsTree:
     """File reading under `root` that never raises. `stale` is set when a known file vanished."""
 
@@ -131,17 +142,11 @@ class SysfsTree:
     def text(self, path: Path, report: Report) -> str | None:
         """The file's text, stripped of whitespace and NULs; None (and a warning) when it vanished,
         is unreadable or empty."""
-        try:  # checked by name (a device node is never opened: opening /dev/watchdog arms it), then opened
-            # without blocking and checked again (a FIFO swapped in between never blocks the read)
-            if not stat.S_ISREG(os.stat(path).st_mode):
+        try:
+            data = read_regular(path, 65536)
+            if data is None:
                 report.warn(f"{self.rel(path)}: not a regular file, skipped")
                 return None
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
-            with open(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    report.warn(f"{self.rel(path)}: not a regular file, skipped")
-                    return None
-                data = f.read(65536)
         except FileNotFoundError:
             report.warn(f"{self.rel(path)}: vanished")
             self.stale = True
