@@ -17,13 +17,13 @@ runtime reads it without these kernels; it is re-exported here for the converter
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
 from edgeinfer.converters.gguf_blocks import pack4
+from edgeinfer.session import usable_cores
 from edgeinfer.quant_scheme import BLOCK_SIZES, PROJECTIONS, QUANTS, RECIPES, QuantScheme  # noqa: F401 (re-exported)
 from edgeinfer.errors import ConvertError
 
@@ -118,8 +118,9 @@ ASYM_FACTORS = np.linspace(0.85, 1.05, 9, dtype=np.float32)
 def _int4_asym(w: np.ndarray, block: int):
     """Asymmetric 4-bit blocks, w = s (q - z) with an integer z in [0, 15]: per block the (s, z) among
     s = f (max - min) / 15 (f in ASYM_FACTORS) and z = round(-min / s) + {-1, 0, 1} with the least
-    squared error, min and max the block's with 0 included. Zero points packed two per byte, low nibble first, as MatMulNBits reads them.
-    Chunks of rows are searched on the cores this process may use (numpy releases the GIL)."""
+    squared error, min and max the block's with 0 included. Zero points packed two per byte, low
+    nibble first, as MatMulNBits reads them. Chunks of rows are searched on the cores this process
+    may use (numpy releases the GIL)."""
     n, nb = len(w), -(-w.shape[1] // block)
     packed = np.empty((n, nb, block // 2), np.uint8)
     scales = np.empty((n, nb), np.float32)
@@ -132,7 +133,7 @@ def _int4_asym(w: np.ndarray, block: int):
         scales[r:r + len(x)] = s
         zps[r:r + len(x), :nb] = z.astype(np.uint8)
 
-    workers = min(_cores(), -(-n // ASYM_ROWS))
+    workers = min(usable_cores(), -(-n // ASYM_ROWS))
     if workers <= 1:
         for chunk in _row_blocks(w, block, ASYM_ROWS):
             one(chunk)
@@ -179,7 +180,3 @@ def _asym_search(x: np.ndarray):
     np.rint(np.divide(x, best_s[..., None], out=c), out=c)
     codes = np.clip(np.add(c, best_z[..., None], out=c), 0, 15, out=c).astype(np.uint8)
     return codes, best_s, best_z
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

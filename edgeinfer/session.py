@@ -39,6 +39,11 @@ def resolve_provider(provider: str, target: str = "cpu") -> str:
 MAX_THREADS = 256
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def check_threads(threads: int | None, warn: bool = True) -> None:
     """threads is None (onnxruntime's default: one per physical core) or an int in 1..MAX_THREADS;
     anything else (0, -1, a bool, a float, a string, 10000) raises InvalidArgumentError. More than
@@ -49,7 +54,7 @@ def check_threads(threads: int | None, warn: bool = True) -> None:
         raise InvalidArgumentError(f"threads must be a positive integer or None (the default), got {threads!r}")
     if threads is not None and threads > MAX_THREADS:
         raise InvalidArgumentError(f"threads must be at most {MAX_THREADS}, got {threads}")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     if warn and threads is not None and threads > cores:
         warnings.warn(f"threads={threads} is more than the {cores} cores this process may use: the threads wait "
                       "for each other and decoding slows down many times over", stacklevel=4)
