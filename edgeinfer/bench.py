@@ -21,7 +21,6 @@ import numpy as np
 
 from edgeinfer.errors import InvalidArgumentError
 
-
 MAX_PROMPT_TOKENS = 1 << 20  # a million tokens: hours on a device, and an id array of 8 MB
 
 
@@ -59,7 +58,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     import edgeinfer
 
     if cfg.prompt_tokens < 1 or cfg.gen_tokens < 2 or cfg.runs < 1 or cfg.threads < 1:
-        raise InvalidArgumentError("--prompt-tokens >= 1, --gen-tokens >= 2, --runs >= 1 and --threads >= 1 are required")
+        raise InvalidArgumentError("--prompt-tokens >= 1, --gen-tokens >= 2, --runs >= 1 and --threads >= 1 "
+                                   "are required")
     if cfg.prompt_tokens > MAX_PROMPT_TOKENS or cfg.gen_tokens > MAX_PROMPT_TOKENS:  # an array of ids is made
         raise InvalidArgumentError(f"--prompt-tokens and --gen-tokens may be at most {MAX_PROMPT_TOKENS}")
     if cfg.capacity is not None and cfg.capacity < 2:  # 0 read as "not given"
@@ -75,9 +75,9 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         if portable is not None and capacity > portable.capacity_tokens:  # fixed at convert: say which sizes fit
             n = portable.capacity_tokens
             fit = f"--prompt-tokens + --gen-tokens up to {n - 8}, or " if n - 8 >= 3 else ""
-            raise InvalidArgumentError(f"this portable model holds {n} tokens, and the benchmark's ring would be --prompt-tokens "
-                             f"{cfg.prompt_tokens} + --gen-tokens {cfg.gen_tokens} + 8 = {capacity}: give {fit}"
-                             f"--capacity {n} (the prompt then shifts through the ring)")
+            raise InvalidArgumentError(f"this portable model holds {n} tokens, and the benchmark's ring would be "
+                                       f"--prompt-tokens {cfg.prompt_tokens} + --gen-tokens {cfg.gen_tokens} + 8 = "
+                                       f"{capacity}: give {fit}--capacity {n} (the prompt then shifts through the ring)")
         window = binding_window(manifest.arch)
         if capacity > max_capacity(manifest.arch.max_position_embeddings) or window and capacity >= window:
             capacity = None  # past the room to re-base in, or a sliding window's W - 1: the model's own ring,

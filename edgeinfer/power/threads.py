@@ -65,7 +65,6 @@ class CoreLimit:
     def max_threads(self) -> int:
         return len(self.cores)
 
-
     def apply(self, k: int) -> int:
         """Confine every thread of the process to the first k cores (1 <= k <= max_threads, clamped);
         return the count now in force. Threads that exit meanwhile are skipped; never raises."""
