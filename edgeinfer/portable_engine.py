@@ -66,6 +66,7 @@ class PortableEngine(ChunkedSteps):
         self.inv_freq = self.spec.rope.inv_freq(self.spec.head_dim)
         self.lock = threading.Lock()
         fork_safety.watch(self, "lock", "the model's engine")
+        self.waiting: set[int] = set()
         self.calls = 0
 
     def _check_graph(self, sess, s: int, path) -> None:
@@ -91,7 +92,10 @@ class PortableEngine(ChunkedSteps):
             raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {s}")
         if all_logits and s > 1:
             return np.stack([self.forward(cache, ids[j:j + 1])[0].copy() for j in range(s)])
+        me = threading.get_ident()
+        self.waiting.add(me)  # until it has the lock: a prefill gives way to it (`ChunkedSteps`)
         with self.lock:
+            self.waiting.discard(me)
             return self._forward(cache, list(ids), s)
 
     def _forward(self, cache: RingKVCache, ids: list[int], s: int) -> np.ndarray:

@@ -1,0 +1,114 @@
+"""Turns on the engine (`engine.ChunkedSteps.give_way`): a request that decodes beside another's long
+prefill gets an even share of the engine, not one step per prefill chunk; alone, a prefill never waits.
+
+A heavy model's chunk (250 ms on the SmolLM2-135M shape) is emulated on the bundled model by a
+sleep inside the engine's lock, and a decode step's sampling by a sleep between its calls: the tests
+count how the calls interleave, not how fast they run."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from edgeinfer import engine as engine_module
+
+CHUNK_S = 0.02  # an emulated prefill chunk (the engine's lock held, the GIL free, as in a graph call)
+SAMPLING_S = 0.001  # an emulated decode step's work between its calls: shorter than ChunkedSteps.IDLE_S
+
+
+@pytest.fixture()
+def model():
+    return edgeinfer.load()
+
+
+def _slow_prefill_chunks(engine, slow_cache, order: list):
+    """Record each graph call ('P': a call on slow_cache, which takes CHUNK_S longer; 'd': any other)."""
+    run = engine._forward
+
+    def recorded(cache, ids, *args, **kwargs):
+        out = run(cache, ids, *args, **kwargs)
+        if cache is slow_cache:
+            time.sleep(CHUNK_S)
+        order.append("P" if cache is slow_cache else "d")
+        return out
+
+    engine._forward = recorded
+
+
+def test_a_decoding_request_beside_a_long_prefill_is_not_held_to_one_step_per_chunk(model):
+    """Before turns, each decode step waited for the next prefill chunk to end (a server's 32-token
+    reply took the whole of another slot's 4.7 s prefill); now the prefill, after a chunk with a
+    caller waiting, lets the others run for as long as the chunk took."""
+    e = model.engine
+    long_cache, cache = model.new_cache(), model.new_cache()
+    e.prefill(cache, [1, 2, 3])
+    order: list = []
+    _slow_prefill_chunks(e, long_cache, order)
+    started = threading.Event()
+    prefill = threading.Thread(target=e.prefill, args=(long_cache, list(range(3, 3 + 400)), 16),
+                               kwargs={"before_chunk": started.set})
+    prefill.start()
+    started.wait()
+    try:
+        for _ in range(10):
+            e.decode_one(cache, 7)
+            time.sleep(SAMPLING_S)
+    finally:
+        prefill.join()
+    calls = "".join(order)
+    first, last = calls.index("d"), calls.rindex("d")
+    assert calls.count("P") == 25 and calls.count("d") == 10
+    # one step per chunk would put 9 chunks between the first step and the last
+    assert calls[first:last].count("P") <= 4, calls
+    assert not e.waiting  # every mark was dropped by the call that made it
+
+
+def test_a_prefill_alone_never_waits(model, monkeypatch):
+    e = model.engine
+    reference = e.prefill(model.new_cache(), list(range(3, 3 + 100)), 16).copy()
+
+    def no_sleep(s):
+        raise AssertionError("a prefill with the engine to itself waited")
+
+    monkeypatch.setattr(engine_module.time, "sleep", no_sleep)
+    logits = e.prefill(model.new_cache(), list(range(3, 3 + 100)), 16)
+    np.testing.assert_array_equal(logits, reference)
+    assert not e.waiting
+
+
+def test_a_stale_mark_costs_one_wait_and_is_dropped(model):
+    """A call stopped between marking its thread and taking the lock (Ctrl-C, say) leaves a mark
+    that no thread acts on: the next chunk boundary waits at most about a chunk, then drops it."""
+    e = model.engine
+    reference = e.prefill(model.new_cache(), list(range(3, 3 + 64)), 16).copy()
+    e.waiting.add(-1)  # no thread has this ident
+    logits = e.prefill(model.new_cache(), list(range(3, 3 + 64)), 16)
+    np.testing.assert_array_equal(logits, reference)
+    assert not e.waiting
+
+
+def test_outputs_beside_a_long_prefill_are_those_of_each_call_alone(model):
+    """Turns change only the order of calls, never what a call computes."""
+    e = model.engine
+    ids = list(range(3, 3 + 300))
+    alone_long = e.prefill(model.new_cache(), ids, 16).copy()
+    c = model.new_cache()
+    e.prefill(c, [1, 2, 3])
+    alone_steps = [e.decode_one(c, t).copy() for t in (7, 8, 9, 10, 11)]
+    long_cache, cache = model.new_cache(), model.new_cache()
+    e.prefill(cache, [1, 2, 3])
+    _slow_prefill_chunks(e, long_cache, [])
+    out = {}
+    started = threading.Event()
+    t = threading.Thread(target=lambda: out.setdefault("long", e.prefill(long_cache, ids, 16, before_chunk=started.set)))
+    t.start()
+    started.wait()
+    steps = [e.decode_one(cache, tok).copy() for tok in (7, 8, 9, 10, 11)]
+    t.join()
+    np.testing.assert_array_equal(out["long"], alone_long)
+    for got, want in zip(steps, alone_steps):
+        np.testing.assert_array_equal(got, want)
