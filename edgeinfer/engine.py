@@ -98,10 +98,10 @@ class ChunkedSteps:
             raise ValueError("prefill needs at least one token")
         logits = None
         for start, end in prefill_chunks(len(ids), min(chunk or self.max_chunk, self.max_chunk), cache):
-            if before_chunk is not None:
-                before_chunk()
             if logits is not None:
                 self.give_way(chunk_s)
+            if before_chunk is not None:  # after giving way: a cancellation meanwhile stops it before the chunk
+                before_chunk()
             t0 = time.perf_counter()
             logits = self.forward(cache, ids[start:end])
             chunk_s = time.perf_counter() - t0

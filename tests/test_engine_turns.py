@@ -112,3 +112,21 @@ def test_outputs_beside_a_long_prefill_are_those_of_each_call_alone(model):
     np.testing.assert_array_equal(out["long"], alone_long)
     for got, want in zip(steps, alone_steps):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_cancellation_while_giving_way_stops_the_prefill_before_its_next_chunk(model, monkeypatch):
+    """The cancellation check runs after the wait, so a request cancelled meanwhile (its client gone)
+    runs no further chunk."""
+    e = model.engine
+    cancelled, chunks = threading.Event(), []
+
+    def check():
+        if cancelled.is_set():
+            raise RuntimeError("cancelled")
+
+    run = e._forward
+    monkeypatch.setattr(e, "_forward", lambda *a, **k: chunks.append(1) or run(*a, **k))
+    monkeypatch.setattr(e, "give_way", lambda chunk_s: cancelled.set())  # the client leaves during the wait
+    with pytest.raises(RuntimeError, match="cancelled"):
+        e.prefill(model.new_cache(), list(range(3, 3 + 64)), 16, before_chunk=check)
+    assert len(chunks) == 1
