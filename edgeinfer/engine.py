@@ -84,8 +84,8 @@ class ChunkedSteps:
     max_chunk: int
     lock: threading.Lock
     waiting: set[int]  # idents of threads about to take `lock` or waiting for it (a hint: see give_way)
-    IDLE_S = 0.003  # the others' calls paused this long: they are done for now (a decode step's sampling is shorter)
-    POLL_S = 0.0005
+    IDLE_S = 0.003  # the engine idle this long (or a quarter of the chunk, if longer): the others are done for now
+    POLL_S = 0.001
 
     def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         raise NotImplementedError
@@ -99,7 +99,7 @@ class ChunkedSteps:
         logits = None
         for start, end in prefill_chunks(len(ids), min(chunk or self.max_chunk, self.max_chunk), cache):
             if logits is not None:
-                self.give_way(chunk_s)
+                self.give_way(chunk_s, before_chunk)
             if before_chunk is not None:  # after giving way: a cancellation meanwhile stops it before the chunk
                 before_chunk()
             t0 = time.perf_counter()
@@ -107,26 +107,33 @@ class ChunkedSteps:
             chunk_s = time.perf_counter() - t0
         return logits[0]
 
-    def give_way(self, chunk_s: float) -> None:
+    def give_way(self, chunk_s: float, check: Callable[[], None] | None = None) -> None:
         """Between two chunks of a prefill: if a thread waited for the lock while the last chunk ran
-        (`waiting`), let the others use the engine for up to chunk_s seconds, or until their calls
-        pause for IDLE_S. Marks still there at the end with the lock free are stale (a call stopped
-        by an exception between marking and taking the lock) and are dropped."""
+        (`waiting`), let the others use the engine for up to chunk_s seconds, or until it stays idle
+        for IDLE_S or a quarter of chunk_s, whichever is longer (a decoding caller's own work between
+        its steps: sampling, or what a `stream()` loop does with each token). `check` (the prefill's
+        cancellation check) runs at every poll: a request cancelled meanwhile stops at once. The engine
+        idle with marks still there means they are stale (a call stopped by an exception, Ctrl-C
+        say, between marking and taking the lock, or a thread that was lost in a fork): they are dropped."""
         if not self.waiting:
             return
         now = time.perf_counter()
-        deadline, idle_since = now + chunk_s, None
-        while now < deadline:
-            if self.waiting or self.lock.locked():
-                idle_since = None
+        deadline, idle_s, idle_since, taken = now + chunk_s, max(self.IDLE_S, chunk_s / 4), None, False
+        while True:
+            if check is not None:
+                check()
+            if self.lock.locked():
+                idle_since, taken = None, True
             elif idle_since is None:
                 idle_since = now
-            elif now - idle_since > self.IDLE_S:
-                return
+            elif now - idle_since > idle_s:
+                break
+            if now >= deadline and (taken or idle_since is not None and now - idle_since >= self.POLL_S):
+                break  # (at least one poll: a woken waiter gets the GIL to take the lock in that sleep)
             time.sleep(self.POLL_S)
             now = time.perf_counter()
-        if not self.lock.locked():
-            self.waiting.clear()
+        if not taken and not self.lock.locked():
+            self.waiting.clear()  # nobody took the engine in all that time: the marks were stale
 
     def decode_one(self, cache: RingKVCache, token: int) -> np.ndarray:
         """Feed one token; return the logits [V] for the next one."""

@@ -16,8 +16,7 @@ import pytest
 import edgeinfer
 from edgeinfer import engine as engine_module
 
-CHUNK_S = 0.02  # an emulated prefill chunk (the engine's lock held, the GIL free, as in a graph call)
-SAMPLING_S = 0.001  # an emulated decode step's work between its calls: shorter than ChunkedSteps.IDLE_S
+CHUNK_S = 0.04  # an emulated prefill chunk (the engine's lock held, the GIL free, as in a graph call)
 
 
 @pytest.fixture()
@@ -25,24 +24,26 @@ def model():
     return edgeinfer.load()
 
 
-def _slow_prefill_chunks(engine, slow_cache, order: list):
+def _slow_prefill_chunks(engine, slow_cache, order: list, chunk_s: float = CHUNK_S):
     """Record each graph call ('P': a call on slow_cache, which takes CHUNK_S longer; 'd': any other)."""
     run = engine._forward
 
     def recorded(cache, ids, *args, **kwargs):
         out = run(cache, ids, *args, **kwargs)
         if cache is slow_cache:
-            time.sleep(CHUNK_S)
+            time.sleep(chunk_s)
         order.append("P" if cache is slow_cache else "d")
         return out
 
     engine._forward = recorded
 
 
-def test_a_decoding_request_beside_a_long_prefill_is_not_held_to_one_step_per_chunk(model):
+@pytest.mark.parametrize("between_steps_s", [0.001, 0.005])  # sampling; a caller's own work past IDLE_S
+def test_a_decoding_request_beside_a_long_prefill_is_not_held_to_one_step_per_chunk(model, between_steps_s):
     """Before turns, each decode step waited for the next prefill chunk to end (a server's 32-token
     reply took the whole of another slot's 4.7 s prefill); now the prefill, after a chunk with a
-    caller waiting, lets the others run for as long as the chunk took."""
+    caller waiting, lets the others run for as long as the chunk took, while they keep using it
+    (a pause of up to a quarter of the chunk between their calls included)."""
     e = model.engine
     long_cache, cache = model.new_cache(), model.new_cache()
     e.prefill(cache, [1, 2, 3])
@@ -56,7 +57,7 @@ def test_a_decoding_request_beside_a_long_prefill_is_not_held_to_one_step_per_ch
     try:
         for _ in range(10):
             e.decode_one(cache, 7)
-            time.sleep(SAMPLING_S)
+            time.sleep(between_steps_s)
     finally:
         prefill.join()
     calls = "".join(order)
@@ -126,7 +127,38 @@ def test_a_cancellation_while_giving_way_stops_the_prefill_before_its_next_chunk
 
     run = e._forward
     monkeypatch.setattr(e, "_forward", lambda *a, **k: chunks.append(1) or run(*a, **k))
-    monkeypatch.setattr(e, "give_way", lambda chunk_s: cancelled.set())  # the client leaves during the wait
+    monkeypatch.setattr(e, "give_way", lambda *args: cancelled.set())  # the client leaves during the wait
     with pytest.raises(RuntimeError, match="cancelled"):
         e.prefill(model.new_cache(), list(range(3, 3 + 64)), 16, before_chunk=check)
     assert len(chunks) == 1
+
+
+def test_a_cancellation_while_giving_way_is_seen_at_once(model):
+    """The cancellation check runs while the prefill waits for the others, not only once it is done."""
+    e = model.engine
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with e.lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait()
+    e.waiting.add(-1)
+    calls = []
+
+    def check():
+        calls.append(1)
+        raise RuntimeError("cancelled")
+
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(RuntimeError, match="cancelled"):
+            e.give_way(30.0, check)  # the others hold the engine for the whole 30 s
+    finally:
+        release.set()
+        t.join()
+        e.waiting.clear()
+    assert calls == [1] and time.perf_counter() - t0 < 10
