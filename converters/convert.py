@@ -21,6 +21,7 @@ import onnx
 from edgeinfer import __version__
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import gguf_import
+from edgeinfer.converters.calibration import calibration_ids
 from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_decoder
 from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
 from edgeinfer.converters.families import spec_from_config
@@ -61,13 +62,15 @@ def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | No
     int4 / int8: every projection block-quantized on MatMulNBits, and the (tied) embedding and
     lm_head at the same width, stored once. accuracy_level 4 (int8 activations) is 1.7x faster per
     decode step on this CPU and moves stories260K's perplexity by < 0.1 %. int4's recipe (None: the
-    default) is "asym", integer zero points searched per block: the most accurate recipe that keeps
-    the decode speed (0.97-1.01x symmetric rtn's step; perplexity stories260K +15.2 % -> +12.2 %,
-    SmolLM2 +22.4 % -> +21.5 %; docs/quantization.md). int8 is symmetric round-to-nearest. fp16 / fp32:
-    plain weights. `int8_tensors` keeps chosen int4 projections at int8.
+    default) is "gptq": asym's storage (integer zero points), so asym's decode speed, with the grid
+    fitted to the inputs the weights meet on a shipped calibration text and the rounding errors fed
+    forward (converters/gptq.py): the most accurate recipe that keeps the decode speed (perplexity
+    stories260K +12.2 % -> +7.2 %, SmolLM2 +21.5 % -> +9.9 % against asym; docs/quantization.md).
+    int8 is symmetric round-to-nearest. fp16 / fp32: plain weights. `int8_tensors` keeps chosen int4
+    projections at int8.
     """
     if recipe is None:
-        recipe = "asym" if quant == "int4" else "rtn"
+        recipe = "gptq" if quant == "int4" else "rtn"
     if recipe != "rtn" and quant != "int4":
         raise ConvertError(f"--recipe {recipe} chooses how int4 blocks are rounded: it goes with --quant int4, "
                            f"not {quant}")
@@ -83,7 +86,7 @@ def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | No
         embedding = quant
     if accuracy_level is None:
         accuracy_level = 4 if quant in ("int4", "int8") else 0
-    if recipe == "asym":  # integer zero points: the recipe is asymmetric storage
+    if recipe in ("asym", "gptq"):  # integer zero points: the recipe is asymmetric storage
         symmetric = False
     if scale_dtype is None:  # int4: fp16 scales, 6 % smaller files for +0.03 % perplexity on stories260K
         scale_dtype = "float16" if quant == "int4" else "float32"
@@ -177,6 +180,19 @@ def _check_tokenizer(folder: Path, manifest: Manifest, log=lambda msg: None) -> 
     if tok.id_limit > manifest.arch.vocab_size:  # as transformers loads it: a prompt holding such a token is refused
         log(f"note: the tokenizer gives ids up to {tok.id_limit - 1}, past the model's {manifest.arch.vocab_size} "
             "embedding rows: a prompt holding such a token will be refused")
+
+
+def _calibration(folder: Path, info: TokenizerInfo, spec) -> np.ndarray:
+    """The shipped calibration text's token ids [n, T] (`calibration.calibration_ids`), by the
+    tokenizer in `folder`; ConvertError when that tokenizer cannot be used."""
+    from edgeinfer.errors import EdgeInferError
+    from edgeinfer.tokenizer import Tokenizer
+
+    try:
+        return calibration_ids(Tokenizer(folder, info), spec)
+    except (EdgeInferError, ValueError) as e:
+        raise ConvertError(f"the source's tokenizer cannot be used: {e} (the gptq recipe encodes its calibration "
+                           "text with it; --recipe asym needs none)") from None
 
 
 def _check_source(src: Path) -> None:
@@ -359,12 +375,18 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
     try:
         if gguf:  # before the graph: a vocabulary that makes no tokenizer is refused before minutes of work
             tokenizer, tokenizer_files = gguf_import.write_gguf_tokenizer(ckpt, spec, tmp)
+        else:
+            tokenizer = _tokenizer_info(src, spec, log)
+        calibration = None
+        if portable is None and not keep and scheme.recipe == "gptq":
+            calibration = _calibration(tmp if gguf else src, tokenizer, spec)
+            log(f"calibration: {calibration.size} tokens of the shipped text (the gptq recipe)")
         t0 = time.perf_counter()
         writer = WeightWriter(tmp)
         graphs = [MODEL_FILE]
         kv_dtype = "float16" if target == "cuda" else "float32"
         if portable is None:
-            model = build_decoder(spec, src_tensors, scheme, writer, mode)
+            model = build_decoder(spec, src_tensors, scheme, writer, mode, calibration)
             writer.close()
             if target == "cuda":  # fp16 activations and KV (converters/cuda_graph.py)
                 model = cuda_graph.to_fp16(model, tmp, DATA_FILE)
@@ -401,7 +423,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
             names = ["config.json", *[f.name for f in ckpt.files], *tokenizer_files]
             if (src / "model.safetensors.index.json").exists():
                 names.append("model.safetensors.index.json")
-            tokenizer, sources = _tokenizer_info(src, spec, log), {n: sha256_file(src / n) for n in names}
+            sources = {n: sha256_file(src / n) for n in names}
             origin = Origin(format="huggingface", file=src.name)
         outputs = [*graphs, DATA_FILE, *tokenizer_files]
         files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in outputs}

@@ -29,6 +29,7 @@ from onnx import TensorProto, helper
 
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import graph as G
+from edgeinfer.converters.calibration import Calibration
 from edgeinfer.converters.gguf_blocks import Blocks, q4_1_blocks, stack
 from edgeinfer.converters.gguf_checkpoint import FLOAT_TYPES
 from edgeinfer.converters.kept_graph import kept_gather, kept_linear, kept_matmul, kept_weight
@@ -134,11 +135,15 @@ def tied_head(spec: ArchSpec, ckpt) -> bool:
 
 
 def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: QuantScheme,
-                       input_ids: str) -> tuple[str, callable]:
-    """Returns the embedded ids [B, S, D] and a function that maps normed hidden [B, N, D] to logits.
+                       input_ids: str, calibrated: bool = False) -> tuple[str, callable]:
+    """Returns the embedded ids [B, S, D] and head(x, x_cal=None), which maps normed hidden [B, N, D]
+    to logits (x_cal: x on the calibration text [tokens, D], for the gptq recipe).
 
     A tied, quantized embedding is stored once: MatMulNBits reads the packed blocks as the
-    lm_head and GatherBlockQuantized reads the same initializer (reshaped) as the embedding.
+    lm_head and GatherBlockQuantized reads the same initializer (reshaped) as the embedding. With
+    the gptq recipe (`calibrated`) those blocks are fitted to the head's input, known only after
+    the last layer: the embedding's nodes are then made by head() and moved to the front, where
+    the graph reads them first.
     """
     V, D = spec.vocab_size, spec.hidden_size
     tied = tied_head(spec, src.ckpt)
@@ -161,17 +166,19 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
     own_head = head_kind is not None  # keep: the untied head as its own type says
     head_kind = head_kind or (scheme.embedding if tied else scheme.lm_head)
     share_quant = tied and scheme.embedding in ("int4", "int8") and D % scheme.block_size == 0
+    if calibrated and share_quant and scheme.embedding == "int4" and scheme.recipe == "gptq":
+        return _fitted_tied_embedding(g, spec, src, scheme, input_ids)
 
-    def head(x: str) -> str:
+    def head(x: str, x_cal: np.ndarray | None = None) -> str:
         if own_head:
-            return _linear(g, p_head, x, head_w, None, head_kind, scheme)
+            return _linear(g, p_head, x, head_w, None, head_kind, scheme, x_cal)
         if head_kind in ("int4", "int8") and share_quant:
             ins = [x, "lm_head.qweight", sc] + (["lm_head.zero_points"] if not scheme.symmetric else [])
             (y,) = g.node("MatMulNBits", ins, f"{p_head}/MatMulNBits", domain=G.MS, K=D, N=V,
                           bits=bits_of(head_kind), block_size=scheme.block_size, accuracy_level=scheme.accuracy_level)
             return y
         if head_kind in ("int4", "int8"):
-            return G.linear(g, p_head, x, emb if tied else head_w, None, head_kind, scheme)
+            return G.linear(g, p_head, x, emb if tied else head_w, None, head_kind, scheme, x_cal)
         # float head: Gemm with transB reads the [V, D] matrix as stored (shared with the embedding when tied)
         w_name = "model.embed_tokens.weight" if tied else g.weight(
             "lm_head.weight", head_w.astype(np.float16 if head_kind == "fp16" else np.float32))
@@ -211,6 +218,35 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
     return h, head
 
 
+def _fitted_tied_embedding(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: QuantScheme,
+                           input_ids: str) -> tuple[str, callable]:
+    """`embedding_and_head`'s tied int4 blocks under the gptq recipe: quantized by head(x, x_cal) with
+    the head's input on the calibration text; the embedding's nodes (made then) go where the graph starts."""
+    V, D = spec.vocab_size, spec.hidden_size
+    at, p_emb = len(g.nodes), "/model/embed_tokens"
+    h = f"{p_emb}/GatherBlockQuantized/output_0"
+
+    def head(x: str, x_cal: np.ndarray | None = None) -> str:
+        packed, scales, zp = quantize_blockwise(src.get("model.embed_tokens.weight", (V, D)), 4, scheme.block_size,
+                                                scheme.symmetric, scheme.recipe, x_cal)
+        first = len(g.nodes)
+        qw, sc = g.weight("lm_head.qweight", packed), G.block_scales(g, "lm_head.scales", scales, scheme)
+        zps = [g.weight("lm_head.zero_points", zp)]
+        del packed
+        (data,) = g.node("Reshape", [qw, g.const("shape_emb_packed", np.array([V, D // 2], np.int64))],
+                         f"{p_emb}/Reshape")
+        g.node("GatherBlockQuantized", [data, input_ids, sc, *zps], f"{p_emb}/GatherBlockQuantized", domain=G.MS,
+               gather_axis=0, quantize_axis=1, block_size=scheme.block_size, bits=4, outputs=[h])
+        made = g.nodes[first:]
+        del g.nodes[first:]
+        g.nodes[at:at] = made  # before the layers that read h
+        (y,) = g.node("MatMulNBits", [x, qw, sc, *zps], "/lm_head/MatMulNBits", domain=G.MS, K=D, N=V, bits=4,
+                      block_size=scheme.block_size, accuracy_level=scheme.accuracy_level)
+        return y
+
+    return h, head
+
+
 def _kept_embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: QuantScheme, input_ids: str,
                              emb: Blocks, tied: bool) -> tuple[str, callable]:
     """`embedding_and_head` for an embedding taken over as GGUF blocks (`kept_graph`); a tied head
@@ -219,36 +255,44 @@ def _kept_embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, sche
     w = kept_weight(g, "lm_head" if tied else "model.embed_tokens", emb, scheme.accuracy_level)
     h = kept_gather(g, "/model/embed_tokens", w, input_ids)
 
-    def head(x: str) -> str:
+    def head(x: str, x_cal: np.ndarray | None = None) -> str:
         if tied:
             return kept_matmul(g, "/lm_head", x, w, scheme.accuracy_level)
         head_w, kind = src.projection([("lm_head.weight", (V, D))], scheme.lm_head)
-        return _linear(g, "/lm_head", x, head_w, None, kind, scheme)
+        return _linear(g, "/lm_head", x, head_w, None, kind, scheme, x_cal)
 
     return h, head
 
 
-def _linear(g: G.Graph, prefix: str, x: str, w: np.ndarray | Blocks, bias, kind: str, scheme: QuantScheme) -> str:
-    """`graph.linear`, or `kept_graph.kept_linear` for blocks taken over from a GGUF file or made by the
-    q4_1 recipe (int4 weights whose rows are whole blocks)."""
+def _linear(g: G.Graph, prefix: str, x: str, w: np.ndarray | Blocks, bias, kind: str, scheme: QuantScheme,
+            x_cal: np.ndarray | None = None) -> str:
+    """`graph.linear` (x_cal: x on the calibration text, for the gptq recipe), or `kept_graph.kept_linear`
+    for blocks taken over from a GGUF file or made by the q4_1 recipe (int4 weights whose rows are
+    whole blocks)."""
     if not isinstance(w, Blocks) and kind == "int4" and scheme.recipe == "q4_1" and w.shape[1] % 32 == 0:
         w = q4_1_blocks(w)
     if isinstance(w, Blocks):
         return kept_linear(g, prefix, x, w, bias, scheme.accuracy_level)
-    return G.linear(g, prefix, x, w, bias, kind, scheme)
+    return G.linear(g, prefix, x, w, bias, kind, scheme, x_cal)
 
 
 ATTENTION_CHOICES = ("auto", *NAMES)  # `convert --attention`: a KV mode's name, or auto
 
 
 def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer,
-                  mode: KVMode) -> "onnx.ModelProto":  # noqa: F821
+                  mode: KVMode, calibration_ids: np.ndarray | None = None) -> "onnx.ModelProto":  # noqa: F821
+    """The decoder graph. calibration_ids [n, T] (the gptq recipe: `calibration.calibration_ids`): the
+    float model runs on them alongside (`calibration.Calibration`), and each int4 projection is
+    quantized with its input's Gram matrix."""
     g = G.Graph(writer)
     names = io_names(spec.num_layers)
     D, H, Hkv, Dh, I = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     eps = spec.rms_norm_eps
+    cal = None
+    if calibration_ids is not None:
+        cal = Calibration(spec, calibration_ids, src.get("model.embed_tokens.weight", (spec.vocab_size, D))[calibration_ids])
 
-    h, head = embedding_and_head(g, spec, src, scheme, "input_ids")
+    h, head = embedding_and_head(g, spec, src, scheme, "input_ids", calibrated=cal is not None)
     cos, sin, positions = ROPE_COS, ROPE_SIN, "position_ids"  # graph inputs: the host's table, row = position
     gqa = mode.in_place  # GroupQueryAttention reads the past and appends the new rows in the one buffer
     packed = gqa and not spec.qk_norm  # q/k norms sit between the projection and RoPE: those need them apart
@@ -270,7 +314,11 @@ def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer
         if spec.qkv_bias:
             b_qkv = np.concatenate([src.get(f"{a}.q_proj.bias", (H * Dh,)), src.get(f"{a}.k_proj.bias", (Hkv * Dh,)),
                                     src.get(f"{a}.v_proj.bias", (Hkv * Dh,))])
-        qkv = _linear(g, f"{p}/attn/qkv_proj", normed, w_qkv, b_qkv, qkv_kind, scheme)
+        q_norm = src.get(f"{a}.q_norm.weight", (Dh,)) if spec.qk_norm else None
+        k_norm = src.get(f"{a}.k_norm.weight", (Dh,)) if spec.qk_norm else None
+        x_cal = cal.attention_input(ln_in) if cal else None
+        qkv = _linear(g, f"{p}/attn/qkv_proj", normed, w_qkv, b_qkv, qkv_kind, scheme, x_cal)
+        x_cal = cal.attention(w_qkv, b_qkv, q_norm, k_norm) if cal else None
         del w_qkv
         past_k, past_v, present_k, present_v = (names.past_key(i), names.past_value(i), names.present_key(i),
                                                 names.present_value(i))
@@ -280,8 +328,8 @@ def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer
         else:
             q, k, v = G.split_last(g, f"{p}/attn/qkv_proj", qkv, [H * Dh, Hkv * Dh, Hkv * Dh])
             if spec.qk_norm:
-                q = _head_norm(g, f"{p}/attn/q_norm", q, src.get(f"{a}.q_norm.weight", (Dh,)), H, Dh, eps)
-                k = _head_norm(g, f"{p}/attn/k_norm", k, src.get(f"{a}.k_norm.weight", (Dh,)), Hkv, Dh, eps)
+                q = _head_norm(g, f"{p}/attn/q_norm", q, q_norm, H, Dh, eps)
+                k = _head_norm(g, f"{p}/attn/k_norm", k, k_norm, Hkv, Dh, eps)
             q = G.rotary(g, f"{p}/attn/q_rotary", q, positions, cos, sin, H)
             k = G.rotary(g, f"{p}/attn/k_rotary", k, positions, cos, sin, Hkv)
             if gqa:
@@ -291,24 +339,31 @@ def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer
                 ctx = G.attention(g, f"{p}/attn", q, k, v, past_k, past_v, mask, H, Hkv, Dh, present_k, present_v)
         o_b = src.maybe(f"{a}.o_proj.bias", (D,), spec.o_bias)
         w_o, o_kind = src.projection([(f"{a}.o_proj.weight", (D, H * Dh))], scheme.kind_for("o_proj"))
-        attn_out = _linear(g, f"{p}/attn/o_proj", ctx, w_o, o_b, o_kind, scheme)
+        attn_out = _linear(g, f"{p}/attn/o_proj", ctx, w_o, o_b, o_kind, scheme, x_cal)
+        post_ln = src.get(f"{hf}.post_attention_layernorm.weight", (D,))
+        x_cal = cal.mlp_input(w_o, o_b, post_ln) if cal else None
+        del w_o
 
-        normed, residual = G.skip_rms_norm(g, f"{p}/post_attention_layernorm", attn_out, residual,
-                                           src.get(f"{hf}.post_attention_layernorm.weight", (D,)), eps)
+        normed, residual = G.skip_rms_norm(g, f"{p}/post_attention_layernorm", attn_out, residual, post_ln, eps)
         m = f"{hf}.mlp"
         w_gu, gu_kind = src.projection([(f"{m}.gate_proj.weight", (I, D)), (f"{m}.up_proj.weight", (I, D))],
                                        scheme.kind_for("gate_up_proj"))
-        gu = _linear(g, f"{p}/mlp/gate_up_proj", normed, w_gu, None, gu_kind, scheme)
+        gu = _linear(g, f"{p}/mlp/gate_up_proj", normed, w_gu, None, gu_kind, scheme, x_cal)
+        x_cal = cal.mlp_act(w_gu) if cal else None
         del w_gu
         gate, up = G.split_last(g, f"{p}/mlp/gate_up_proj", gu, [I, I])
         act = G.silu_mul(g, f"{p}/mlp", gate, up)
         w_down, down_kind = src.projection([(f"{m}.down_proj.weight", (D, I))], scheme.kind_for("down_proj"))
-        mlp_out = _linear(g, f"{p}/mlp/down_proj", act, w_down, None, down_kind, scheme)
+        mlp_out = _linear(g, f"{p}/mlp/down_proj", act, w_down, None, down_kind, scheme, x_cal)
+        if cal:
+            cal.end_layer(w_down)
+        del w_down, x_cal
 
     (final,) = g.node("Add", [mlp_out, residual], "/model/final/Add")
     (picked,) = g.node("Gather", [final, "logits_index"], "/model/final/Gather", axis=1)  # [B, N, D]
-    normed = G.rms_norm(g, "/model/norm", picked, src.get("model.norm.weight", (D,)), eps)
-    logits = head(normed)
+    norm = src.get("model.norm.weight", (D,))
+    normed = G.rms_norm(g, "/model/norm", picked, norm, eps)
+    logits = head(normed, cal.head_input(norm) if cal else None)
     g.node("Identity", [logits], "/model/logits/Identity", outputs=["logits"])
     src.check_all_used()
     return _model(g, spec, names, mode)

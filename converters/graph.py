@@ -48,12 +48,14 @@ class Graph:
 
 
 def linear(g: Graph, prefix: str, x: str, w_out_in: np.ndarray, bias: np.ndarray | None, kind: str,
-           scheme: QuantScheme) -> str:
-    """y = x @ W^T (+ b). x [B, S, K] -> [B, S, N]; W given as Hugging Face stores it, [N, K]."""
+           scheme: QuantScheme, inputs: np.ndarray | None = None) -> str:
+    """y = x @ W^T (+ b). x [B, S, K] -> [B, S, N]; W given as Hugging Face stores it, [N, K]. inputs:
+    x on the calibration text [tokens, K], for the gptq recipe (`quantize_blockwise`)."""
     n, k = w_out_in.shape
     if kind in ("int4", "int8"):
         bits = bits_of(kind)
-        packed, scales, zp = quantize_blockwise(w_out_in, bits, scheme.block_size, scheme.symmetric, scheme.recipe)
+        packed, scales, zp = quantize_blockwise(w_out_in, bits, scheme.block_size, scheme.symmetric, scheme.recipe,
+                                                inputs if bits == 4 else None)
         ins = [x, g.weight(f"{prefix}.qweight", packed), block_scales(g, f"{prefix}.scales", scales, scheme)]
         if zp is not None:
             ins.append(g.weight(f"{prefix}.zero_points", zp))

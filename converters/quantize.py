@@ -47,7 +47,8 @@ def bits_of(kind: str) -> int:
 MSE_FACTORS = np.linspace(0.80, 1.10, 13, dtype=np.float32)  # scale candidates around the signed maximum's
 
 
-def quantize_blockwise(w_out_in: np.ndarray, bits: int, block_size: int, symmetric: bool, recipe: str = "rtn"):
+def quantize_blockwise(w_out_in: np.ndarray, bits: int, block_size: int, symmetric: bool, recipe: str = "rtn",
+                       inputs: np.ndarray | None = None):
     """Quantize a [N, K] (out, in) float32 weight for MatMulNBits; returns (packed, scales, zero_points).
 
     recipe (int4 only; other widths always "rtn"; asym is asymmetric storage, rtn either, mse symmetric):
@@ -59,13 +60,19 @@ def quantize_blockwise(w_out_in: np.ndarray, bits: int, block_size: int, symmetr
            reference weights are a Q4_1 file's grid, so not a default.
       asym asymmetric blocks with integer zero points (MatMulNBits' fast uint8 zero points), the scale
            and zero point of each block searched for the least squared error around min/max's
+      gptq asym's storage, the grid fitted to the inputs and the rounding errors fed forward, from
+           `inputs`, the weight's input on the calibration text [tokens, K] (converters/gptq.py); a
+           weight with none (an embedding table read by lookups alone) takes asym
       q4_1 asymmetric blocks of 32 with an fp16 scale and minimum, as llama.cpp's Q4_1 (5 bits per
            weight); built by `gguf_blocks.q4_1_blocks` and run by `kept_graph` (the decoder routes it
            there; this function never sees it)
     """
     if bits == 4 and symmetric and recipe == "mse":
         return _int4_signed(w_out_in, block_size, MSE_FACTORS)
-    if bits == 4 and not symmetric and recipe == "asym":
+    if bits == 4 and not symmetric and recipe == "gptq" and inputs is not None:
+        from edgeinfer.converters.gptq import gptq_int4  # (it builds on this module's search)
+        return gptq_int4(w_out_in, inputs, block_size)
+    if bits == 4 and not symmetric and recipe in ("asym", "gptq"):  # gptq without a Gram: a tensor no input reaches
         return _int4_asym(w_out_in, block_size)
     n, k = w_out_in.shape
     n_blocks = (k + block_size - 1) // block_size
@@ -152,10 +159,12 @@ def _int4_asym(w: np.ndarray, block: int):
 ASYM_ROWS = 512  # rows per chunk: a chunk's buffers are a few times rows x K floats
 
 
-def _asym_search(x: np.ndarray):
+def _asym_search(x: np.ndarray, importance: np.ndarray | None = None):
     """`_int4_asym`'s search on blocks x [rows, n_blocks, block]: (codes uint8, s, z) per block. The
     candidates' error is computed in place, in the same operations' order as the plain expression
-    sum((x - s (clip(rint(x / s) + z, 0, 15) - z))^2), so the choice does not depend on the buffers."""
+    sum((x - s (clip(rint(x / s) + z, 0, 15) - z))^2), so the choice does not depend on the buffers.
+    importance [n_blocks, block] (the gptq recipe: each input's mean square on calibration text)
+    weighs each weight's squared error: an input that is large costs its weights' rounding more."""
     lo, hi = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)  # the range holds 0, as ONNX Runtime's
     # asymmetric quantizer's does: a block on one side of it (a constant one) is then reached by the grid
     # s (q - z), z in [0, 15], where its own [min, max] left it at 0 (hostile round)
@@ -173,6 +182,8 @@ def _asym_search(x: np.ndarray):
             np.subtract(q, z[..., None], out=q)
             np.multiply(s[..., None], q, out=q)
             np.square(np.subtract(x, q, out=q), out=q)
+            if importance is not None:
+                np.multiply(q, importance, out=q)
             err = q.sum(-1)
             better = err < best_err
             best_err, best_s, best_z = (np.where(better, err, best_err), np.where(better, s, best_s),

@@ -30,13 +30,15 @@ def add_convert_parser(sub) -> None:
     c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
                    help="MatMulNBits accuracy_level (0: fp32 math; 4: int8 activations)")
     c.add_argument("--asymmetric", action="store_true",
-                   help="int4/int8 with zero points (int4's default recipe, asym, always has them)")
-    c.add_argument("--recipe", choices=("rtn", "mse", "asym", "q4_1"), default=None,
-                   help="int4 rounding: asym (default; integer zero points, scale and zero point searched per "
-                   "block), rtn (symmetric, round to nearest, scale from the block's extreme, as llama.cpp's Q4_0; "
+                   help="int4/int8 with zero points (int4's default recipes, gptq and asym, always have them)")
+    c.add_argument("--recipe", choices=("gptq", "asym", "rtn", "mse", "q4_1"), default=None,
+                   help="int4 rounding: gptq (default; asym's blocks fitted to the inputs the weights meet on a "
+                   "shipped calibration text, rounding errors fed forward: the most accurate at asym's speed, "
+                   "slower to convert), asym (integer zero points, scale and zero point searched per block), "
+                   "rtn (symmetric, round to nearest, scale from the block's extreme, as llama.cpp's Q4_0; "
                    "~3 %% smaller, less accurate), mse (symmetric, per-block scale search "
                    "for the least squared error) or q4_1 (asymmetric blocks with an fp16 minimum, as llama.cpp's "
-                   "Q4_1: the most accurate, 8-17 %% larger than asym, ~0.7x decode speed)")
+                   "Q4_1: 8-17 %% larger than asym, ~0.7x decode speed)")
     c.add_argument("--int8-tensors", nargs="*", metavar="NAME",
                    help="with --quant int4, keep these projections at int8 (e.g. qkv_proj down_proj)")
     c.add_argument("--attention", choices=("auto", *(m.name for m in KV_MODES)), default="auto",

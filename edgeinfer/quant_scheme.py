@@ -14,7 +14,7 @@ from edgeinfer.errors import ConvertError
 QUANTS = ("fp32", "fp16", "int8", "int4")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-RECIPES = ("rtn", "mse", "asym", "q4_1")  # int4 rounding (converters/quantize.py says what each does)
+RECIPES = ("rtn", "mse", "asym", "q4_1", "gptq")  # int4 rounding (converters/quantize.py says what each does)
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,11 @@ def _problem(v: dict) -> tuple[str, str] | None:
         return "scale_dtype", f"unknown scale dtype {v['scale_dtype']!r} (float32 or float16)"
     if v["recipe"] not in RECIPES:
         return "recipe", f"unknown recipe {v['recipe']!r} (choose from {', '.join(RECIPES)})"
-    if v["weights"] == "int4" and (v["recipe"], v["symmetric"]) in (("asym", True), ("mse", False)):
+    if v["weights"] == "int4" and (v["recipe"], v["symmetric"]) in (("asym", True), ("gptq", True), ("mse", False)):
         # the converter rounds by the storage (quantize_blockwise): the label would not be what was done
-        return "symmetric", (f"recipe {v['recipe']} stores {'asymmetric' if v['recipe'] == 'asym' else 'symmetric'} "
-                             f"blocks: symmetric must be {v['recipe'] != 'asym'}")
+        asym = v["recipe"] in ("asym", "gptq")
+        return "symmetric", (f"recipe {v['recipe']} stores {'asymmetric' if asym else 'symmetric'} "
+                             f"blocks: symmetric must be {not asym}")
     if isinstance(v["accuracy_level"], bool) or v["accuracy_level"] not in (0, 1, 2, 3, 4):
         return "accuracy_level", f"accuracy_level must be 0..4, got {v['accuracy_level']}"
     return None

@@ -23,11 +23,13 @@ import tempfile
 from pathlib import Path
 
 OURS = [  # label, default_scheme arguments
-    ("int4 asym (default)", dict(quant="int4")),
+    ("int4 gptq (default)", dict(quant="int4")),
+    ("int4 asym", dict(quant="int4", recipe="asym")),
     ("int4 rtn", dict(quant="int4", recipe="rtn")),
     ("int4 mse", dict(quant="int4", recipe="mse")),
     ("int4 q4_1", dict(quant="int4", recipe="q4_1")),
-    ("int4 asym, int8 embedding", dict(quant="int4", embedding="int8")),
+    ("int4 gptq, int8 embedding", dict(quant="int4", embedding="int8")),
+    ("int4 asym, int8 embedding", dict(quant="int4", recipe="asym", embedding="int8")),
     ("int4 rtn, int8 embedding", dict(quant="int4", recipe="rtn", embedding="int8")),
     ("int4 q4_1, int8 embedding", dict(quant="int4", recipe="q4_1", embedding="int8")),
     ("int8", dict(quant="int8")),

@@ -21,12 +21,14 @@ RECIPES = [
     ("fp32", {}),
     ("int8", {}),
     ("int8", {"accuracy_level": 0}),
-    ("int4", {}),  # the default recipe: asym
+    ("int4", {}),  # the default recipe: gptq
     ("int4", {"accuracy_level": 0}),
+    ("int4", {"recipe": "asym"}),
     ("int4", {"recipe": "rtn"}),
     ("int4", {"recipe": "mse"}),
     ("int4", {"recipe": "q4_1"}),
     ("int4", {"embedding": "int8"}),
+    ("int4", {"embedding": "int8", "recipe": "asym"}),
     ("int4", {"embedding": "int8", "recipe": "rtn"}),
     ("int4", {"embedding": "int8", "int8_tensors": ("down_proj",)}),  # what llama.cpp's Q4_0 does here
     ("int4", {"embedding": "int8", "int8_tensors": ("qkv_proj",)}),

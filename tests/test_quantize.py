@@ -211,27 +211,29 @@ def test_asym_recipe_on_stories260k(converted):
     assert ppl["asym"] < ppl["rtn"] - 0.05
 
 
-def test_default_int4_is_the_asym_recipe(tmp_path, capsys):
-    """No recipe given, int4 is asym (integer zero points searched per block), int8 symmetric round to
-    nearest; the CLI's default conversion says so in its manifest and `inspect`, and its weights are
-    those of `--recipe asym`."""
+def test_default_int4_is_the_gptq_recipe(tmp_path, capsys):
+    """No recipe given, int4 is gptq (asym's blocks fitted on calibration text), int8 symmetric round
+    to nearest; the CLI's default conversion says so in its manifest and `inspect`, and its weights
+    are those of `--recipe gptq`."""
     from conftest import STORIES_SRC
     from edgeinfer.cli import main
     from edgeinfer.converters import default_scheme
     from edgeinfer.manifest import read_manifest
 
-    assert (default_scheme("int4").recipe, default_scheme("int4").symmetric) == ("asym", False)
+    assert (default_scheme("int4").recipe, default_scheme("int4").symmetric) == ("gptq", False)
+    assert (default_scheme("int4", recipe="asym").recipe, default_scheme("int4", recipe="asym").symmetric) == \
+        ("asym", False)
     assert (default_scheme("int4", recipe="rtn").recipe, default_scheme("int4", recipe="rtn").symmetric) == ("rtn", True)
     assert (default_scheme("int8").recipe, default_scheme("int8").symmetric) == ("rtn", True)
-    for name, flags in (("default", []), ("asym", ["--recipe", "asym"])):
+    for name, flags in (("default", []), ("gptq", ["--recipe", "gptq"])):
         assert main(["convert", str(STORIES_SRC), "-o", str(tmp_path / name), "-q", "--quant", "int4", *flags]) == 0
     q = read_manifest(tmp_path / "default").quantization
-    assert (q.recipe, q.symmetric) == ("asym", False)
+    assert (q.recipe, q.symmetric) == ("gptq", False)
     for f in ("model.onnx", "model.onnx.data"):
-        assert (tmp_path / "default" / f).read_bytes() == (tmp_path / "asym" / f).read_bytes()
+        assert (tmp_path / "default" / f).read_bytes() == (tmp_path / "gptq" / f).read_bytes()
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "default")]) == 0
-    assert "recipe asym" in capsys.readouterr().out
+    assert "recipe gptq" in capsys.readouterr().out
 
 
 def test_q4_1_recipe_is_for_the_cpu_graph(tmp_path):
