@@ -71,6 +71,11 @@ class TensorSource:
         check_magnitude(name, w)
         return w
 
+    def rows(self, name: str, shape: tuple[int, int]) -> "Rows":
+        """A 2-D tensor to read a slice of rows at a time (`Rows`), with `get`'s checks on each slice."""
+        self.used.add(name)
+        return Rows(self, name, shape)
+
     def maybe(self, name: str, shape: tuple[int, ...], present: bool) -> np.ndarray | None:
         if not present:
             return None
@@ -123,6 +128,36 @@ class TensorSource:
         if extra:
             more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
             raise ConvertError(f"checkpoint has tensors this architecture does not use: {', '.join(extra[:3])}{more}")
+
+
+class Rows:
+    """A checkpoint's 2-D tensor read a slice of rows at a time, `rows[a:b]` (float32; `TensorSource.get`'s
+    checks on each slice): the gptq recipe quantizes the embedding last, when the layers' leftovers
+    share the process, and a 0.5B model's embedding is 545 MB in float32. A checkpoint that cannot
+    read rows (GGUF) is read whole, once."""
+
+    def __init__(self, src: TensorSource, name: str, shape: tuple[int, int]):
+        self.src, self.name, self.shape = src, name, tuple(shape)
+        self._whole = None if hasattr(src.ckpt, "read_rows") else src.get(name, shape)
+
+    def __getitem__(self, part: slice) -> np.ndarray:
+        if self._whole is not None:
+            return self._whole[part]
+        start, stop, _ = part.indices(self.shape[0])
+        w = self.src.ckpt.read_rows(self.name, start, stop, self.shape)
+        if not np.isfinite(w).all():
+            raise ConvertError(f"{self.name}: the weights hold NaN or infinity (the source is broken)")
+        check_magnitude(self.name, w)
+        return w
+
+    def take(self, ids: np.ndarray, chunk: int = 8192) -> np.ndarray:
+        """The rows `ids` (any shape of row indices) as float32 [*ids.shape, columns]."""
+        flat, out = ids.reshape(-1), np.empty((ids.size, self.shape[1]), np.float32)
+        for a in range(0, self.shape[0], chunk):
+            hit = (flat >= a) & (flat < a + chunk)
+            if hit.any():
+                out[hit] = self[a:a + chunk][flat[hit] - a]
+        return out.reshape(*ids.shape, self.shape[1])
 
 
 def tied_head(spec: ArchSpec, ckpt) -> bool:
@@ -227,7 +262,7 @@ def _fitted_tied_embedding(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme
     h = f"{p_emb}/GatherBlockQuantized/output_0"
 
     def head(x: str, x_cal: np.ndarray | None = None) -> str:
-        packed, scales, zp = quantize_blockwise(src.get("model.embed_tokens.weight", (V, D)), 4, scheme.block_size,
+        packed, scales, zp = quantize_blockwise(src.rows("model.embed_tokens.weight", (V, D)), 4, scheme.block_size,
                                                 scheme.symmetric, scheme.recipe, x_cal)
         first = len(g.nodes)
         qw, sc = g.weight("lm_head.qweight", packed), G.block_scales(g, "lm_head.scales", scales, scheme)
@@ -290,7 +325,8 @@ def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer
     eps = spec.rms_norm_eps
     cal = None
     if calibration_ids is not None:
-        cal = Calibration(spec, calibration_ids, src.get("model.embed_tokens.weight", (spec.vocab_size, D))[calibration_ids])
+        cal = Calibration(spec, calibration_ids,
+                          src.rows("model.embed_tokens.weight", (spec.vocab_size, D)).take(calibration_ids))
 
     h, head = embedding_and_head(g, spec, src, scheme, "input_ids", calibrated=cal is not None)
     cos, sin, positions = ROPE_COS, ROPE_SIN, "position_ids"  # graph inputs: the host's table, row = position

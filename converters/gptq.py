@@ -42,7 +42,8 @@ ROWS = 2048  # rows per chunk (steps 2, 4, 5): two in flight on 2 cores, about 5
 
 
 def gptq_int4(w: np.ndarray, x: np.ndarray, block: int):
-    """Steps 1-5 of the module doc on w [N, K] with its inputs x [tokens, K]; (packed, scales, zero_points)."""
+    """Steps 1-5 of the module doc on w [N, K] (an array, or anything that gives float rows for `w[a:b]`
+    and has `shape`: `decoder.Rows`) with its inputs x [tokens, K]; (packed, scales, zero_points)."""
     n, k = w.shape
     nb = -(-k // block)
     x = x.reshape(-1, k).astype(np.float32)

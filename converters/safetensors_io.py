@@ -149,18 +149,35 @@ class Checkpoint:
 
     def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """Read one tensor as float32 (floating tags) in a new array; check `shape` if given."""
+        t = self._float_info(name, shape)
+        return self._read(t, name, t.offset, t.nbytes, t.shape)
+
+    def read_rows(self, name: str, start: int, stop: int, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """Rows start..stop-1 of a 2-D tensor as float32 in a new array (a large embedding a slice at a time)."""
+        t = self._float_info(name, shape)
+        rows, cols = t.shape
+        start, stop = max(0, min(start, rows)), max(0, min(stop, rows))
+        stop = max(start, stop)
+        row_bytes = cols * DTYPES[t.dtype].itemsize
+        return self._read(t, name, t.offset + start * row_bytes, (stop - start) * row_bytes, (stop - start, cols))
+
+    def _float_info(self, name: str, shape: tuple[int, ...] | None) -> TensorInfo:
         t = self.info(name)
         if shape is not None and tuple(shape) != t.shape:
             raise ConvertError(f"tensor {name!r} has shape {list(t.shape)}, config implies {list(shape)}")
         if t.dtype not in ("F32", "F16", "BF16", "F64"):
             raise ConvertError(f"tensor {name!r} has dtype {t.dtype}; weights must be F32, F16 or BF16")
-        buf = bytearray(t.nbytes)
+        return t
+
+    @staticmethod
+    def _read(t: TensorInfo, name: str, offset: int, nbytes: int, shape: tuple[int, ...]) -> np.ndarray:
+        buf = bytearray(nbytes)
         with open(t.file, "rb") as f:
-            f.seek(t.offset)
+            f.seek(offset)
             got = f.readinto(buf)
-        if got != t.nbytes:
+        if got != nbytes:
             raise ConvertError(f"{t.file.name}: truncated while reading {name!r}")
-        arr = np.frombuffer(buf, dtype=DTYPES[t.dtype]).reshape(t.shape)
+        arr = np.frombuffer(buf, dtype=DTYPES[t.dtype]).reshape(shape)
         return arr if t.dtype == "F32" else arr.astype(np.float32)
 
     def total_bytes(self) -> int:

@@ -24,13 +24,14 @@ def make_tree(root: Path, files: dict) -> Path:
 
 
 def write_safetensors(path: Path, tensors: dict) -> None:
-    """Write float32 numpy arrays as a safetensors file (the documented format: u64 header length,
-    JSON header, raw little-endian data)."""
+    """Write float32 (or float16, bfloat16) numpy arrays as a safetensors file (the documented format:
+    u64 header length, JSON header, raw little-endian data)."""
     import json
 
     header, blobs, off = {}, [], 0
     for name, a in tensors.items():
-        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        dtype = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[a.dtype.name]
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
         blobs.append(a.tobytes())
         off += a.nbytes
     h = json.dumps(header).encode()

@@ -176,3 +176,31 @@ def test_a_tokenizer_that_cannot_encode_is_refused_before_any_work(tmp_path):
     with pytest.raises(ConvertError, match="--recipe asym"):
         convert(src, tmp_path / "out", scheme=default_scheme("int4"))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_rows_of_a_tensor_read_a_slice_at_a_time_are_the_whole_tensors_rows(tmp_path, dtype):
+    """The fitted embedding is read a slice of rows at a time (`decoder.Rows`: 545 MB of float32 for a
+    0.5B model's, read last); each slice is what a whole read gives, with the same checks."""
+    import ml_dtypes
+
+    from conftest import write_safetensors
+    from edgeinfer.converters.decoder import Rows
+    from edgeinfer.errors import ConvertError
+
+    np_dtype = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}[dtype]
+    w = np.random.default_rng(8).standard_normal((100, 24)).astype(np_dtype)
+    w[97, 3] = np.nan
+    write_safetensors(tmp_path / "model.safetensors", {"other": np.ones(3, np.float32), "emb": w})
+    ckpt = Checkpoint(tmp_path)
+    whole = ckpt.read("emb")
+    for a, b in ((0, 10), (10, 97), (95, 200), (-5, 3), (50, 40)):
+        part = ckpt.read_rows("emb", a, b)
+        np.testing.assert_array_equal(part, whole[max(a, 0):max(max(a, 0), min(b, 100))])
+    rows = TensorSource(ckpt).rows("emb", (100, 24))
+    ids = np.array([[3, 0, 95], [42, 42, 5]])  # (not in the slice with the NaN)
+    np.testing.assert_array_equal(Rows.take(rows, ids, chunk=16), whole[ids])
+    with pytest.raises(ConvertError, match="NaN"):
+        rows[90:100]
+    with pytest.raises(ConvertError, match="shape"):
+        ckpt.read_rows("emb", 0, 4, (99, 24))
