@@ -318,7 +318,7 @@ def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer
                   mode: KVMode, calibration_ids: np.ndarray | None = None) -> "onnx.ModelProto":  # noqa: F821
     """The decoder graph. calibration_ids [n, T] (the gptq recipe: `calibration.calibration_ids`): the
     float model runs on them alongside (`calibration.Calibration`), and each int4 projection is
-    quantized with its input's Gram matrix."""
+    quantized with its input there (`gptq.gptq_int4`)."""
     g = G.Graph(writer)
     names = io_names(spec.num_layers)
     D, H, Hkv, Dh, I = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
