@@ -5,10 +5,14 @@ calibrated recipe (`gptq`, the default; `converters/gptq.py`).
 English we wrote for this, of several kinds: a story, dialogue, instructions, facts, questions and
 answers, a little Python) into rows of `SEQ_TOKENS` tokens. A shipped text, not one the model
 writes itself: it needs no generation at convert time (which would need a runtime for a model not
-yet converted), it is the same for every conversion, so a conversion is reproducible, and it is
-nobody's eval text. Measured, its kind matters little: stories260K's own sampled stories as the
-calibration text gave 6.129 against this text's 6.138 (an experiment outside the repo, dequantized
-weights at fp32).
+yet converted), it is the same for every conversion, and it is nobody's eval text. Measured, its
+kind matters little: stories260K's own sampled stories as the calibration text gave 6.129 against
+this text's 6.138 (an experiment outside the repo, dequantized weights at fp32).
+
+Reproducible on one machine and core count (the same bytes, conversion after conversion), not
+across core counts: OpenBLAS sums a matrix product in another order on one thread than on two,
+and a weight near a rounding boundary then goes the other way. On one core against two: stories260K
+6.0923 against 6.0904, SmolLM2 36.349 against 36.342 (`taskset -c 0 edgeinfer convert ...`).
 
 `Calibration` runs the model on those rows in numpy, one layer at a time, in the order
 `decoder.build_decoder` reads the layer's weights, and returns each projection's input X [tokens,
