@@ -21,7 +21,7 @@ import onnx
 from edgeinfer import __version__
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import gguf_import
-from edgeinfer.converters.calibration import calibration_ids
+from edgeinfer.converters.calibration import calibration_ids, too_thin
 from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_decoder
 from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
 from edgeinfer.converters.families import spec_from_config
@@ -380,7 +380,13 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
         calibration = None
         if portable is None and not keep and scheme.recipe == "gptq":
             calibration = _calibration(tmp if gguf else src, tokenizer, spec)
-            log(f"calibration: {calibration.size} tokens of the shipped text (the gptq recipe)")
+            thin = too_thin(calibration)
+            if thin:  # fitting to so little is worse than not fitting
+                log(f"note: the model's tokenizer reads the calibration text as {thin}: int4 takes the asym "
+                    "recipe, which needs none")
+                calibration, scheme = None, dataclasses.replace(scheme, recipe="asym")
+            else:
+                log(f"calibration: {calibration.size} tokens of the shipped text (the gptq recipe)")
         t0 = time.perf_counter()
         writer = WeightWriter(tmp)
         graphs = [MODEL_FILE]

@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 from onnx import TensorProto, helper
+from threadpoolctl import threadpool_limits
 
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import graph as G
@@ -318,15 +319,21 @@ def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer
                   mode: KVMode, calibration_ids: np.ndarray | None = None) -> "onnx.ModelProto":  # noqa: F821
     """The decoder graph. calibration_ids [n, T] (the gptq recipe: `calibration.calibration_ids`): the
     float model runs on them alongside (`calibration.Calibration`), and each int4 projection is
-    quantized with its input there (`gptq.gptq_int4`)."""
+    quantized with its input there (`gptq.gptq_int4`), BLAS on one thread (the work is spread over
+    the cores by rows instead: the same sums, and so the same bytes, whatever the core count)."""
+    if calibration_ids is None:
+        return _build(spec, src, scheme, writer, mode, None)
+    with threadpool_limits(1, "blas"):
+        emb = src.rows("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))
+        return _build(spec, src, scheme, writer, mode, Calibration(spec, calibration_ids, emb.take(calibration_ids)))
+
+
+def _build(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer, mode: KVMode,
+           cal: Calibration | None) -> "onnx.ModelProto":  # noqa: F821
     g = G.Graph(writer)
     names = io_names(spec.num_layers)
     D, H, Hkv, Dh, I = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     eps = spec.rms_norm_eps
-    cal = None
-    if calibration_ids is not None:
-        cal = Calibration(spec, calibration_ids,
-                          src.rows("model.embed_tokens.weight", (spec.vocab_size, D)).take(calibration_ids))
 
     h, head = embedding_and_head(g, spec, src, scheme, "input_ids", calibrated=cal is not None)
     cos, sin, positions = ROPE_COS, ROPE_SIN, "position_ids"  # graph inputs: the host's table, row = position
