@@ -9,10 +9,10 @@ yet converted), it is the same for every conversion, and it is nobody's eval tex
 kind matters little: stories260K's own sampled stories as the calibration text gave 6.129 against
 this text's 6.138 (an experiment outside the repo, dequantized weights at fp32).
 
-Reproducible on one machine and core count (the same bytes, conversion after conversion), not
-across core counts: OpenBLAS sums a matrix product in another order on one thread than on two,
-and a weight near a rounding boundary then goes the other way. On one core against two: stories260K
-6.0923 against 6.0904, SmolLM2 36.349 against 36.342 (`taskset -c 0 edgeinfer convert ...`).
+The same bytes conversion after conversion, on one core as on all: the products run with BLAS on
+one thread (`decoder.build_decoder`), a calibration row per core (`project`). OpenBLAS on two
+threads sums in another order than on one, and a weight near a rounding boundary then went the
+other way (a hostile round: 8 codes of stories260K's, 4,507 of SmolLM2's lm_head).
 
 `Calibration` runs the model on those rows in numpy, one layer at a time, in the order
 `decoder.build_decoder` reads the layer's weights, and returns each projection's input X [tokens,
