@@ -21,7 +21,7 @@ interleave safely. One cache must be driven by one caller at a time (its owner's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import threading
 import time
@@ -30,114 +30,11 @@ import weakref
 import numpy as np
 
 from edgeinfer import fork_safety
+from edgeinfer.chunked import ChunkedSteps, prefill_chunks  # noqa: F401 (prefill_chunks: re-exported)
 from edgeinfer.kv_cache import BatchedKV, RingKVCache, binding_window
 from edgeinfer.kv_mode import ATTENTION_MASK, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
 from edgeinfer.manifest import ROPE_COS, ROPE_SIN, host_rope
 from edgeinfer.session import DecoderSession
-
-
-def prefill_chunks(n: int, chunk: int, cache: RingKVCache | None = None) -> list[tuple[int, int]]:
-    """[start, end) of each prefill call for n tokens, at most `chunk` each; with the `cache` they
-    enter, none of more rows than its trained length or sliding window leaves room for
-    (`RingKVCache.call_room`, as the ring fills: a long prompt entering a full ring goes in calls of
-    T - capacity rows, or of one row for a sliding-window model). Never a last
-    call of one token after others: a one-row call takes MatMulNBits' single-row path, whose
-    int8-activation arithmetic differs (~0.02 in logits at accuracy_level 4) from the same row inside
-    a larger call, so a prompt's logits would depend on where the chunks fall. Calls of two or more
-    rows agree but for a rare row (at level 4, one of 366 differed by 8e-6 between two splits)."""
-    def room(held: int) -> int:  # the most rows a call may append beside `held` tokens
-        return chunk if cache is None else max(1, min(chunk, cache.attend_limit - held))
-
-    bounds, held = [], []  # each call's [start, end), and the tokens the ring holds before it
-    start, h = 0, 0 if cache is None else cache.n_valid
-    while start < n:
-        end = min(start + room(h), n)
-        bounds.append((start, end))
-        held.append(h)
-        start, h = end, h if cache is None else min(h + end - start, cache.capacity)
-    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
-        (a, b), (_, e) = bounds[-2], bounds[-1]
-        h = held[-2] if cache is None else min(held[-2] + e - 2 - a, cache.capacity)
-        if b - a > 2 and room(h) >= 2:  # the last two calls as (a, e - 2) and (e - 2, e)
-            bounds[-2:] = [(a, e - 2), (e - 2, e)]
-    return bounds
-
-
-class ChunkedSteps:
-    """`prefill` and `decode_one` over an engine's `forward(cache, ids)` and `max_chunk`: shared by
-    `Engine` and `portable_engine.PortableEngine`, with the turns that keep a long prefill from
-    holding off other threads' calls.
-
-    Turns: each graph call holds the engine's `lock`, and a prefill releases it between its chunks,
-    so another thread's call waits for at most one chunk. But a request that decodes meanwhile makes
-    one call per token: alone, 3 ms a step on the SmolLM2-135M-shaped int4 model, yet one step per
-    250 ms chunk beside another's 4,550-token prompt (its 32-token reply took 4.7 s, against 0.11 s
-    alone, the whole other prefill). So each call marks its thread as waiting until it has the lock
-    (`waiting`), and a prefill whose chunk had a caller waiting lets the others use the engine, after
-    that chunk, for up to as long as the chunk took (`give_way`): beside a long prompt, a decoding
-    request runs at about half its speed instead of one token per chunk, and the prompt prefills at
-    about half of its own (each busy request gets an even share of the engine's time, as the cores
-    allow). Nothing changes what any call computes (the chunks are the same); a call costs two set
-    operations more.
-    """
-
-    max_chunk: int
-    lock: threading.Lock
-    waiting: set[int]  # idents of threads about to take `lock` or waiting for it (a hint: see give_way)
-    IDLE_S = 0.003  # the engine idle this long (or a quarter of the chunk, if longer): the others are done for now
-    POLL_S = 0.001
-
-    def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        raise NotImplementedError
-
-    def prefill(self, cache: RingKVCache, ids: Sequence[int], chunk: int | None = None,
-                before_chunk: Callable[[], None] | None = None) -> np.ndarray:
-        """Feed `ids` in chunks of at most `chunk` tokens, as the cache's room allows (`prefill_chunks`);
-        return the logits [V] after the last one. `before_chunk` runs before each call (a cancellation check may raise there)."""
-        if not ids:
-            raise ValueError("prefill needs at least one token")
-        logits = None
-        for start, end in prefill_chunks(len(ids), min(chunk or self.max_chunk, self.max_chunk), cache):
-            if logits is not None:
-                self.give_way(chunk_s, before_chunk)
-            if before_chunk is not None:  # after giving way: a cancellation meanwhile stops it before the chunk
-                before_chunk()
-            t0 = time.perf_counter()
-            logits = self.forward(cache, ids[start:end])
-            chunk_s = time.perf_counter() - t0
-        return logits[0]
-
-    def give_way(self, chunk_s: float, check: Callable[[], None] | None = None) -> None:
-        """Between two chunks of a prefill: if a thread waited for the lock while the last chunk ran
-        (`waiting`), let the others use the engine for up to chunk_s seconds, or until it stays idle
-        for IDLE_S or a quarter of chunk_s, whichever is longer (a decoding caller's own work between
-        its steps: sampling, or what a `stream()` loop does with each token). `check` (the prefill's
-        cancellation check) runs at every poll: a request cancelled meanwhile stops at once. The engine
-        idle with marks still there means they are stale (a call stopped by an exception, Ctrl-C
-        say, between marking and taking the lock, or a thread that was lost in a fork): they are dropped."""
-        if not self.waiting:
-            return
-        now = time.perf_counter()
-        deadline, idle_s, idle_since, taken = now + chunk_s, max(self.IDLE_S, chunk_s / 4), None, False
-        while True:
-            if check is not None:
-                check()
-            if self.lock.locked():
-                idle_since, taken = None, True
-            elif idle_since is None:
-                idle_since = now
-            elif now - idle_since > idle_s:
-                break
-            if now >= deadline and (taken or idle_since is not None and now - idle_since >= self.POLL_S):
-                break  # (at least one poll: a woken waiter gets the GIL to take the lock in that sleep)
-            time.sleep(self.POLL_S)
-            now = time.perf_counter()
-        if not taken and not self.lock.locked():
-            self.waiting.clear()  # nobody took the engine in all that time: the marks were stale
-
-    def decode_one(self, cache: RingKVCache, token: int) -> np.ndarray:
-        """Feed one token; return the logits [V] for the next one."""
-        return self.forward(cache, (token,))[0]
 
 
 class Engine(ChunkedSteps):
@@ -179,9 +76,7 @@ class Engine(ChunkedSteps):
         self._rope_cos = self._rope_sin = np.zeros((0, spec.head_dim // 2), self.kv_dtype)
         self._rope_gen = 0  # bumped when the tables are replaced (the bindings then point at old ones)
         self.calls = 0
-        self.lock = threading.Lock()
-        fork_safety.watch(self, "lock", "the model's engine")
-        self.waiting: set[int] = set()
+        self._init_turns("the model's engine")  # lock, waiting, ran (`chunked.ChunkedSteps`)
         self.draft = None  # a `drafting.Draft`: the small model `speculative="draft"` drafts with (Model.set_draft)
         self._ratios: tuple[float, ...] | None = None  # `verify_ratios`, once measured
         self._ratios_lock = threading.Lock()
@@ -263,7 +158,13 @@ class Engine(ChunkedSteps):
         self.waiting.add(me)  # until it has the lock: a prefill gives way to it (`ChunkedSteps`)
         with self.lock:
             self.waiting.discard(me)
-            return self._forward(cache, ids, s, n, logits, commit)
+            if s == 1:
+                return self._forward(cache, ids, s, n, logits, commit)
+            t0 = time.perf_counter()
+            try:
+                return self._forward(cache, ids, s, n, logits, commit)
+            finally:
+                self.ran.s = time.perf_counter() - t0  # what a prefill gives way for (`ChunkedSteps.give_way`)
 
     def _forward(self, cache: RingKVCache, ids: Sequence[int], s: int, n: int, logits: np.ndarray,
                  commit: bool = True) -> np.ndarray:

@@ -247,7 +247,7 @@ class RingKVCache:
             raise ValueError(f"a call of {s} rows beside the {self.n_valid} tokens held would attend past the model's "
                              f"{'sliding window' if self.attend_limit < self.trained_positions else 'trained length'} "
                              f"of {self.attend_limit}: at most {self.call_room()} now "
-                             "(engine.prefill_chunks plans such calls)")
+                             "(chunked.prefill_chunks plans such calls)")
         return self.n_valid
 
     def commit(self, s: int) -> None:

@@ -20,13 +20,13 @@ refused at load. Thread-safe across caches like Engine (one lock around each gra
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
 import onnxruntime as ort
 
-from edgeinfer import fork_safety
-from edgeinfer.engine import ChunkedSteps
+from edgeinfer.chunked import ChunkedSteps
 from edgeinfer.errors import ModelFormatError
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.kv_mode import PORTABLE
@@ -64,9 +64,7 @@ class PortableEngine(ChunkedSteps):
         self.groups = self.spec.num_heads // self.spec.num_kv_heads
         self.chunks = logit_chunks(self.spec.vocab_size)
         self.inv_freq = self.spec.rope.inv_freq(self.spec.head_dim)
-        self.lock = threading.Lock()
-        fork_safety.watch(self, "lock", "the model's engine")
-        self.waiting: set[int] = set()
+        self._init_turns("the model's engine")  # lock, waiting, ran (`chunked.ChunkedSteps`)
         self.calls = 0
 
     def _check_graph(self, sess, s: int, path) -> None:
@@ -96,7 +94,11 @@ class PortableEngine(ChunkedSteps):
         self.waiting.add(me)  # until it has the lock: a prefill gives way to it (`ChunkedSteps`)
         with self.lock:
             self.waiting.discard(me)
-            return self._forward(cache, list(ids), s)
+            t0 = time.perf_counter()
+            try:
+                return self._forward(cache, list(ids), s)
+            finally:
+                self.ran.s = time.perf_counter() - t0  # what a prefill gives way for (`ChunkedSteps.give_way`)
 
     def _forward(self, cache: RingKVCache, ids: list[int], s: int) -> np.ndarray:
         cache.rebase_if_due(s)

@@ -61,7 +61,7 @@ def reuse(held: list[int] | None, prompt: list[int], cache: RingKVCache, overflo
     """Keep in `cache` the longest prefix of `prompt` it holds (`held`: its ids, or None) and return its
     length; 0 with the cache reset when nothing can be kept. At least two prompt tokens are always
     fed: a one-row call takes MatMulNBits' single-row path, whose int8 activations give other logits
-    (engine.prefill_chunks), and the reply would depend on the reuse. A prompt longer than the ring
+    (chunked.prefill_chunks), and the reply would depend on the reuse. A prompt longer than the ring
     is fed whole: the ring shifts inside the prefill, and which tokens a chunk sees then depends on
     where the chunks start. Under overflow="truncate", a prompt that would not fit beside the kept
     prefix is fed whole, so that truncation sees it all."""

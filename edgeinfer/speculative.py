@@ -18,7 +18,7 @@ the same order) and feeds the sampled token back, so the tokens equal plain deco
 decides which logits are computed ahead. Their exactness is the graph's: a call of several rows
 computes the same logits as one-row calls up to float rounding in fp32 (accuracy level 0); at
 accuracy level 4 (int8 activations) the multi-row path rounds differently (~0.02, see
-`engine.prefill_chunks`), so a near-tie may resolve the other way.
+`chunked.prefill_chunks`), so a near-tie may resolve the other way.
 
 The ring: a draft never runs past the ring's free slots (so no verified row evicts a token that a
 plain step would still attend to, and a rejected row needs no undo: uncommitted rows past the valid

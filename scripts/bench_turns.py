@@ -8,8 +8,8 @@ followed by a greedy argmax, as sampling would), a prefill of `--prompt-tokens` 
 (`Engine.prefill`, the engine's chunks), then both at once: the prefill in a thread, the steps
 starting once its first chunk runs. Reports medians over rounds of each side's wall time alone and
 together, and the order of the graph calls in the last round ('P' a prefill chunk, 'd' a step):
-the engine's turns (`engine.ChunkedSteps.give_way`) should let the steps run at about half their
-speed beside the prefill, not one per chunk. JSON out.
+the engine's turns (`chunked.ChunkedSteps.give_way`) should let the steps share the engine with
+the prefill, not take one step per chunk. JSON out.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 The eval text (stories260K's, tests/fixtures, by default: `--text`) is fed twice through one ring of
 each capacity, in one-token calls (as generation feeds its tokens) and in 256-token prefill calls
-(as a long prompt enters a full ring, planned by `engine.prefill_chunks`); the second copy is
+(as a long prompt enters a full ring, planned by `chunked.prefill_chunks`); the second copy is
 scored (teacher forcing). A ring whose calls attend past the model's trained length scores worse
 in the larger calls. Reports each capacity's two perplexities and the highest position written.
 JSON out.
