@@ -8,7 +8,7 @@ Gemma, ...) -> an edgeinfer model folder, through Hugging Face Optimum's ONNX ex
 2. `optimum_graph.rewire` turns that graph's KV exchange into the `optimum` KV mode's (slot-major
    past, the new rows as present, `logits_index`).
 3. ONNX Runtime's own MatMulNBitsQuantizer quantizes the MatMul weights (int4 or int8, blocks of 32,
-   symmetric round to nearest: the native `--recipe rtn`, not the native int4 default asym; accuracy
+   symmetric round to nearest: the native `--recipe rtn`, not the native int4 default gptq; accuracy
    level 4) and the embedding's Gather
    (GatherBlockQuantized); fp32 keeps the float graph.
 4. The tokenizer files are copied and `edgeinfer.json` written (the `optimum` KV mode, origin

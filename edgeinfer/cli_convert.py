@@ -30,7 +30,7 @@ def add_convert_parser(sub) -> None:
     c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
                    help="MatMulNBits accuracy_level (0: fp32 math; 4: int8 activations)")
     c.add_argument("--asymmetric", action="store_true",
-                   help="int4/int8 with zero points (int4's default recipes, gptq and asym, always have them)")
+                   help="int4/int8 with zero points (int4's default recipe, gptq, and asym always have them)")
     c.add_argument("--recipe", choices=("gptq", "asym", "rtn", "mse", "q4_1"), default=None,
                    help="int4 rounding: gptq (default; asym's blocks fitted to the inputs the weights meet on a "
                    "shipped calibration text, rounding errors fed forward: the most accurate at asym's speed, "
