@@ -12,7 +12,10 @@ this text's 6.138 (an experiment outside the repo, dequantized weights at fp32).
 The same bytes conversion after conversion, on one core as on all: the products run with BLAS on
 one thread (`decoder.build_decoder`), a calibration row per core (`project`). OpenBLAS on two
 threads sums in another order than on one, and a weight near a rounding boundary then went the
-other way (a hostile round: 8 codes of stories260K's, 4,507 of SmolLM2's lm_head).
+other way (a hostile round: 8 codes of stories260K's, 4,507 of SmolLM2's lm_head). This holds where
+threadpoolctl can hold BLAS to one thread: OpenBLAS, as numpy's wheels for Linux and Windows ship
+it; numpy built on Apple's Accelerate (macOS arm64 wheels) is not held, and there the bytes may
+still depend on the core count.
 
 `Calibration` runs the model on those rows in numpy, one layer at a time, in the order
 `decoder.build_decoder` reads the layer's weights, and returns each projection's input X [tokens,
@@ -51,14 +54,13 @@ def calibration_ids(tokenizer, spec: ArchSpec, text: str | None = None) -> np.nd
     encodes a prompt (BOS first where the model adds one), concatenated, the first MAX_TOKENS cut
     into rows of T = min(SEQ_TOKENS, trained positions, sliding window) tokens; the tail that does not fill a row
     is dropped, unless there is no whole row (then one row of all the tokens). Ids past the model's
-    vocabulary (a tokenizer larger than the embedding) are dropped."""
+    vocabulary (a tokenizer larger than the embedding) are dropped: none left gives [1, 0], which
+    `too_thin` turns down."""
     text = CALIBRATION_FILE.read_text(encoding="utf-8") if text is None else text
     ids: list[int] = []
     for para in text.split("\n\n"):
         if para.strip():
             ids += [t for t in tokenizer.encode(para.strip()) if 0 <= t < spec.vocab_size]
-    if not ids:
-        raise ValueError("the calibration text encodes to no token of the model's vocabulary")
     t = min(SEQ_TOKENS, spec.max_position_embeddings, spec.sliding_window or SEQ_TOKENS)
     ids = ids[:MAX_TOKENS]
     n = len(ids) // t
@@ -75,7 +77,7 @@ def too_thin(ids: np.ndarray) -> str | None:
     MIN_TOKENS tokens or MIN_DISTINCT distinct ones (a tokenizer that meets the text as unknown
     tokens). Measured on stories260K, such rows made gptq worse than no calibration at all (asym
     6.3789): every token the same 6.4696 and 6.5661, 8 tokens 6.6379."""
-    distinct = len(np.unique(ids))
+    distinct = len(np.unique(ids)) if ids.size else 0
     if ids.size < MIN_TOKENS or distinct < MIN_DISTINCT:
         return f"{ids.size} tokens, {distinct} distinct (at least {MIN_TOKENS} and {MIN_DISTINCT} needed)"
     return None

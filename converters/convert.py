@@ -31,7 +31,7 @@ from edgeinfer.converters import cuda_graph
 from edgeinfer.converters.ort_format import write_ort_format
 from edgeinfer.converters.portable import build_portable
 from edgeinfer.integrity import sha256_file
-from edgeinfer.converters.quantize import QUANTS, QuantScheme
+from edgeinfer.converters.quantize import PROJECTIONS, QUANTS, QuantScheme
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.converters.source_files import read_json, read_text, regular_file
 from edgeinfer.converters.widen import WidenedSource, choose_kv_mode, widened_spec
@@ -191,8 +191,13 @@ def _calibration(folder: Path, info: TokenizerInfo, spec) -> np.ndarray:
     try:
         return calibration_ids(Tokenizer(folder, info), spec)
     except (EdgeInferError, ValueError) as e:
-        raise ConvertError(f"the source's tokenizer cannot be used: {e} (the gptq recipe encodes its calibration "
-                           "text with it; --recipe asym needs none)") from None
+        raise ConvertError(f"the source's tokenizer cannot be used: {e}") from None
+
+
+def _fits_int4(scheme: QuantScheme) -> bool:
+    """Whether some weight is stored at int4 by the scheme (a projection not kept at int8, or the embedding)."""
+    return scheme.weights == "int4" and (bool(set(PROJECTIONS) - set(scheme.int8_tensors))
+                                         or scheme.embedding == "int4" or scheme.lm_head == "int4")
 
 
 def _check_source(src: Path) -> None:
@@ -378,6 +383,8 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
         else:
             tokenizer = _tokenizer_info(src, spec, log)
         calibration = None
+        if portable is None and not keep and scheme.recipe == "gptq" and not _fits_int4(scheme):
+            scheme = dataclasses.replace(scheme, recipe="asym")  # nothing int4 to fit: the label says what was done
         if portable is None and not keep and scheme.recipe == "gptq":
             calibration = _calibration(tmp if gguf else src, tokenizer, spec)
             thin = too_thin(calibration)

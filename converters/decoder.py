@@ -34,7 +34,8 @@ from edgeinfer.converters.calibration import Calibration
 from edgeinfer.converters.gguf_blocks import Blocks, q4_1_blocks, stack
 from edgeinfer.converters.gguf_checkpoint import FLOAT_TYPES
 from edgeinfer.converters.kept_graph import kept_gather, kept_linear, kept_matmul, kept_weight
-from edgeinfer.converters.quantize import QuantScheme, bits_of, check_magnitude, quantize_blockwise
+from edgeinfer.converters.quantize import QuantScheme, bits_of, quantize_blockwise
+from edgeinfer.converters.rows import Rows, checked
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
 from edgeinfer.kv_mode import NAMES, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, KVMode
@@ -66,16 +67,12 @@ class TensorSource:
         """The tensor as a float array; ConvertError if it holds NaN or infinity (quantizing would
         hide it: a block's scale skips a NaN, and the weight becomes an arbitrary code)."""
         self.used.add(name)
-        w = self.ckpt.read(name, shape)
-        if not np.isfinite(w).all():
-            raise ConvertError(f"{name}: the weights hold NaN or infinity (the source is broken)")
-        check_magnitude(name, w)
-        return w
+        return checked(name, self.ckpt.read(name, shape))
 
-    def rows(self, name: str, shape: tuple[int, int]) -> "Rows":
-        """A 2-D tensor to read a slice of rows at a time (`Rows`), with `get`'s checks on each slice."""
+    def rows(self, name: str, shape: tuple[int, int]) -> Rows:
+        """A 2-D tensor to read a slice of rows at a time (`rows.Rows`), with `get`'s checks on each slice."""
         self.used.add(name)
-        return Rows(self, name, shape)
+        return Rows(self.ckpt, name, shape)
 
     def maybe(self, name: str, shape: tuple[int, ...], present: bool) -> np.ndarray | None:
         if not present:
@@ -131,36 +128,6 @@ class TensorSource:
             raise ConvertError(f"checkpoint has tensors this architecture does not use: {', '.join(extra[:3])}{more}")
 
 
-class Rows:
-    """A checkpoint's 2-D tensor read a slice of rows at a time, `rows[a:b]` (float32; `TensorSource.get`'s
-    checks on each slice): the gptq recipe quantizes the embedding last, when the layers' leftovers
-    share the process, and a 0.5B model's embedding is 545 MB in float32. A checkpoint that cannot
-    read rows (GGUF) is read whole, once."""
-
-    def __init__(self, src: TensorSource, name: str, shape: tuple[int, int]):
-        self.src, self.name, self.shape = src, name, tuple(shape)
-        self._whole = None if hasattr(src.ckpt, "read_rows") else src.get(name, shape)
-
-    def __getitem__(self, part: slice) -> np.ndarray:
-        if self._whole is not None:
-            return self._whole[part]
-        start, stop, _ = part.indices(self.shape[0])
-        w = self.src.ckpt.read_rows(self.name, start, stop, self.shape)
-        if not np.isfinite(w).all():
-            raise ConvertError(f"{self.name}: the weights hold NaN or infinity (the source is broken)")
-        check_magnitude(self.name, w)
-        return w
-
-    def take(self, ids: np.ndarray, chunk: int = 8192) -> np.ndarray:
-        """The rows `ids` (any shape of row indices) as float32 [*ids.shape, columns]."""
-        flat, out = ids.reshape(-1), np.empty((ids.size, self.shape[1]), np.float32)
-        for a in range(0, self.shape[0], chunk):
-            hit = (flat >= a) & (flat < a + chunk)
-            if hit.any():
-                out[hit] = self[a:a + chunk][flat[hit] - a]
-        return out.reshape(*ids.shape, self.shape[1])
-
-
 def tied_head(spec: ArchSpec, ckpt) -> bool:
     """Whether the lm_head is the embedding; ConvertError when the config says it is not and the
     checkpoint has none (transformers would start such a head at random: a model of noise)."""
@@ -190,6 +157,8 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
         kept = q4_1_blocks(src.get("model.embed_tokens.weight", (V, D)))
     if kept is not None:
         return _kept_embedding_and_head(g, spec, src, scheme, input_ids, kept, tied)
+    if calibrated and tied and not src.keep and scheme.embedding == "int4" and D % scheme.block_size == 0:
+        return _fitted_tied_embedding(g, spec, src, scheme, input_ids)  # (read a slice at a time, at the end)
     head_w = head_kind = None
     if src.keep:  # an embedding that is not blocks is stored as its type implies; an untied head on its own
         scheme = replace(scheme, embedding=src.stored_kind("model.embed_tokens.weight"))
@@ -202,8 +171,6 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
     own_head = head_kind is not None  # keep: the untied head as its own type says
     head_kind = head_kind or (scheme.embedding if tied else scheme.lm_head)
     share_quant = tied and scheme.embedding in ("int4", "int8") and D % scheme.block_size == 0
-    if calibrated and share_quant and scheme.embedding == "int4" and scheme.recipe == "gptq":
-        return _fitted_tied_embedding(g, spec, src, scheme, input_ids)
 
     def head(x: str, x_cal: np.ndarray | None = None) -> str:
         if own_head:
@@ -324,8 +291,8 @@ def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer
     if calibration_ids is None:
         return _build(spec, src, scheme, writer, mode, None)
     with threadpool_limits(1, "blas"):
-        emb = src.rows("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))
-        return _build(spec, src, scheme, writer, mode, Calibration(spec, calibration_ids, emb.take(calibration_ids)))
+        rows = src.rows("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size)).take(calibration_ids)
+        return _build(spec, src, scheme, writer, mode, Calibration(spec, calibration_ids, rows))
 
 
 def _build(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer, mode: KVMode,

@@ -6,7 +6,7 @@ calibration text (`calibration.Calibration`).
 `gptq_int4(w, x, block)` quantizes a [N, K] (out, in) float weight and returns what
 `quantize_blockwise` returns for asym: (packed, scales, zero_points). Its steps:
 1. Importance: d = sum over tokens of x^2, each input's (the diagonal of H = X^T X).
-2. The grid: each block's scale s and zero point z by `quantize._asym_search` on the weights as
+2. The grid: each block's scale s and zero point z by `quantize.asym_search` on the weights as
    they are, each weight's squared error weighed by its input's d (the grid is fixed before step
    4: "static groups"). Weighing is what fits the grid: SmolLM2-135M's perplexity +21.3 % with
    plain asym grids, +9.2 % with weighed ones (an experiment at fp32, with or without step 4).
@@ -41,7 +41,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from edgeinfer.converters.gguf_blocks import pack4
-from edgeinfer.converters.quantize import _asym_search, _int4_asym
+from edgeinfer.converters.quantize import asym_search, int4_asym
 from edgeinfer.session import usable_cores
 
 DAMP = 0.01  # of the mean diagonal, added to H's diagonal (GPTQ's default)
@@ -63,7 +63,7 @@ def _gptq_int4(w, x: np.ndarray, block: int):
     d = np.zeros(nb * block, np.float64)
     d[:k] = np.einsum("tk,tk->k", x, x)  # 1.
     if not np.isfinite(d).all():  # no grid fits inputs past float64's range
-        return _int4_asym(w if isinstance(w, np.ndarray) else w[0:n], block)
+        return int4_asym(w if isinstance(w, np.ndarray) else w[0:n], block)
     importance = (d / max(float(d.mean()), 1e-300) + FLOOR).astype(np.float32).reshape(nb, block)
     u = _inverse_cholesky(x.T @ x) if k <= FEEDBACK_MAX_INPUTS else None  # 3.
     packed = np.empty((n, nb, block // 2), np.uint8)
@@ -74,7 +74,7 @@ def _gptq_int4(w, x: np.ndarray, block: int):
         m = min(ROWS, n - r)
         blocks = np.zeros((m, nb * block), np.float32)
         blocks[:, :k] = w[r:r + m]
-        _, s, z = _asym_search(blocks.reshape(m, nb, block), importance)  # 2.
+        _, s, z = asym_search(blocks.reshape(m, nb, block), importance)  # 2.
         codes = np.repeat(z.T, block, 0)  # input-major: each input's codes contiguous (padding: the zero point's)
         if u is None:
             codes[:k] = _round(blocks[:, :k].T, s, z, block, k)

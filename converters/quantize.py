@@ -49,7 +49,8 @@ MSE_FACTORS = np.linspace(0.80, 1.10, 13, dtype=np.float32)  # scale candidates 
 
 def quantize_blockwise(w_out_in: np.ndarray, bits: int, block_size: int, symmetric: bool, recipe: str = "rtn",
                        inputs: np.ndarray | None = None):
-    """Quantize a [N, K] (out, in) float32 weight for MatMulNBits; returns (packed, scales, zero_points).
+    """Quantize a [N, K] (out, in) float32 weight (for gptq, also a `rows.Rows`, read a slice at a time)
+    for MatMulNBits; returns (packed, scales, zero_points).
 
     recipe (int4 only; other widths always "rtn"; asym is asymmetric storage, rtn either, mse symmetric):
       rtn  ONNX Runtime's quantizer, round to nearest: scale = (the block's signed extreme) / -8, as
@@ -72,8 +73,8 @@ def quantize_blockwise(w_out_in: np.ndarray, bits: int, block_size: int, symmetr
     if bits == 4 and not symmetric and recipe == "gptq" and inputs is not None:
         from edgeinfer.converters.gptq import gptq_int4  # (it builds on this module's search)
         return gptq_int4(w_out_in, inputs, block_size)
-    if bits == 4 and not symmetric and recipe in ("asym", "gptq"):  # gptq without a Gram: a tensor no input reaches
-        return _int4_asym(w_out_in, block_size)
+    if bits == 4 and not symmetric and recipe in ("asym", "gptq"):  # gptq without inputs: a tensor no input reaches
+        return int4_asym(w_out_in, block_size)
     n, k = w_out_in.shape
     n_blocks = (k + block_size - 1) // block_size
     blob = block_size * bits // 8
@@ -122,7 +123,7 @@ def _int4_signed(w: np.ndarray, block: int, factors: np.ndarray):
 ASYM_FACTORS = np.linspace(0.85, 1.05, 9, dtype=np.float32)
 
 
-def _int4_asym(w: np.ndarray, block: int):
+def int4_asym(w: np.ndarray, block: int):
     """Asymmetric 4-bit blocks, w = s (q - z) with an integer z in [0, 15]: per block the (s, z) among
     s = f (max - min) / 15 (f in ASYM_FACTORS) and z = round(-min / s) + {-1, 0, 1} with the least
     squared error, min and max the block's with 0 included. Zero points packed two per byte, low
@@ -135,7 +136,7 @@ def _int4_asym(w: np.ndarray, block: int):
 
     def one(chunk):
         r, x = chunk
-        codes, s, z = _asym_search(x)
+        codes, s, z = asym_search(x)
         packed[r:r + len(x)] = pack4(codes)
         scales[r:r + len(x)] = s
         zps[r:r + len(x), :nb] = z.astype(np.uint8)
@@ -159,8 +160,8 @@ def _int4_asym(w: np.ndarray, block: int):
 ASYM_ROWS = 512  # rows per chunk: a chunk's buffers are a few times rows x K floats
 
 
-def _asym_search(x: np.ndarray, importance: np.ndarray | None = None):
-    """`_int4_asym`'s search on blocks x [rows, n_blocks, block]: (codes uint8, s, z) per block. The
+def asym_search(x: np.ndarray, importance: np.ndarray | None = None):
+    """`int4_asym`'s search on blocks x [rows, n_blocks, block]: (codes uint8, s, z) per block. The
     candidates' error is computed in place, in the same operations' order as the plain expression
     sum((x - s (clip(rint(x / s) + z, 0, 15) - z))^2), so the choice does not depend on the buffers.
     importance [n_blocks, block] (the gptq recipe: each input's mean square on calibration text)

@@ -75,6 +75,8 @@ def _problem(v: dict) -> tuple[str, str] | None:
         return "scale_dtype", f"unknown scale dtype {v['scale_dtype']!r} (float32 or float16)"
     if v["recipe"] not in RECIPES:
         return "recipe", f"unknown recipe {v['recipe']!r} (choose from {', '.join(RECIPES)})"
+    if v["recipe"] != "rtn" and v["weights"] != "int4":
+        return "recipe", f"recipe {v['recipe']} rounds int4 blocks: weights {v['weights']} take rtn"
     if v["weights"] == "int4" and (v["recipe"], v["symmetric"]) in (("asym", True), ("gptq", True), ("mse", False)):
         # the converter rounds by the storage (quantize_blockwise): the label would not be what was done
         asym = v["recipe"] in ("asym", "gptq")

@@ -13,7 +13,7 @@ from edgeinfer.converters.calibration import Calibration, calibration_ids
 from edgeinfer.converters.decoder import TensorSource
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
-from edgeinfer.converters.quantize import _int4_asym
+from edgeinfer.converters.quantize import int4_asym
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.converters.widen import WidenedSource, wide_head_dim, widened_spec
 
@@ -73,7 +73,7 @@ def _asym_dequant(packed, scales, zps, k):
 def test_with_uncorrelated_inputs_of_equal_size_it_is_asym():
     """H = I: every input as important as the next, no error to pass on: the grid and codes are asym's."""
     w = np.random.default_rng(0).standard_normal((40, 96)).astype(np.float32)
-    got, want = gptq.gptq_int4(w, np.eye(96, dtype=np.float32), 32), _int4_asym(w, 32)
+    got, want = gptq.gptq_int4(w, np.eye(96, dtype=np.float32), 32), int4_asym(w, 32)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
 
@@ -93,7 +93,7 @@ def test_it_computes_the_layer_output_closer_than_asym(k):
     w = np.random.default_rng(1).standard_normal((64, k)).astype(np.float32) * 0.05
     x, fresh = _correlated_inputs(512, k, 2), _correlated_inputs(512, k, 3)
     ours = _asym_dequant(*gptq.gptq_int4(w, x, 32), k)
-    plain = _asym_dequant(*_int4_asym(w, 32), k)
+    plain = _asym_dequant(*int4_asym(w, 32), k)
     for inputs, bound in ((x, 0.8), (fresh, 0.9)):  # measured 0.78 and 0.84-0.87
         assert np.linalg.norm(inputs @ (w - ours).T) < bound * np.linalg.norm(inputs @ (w - plain).T)
 
@@ -107,7 +107,7 @@ def test_a_wide_weight_is_rounded_on_its_fitted_grid_without_feedback(monkeypatc
     s, z = np.repeat(scales, 32, 1), np.repeat(np.stack([zps & 15, zps >> 4], -1).reshape(48, -1)[:, :3], 32, 1)
     np.testing.assert_array_equal(deq, (np.clip(np.rint(w / s) + z, 0, 15) - z) * s)  # nearest on the grid
     d = np.einsum("tk,tk->k", x, x)  # and the grid fits the large inputs better than asym's
-    plain = _asym_dequant(*_int4_asym(w, 32), 96)
+    plain = _asym_dequant(*int4_asym(w, 32), 96)
     assert (np.square(w - deq) * d).sum() < (np.square(w - plain) * d).sum()
 
 
@@ -120,17 +120,21 @@ def test_an_input_that_never_varies_passes_nothing_on_and_breaks_nothing():
 
 
 def test_calibration_rows_fit_the_model():
-    class Tok:
+    """Rows of the model's trained length at most, ids past its vocabulary dropped, at most MAX_TOKENS."""
+    from edgeinfer.converters.calibration import too_thin
+
+    class Tok:  # each paragraph starts with 600, past the tiny model's 512 ids
         def encode(self, text):
-            return [1] + [ord(c) % 300 for c in text]
+            return [600, 1] + [ord(c) * 3 % 500 for c in text]
 
     spec = spec_from_config(read_config(TINY / "llama2_gqa_tied"))  # 256 trained positions, 512 tokens
     ids = calibration_ids(Tok(), spec)
     assert ids.shape[1] == 256 and ids.size <= 1024 and ids.max() < spec.vocab_size
+    assert too_thin(ids) is None
     short = calibration_ids(Tok(), spec, text="One short line.")
-    assert short.shape == (1, 16)
-    with pytest.raises(ValueError, match="no token"):
-        calibration_ids(type("T", (), {"encode": lambda self, t: [10 ** 6]})(), spec)
+    assert short.shape == (1, 16) and "at least 256" in too_thin(short)  # (its 600 dropped)
+    none = calibration_ids(type("T", (), {"encode": lambda self, t: [10 ** 6]})(), spec)
+    assert none.shape == (1, 0) and "0 tokens" in too_thin(none)
 
 
 def test_gptq_recipe_on_stories260k(converted):
@@ -163,7 +167,8 @@ def test_gptq_from_a_gguf_file_is_the_same_conversion(converted):
     assert (hf / "model.onnx.data").read_bytes() == (gguf / "model.onnx.data").read_bytes()
 
 
-def test_a_tokenizer_that_cannot_encode_is_refused_before_any_work(tmp_path):
+def test_a_tokenizer_that_cannot_encode_is_refused_before_any_work(tmp_path, monkeypatch):
+    import importlib
     import shutil
 
     from conftest import STORIES_SRC
@@ -173,9 +178,33 @@ def test_a_tokenizer_that_cannot_encode_is_refused_before_any_work(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(STORIES_SRC, src)
     (src / "tokenizer.model").write_bytes(b"not a sentencepiece model")
-    with pytest.raises(ConvertError, match="--recipe asym"):
+
+    def no_graph(*args, **kwargs):
+        raise AssertionError("the graph was built before the tokenizer was refused")
+
+    monkeypatch.setattr(importlib.import_module("edgeinfer.converters.convert"), "build_decoder", no_graph)
+    with pytest.raises(ConvertError, match="tokenizer cannot be used"):
         convert(src, tmp_path / "out", scheme=default_scheme("int4"))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_scheme_with_nothing_at_int4_is_not_labelled_gptq(tmp_path):
+    """Every projection and the embedding at int8: no weight is fitted, so none is calibrated and the
+    manifest does not say gptq (a review found it did); a scheme of int8 weights takes rtn alone."""
+    from conftest import STORIES_SRC
+    from edgeinfer.converters import convert, default_scheme
+    from edgeinfer.errors import ConvertError
+    from edgeinfer.manifest import read_manifest
+    from edgeinfer.quant_scheme import PROJECTIONS, QuantScheme
+
+    said = []
+    scheme = default_scheme("int4", embedding="int8", int8_tensors=PROJECTIONS)
+    assert scheme.recipe == "gptq"
+    convert(STORIES_SRC, tmp_path / "m", scheme=scheme, log=said.append)
+    assert read_manifest(tmp_path / "m").quantization.recipe == "asym"
+    assert not any("calibration" in m for m in said)
+    with pytest.raises(ConvertError, match="rounds int4 blocks"):
+        QuantScheme(weights="int8", symmetric=False, recipe="gptq")
 
 
 @pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
@@ -185,7 +214,7 @@ def test_rows_of_a_tensor_read_a_slice_at_a_time_are_the_whole_tensors_rows(tmp_
     import ml_dtypes
 
     from conftest import write_safetensors
-    from edgeinfer.converters.decoder import Rows
+    from edgeinfer.converters.rows import Rows
     from edgeinfer.errors import ConvertError
 
     np_dtype = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}[dtype]
@@ -215,7 +244,7 @@ def test_inputs_past_float_range_give_asym_blocks_not_zero_scales():
     packed, scales, zps = gptq.gptq_int4(w, x, 32)
     assert (scales > 0).all() and np.isfinite(_asym_dequant(packed, scales, zps, 64)).all()
     huge = np.full((8, 64), 1e200)  # squares pass float64 too
-    for a, b in zip(gptq.gptq_int4(w, huge, 32), _int4_asym(w, 32)):
+    for a, b in zip(gptq.gptq_int4(w, huge, 32), int4_asym(w, 32)):
         np.testing.assert_array_equal(a, b)
 
 

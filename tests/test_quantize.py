@@ -186,16 +186,16 @@ def test_asym_recipe_searches_integer_zero_points():
 
 
 def test_asym_search_in_threaded_chunks_equals_one_search_of_all_rows():
-    """`_int4_asym` searches chunks of rows on several threads; its blocks are those of one search over
+    """`int4_asym` searches chunks of rows on several threads; its blocks are those of one search over
     every row at once (rows past a chunk boundary, the last block of a 172-wide row padded)."""
     from edgeinfer.converters.gguf_blocks import pack4
-    from edgeinfer.converters.quantize import ASYM_ROWS, _asym_search, _int4_asym
+    from edgeinfer.converters.quantize import ASYM_ROWS, asym_search, int4_asym
 
     w = np.random.default_rng(3).standard_normal((2 * ASYM_ROWS + 37, 172)).astype(np.float32) ** 3
-    packed, scales, zp = _int4_asym(w, 32)
+    packed, scales, zp = int4_asym(w, 32)
     x = np.zeros((len(w), 6 * 32), np.float32)
     x[:, :172] = w
-    codes, s, z = _asym_search(x.reshape(len(w), 6, 32))
+    codes, s, z = asym_search(x.reshape(len(w), 6, 32))
     assert np.array_equal(packed, pack4(codes)) and np.array_equal(scales, s)
     assert np.array_equal(zp, pack4(z.astype(np.uint8)))
 
