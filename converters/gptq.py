@@ -25,11 +25,11 @@ Steps 2, 4 and 5 run on chunks of `ROWS` rows, on the cores this process may use
 the GIL), with BLAS on one thread (`threadpoolctl`): its own threads on top of ours oversubscribed
 the cores, and on a busy machine OpenBLAS's waiting threads took a SmolLM2 conversion from 13 s to
 110-122 s (a 576-input inverse: 397 ms on two threads, 14 ms on one); its sums on one thread are also
-the same whatever the core count. d is a small weight floor (`FLOOR`) over the mean: an input that
-never varies in calibration (a widened head's zero dims, a channel the text never reaches) leaves
-its block's choice to the plain squared error, and passes no error on. Inputs that are not finite
-in float64 (a source whose activations overflow float32: values past 1e19 square to infinity there)
-give asym's blocks instead, as a weight with no input does.
+the same whatever the core count. Each input's weight in step 2 is d over d's mean plus a small
+floor (`FLOOR`): an input that never varies in calibration (a widened head's zero dims, a channel
+the text never reaches) leaves its block's choice to the plain squared error, and passes no error
+on. Inputs whose squares are not finite even in float64 (a source whose activations pass float32's
+range squared: values past 1e19) give asym's blocks instead, as a weight with no input does.
 """
 
 from __future__ import annotations
