@@ -17,7 +17,8 @@ threadpoolctl can hold BLAS to one thread: OpenBLAS, as numpy's wheels for Linux
 it; numpy built on Apple's Accelerate (macOS arm64 wheels) is not held, and there the bytes may
 still depend on the core count.
 
-`Calibration` runs the model on those rows in numpy, one layer at a time, in the order
+`plan` decides whether a conversion calibrates (the gptq recipe with some weight at int4, a text
+the tokenizer reads as enough tokens) and says so; `Calibration` runs the model on those rows in numpy, one layer at a time, in the order
 `decoder.build_decoder` reads the layer's weights, and returns each projection's input X [tokens,
 K] (float32; the recipe takes what it needs: its Gram matrix X^T X, or each input's sum of
 squares), just before that projection is quantized:
@@ -37,11 +38,14 @@ transformers' (`tests/test_gptq.py`), widened heads included (`widen.py`: the sa
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from edgeinfer.arch import ArchSpec
+from edgeinfer.manifest import TokenizerInfo
+from edgeinfer.quant_scheme import PROJECTIONS, QuantScheme
 from edgeinfer.session import usable_cores
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.txt")
@@ -81,6 +85,33 @@ def too_thin(ids: np.ndarray) -> str | None:
     if ids.size < MIN_TOKENS or distinct < MIN_DISTINCT:
         return f"{ids.size} tokens, {distinct} distinct (at least {MIN_TOKENS} and {MIN_DISTINCT} needed)"
     return None
+
+
+def plan(scheme: QuantScheme, folder: Path, info: TokenizerInfo, spec: ArchSpec, log=lambda msg: None):
+    """(calibration ids [n, T] or None, the scheme as it will be done) for a conversion by `scheme`,
+    its tokenizer in `folder`: ids only for the gptq recipe with some weight at int4 (else nothing to
+    fit, and the label says asym), and asym instead when the text reads `too_thin`, with a note.
+    ConvertError when the tokenizer cannot be used."""
+    from edgeinfer.errors import ConvertError, EdgeInferError
+    from edgeinfer.tokenizer import Tokenizer
+
+    if scheme.recipe != "gptq":
+        return None, scheme
+    int4 = scheme.weights == "int4" and (bool(set(PROJECTIONS) - set(scheme.int8_tensors))
+                                         or scheme.embedding == "int4" or scheme.lm_head == "int4")
+    if not int4:
+        return None, replace(scheme, recipe="asym")  # nothing at int4 to fit: the label says what was done
+    try:
+        ids = calibration_ids(Tokenizer(folder, info), spec)
+    except (EdgeInferError, ValueError) as e:
+        raise ConvertError(f"the source's tokenizer cannot be used: {e}") from None
+    thin = too_thin(ids)
+    if thin:  # fitting to so little is worse than not fitting
+        log(f"note: the model's tokenizer reads the calibration text as {thin}: int4 takes the asym recipe, "
+            "which needs none")
+        return None, replace(scheme, recipe="asym")
+    log(f"calibration: {ids.size} tokens of the shipped text (the gptq recipe)")
+    return ids, scheme
 
 
 def tokens(x: np.ndarray) -> np.ndarray:

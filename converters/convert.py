@@ -21,7 +21,7 @@ import onnx
 from edgeinfer import __version__
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import gguf_import
-from edgeinfer.converters.calibration import calibration_ids, too_thin
+from edgeinfer.converters.calibration import plan
 from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_decoder
 from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
 from edgeinfer.converters.families import spec_from_config
@@ -31,7 +31,7 @@ from edgeinfer.converters import cuda_graph
 from edgeinfer.converters.ort_format import write_ort_format
 from edgeinfer.converters.portable import build_portable
 from edgeinfer.integrity import sha256_file
-from edgeinfer.converters.quantize import PROJECTIONS, QUANTS, QuantScheme
+from edgeinfer.converters.quantize import QUANTS, QuantScheme
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.converters.source_files import read_json, read_text, regular_file
 from edgeinfer.converters.widen import WidenedSource, choose_kv_mode, widened_spec
@@ -180,24 +180,6 @@ def _check_tokenizer(folder: Path, manifest: Manifest, log=lambda msg: None) -> 
     if tok.id_limit > manifest.arch.vocab_size:  # as transformers loads it: a prompt holding such a token is refused
         log(f"note: the tokenizer gives ids up to {tok.id_limit - 1}, past the model's {manifest.arch.vocab_size} "
             "embedding rows: a prompt holding such a token will be refused")
-
-
-def _calibration(folder: Path, info: TokenizerInfo, spec) -> np.ndarray:
-    """The shipped calibration text's token ids [n, T] (`calibration.calibration_ids`), by the
-    tokenizer in `folder`; ConvertError when that tokenizer cannot be used."""
-    from edgeinfer.errors import EdgeInferError
-    from edgeinfer.tokenizer import Tokenizer
-
-    try:
-        return calibration_ids(Tokenizer(folder, info), spec)
-    except (EdgeInferError, ValueError) as e:
-        raise ConvertError(f"the source's tokenizer cannot be used: {e}") from None
-
-
-def _fits_int4(scheme: QuantScheme) -> bool:
-    """Whether some weight is stored at int4 by the scheme (a projection not kept at int8, or the embedding)."""
-    return scheme.weights == "int4" and (bool(set(PROJECTIONS) - set(scheme.int8_tensors))
-                                         or scheme.embedding == "int4" or scheme.lm_head == "int4")
 
 
 def _check_source(src: Path) -> None:
@@ -383,17 +365,8 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
         else:
             tokenizer = _tokenizer_info(src, spec, log)
         calibration = None
-        if portable is None and not keep and scheme.recipe == "gptq" and not _fits_int4(scheme):
-            scheme = dataclasses.replace(scheme, recipe="asym")  # nothing int4 to fit: the label says what was done
-        if portable is None and not keep and scheme.recipe == "gptq":
-            calibration = _calibration(tmp if gguf else src, tokenizer, spec)
-            thin = too_thin(calibration)
-            if thin:  # fitting to so little is worse than not fitting
-                log(f"note: the model's tokenizer reads the calibration text as {thin}: int4 takes the asym "
-                    "recipe, which needs none")
-                calibration, scheme = None, dataclasses.replace(scheme, recipe="asym")
-            else:
-                log(f"calibration: {calibration.size} tokens of the shipped text (the gptq recipe)")
+        if portable is None and not keep:
+            calibration, scheme = plan(scheme, tmp if gguf else src, tokenizer, spec, log)
         t0 = time.perf_counter()
         writer = WeightWriter(tmp)
         graphs = [MODEL_FILE]

@@ -257,10 +257,7 @@ def test_a_calibration_too_thin_to_fit_falls_back_to_asym_and_says_so(tmp_path, 
     from edgeinfer.manifest import read_manifest
 
     real = cal_module.calibration_ids
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("edgeinfer.converters.convert"), "calibration_ids",
-                        lambda tok, spec: np.zeros_like(real(tok, spec)))  # every token <unk>
+    monkeypatch.setattr(cal_module, "calibration_ids", lambda tok, spec: np.zeros_like(real(tok, spec)))  # all <unk>
     said = []
     convert(STORIES_SRC, tmp_path / "thin", scheme=default_scheme("int4"), log=said.append)
     convert(STORIES_SRC, tmp_path / "asym", scheme=default_scheme("int4", recipe="asym"))
