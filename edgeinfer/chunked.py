@@ -66,6 +66,8 @@ class ChunkedSteps:
         self.lock = threading.Lock()
         fork_safety.watch(self, "lock", what)
         self.waiting: set[int] = set()  # idents of threads about to take `lock` or waiting for it (a hint)
+        self.prefilling: set[int] = set()  # idents of threads inside `prefill`
+        self.holder_prefills = False  # whether the call that holds `lock` now is a prefill's (set under it)
         self.ran = threading.local()  # .s: this thread's last call of several rows, in seconds under the lock
 
     def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
@@ -78,37 +80,50 @@ class ChunkedSteps:
         check may raise there), and while the prefill gives way."""
         if not ids:
             raise ValueError("prefill needs at least one token")
-        logits = None
-        for start, end in prefill_chunks(len(ids), min(chunk or self.max_chunk, self.max_chunk), cache):
-            if logits is not None:
-                self.give_way(getattr(self.ran, "s", 0.0), before_chunk)
-            if before_chunk is not None:  # after giving way: a cancellation meanwhile stops it before the chunk
-                before_chunk()
-            logits = self.forward(cache, ids[start:end])
+        logits, me = None, threading.get_ident()
+        self.prefilling.add(me)
+        try:
+            for start, end in prefill_chunks(len(ids), min(chunk or self.max_chunk, self.max_chunk), cache):
+                if logits is not None:
+                    self.give_way(getattr(self.ran, "s", 0.0), before_chunk)
+                if before_chunk is not None:  # after giving way: a cancellation meanwhile stops it before the chunk
+                    before_chunk()
+                logits = self.forward(cache, ids[start:end])
+        finally:
+            self.prefilling.discard(me)
         return logits[0]
 
     def give_way(self, chunk_s: float, check: Callable[[], None] | None = None) -> None:
-        """Between two chunks of a prefill: if a thread waited for the lock while the last chunk ran
-        (`waiting`), let the others use the engine until they have held it for chunk_s (the chunk's
-        time under the lock), or until it stays idle for IDLE_S, and for at most 2 chunk_s + IDLE_S of
-        wall time. `check` (the prefill's cancellation check) runs at every poll: a request cancelled
-        meanwhile stops at once. Marks with nobody taking the engine in that time are stale (a call
-        stopped by an exception, Ctrl-C say, between marking and taking the lock, or a thread lost
-        in a fork): they are dropped."""
-        if not self.waiting:
+        """Between two chunks of a prefill: if a thread that is not prefilling waited for the lock while
+        the last chunk ran (`waiting`, `prefilling`), let the others use the engine until the threads
+        that are not prefilling have held it for chunk_s (the chunk's time under the lock), or until it
+        stays idle for IDLE_S, and for at most 2 chunk_s + IDLE_S of wall time besides the time other
+        prefills hold it. Another prefill's chunk counts for none of that: with two long prompts, it
+        once ended the give-way before the decoding request had its share (one step per chunk again:
+        32 steps in 6.4 s). No thread but prefills left waiting: it ends. `check` (the prefill's
+        cancellation check) runs at every poll: a request cancelled meanwhile stops at once. Marks
+        with nobody taking the engine in that time are stale (a call stopped by an exception, Ctrl-C
+        say, between marking and taking the lock, or a thread lost in a fork): they are dropped."""
+        if not self.waiting - self.prefilling:
             return
         start = last = time.perf_counter()
-        used, idle_since, taken = 0.0, None, False
+        used = prefills_s = 0.0
+        idle_since, taken = None, False
         while True:
             if check is not None:
                 check()
             now = time.perf_counter()
             if self.lock.locked():
-                used += now - last
                 idle_since, taken = None, True
+                if not self.holder_prefills:
+                    used += now - last
+                elif self.waiting - self.prefilling:
+                    prefills_s += now - last
+                else:
+                    break  # only prefills want the engine: nothing to give way to
             elif idle_since is None:
                 idle_since = now
-            if used >= chunk_s or now - start >= 2 * chunk_s + self.IDLE_S or \
+            if used >= chunk_s or now - start - prefills_s >= 2 * chunk_s + self.IDLE_S or \
                     (idle_since is not None and now - idle_since >= self.IDLE_S):
                 break
             last = now

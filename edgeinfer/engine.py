@@ -158,6 +158,7 @@ class Engine(ChunkedSteps):
         self.waiting.add(me)  # until it has the lock: a prefill gives way to it (`ChunkedSteps`)
         with self.lock:
             self.waiting.discard(me)
+            self.holder_prefills = me in self.prefilling
             if s == 1:
                 return self._forward(cache, ids, s, n, logits, commit)
             t0 = time.perf_counter()
@@ -275,6 +276,7 @@ class Engine(ChunkedSteps):
         self.waiting.add(me)  # until it has the lock: a prefill gives way to it (`ChunkedSteps`)
         with self.lock:
             self.waiting.discard(me)
+            self.holder_prefills = me in self.prefilling
             for b, cache in enumerate(caches):
                 cache.writes += 1  # a stepped row, or a throwaway one just past the valid slots
                 if b in tokens:

@@ -94,6 +94,7 @@ class PortableEngine(ChunkedSteps):
         self.waiting.add(me)  # until it has the lock: a prefill gives way to it (`ChunkedSteps`)
         with self.lock:
             self.waiting.discard(me)
+            self.holder_prefills = me in self.prefilling
             t0 = time.perf_counter()
             try:
                 return self._forward(cache, list(ids), s)

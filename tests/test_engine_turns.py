@@ -199,3 +199,30 @@ def test_a_cancellation_while_giving_way_is_seen_at_once(model):
         t.join()
         e.waiting.clear()
     assert calls == [1] and time.perf_counter() - t0 < 10
+
+
+def test_beside_two_long_prefills_a_decoding_request_still_gets_its_share(model):
+    """A second prefill's chunk does not count as the decoding request's turn (a soak: with two long
+    prompts on a 3-slot server, the short request was back to one step per chunk, 32 tokens in 6.4 s)."""
+    e = model.engine
+    a, b, cache = model.new_cache(), model.new_cache(), model.new_cache()
+    e.prefill(cache, [1, 2, 3])
+    order: list = []
+    _slow_prefill_chunks(e, (a, b), order)
+    started = threading.Event()
+    threads = [threading.Thread(target=e.prefill, args=(c, list(range(3, 3 + 400)), 16),
+                                kwargs={"before_chunk": started.set}) for c in (a, b)]
+    for t in threads:
+        t.start()
+    started.wait()
+    try:
+        for _ in range(10):
+            e.decode_one(cache, 7)
+            time.sleep(0.001)
+    finally:
+        for t in threads:
+            t.join()
+    calls = "".join(order)
+    first, last = calls.index("d"), calls.rindex("d")
+    assert calls.count("P") == 50 and calls.count("d") == 10
+    assert calls[first:last].count("P") <= 8, calls  # one step per chunk would put 9 or more (18 with two)
