@@ -37,7 +37,6 @@ transformers' (`tests/test_gptq.py`), widened heads included (`widen.py`: the sa
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,7 +45,7 @@ import numpy as np
 from edgeinfer.arch import ArchSpec
 from edgeinfer.manifest import TokenizerInfo
 from edgeinfer.quant_scheme import PROJECTIONS, QuantScheme
-from edgeinfer.session import usable_cores
+from edgeinfer.session import on_cores
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.txt")
 SEQ_TOKENS = 256  # tokens per calibration row (fewer for a model trained on fewer positions)
@@ -140,8 +139,7 @@ def project(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     def row(r: int) -> None:
         np.matmul(x[r], wt, out=out[r])
 
-    with ThreadPoolExecutor(max(1, min(usable_cores(), len(x)))) as pool:
-        list(pool.map(row, range(len(x))))
+    on_cores(row, range(len(x)))
     return out
 
 

@@ -34,15 +34,13 @@ range squared: values past 1e19) give asym's blocks instead, as a weight with no
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 from threadpoolctl import threadpool_limits
 
 from edgeinfer.converters.gguf_blocks import pack4
 from edgeinfer.converters.quantize import asym_search, int4_asym
-from edgeinfer.session import usable_cores
+from edgeinfer.session import on_cores
 
 DAMP = 0.01  # of the mean diagonal, added to H's diagonal (GPTQ's default)
 FLOOR = 0.001  # importance every input has, over the mean's 1
@@ -52,7 +50,7 @@ ROWS = 2048  # rows per chunk (steps 2, 4, 5): two in flight on 2 cores, about 5
 
 def gptq_int4(w: np.ndarray, x: np.ndarray, block: int):
     """Steps 1-5 of the module doc on w [N, K] (an array, or anything that gives float rows for `w[a:b]`
-    and has `shape`: `decoder.Rows`) with its inputs x [tokens, K]; (packed, scales, zero_points)."""
+    and has `shape`: `rows.Rows`) with its inputs x [tokens, K]; (packed, scales, zero_points)."""
     with threadpool_limits(1, "blas"):
         return _gptq_int4(w, np.asarray(x, np.float64).reshape(-1, w.shape[1]), block)
 
@@ -84,14 +82,7 @@ def _gptq_int4(w, x: np.ndarray, block: int):
         scales[r:r + m] = s
         zps[r:r + m, :nb] = z.astype(np.uint8)
 
-    starts = range(0, n, ROWS)
-    workers = min(usable_cores(), len(starts))
-    if workers <= 1:
-        for r in starts:
-            rows(r)
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(rows, starts))
+    on_cores(rows, range(0, n, ROWS))
     return packed, scales, pack4(zps)
 
 

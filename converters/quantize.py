@@ -1,8 +1,8 @@
 """Weight quantization into the initializers MatMulNBits reads.
 
 `quantize_blockwise` runs a recipe: ONNX Runtime's own `quantize_matmul_{4,8}bits` (the C++ kernels
-behind ORT's MatMulNBitsQuantizer: int8, int4 `rtn`) or our per-block searches (int4 `asym`, the
-default, and `mse`), and returns the exact initializers MatMulNBits reads:
+behind ORT's MatMulNBitsQuantizer: int8, int4 `rtn`) or our per-block searches (int4 `asym` and
+`mse`; `gptq`, the default, in converters/gptq.py), and returns the exact initializers MatMulNBits reads:
 
     packed [N, n_blocks, block_size * bits / 8] uint8   (low nibble first for 4 bits)
     scales [N, n_blocks] float32

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import onnxruntime as ort
@@ -42,6 +43,19 @@ MAX_THREADS = 256
 def usable_cores() -> int:
     """The cores this process may run on (its affinity, where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def on_cores(fn, items) -> None:
+    """fn(item) for every item, on the cores this process may use (numpy work that releases the GIL);
+    in this thread alone when one core or one item. An exception from any call is raised here."""
+    items = list(items)
+    workers = min(usable_cores(), len(items))
+    if workers <= 1:
+        for item in items:
+            fn(item)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(fn, items))
 
 
 def check_threads(threads: int | None, warn: bool = True) -> None:
