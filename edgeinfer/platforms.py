@@ -45,6 +45,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10 (JetPack 6): the same parser, from PyPI
     import tomli as tomllib
 
+from edgeinfer import small_files
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError
 from edgeinfer.fields import FieldError, json_fields
 from edgeinfer.platform_rules import GENERIC, choose, read_facts
@@ -260,10 +261,13 @@ def detect_from_fixture(folder: Path | str, profiles: dict[str, Profile] | None 
         raise InvalidArgumentError(f"{folder} is not a recorded device folder (root/, env.json, platform.txt, machine.txt)")
 
     def text(name: str, default: str) -> str:
-        try:
-            return (folder / name).read_text(encoding="utf-8").strip() if (folder / name).is_file() else default
-        except (OSError, UnicodeDecodeError) as e:
-            raise InvalidArgumentError(f"{folder / name}: unreadable: {str(e)[:200]}") from None
+        path = folder / name
+        if not path.is_file():
+            return default
+        try:  # bounded: a file of gigabytes is no recording
+            return small_files.read_text(path, small_files.MAX_RECORDED_BYTES, ValueError).strip()
+        except ValueError as e:
+            raise InvalidArgumentError(f"{path}: unreadable: {str(e)[:200]}") from None
 
     try:
         env = json.loads(text("env.json", "{}"))

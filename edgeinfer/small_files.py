@@ -15,6 +15,8 @@ from pathlib import Path
 
 MAX_TEXT_BYTES = 256 * 1024 * 1024  # settings, tokenizer and eval text files: the largest tokenizer.json is
 # ~20 MB, and a few MB of eval text is hours of scoring on a device
+MAX_RECORDED_BYTES = 16 * 1024 * 1024  # a recorded device folder's files (commands.json, env.json, ...): the
+# recorded outputs of a few commands, kilobytes
 
 
 def regular_file(path: Path, error: type[Exception]) -> int:

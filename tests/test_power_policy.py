@@ -434,6 +434,31 @@ def test_the_power_report_says_which_cpu_count_its_plans_use():
     assert data["plan_cpus"] == 4 and "(4 CPUs;" in format_report(data).splitlines()[0]
 
 
+def test_recorded_device_files_past_the_size_bound_are_refused_unread(tmp_path):
+    """A recorded device's commands.json, env.json or platform.txt of gigabytes (a sparse file here) was
+    read whole into memory; past `small_files.MAX_RECORDED_BYTES` it is refused before any read."""
+    from edgeinfer.errors import InvalidArgumentError
+    from edgeinfer.platforms import detect_from_fixture
+    from edgeinfer.power.sensors import sensors_from_fixture
+    from edgeinfer.small_files import MAX_RECORDED_BYTES
+
+    (tmp_path / "root").mkdir()
+    for name in ("commands.json", "platform.txt"):
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(MAX_RECORDED_BYTES + 1)
+        with pytest.raises(InvalidArgumentError, match=f"{name} is {MAX_RECORDED_BYTES + 1} bytes"):
+            sensors_from_fixture(tmp_path)
+        (tmp_path / name).unlink()
+    for name in ("env.json", "machine.txt"):
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(MAX_RECORDED_BYTES + 1)
+        with pytest.raises(InvalidArgumentError, match=f"{name} is {MAX_RECORDED_BYTES + 1} bytes"):
+            detect_from_fixture(tmp_path)
+        (tmp_path / name).unlink()
+    (tmp_path / "platform.txt").write_text("linux\n")  # within the bound: read as before
+    assert detect_from_fixture(tmp_path) is not None and sensors_from_fixture(tmp_path) is not None
+
+
 def test_deeply_nested_recorded_device_files_are_one_line_errors(tmp_path):
     from edgeinfer.errors import InvalidArgumentError
     from edgeinfer.platforms import detect_from_fixture

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from edgeinfer import small_files
 from edgeinfer.errors import InvalidArgumentError
 
 from .android import Android
@@ -122,16 +123,20 @@ class Sensors:
         report.source("psutil")
 
 
+def _recorded(path: Path) -> str:
+    return small_files.read_text(path, small_files.MAX_RECORDED_BYTES, ValueError)
+
+
 def sensors_from_fixture(folder: Path | str,
                          clock: Callable[[], float] = time.monotonic) -> Sensors:
     """Sensors reading a recorded device folder: `root/`, `commands.json` ({command line: output or
     null}), `platform.txt`. A malformed folder raises InvalidArgumentError naming the file."""
     folder = Path(folder)
     commands_file, platform_file = folder / "commands.json", folder / "platform.txt"
-    try:
-        outputs = json.loads(commands_file.read_text(encoding="utf-8")) if commands_file.is_file() else {}
-        platform = platform_file.read_text(encoding="utf-8").strip() if platform_file.is_file() else "linux"
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deeply
+    try:  # bounded reads (a file of gigabytes is no recording); RecursionError: nested too deeply
+        outputs = json.loads(_recorded(commands_file)) if commands_file.is_file() else {}
+        platform = _recorded(platform_file).strip() if platform_file.is_file() else "linux"
+    except (ValueError, RecursionError) as e:  # ValueError: also the bounded read's own errors
         raise InvalidArgumentError(f"{folder} is not a readable recorded device: {str(e)[:200]}") from None
     if not isinstance(outputs, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
                                                 for k, v in outputs.items()):
