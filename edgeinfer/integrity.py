@@ -6,7 +6,11 @@ of a large model costs about a second per GB, so after a successful one a stamp 
 inode, sha256); a later load skips the hash of a file whose stat still matches its stamp and whose
 stamped sha256 equals the manifest's. A stamp does not catch a change that keeps size, mtime,
 ctime and inode (bit rot on disk): `check(folder, files)`, behind `edgeinfer inspect DIR --verify`, always
-hashes everything. A folder that cannot be written (an installed package) simply gets no stamp.
+hashes everything. A folder that cannot be written simply gets no stamp, and neither does one inside
+installed packages (`installed_dirs`: site-packages, where the bundled models live once installed):
+a file there that pip did not install outlives an uninstall or a reinstall, and the `edgeinfer/`
+folder it keeps was then imported as an empty namespace package ahead of an editable install
+(`cannot import name '__version__'`: the README's two set-up steps, a few seconds apart).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import site
 import stat
+import sysconfig
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -118,6 +124,24 @@ def read_stamps(folder: Path | str) -> dict:
         return {}
 
 
+def installed_dirs() -> list[Path]:
+    """Where installed packages live (purelib, platlib, the user's site-packages): no stamp is
+    written under them."""
+    paths = sysconfig.get_paths()
+    dirs = [paths.get("purelib"), paths.get("platlib"), *site.getsitepackages()]
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [Path(d).resolve() for d in dict.fromkeys(dirs) if d]
+
+
+def _installed(folder: Path) -> bool:
+    try:
+        where = folder.resolve()
+    except OSError:
+        return False
+    return any(where.is_relative_to(d) for d in installed_dirs())
+
+
 def _write_stamps(folder: Path, stamps: dict) -> None:
     """Atomically replace the stamp file (temp file + os.replace); silently nothing if we cannot write."""
     tmp = None
@@ -139,7 +163,7 @@ def verify(folder: Path | str, files: dict, named: Iterable[str] = ()) -> None:
     """Raise ModelFormatError unless every file in `files` (edgeinfer.json's "files": name ->
     {"bytes", "sha256"}) is present with that size and sha256. Empty `files` (an older manifest):
     nothing to check. Stamped files whose stat is unchanged are not hashed again; after hashing,
-    the stamp file is rewritten (never an error if that fails)."""
+    the stamp file is rewritten (never an error if that fails; never inside installed packages)."""
     folder = Path(folder)
     if not files:
         return
@@ -161,7 +185,7 @@ def verify(folder: Path | str, files: dict, named: Iterable[str] = ()) -> None:
         hashed = True
         if time.time_ns() - st.st_mtime_ns >= RACY_NS:
             new[name] = _stamp(st, want["sha256"])
-    if hashed and new:
+    if hashed and new and not _installed(folder):
         _write_stamps(folder, new)
 
 

@@ -162,6 +162,28 @@ def test_unwritable_folder_loads_without_a_stamp(folder, hashes, monkeypatch):
     assert len(hashes) == 2 * len(listed(folder))  # no stamp: every load hashes
 
 
+def test_no_stamp_is_written_inside_installed_packages(folder, hashes, monkeypatch):
+    """A stamp written into site-packages (the bundled model, installed) outlived `pip install -e .` over
+    `pip install .`, and the edgeinfer/ folder it kept was imported as an empty namespace package:
+    every `edgeinfer` command then failed (a fresh user's walkthrough of the README)."""
+    monkeypatch.setattr(integrity, "installed_dirs", lambda: [folder.parent.resolve()])
+    edgeinfer.load(folder)
+    edgeinfer.load(folder)
+    assert not (folder / integrity.STAMP_FILE).exists()
+    assert len(hashes) == 2 * len(listed(folder))  # no stamp there: every load hashes (the bundled model: ~1 ms)
+    monkeypatch.undo()
+    hashes.clear()
+    edgeinfer.load(folder)  # elsewhere: stamped as before
+    assert sorted(integrity.read_stamps(folder)) == sorted(listed(folder))
+
+
+def test_site_packages_is_among_the_installed_dirs():
+    import sysconfig
+
+    assert Path(sysconfig.get_paths()["purelib"]).resolve() in integrity.installed_dirs()
+    assert not integrity._installed(ROOT)  # the checkout itself is not an installed package
+
+
 def test_manifest_without_files_loads_unchecked(capsys, folder, hashes):
     m = json.loads((folder / "edgeinfer.json").read_text())
     del m["files"]
