@@ -185,6 +185,11 @@ def test_wrong_or_missing_key_is_401(srv):
 def test_models_health_metrics_and_unknown_route(srv):
     cl = srv.client()
     assert [m.id for m in cl.models.list()] == ["stories260K-int8"]
+    card = cl.models.retrieve("stories260K-int8")  # the official client's look-up of one model (was a 404 route)
+    assert (card.id, card.object, card.owned_by) == ("stories260K-int8", "model", cl.models.list().data[0].owned_by)
+    with pytest.raises(openai.NotFoundError) as e:
+        cl.models.retrieve("gpt-4o")
+    assert e.value.code == "model_not_found" and "gpt-4o" in e.value.message
     h = httpx.get(srv.url + "/health").json()
     assert h["status"] == "ok" and h["slots_total"] == 2 and h["model"] == "stories260K-int8"
     m = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})

@@ -1,6 +1,7 @@
 """The daemon's HTTP side: a Starlette app speaking OpenAI's API over the slot scheduler.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, GET /health,
+GET /metrics.
 Every error is OpenAI-shaped ({"error": {"message", "type", "param", "code"}}) with its status:
 400 bad request, 401 bad or missing key, 404 unknown route or model, 405, 408 body too slow, 413 body too large,
 429 queue full (with Retry-After), 499 (logged and counted only) the client left, 503 shutting down or a background request (header
@@ -71,6 +72,7 @@ class Server:
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.metrics_route, methods=["GET"])]
         cors = [Middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
@@ -164,6 +166,15 @@ class Server:
 
     async def models(self, request: Request) -> Response:
         return JSON(replies.models_list(self.model_id, self.created))
+
+    async def model_card(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the served model's card, or OpenAI's 404 for any other id."""
+        asked = request.path_params["model"]
+        if asked != self.model_id:
+            err = APIError(404, f"The model '{asked[:200]}' does not exist", param="model", code="model_not_found")
+            self.log_refusal(request.method, request.url.path, err.status, err.code)
+            return error_response(err)
+        return JSON(replies.model_card(self.model_id, self.created))
 
     async def health(self, request: Request) -> Response:
         s, power = self.scheduler, self.model.power_state()

@@ -228,10 +228,15 @@ def completion_chunk(*, id: str, created: int, model: str, text: str, finish_rea
     return {**chunk, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": reason}]}
 
 
+def model_card(model_id: str, created: int) -> dict:
+    """GET /v1/models/{id}: one model's object."""
+    return {"id": model_id, "object": "model", "created": created, "owned_by": OWNED_BY}
+
+
 def models_list(model_id: str, created: int) -> dict:
     """GET /v1/models: the one served model."""
-    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": OWNED_BY}]}
+    return {"object": "list", "data": [model_card(model_id, created)]}
 
 
 __all__ = ["LogprobGate", "TextOffsets", "chat_chunk", "chat_response", "completion_chunk", "completion_logprobs",
-           "completion_response", "finish_reason", "models_list", "token_logprob", "usage"]
+           "completion_response", "finish_reason", "model_card", "models_list", "token_logprob", "usage"]
