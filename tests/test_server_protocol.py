@@ -266,8 +266,13 @@ def test_sampling_fields_reach_the_options():
     assert comp(max_tokens=LIMIT).options.max_new_tokens == LIMIT
 
 
-def test_max_completion_tokens_wins_over_max_tokens():
-    assert chat(max_tokens=9, max_completion_tokens=4).options.max_new_tokens == 4
+def test_max_tokens_and_max_completion_tokens_are_one_limit():
+    """Both given and different: a 400 naming both (OpenAI refuses the pair; max_completion_tokens used to
+    win silently, a fresh user's walkthrough found); the same number twice is served."""
+    err = refused(parse_chat, body(CHAT, max_tokens=9, max_completion_tokens=4))
+    assert (err.status, err.param, err.code) == (400, "max_tokens", "invalid_parameter_combination")
+    assert "max_tokens (9) and max_completion_tokens (4) differ" in err.message
+    assert chat(max_tokens=4, max_completion_tokens=4).options.max_new_tokens == 4
     assert chat(max_completion_tokens=4).options.max_new_tokens == 4
     assert chat(max_tokens=9, max_completion_tokens=None).options.max_new_tokens == 9
     # completions know only max_tokens: max_completion_tokens there is an unknown field
@@ -518,3 +523,29 @@ def test_the_logprob_gate_sends_held_bytes_with_the_piece_that_lets_them_out():
     assert run(["", "", ""], False) == ([], [e2a, e2b, a])  # a stop string might follow: held, then all at the end
     assert run(["", "", "\ufffd\ufffd"], True) == ([], [e2a, e2b])  # stopped at "a": its entry dropped
     assert run(["", "", ""], True) == ([], [])  # stopped at the first U+FFFD: none
+
+
+def test_a_message_without_a_role_is_said_so():
+    err = refused(parse_chat, body(CHAT, messages=[{"content": "hi"}]))
+    assert err.message.startswith("messages[0] has no role (one of system, developer, user, assistant)")
+
+
+@pytest.mark.parametrize("typo,meant", [("max_token", "max_tokens"), ("temprature", "temperature"),
+                                        ("top_pp", "top_p"), ("logprob", "logprobs"), ("seeds", "seed"),
+                                        ("frequency_penality", "frequency_penalty")])
+def test_a_near_miss_of_a_known_field_is_refused_naming_the_field_meant(typo, meant):
+    """`max_token: 5` was ignored, and the reply ran to the server's limit (a fresh user's walkthrough)."""
+    for parse, base in ((parse_chat, CHAT), (parse_completion, COMP)):
+        err = refused(parse, body(base, **{typo: 5}))
+        assert err.param == typo and f"did you mean {meant!r}" in err.message
+
+
+def test_fields_openai_or_other_servers_define_are_still_ignored():
+    """Only near misses of what this server reads are refused: OpenAI's other fields and other servers'
+    sampling fields (none within the near-miss ratio of ours) pass as before."""
+    others = dict(user="u", store=False, metadata={"a": "b"}, service_tier="auto", parallel_tool_calls=False,
+                  reasoning_effort="low", modalities=["text"], prompt_cache_key="k", safety_identifier="s",
+                  verbosity="low", repeat_penalty=1.1, min_tokens=2, length_penalty=1.0, mirostat=0,
+                  cache_prompt=True, n_predict=4, max_output_tokens=4)
+    assert chat(**others).options.max_new_tokens == LIMIT
+    assert comp(**others).options.max_new_tokens == LIMIT

@@ -4,7 +4,9 @@ Requests: `parse_chat` / `parse_completion` take a decoded JSON body and return 
 `options` come from `GenerationOptions.from_kwargs`, or raise `APIError` (an HTTP status and OpenAI's
 error body). Every bad field is a 400 whose `param` names it. A null optional field counts as absent
 (OpenAI's schema makes them nullable); an absent sampling field takes edgeinfer's default. Unknown
-fields are ignored, except `tools` / `functions` / `tool_choice` / `function_call` /
+fields are ignored (OpenAI's newer ones, a client's own), unless the name is a near miss of one this
+server reads (`max_token`, `temprature`: a 400 that names the field meant, where the typo was served
+with the default), and except `tools` / `functions` / `tool_choice` / `function_call` /
 `response_format` and, on completions, `echo`, `best_of` and `suffix`: each is refused unless it asks
 for what this server does anyway (no tools, plain text, no echo), so a client that relies on them
 does not get something else silently.
@@ -14,6 +16,7 @@ Responses are built in `replies`.
 
 from __future__ import annotations
 
+import difflib
 import sys
 from dataclasses import dataclass
 
@@ -42,6 +45,13 @@ _NUMBERS = (
     ("repetition_penalty", lambda v: 1 / PENALTY_LIMIT <= v <= PENALTY_LIMIT,
      f"in [{1 / PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]"),
 )
+
+# the fields each endpoint reads (a near miss of one is taken for a typo: `_refuse_near_misses`)
+READ_COMMON = ("model", "n", "stream", "stream_options", "stop", "seed", "logit_bias", "top_k", "ignore_eos",
+               *(name for name, _, _ in _NUMBERS), *UNSUPPORTED)
+READ_CHAT = frozenset(READ_COMMON + ("messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"))
+READ_COMPLETION = frozenset(READ_COMMON + ("prompt", "max_tokens", "logprobs", *UNSUPPORTED_COMPLETION))
+NEAR_MISS = 0.85  # difflib's ratio: one letter off in a name of 6 or more
 
 
 class APIError(Exception):
@@ -147,6 +157,16 @@ def _common(body, model_id: str) -> None:
         raise _bad("n", f"only n=1 is supported, got n={_show(n)}")
 
 
+def _refuse_near_misses(body: dict, read: frozenset) -> None:
+    """A 400 for an unknown field whose name is one letter or so from a field this endpoint reads."""
+    for name in body:
+        if isinstance(name, str) and name not in read:
+            meant = difflib.get_close_matches(name, read, n=1, cutoff=NEAR_MISS)
+            if meant:
+                raise _bad(name, f"unknown field {name[:100]!r}: did you mean {meant[0]!r}? (other unknown fields "
+                                 "are ignored; one this close to a known one is taken for a typo)")
+
+
 def _refuse_unsupported(body: dict, unsupported: dict) -> None:
     """A 400 naming the first field in `unsupported` whose value asks for more than its harmless
     values (compared with their types: 1 is not True, [] is not {})."""
@@ -171,17 +191,22 @@ def _stream(body: dict) -> tuple[bool, bool]:
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], limit: int) -> tuple[int, str]:
-    """(value, field it came from): each of `names` present is checked, the last present wins;
-    none present -> the server's limit."""
-    value, source = limit, names[-1]
+    """(value, field it came from): each of `names` present is checked; two present must agree (OpenAI
+    refuses both at once; a client that sends the same number twice is served); none present -> the
+    server's limit."""
+    given = {}
     for name in names:
         v = body.get(name)
         if v is None:
             continue
         if type(v) is not int or not 1 <= v <= limit:
             raise _bad(name, f"{name} must be an integer in [1, {limit}] (this server's limit), got {_show(v)}")
-        value, source = v, name
-    return value, source
+        given[name] = v
+    if len(set(given.values())) > 1:
+        (a, va), (b, vb) = list(given.items())[:2]
+        raise APIError(400, f"{a} ({va}) and {b} ({vb}) differ: set one of them", param=a,
+                       code="invalid_parameter_combination")
+    return next(((v, name) for name, v in reversed(given.items())), (limit, names[-1]))
 
 
 def _stop(body: dict) -> tuple[str, ...] | None:
@@ -257,6 +282,8 @@ def _messages(body: dict) -> tuple[dict, ...]:
         if not isinstance(m, dict):
             raise _bad("messages", f"messages[{i}] must be an object, got {_show(m)}")
         role = m.get("role")
+        if role is None:
+            raise _bad("messages", f"messages[{i}] has no role (one of {', '.join(ROLES)})")
         if not isinstance(role, str) or role not in ROLES:
             raise _bad("messages", f"messages[{i}].role {_show(role)} is not supported "
                                    f"(supported: {', '.join(ROLES)}; this server has no tool calling)")
@@ -266,9 +293,10 @@ def _messages(body: dict) -> tuple[dict, ...]:
 
 def parse_chat(body, *, model_id: str, max_tokens_limit: int) -> ChatRequest:
     """A /v1/chat/completions body -> ChatRequest, or APIError (400 naming the field; 404 for another
-    model). max_completion_tokens wins over max_tokens; both are checked against `max_tokens_limit`,
-    which is also the default."""
+    model). max_tokens and max_completion_tokens are one limit (both given: equal); checked against
+    `max_tokens_limit`, which is also the default."""
     _common(body, model_id)
+    _refuse_near_misses(body, READ_CHAT)
     messages = _messages(body)
     options = _options(body, ("max_tokens", "max_completion_tokens"), max_tokens_limit)
     logprobs = bool(_bool(body, "logprobs"))
@@ -296,6 +324,7 @@ def parse_completion(body, *, model_id: str, max_tokens_limit: int) -> Completio
     """A /v1/completions body -> CompletionRequest, or APIError (400 naming the field; 404 for
     another model). max_tokens is checked against `max_tokens_limit`, which is also the default."""
     _common(body, model_id)
+    _refuse_near_misses(body, READ_COMPLETION)
     _refuse_unsupported(body, UNSUPPORTED_COMPLETION)
     prompt = _prompt(body)
     options = _options(body, ("max_tokens",), max_tokens_limit)
