@@ -71,7 +71,7 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
     from edgeinfer.manifest import read_manifest
     from edgeinfer.model import default_model_path
     from edgeinfer.overflow import resolve_capacity
-    from edgeinfer.server.systemd import systemd_unit
+    from edgeinfer.server.systemd import hidden_paths, systemd_unit
 
     def footprint(folder: Path, capacity: int | None) -> int:
         """Weights plus one KV ring per slot (each request holds one, of the draft model too). A
@@ -105,6 +105,9 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
     if args.log_prompts:
         argv.append("--log-prompts")
     total = footprint(folder, config.capacity) + sum(footprint(f, None) for f in folders[1:])
+    needed = [sys.executable, *(str(f) for f in folders)] + ([str(Path(args.config).resolve())] if args.config else [])
+    for warning in hidden_paths(needed):
+        print(f"edgeinfer: warning: {warning}", file=sys.stderr)
     print(systemd_unit(exec_start=argv, memory_max_bytes=total, grace_s=config.grace_s,
                        writable_paths=[str(f) for f in folders]), end="")
     return 0

@@ -352,8 +352,11 @@ def test_print_systemd_unit_carries_config_and_no_key(tmp_path, capsys, monkeypa
     conf = tmp_path / "edgeinfer.toml"
     conf.write_text('slots = 4\nmax-tokens-limit = 256\n')
     assert main(["serve", "--print-systemd-unit", "--config", str(conf), "--host", "0.0.0.0", "--port", "9000"]) == 0
-    unit = capsys.readouterr().out
+    printed = capsys.readouterr()
+    unit = printed.out
     assert "secret-key" not in unit
+    if str(conf.resolve()).startswith("/tmp/"):  # pytest's tmp_path: hidden from the service by PrivateTmp
+        assert f"warning: {conf.resolve()} is under /tmp, which the unit's PrivateTmp=yes hides" in printed.err
     line = next(x for x in unit.splitlines() if x.startswith("ExecStart="))
     argv = shlex.split(line[len("ExecStart="):])
     assert argv[1:4] == ["-m", "edgeinfer", "serve"] and argv[0].startswith("/")

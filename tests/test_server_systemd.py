@@ -118,3 +118,16 @@ def test_systemd_analyze_verify(tmp_path):
                        capture_output=True, text=True, timeout=60)
     problems = [ln for ln in r.stderr.splitlines() if path.name in ln]
     assert r.returncode == 0 and not problems, r.stderr
+
+
+def test_paths_the_hardening_hides_are_named():
+    """A unit for a model or a virtual environment under /tmp or /home printed without a word, and its
+    service could not start (PrivateTmp, ProtectHome: a fresh user's walkthrough)."""
+    from edgeinfer.server.systemd import hidden_paths
+
+    warnings = hidden_paths(["/opt/edgeinfer/bin/python", "/tmp/smol", "/home/pi/venv/bin/python", "/var/tmp/x",
+                             "/root/m", "/run/user/1000/m", "/tmpfoo/m", "/opt/home/m"])
+    assert [w.split(" ", 1)[0] for w in warnings] == ["/tmp/smol", "/home/pi/venv/bin/python", "/var/tmp/x",
+                                                      "/root/m", "/run/user/1000/m"]
+    assert "PrivateTmp=yes" in warnings[0] and "ProtectHome=yes" in warnings[1]
+    assert hidden_paths(["/opt/edgeinfer/bin/python", "/var/lib/edgeinfer/model"]) == []

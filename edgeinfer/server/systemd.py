@@ -68,6 +68,25 @@ def memory_max_mib(footprint_bytes: int) -> int:
     return mib + math.ceil(mib * MEMORY_MARGIN_FRACTION) + MEMORY_MARGIN_MIB
 
 
+HIDDEN = (("/tmp", "PrivateTmp=yes"), ("/var/tmp", "PrivateTmp=yes"), ("/home", "ProtectHome=yes"),
+          ("/root", "ProtectHome=yes"), ("/run/user", "ProtectHome=yes"))  # what the unit's hardening hides
+
+
+def hidden_paths(paths: Sequence[str]) -> list[str]:
+    """One warning per path (the program, a model folder, the config file) that the unit's hardening
+    hides from the service, so that it would fail to start: under /tmp or /var/tmp (PrivateTmp gives
+    the service its own, empty ones), /home, /root or /run/user (ProtectHome)."""
+    out = []
+    for p in paths:
+        for top, setting in HIDDEN:
+            if p == top or p.startswith(top + "/"):
+                out.append(f"{p} is under {top}, which the unit's {setting} hides from the service: it would not "
+                           "start; move it (a virtual environment and models under /opt, e.g.) and print the unit "
+                           "again")
+                break
+    return out
+
+
 def systemd_unit(*, exec_start: Sequence[str], memory_max_bytes: int, user: str = "edgeinfer",
                  env_file: str = "/etc/edgeinfer/edgeinfer.env", working_dir: str | None = None,
                  writable_paths: Sequence[str] = (), grace_s: float = 30) -> str:
@@ -142,4 +161,4 @@ def systemd_unit(*, exec_start: Sequence[str], memory_max_bytes: int, user: str 
     return "\n".join(lines)
 
 
-__all__ = ["MEMORY_MARGIN_FRACTION", "MEMORY_MARGIN_MIB", "STOP_MARGIN_S", "memory_max_mib", "systemd_unit"]
+__all__ = ["hidden_paths", "MEMORY_MARGIN_FRACTION", "MEMORY_MARGIN_MIB", "STOP_MARGIN_S", "memory_max_mib", "systemd_unit"]
