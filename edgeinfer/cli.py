@@ -56,7 +56,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=Path, default=None, help="edgeinfer model folder (default: bundled)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: the device profile's)")
     p.add_argument("--capacity", type=int, default=None, help="KV ring capacity in tokens")
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=OVERFLOW_POLICIES[0],
                    help="when the context is full: shift (forget the oldest, go on), truncate, error")
@@ -232,6 +232,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
               f"  load {r['load_s']:.2f} s, time to first token {r['ttft_ms']['median']:.1f} ms, "
               f"prefill {r['prefill_tok_s']['median']:.0f} tok/s, decode {r['decode_tok_s']['median']:.1f} tok/s\n"
               f"  peak RSS {r['peak_rss_mb']:.0f} MB, {r['cpu_s_per_token']['median'] * 1e3:.1f} CPU ms per token")
+        job = r["prompt_tokens"] + r["gen_tokens"]
+        if job > r["capacity_tokens"]:  # the model's own ring: its oldest tokens were shifted out on the way
+            print(f"  the KV ring holds {r['capacity_tokens']} tokens, fewer than the job's {job}: the oldest were "
+                  "shifted out as it ran (longer than the model was trained on; --prompt-tokens, --gen-tokens)")
     return 0
 
 
@@ -270,11 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_parser(sub)
 
     e = sub.add_parser("eval", help="perplexity of a model on a text file (one story per line)")
-    e.add_argument("-m", "--model", type=Path, required=True)
-    e.add_argument("--text", type=Path, required=True)
+    e.add_argument("-m", "--model", type=Path, required=True, help="edgeinfer model folder")
+    e.add_argument("--text", type=Path, required=True, help="UTF-8 text to score, one story or document per line")
     e.add_argument("--window", type=int, default=None, help="tokens per scored window (default 512, or the "
                    "model's context or a portable model's ring if shorter)")
-    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: the device profile's)")
     e.add_argument("--path", choices=("prefill", "decode"), default="prefill",
                    help="prefill: each window in one forward call (as a prompt); decode: one call per token (as "
                    "generation feeds tokens back; what generation computes at accuracy level 4)")
@@ -282,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--capacity", type=int, default=None, help="ring capacity in tokens (with --stream)")
     e.add_argument("--sinks", type=int, default=None, help="attention sinks kept by the ring (with --stream; default 4, or 0 "
                    "for a sliding-window model)")
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--json", action="store_true", help="print the result as JSON")
     e.set_defaults(func=_cmd_eval)
 
     g = sub.add_parser("generate", help="complete a prompt (no -m: the bundled stories260K model)")
@@ -294,13 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_cmd_generate)
 
     b = sub.add_parser("bench", help="load time, time to first token, tok/s, memory (no -m: bundled model)")
-    b.add_argument("-m", "--model", type=Path, default=None)
-    b.add_argument("--prompt-tokens", type=int, default=512)
-    b.add_argument("--gen-tokens", type=int, default=128)
-    b.add_argument("--threads", type=int, default=2)
-    b.add_argument("--runs", type=int, default=3)
+    b.add_argument("-m", "--model", type=Path, default=None, help="edgeinfer model folder (default: bundled)")
+    b.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens (default 512)")
+    b.add_argument("--gen-tokens", type=int, default=128, help="tokens to generate per run (default 128)")
+    b.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (default 2)")
+    b.add_argument("--runs", type=int, default=3, help="timed runs; medians are reported (default 3)")
     b.add_argument("--capacity", type=int, default=None, help="KV ring capacity (default: prompt + gen + 8, or the model's default ring if that is more than it was trained on)")
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--json", action="store_true", help="print the result as JSON")
     b.set_defaults(func=_cmd_bench)
 
     from edgeinfer.cli_serve import add_serve_parser
@@ -314,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pw = sub.add_parser("power", help="what this device's sensors read and the plan each power policy would choose")
     pw.add_argument("--watch", action="store_true", help="print again every --interval-s until Ctrl-C")
-    pw.add_argument("--interval-s", type=float, default=1.0)
+    pw.add_argument("--interval-s", type=float, default=1.0, help="seconds between readings with --watch (default 1)")
     pw.add_argument("--json", action="store_true", help="one JSON object per reading")
     pw.add_argument("--root", type=Path, default=None, help="read a recorded device folder instead (tests/fixtures/power/...)")
     pw.set_defaults(func=_cmd_power)
@@ -324,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--platform", action="store_true", help="the device profile detected here: its fields and why")
     i.add_argument("--root", type=Path, help="with --platform: a recorded device folder (tests/fixtures/platforms/*)")
     mode = i.add_mutually_exclusive_group()
-    mode.add_argument("--json", action="store_true")
+    mode.add_argument("--json", action="store_true", help="print the description as JSON")
     mode.add_argument("--verify", action="store_true", help="hash every file against edgeinfer.json; exit 1 on a mismatch")
     i.set_defaults(func=_cmd_inspect)
     return ap

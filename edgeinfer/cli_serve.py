@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.options import SPECULATIVE
+from edgeinfer.overflow import OVERFLOW_POLICIES
+from edgeinfer.server.config import POWER_CHOICES
 
 
 def add_serve_parser(sub) -> None:
@@ -16,37 +19,40 @@ def add_serve_parser(sub) -> None:
     sv.set_defaults(func=_cmd_serve)
 
 
-# serve flags: (flag, setting, type, help); None defaults so that a TOML file's values are not overridden
+# serve flags: (flag, setting, type, help, the values it takes or None); None defaults so that a TOML
+# file's values are not overridden
 SERVE_FLAGS = (
-    ("--host", "host", str, "address to listen on (default 127.0.0.1; any other needs an API key)"),
-    ("--port", "port", int, "port (default 8080)"),
-    ("--api-key", "api_key", str, "require 'Authorization: Bearer KEY' (prefer --api-key-file or EDGEINFER_API_KEY)"),
-    ("--api-key-file", "api_key_file", str, "read the API key from this file"),
-    ("--slots", "slots", int, "requests generating at once, each with its own KV ring (default: the device profile's)"),
-    ("--queue", "queue", int, "requests waiting for a slot; more get 429 at once (default 8)"),
-    ("--capacity", "capacity", int, "each slot's KV ring, in tokens (default: the model's)"),
-    ("--threads", "threads", int, "ONNX Runtime threads"),
-    ("--overflow", "overflow", str, "shift | truncate | error (default shift)"),
-    ("--speculative", "speculative", str, "ngram | draft | off (default off): speculative decoding, the same "
-                                          "tokens sooner: ngram drafts from the text itself (text that repeats "
-                                          "its prompt), draft with --draft-model"),
-    ("--draft-model", "draft_model", str, "with --speculative draft: a small model folder of the same tokenizer"),
-    ("--max-tokens-limit", "max_tokens_limit", int, "most tokens one request may generate (default 512)"),
-    ("--log-format", "log_format", str, "text | json (default text)"),
-    ("--grace-s", "grace_s", float, "on SIGTERM, how long requests in flight may finish (default 30)"),
-    ("--power", "power", str, "performance | balanced | battery | thermal-guard | off (default: the device profile's)"),
-    ("--max-temp-c", "max_temp_c", float, "power: stay under this temperature"),
-    ("--min-battery-pct", "min_battery_pct", float, "power: on battery under this, refuse background requests"),
-    ("--power-budget-w", "power_budget_w", float, "power: hold the device's draw under this many watts"),
-    ("--max-tokens-per-s", "max_tokens_per_s", float, "power: never decode faster than this"),
+    ("--host", "host", str, "address to listen on (default 127.0.0.1; any other needs an API key)", None),
+    ("--port", "port", int, "port (default 8080)", None),
+    ("--api-key", "api_key", str, "require 'Authorization: Bearer KEY' (prefer --api-key-file or EDGEINFER_API_KEY)",
+     None),
+    ("--api-key-file", "api_key_file", str, "read the API key from this file", None),
+    ("--slots", "slots", int, "requests generating at once, each with its own KV ring (default: the device profile's)",
+     None),
+    ("--queue", "queue", int, "requests waiting for a slot; more get 429 at once (default 8)", None),
+    ("--capacity", "capacity", int, "each slot's KV ring, in tokens (default: the model's)", None),
+    ("--threads", "threads", int, "ONNX Runtime threads (default: the device profile's)", None),
+    ("--overflow", "overflow", str, "when a ring is full (default shift)", OVERFLOW_POLICIES),
+    ("--speculative", "speculative", str, "speculative decoding, the same tokens sooner (default off): ngram drafts "
+                                          "from the text itself (text that repeats its prompt), draft with "
+                                          "--draft-model", ("off",) + SPECULATIVE),
+    ("--draft-model", "draft_model", str, "with --speculative draft: a small model folder of the same tokenizer", None),
+    ("--max-tokens-limit", "max_tokens_limit", int, "most tokens one request may generate (default 512)", None),
+    ("--log-format", "log_format", str, "one log line per request as text or JSON (default text)", ("text", "json")),
+    ("--grace-s", "grace_s", float, "on SIGTERM, how long requests in flight may finish (default 30)", None),
+    ("--power", "power", str, "power policy (default: the device profile's)", POWER_CHOICES),
+    ("--max-temp-c", "max_temp_c", float, "power: stay under this temperature", None),
+    ("--min-battery-pct", "min_battery_pct", float, "power: on battery under this, refuse background requests", None),
+    ("--power-budget-w", "power_budget_w", float, "power: hold the device's draw under this many watts", None),
+    ("--max-tokens-per-s", "max_tokens_per_s", float, "power: never decode faster than this", None),
 )
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=str, default=None, help="edgeinfer model folder (default: bundled)")
     p.add_argument("--config", type=str, default=None, help="TOML file of these settings (flags win)")
-    for flag, _, kind, help_text in SERVE_FLAGS:
-        p.add_argument(flag, type=kind, default=None, help=help_text)
+    for flag, _, kind, help_text, choices in SERVE_FLAGS:
+        p.add_argument(flag, type=kind, default=None, help=help_text, choices=choices)
     p.add_argument("--log-prompts", action="store_true", default=None, help="log each prompt (off by default)")
     p.add_argument("--print-systemd-unit", action="store_true", help="print a systemd unit for these settings and exit")
 
@@ -54,7 +60,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from edgeinfer.server.config import load_config
 
-    flags = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in SERVE_FLAGS}
+    flags = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _, _ in SERVE_FLAGS}
     flags.update(model=args.model, log_prompts=args.log_prompts)
     if args.print_systemd_unit:
         load_config(args.config, flags)  # the service's own checks now, not at each of its starts: a host
@@ -98,7 +104,7 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
         argv += ["--draft-model", str(folders[-1])]
     if args.config:
         argv += ["--config", str(Path(args.config).resolve())]
-    for flag, name, _, _ in SERVE_FLAGS:
+    for flag, name, _, _, _ in SERVE_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and name not in ("api_key", "api_key_file", "draft_model"):  # the key: the env file's
             argv += [flag, str(value)]

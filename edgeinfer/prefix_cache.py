@@ -142,20 +142,27 @@ class PrefixSnapshot:
             with np.load(Path(path), allow_pickle=False) as z:
                 names = set(z.files)
                 n_layers = sum(1 for name in names if name.startswith("k"))
-                if layers is not None and (n_layers != layers or names != _array_names(layers)):
+                other = (f"{path} is a snapshot of another model: restore it into the model it was taken from "
+                         "(Model.snapshot)")
+                if layers is not None and n_layers != layers and names == _array_names(n_layers):
+                    raise InvalidArgumentError(f"{other}; it holds {n_layers} layers, this model {layers}")
+                if layers is not None and names != _array_names(layers):
                     raise ValueError(f"it holds {n_layers} layers, the model {layers}")
                 if row is not None:
                     most = max_rows if max_rows is not None else 1 << 31
                     sizes = {"meta": (1 << 20) + 24 * most, "positions": 8 * most} | \
                         {name: most * row[0] * row[1] * 4 for name in names - {"meta", "positions"}}
+                    for name in sorted(names - {"meta", "positions"}):
+                        shape = _header_shape(z, name)
+                        if len(shape) == 3 and tuple(shape[1:]) != tuple(row):
+                            raise InvalidArgumentError(f"{other}; its rows are {tuple(shape[1:])} (KV heads, head "
+                                                       f"size), this model's {tuple(row)}")
+                        if len(shape) != 3 or shape[0] > most:
+                            raise ValueError(f"its array {name} is {shape}, not up to {most} rows of {tuple(row)}")
                     for info in z.zip.infolist():  # what each member unpacks to, bounded before anything is read
                         name = info.filename.removesuffix(".npy")
                         if name not in sizes or info.file_size > sizes[name] + 4096:
                             raise ValueError(f"its member {info.filename[:60]!r} is {info.file_size} bytes unpacked")
-                    for name in sorted(names - {"meta", "positions"}):
-                        shape = _header_shape(z, name)
-                        if len(shape) != 3 or tuple(shape[1:]) != tuple(row) or shape[0] > most:
-                            raise ValueError(f"its array {name} is {shape}, not up to {most} rows of {tuple(row)}")
                     if len(_header_shape(z, "positions")) != 1 or _header_shape(z, "positions")[0] > most or \
                             _header_shape(z, "meta")[0] > (1 << 20) + 24 * most:  # JSON: a few bytes per token id
                         raise ValueError("its positions or metadata are larger than the ring")

@@ -40,6 +40,10 @@ def test_bench_defaults_run_on_a_model_trained_on_fewer_positions(capsys):
     assert main(["bench", "--json", "--runs", "1"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["prompt_tokens"] == 512 and r["gen_tokens"] == 128 and r["capacity_tokens"] == 480
+    assert main(["bench", "--runs", "1"]) == 0  # the text report says so too (it said nothing: a fresh user's walkthrough)
+    assert "the KV ring holds 480 tokens, fewer than the job's 640" in capsys.readouterr().out
+    assert main(["bench", "--runs", "1", "--prompt-tokens", "64", "--gen-tokens", "16"]) == 0
+    assert "KV ring holds" not in capsys.readouterr().out
 
 
 def test_every_bench_run_prefills_its_prompt_cold(monkeypatch):

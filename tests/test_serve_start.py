@@ -229,3 +229,24 @@ def test_a_request_in_a_slow_prefill_chunk_at_the_end_of_the_grace_period_is_ans
         r = result["r"]
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", (r.status_code, r.text)
         assert proc.wait(timeout=30) == 0
+
+
+def test_enumerated_serve_settings_name_every_choice(capsys):
+    """`--power bogus` listed the policies without `off`, and `--speculative bogus` said "off or ngram,
+    draft"; the flags now take argparse's choices (a usage error naming them) and the TOML file's values
+    name every choice (a fresh user's walkthrough)."""
+    import pytest
+
+    from edgeinfer.cli import main
+    from edgeinfer.errors import InvalidArgumentError
+    from edgeinfer.server.config import ServeConfig
+
+    with pytest.raises(InvalidArgumentError, match="power must be one of performance, balanced, battery, "
+                                                   "thermal-guard, off, got 'bogus'"):
+        ServeConfig(power="bogus")
+    with pytest.raises(InvalidArgumentError, match="speculative must be one of off, ngram, draft, got 'bogus'"):
+        ServeConfig(speculative="bogus")
+    for flag in ("--power", "--speculative", "--overflow", "--log-format"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", flag, "bogus", "--print-systemd-unit"])
+        assert e.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err

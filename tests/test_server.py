@@ -212,6 +212,7 @@ def test_full_queue_answers_429_at_once(model):
         with pytest.raises(openai.RateLimitError) as e:
             cl.completions.create(**kw)
         assert time.monotonic() - t0 < 2 and e.value.response.headers.get("retry-after")
+        assert "its 1 slot and its queue of 0 requests are full" in e.value.message  # was "1 slots"
         stream.close()  # the client goes away: its slot is freed
         deadline = time.monotonic() + 10
         while httpx.get(r.url + "/health").json()["slots_busy"] and time.monotonic() < deadline:

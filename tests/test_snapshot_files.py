@@ -191,3 +191,24 @@ def test_a_snapshot_file_has_the_mode_the_umask_gives(model, tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "s.npz").st_mode) == 0o600
+
+
+def test_a_snapshot_of_another_model_says_so(model, tmp_path):
+    """Restoring stories260K's snapshot into SmolLM2 said it was "not a prefix snapshot edgeinfer can read
+    (ValueError: it holds 5 layers, the model 30)": it is one, of another model (a fresh user's walkthrough).
+    Another layer count, or rows of another width, now say so."""
+    good = tmp_path / "good.npz"
+    model.snapshot(PROMPT, path=good)
+    with np.load(good) as z:
+        arrays = {name: z[name] for name in z.files}
+    layers = model.manifest.arch.num_layers
+    more = dict(arrays, **{f"k{layers}": arrays["k0"], f"v{layers}": arrays["v0"]})
+    np.savez(tmp_path / "layers.npz", **more)
+    with pytest.raises(InvalidArgumentError, match=rf"is a snapshot of another model: .*it holds {layers + 1} layers, "
+                                                   rf"this model {layers}"):
+        model.restore(tmp_path / "layers.npz")
+    wide = {name: (np.concatenate([a, a], -1) if name[0] in "kv" else a) for name, a in arrays.items()}
+    np.savez(tmp_path / "wide.npz", **wide)
+    with pytest.raises(InvalidArgumentError, match=r"is a snapshot of another model: .*its rows are"):
+        model.restore(tmp_path / "wide.npz")
+    model.restore(good)  # the model's own still restores

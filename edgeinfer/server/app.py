@@ -241,8 +241,10 @@ class Server:
         return waiting.result()
 
     def _queue_full(self) -> APIError:
-        return APIError(429, f"the server is busy: {len(self.scheduler.slots)} slots and a queue of "
-                             f"{self.config.queue} are full; retry shortly", type="rate_limit_error", code="queue_full")
+        n, q = len(self.scheduler.slots), self.config.queue
+        return APIError(429, f"the server is busy: its {n} slot{'s' if n != 1 else ''} and its queue of {q} "
+                             f"request{'s' if q != 1 else ''} are full; retry shortly", type="rate_limit_error",
+                        code="queue_full")
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         t0 = time.perf_counter()

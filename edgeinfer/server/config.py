@@ -22,6 +22,9 @@ from pathlib import Path
 from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.options import SPECULATIVE
 from edgeinfer.overflow import OVERFLOW_POLICIES
+from edgeinfer.power.policy import POLICY_NAMES
+
+POWER_CHOICES = POLICY_NAMES + ("off",)  # power = ...: a policy, or no power management
 
 LOOPBACK_NAMES = ("localhost",)
 PATH_SETTINGS = ("model", "draft_model", "api_key_file")  # resolved against a config file's folder
@@ -86,7 +89,7 @@ class ServeConfig:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in [0, 65535], got {self.port!r}")
         if self.speculative not in ("off",) + SPECULATIVE:
-            raise InvalidArgumentError(f"speculative must be off or {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+            raise InvalidArgumentError(f"speculative must be one of off, {', '.join(SPECULATIVE)}, got {self.speculative!r}")
         if self.speculative == "draft" and not self.draft_model:
             raise InvalidArgumentError("speculative = draft needs draft-model (a model folder of the same tokenizer)")
         if self.draft_model is not None and self.speculative != "draft":
@@ -103,6 +106,8 @@ class ServeConfig:
             raise InvalidArgumentError("the API key must be a string of at least 8 characters")
         if not isinstance(self.power, str):
             raise InvalidArgumentError(f"power must be a string, got {self.power!r}")
+        if self.power not in POWER_CHOICES:
+            raise InvalidArgumentError(f"power must be one of {', '.join(POWER_CHOICES)}, got {self.power!r}")
         if self.power == "off" and any(v is not None for v in (self.max_temp_c, self.min_battery_pct,
                                                                 self.power_budget_w, self.max_tokens_per_s)):
             raise InvalidArgumentError("power = off contradicts the power limits given (max-temp-c, min-battery-pct, "
