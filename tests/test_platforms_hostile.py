@@ -296,7 +296,7 @@ def test_serve_help_states_the_profile_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for flag in ("--slots SLOTS", "--power POWER"):
+    for flag in ("--slots SLOTS", "--power {performance,balanced,battery,thermal-guard,off}"):
         text = out[out.rindex(flag) + len(flag):]  # the option's own help, not the usage line
         text = text[:text.index(" --")]
         assert "profile" in text, text
