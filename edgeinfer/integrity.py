@@ -128,7 +128,8 @@ def installed_dirs() -> list[Path]:
     """Where installed packages live (purelib, platlib, the user's site-packages): no stamp is
     written under them."""
     paths = sysconfig.get_paths()
-    dirs = [paths.get("purelib"), paths.get("platlib"), *site.getsitepackages()]
+    dirs = [paths.get("purelib"), paths.get("platlib"), *getattr(site, "getsitepackages", list)()]  # (absent
+    # from some virtualenv builds' site module)
     if site.ENABLE_USER_SITE:
         dirs.append(site.getusersitepackages())
     return [Path(d).resolve() for d in dict.fromkeys(dirs) if d]
