@@ -928,3 +928,63 @@ def test_tokens_held_into_a_stop_string_have_no_logprob_entries(srv, path, extra
     text = choice["message"]["content"] if "chat" in path else choice["text"]
     entries = choice["logprobs"]["content"] if "chat" in path else choice["logprobs"]["tokens"]
     assert (text, choice["finish_reason"], entries) == ("", "stop", [])
+
+
+def test_idle_connections_past_the_cap_give_way_to_new_ones(monkeypatch, model_for_cap):
+    """1,100 idle connections ran a daemon with 1024 file descriptors out of them: accept() failed in a
+    loop that logged 27 MB in 10 s, and /health stopped answering for as long as they stayed (an ops
+    review). Connections are now capped below the open-files limit (raised to the hard limit at start):
+    past the cap the oldest connection without a request in progress is closed, so /health and a
+    request still get through beside a flood of idle ones, and a request in progress is never the one
+    closed."""
+    import edgeinfer.server.run as run
+
+    monkeypatch.setattr(run, "connection_cap", lambda: 8)
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=64), model=model_for_cap)
+    socks = []
+    try:
+        streaming = socket.create_connection(("127.0.0.1", r.port))  # a request in progress, opened first
+        body = json.dumps({"model": "stories260K-int8", "prompt": "Once", "max_tokens": 64, "stream": True,
+                           "ignore_eos": True}).encode()
+        streaming.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        streaming.settimeout(10)
+        assert streaming.recv(4096).startswith(b"HTTP/1.1 200")
+        for _ in range(40):  # five times the cap, idle
+            socks.append(socket.create_connection(("127.0.0.1", r.port)))
+        for _ in range(3):
+            assert _health(r)["status"] == "ok"
+        c = r.client(key=None).completions.create(model="stories260K-int8", prompt="Hi", max_tokens=2)
+        assert c.usage.completion_tokens == 2
+        closed = 0
+        for s in socks:
+            s.settimeout(2)
+            with contextlib.suppress(OSError):
+                closed += s.recv(1) == b""
+        assert closed >= len(socks) - 8  # the idle ones gave way
+        rest = b""
+        while b"data: [DONE]" not in rest:  # the stream opened first was not closed
+            part = streaming.recv(65536)
+            assert part, "the request in progress was closed"
+            rest += part
+    finally:
+        for s in socks:
+            s.close()
+        r.stop()
+
+
+def test_the_open_files_limit_is_raised_and_caps_the_connections():
+    import resource
+
+    import edgeinfer.server.run as run
+
+    cap = run.connection_cap()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft == hard or hard == resource.RLIM_INFINITY
+    assert 8 <= cap <= run.MAX_CONNECTIONS and (soft == resource.RLIM_INFINITY or cap <= soft - run.FD_RESERVE
+                                                 or cap == 8)
+
+
+@pytest.fixture(scope="module")
+def model_for_cap():
+    return edgeinfer.load()

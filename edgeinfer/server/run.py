@@ -29,6 +29,9 @@ CANCEL_WAIT_S = 8  # past the grace period: how long cancelled requests may take
 AFTER_DRAIN_S = 3  # then uvicorn's own wait for connections still sending (grace_s again made a stalled
 # reader hold a stop for 2 x grace_s, past the unit's TimeoutStopSec = grace_s + 15)
 HEAD_READ_S = 30.0  # the most a connection may take to send a request's head, from its opening or last response
+MAX_CONNECTIONS = 1024  # open at once; past it the oldest idle one is closed, or the new one (within the fd limit)
+FD_RESERVE = 256  # file descriptors kept free under the cap: the model's files and logs, and a burst of accepts
+# (asyncio accepts up to 100 connections in one pass before a closed one's descriptor is released)
 
 
 class HeadTimeoutH11(H11Protocol):
@@ -41,10 +44,24 @@ class HeadTimeoutH11(H11Protocol):
     answering). The deadline is absolute: trickling bytes does not extend it."""
 
     _head_timer: asyncio.TimerHandle | None = None
+    _opened_s = 0.0
+    max_connections = MAX_CONNECTIONS  # `uvicorn_server` sets the cap in force (`connection_cap`)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._opened_s = time.monotonic()
+        if len(self.connections) > self.max_connections:  # (1,100 idle connections ran a 1024-fd process out:
+            # accept() failed in a loop that logged 27 MB in 10 s, and /health stopped answering)
+            idle = [c for c in self.connections if c is not self and c._idle() and not c.transport.is_closing()]
+            victim = min(idle, key=lambda c: c._opened_s) if idle else self  # the oldest idle one, else this one
+            victim.transport.close()
+            if victim is self:
+                return
         self._arm_head_timer()
+
+    def _idle(self) -> bool:
+        """No request in progress: waiting for a head (a new connection, or a kept-alive one)."""
+        return self.cycle is None or self.cycle.response_complete
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -64,8 +81,7 @@ class HeadTimeoutH11(H11Protocol):
         self._head_timer = None
         # no request in progress (one has the app's own timeouts): what the client sends now is a next
         # head, or the rest of a body the server already answered (an early 413 or 408), trickled
-        waiting = self.cycle is None or self.cycle.response_complete
-        if waiting and not self.transport.is_closing():
+        if self._idle() and not self.transport.is_closing():
             self.transport.close()
 
 
@@ -76,6 +92,10 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.app_server, self.grace_s = app_server, grace_s
         self._draining = False
+
+    async def serve(self, sockets=None) -> None:
+        asyncio.get_running_loop().set_exception_handler(_quiet_accept_errors())
+        await super().serve(sockets)
 
     def handle_exit(self, sig, frame) -> None:  # not recorded, so uvicorn does not re-raise it: exit 0
         if self._draining:  # a second signal: stop every request now (503s go out), then close
@@ -100,6 +120,30 @@ class DrainingServer(uvicorn.Server):
                 time.sleep(0.05)
             sched.cancel_all()
         self.should_exit = True
+
+
+ACCEPT_ERROR_EVERY_S = 10.0  # at most one log line per this long for accept() out of file descriptors
+
+
+def _quiet_accept_errors():
+    """The event loop's exception handler: asyncio's "socket.accept() out of system resource" (no file
+    descriptor left) is logged once per ACCEPT_ERROR_EVERY_S with how many came since (asyncio goes on
+    accepting in the same pass after one and schedules a retry for each, so a run out of descriptors
+    logged a traceback per attempt: 27 MB in 10 s); anything else as asyncio logs it."""
+    state = {"last_s": float("-inf"), "count": 0}
+
+    def handler(loop, context) -> None:
+        if context.get("message") != "socket.accept() out of system resource":
+            loop.default_exception_handler(context)
+            return
+        state["count"] += 1
+        now = time.monotonic()
+        if now - state["last_s"] >= ACCEPT_ERROR_EVERY_S:
+            log.warning("accept() failed %d time(s): %s (open connections are capped; see the open-files limit)",
+                        state["count"], context.get("exception"))
+            state["last_s"], state["count"] = now, 0
+
+    return handler
 
 
 def setup_logging(fmt: str) -> None:
@@ -129,13 +173,35 @@ def build(config: ServeConfig, model=None) -> Server:
     return Server(model, config)
 
 
+def connection_cap() -> int:
+    """How many connections may be open at once: MAX_CONNECTIONS, within the soft limit on open files
+    less FD_RESERVE, after raising that limit to the hard one (systemd gives services 1024 soft, 524288
+    hard)."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return MAX_CONNECTIONS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(8, min(MAX_CONNECTIONS, soft - FD_RESERVE))
+
+
 def uvicorn_server(server: Server) -> DrainingServer:
     """The uvicorn server for `server`: it binds config.host:port itself when run(), or serves the
     sockets run(sockets=...) is given (tests: make them with IPPROTO_TCP, so that asyncio sets
     TCP_NODELAY; with proto 0 every reply on a kept-alive connection waits ~40 ms for a delayed ACK)."""
     c = server.config
+    protocol = type("CappedH11", (HeadTimeoutH11,), {"max_connections": connection_cap()})
     cfg = uvicorn.Config(server.app, host=c.host, port=c.port, log_level="warning", access_log=False, lifespan="off",
-                         timeout_graceful_shutdown=AFTER_DRAIN_S, http=HeadTimeoutH11)
+                         timeout_graceful_shutdown=AFTER_DRAIN_S, http=protocol)
     return DrainingServer(cfg, server, c.grace_s)
 
 
