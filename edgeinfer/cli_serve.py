@@ -106,12 +106,15 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
         argv += ["--config", str(Path(args.config).resolve())]
     for flag, name, _, _, _ in SERVE_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and name not in ("api_key", "api_key_file", "draft_model"):  # the key: the env file's
+        if name == "api_key_file" and value is not None:  # its path, not the key: the service reads the file
+            argv += [flag, str(Path(value).resolve())]  # (it was left out, and the service then had no key)
+        elif value is not None and name not in ("api_key", "api_key_file", "draft_model"):  # a key: the env file's
             argv += [flag, str(value)]
     if args.log_prompts:
         argv.append("--log-prompts")
     total = footprint(folder, config.capacity) + sum(footprint(f, None) for f in folders[1:])
-    needed = [sys.executable, *(str(f) for f in folders)] + ([str(Path(args.config).resolve())] if args.config else [])
+    needed = [sys.executable, *(str(f) for f in folders)] + ([str(Path(args.config).resolve())] if args.config else []) \
+        + [str(Path(f).resolve()) for f in (args.api_key_file, config.api_key_file) if f]
     for warning in hidden_paths(needed):
         print(f"edgeinfer: warning: {warning}", file=sys.stderr)
     print(systemd_unit(exec_start=argv, memory_max_bytes=total, grace_s=config.grace_s,

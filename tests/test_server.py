@@ -366,6 +366,67 @@ def test_print_systemd_unit_carries_config_and_no_key(tmp_path, capsys, monkeypa
     assert any(x.startswith("ReadWritePaths=") for x in unit.splitlines())  # the verification stamp
 
 
+def test_a_unit_keeps_the_api_key_file_it_was_given(tmp_path, capsys, monkeypatch):
+    """`--host 0.0.0.0 --api-key-file F --print-systemd-unit` printed a unit without the file (and
+    without the key): its service refused every start (an ops review). The file's path (not the key)
+    is now on the ExecStart line, and a key file under /tmp or /home is warned of like the model."""
+    import shlex
+
+    from edgeinfer.cli import main
+
+    monkeypatch.delenv("EDGEINFER_API_KEY", raising=False)
+    key = tmp_path / "edgeinfer.key"
+    key.write_text("a-long-enough-key\n")
+    assert main(["serve", "--print-systemd-unit", "--host", "0.0.0.0", "--port", "9000", "--api-key-file",
+                 str(key)]) == 0
+    printed = capsys.readouterr()
+    assert "a-long-enough-key" not in printed.out
+    line = next(x for x in printed.out.splitlines() if x.startswith("ExecStart="))
+    argv = shlex.split(line[len("ExecStart="):])
+    assert argv[argv.index("--api-key-file") + 1] == str(key.resolve())
+    if str(key.resolve()).startswith("/tmp/"):
+        assert f"warning: {key.resolve()} is under /tmp" in printed.err
+
+
+def test_bad_api_key_files_are_refused_with_the_reason(tmp_path):
+    """A key file of two lines started a server no client could use (the key held a newline), a BOM
+    became part of the key, and a file that is not UTF-8 was a raw UnicodeDecodeError (an ops review)."""
+    from edgeinfer.errors import InvalidArgumentError
+    from edgeinfer.server.config import load_config
+
+    def key_of(data: bytes) -> str:
+        (tmp_path / "k").write_bytes(data)
+        return load_config(None, {"api_key_file": str(tmp_path / "k"), "slots": 1, "power": "off"}).api_key
+
+    assert key_of(b"\xef\xbb\xbfa-long-enough-key\r\n") == "a-long-enough-key"  # the BOM and the line end dropped
+    with pytest.raises(InvalidArgumentError, match="more than one line"):
+        key_of(b"a-long-enough-key\nsecond-line-here\n")
+    with pytest.raises(InvalidArgumentError, match="not UTF-8"):
+        key_of(b"a-long-enough-key\xff\xfe")
+    with pytest.raises(InvalidArgumentError, match="printable ASCII"):
+        load_config(None, {"api_key": "caf\u00e9-long-key", "slots": 1, "power": "off"})
+    with pytest.raises(InvalidArgumentError, match="not a regular file"):
+        load_config(None, {"api_key_file": str(tmp_path), "slots": 1, "power": "off"})
+
+
+def test_config_files_that_are_not_regular_or_set_a_key_twice_are_refused(tmp_path):
+    """A FIFO as the config file was read for ever, and max-tokens-limit beside max_tokens_limit took the
+    last silently (an ops review)."""
+    import os
+
+    from edgeinfer.errors import InvalidArgumentError
+    from edgeinfer.server.config import load_config
+
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(InvalidArgumentError, match="not a regular file"):
+        load_config(str(fifo), {"slots": 1, "power": "off"})
+    twice = tmp_path / "twice.toml"
+    twice.write_text("max-tokens-limit = 10\nmax_tokens_limit = 20\n")
+    with pytest.raises(InvalidArgumentError, match="set twice"):
+        load_config(str(twice), {"slots": 1, "power": "off"})
+
+
 def test_a_unit_for_a_public_host_is_not_printed_without_a_key(tmp_path, capsys, monkeypatch):
     """The docs' audit: `--host 0.0.0.0 --print-systemd-unit` with no key anywhere printed a unit (exit
     0) whose service then refused every start, and Restart=on-failure retried it every 5 s. The

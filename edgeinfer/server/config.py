@@ -19,6 +19,7 @@ except ModuleNotFoundError:  # Python 3.10 (JetPack 6): the same parser, from Py
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from edgeinfer import small_files
 from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.options import SPECULATIVE
 from edgeinfer.overflow import OVERFLOW_POLICIES
@@ -104,6 +105,10 @@ class ServeConfig:
             raise InvalidArgumentError(f"grace-s must be a number of seconds in [0, {MAX_GRACE_S}), got {self.grace_s!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 8):
             raise InvalidArgumentError("the API key must be a string of at least 8 characters")
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
+                                             and " " not in self.api_key):
+            raise InvalidArgumentError("the API key must be printable ASCII without spaces or line breaks (clients "
+                                       "send it in an HTTP header, where anything else cannot match)")
         if not isinstance(self.power, str):
             raise InvalidArgumentError(f"power must be a string, got {self.power!r}")
         if self.power not in POWER_CHOICES:
@@ -128,12 +133,13 @@ def is_loopback(host: str) -> bool:
         return False  # a name other than localhost: not provably loopback
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes
+MAX_KEY_FILE_BYTES = 64 * 1024
+
+
 def _from_toml(path: str) -> dict:
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except OSError as e:
-        raise InvalidArgumentError(f"cannot read the config file {path}: {e.strerror or e}") from None
+    try:  # bounded, and a regular file only (a FIFO or /dev/zero was read for ever)
+        raw = tomllib.loads(small_files.read_bytes(Path(path), MAX_CONFIG_BYTES, InvalidArgumentError).decode("utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise InvalidArgumentError(f"the config file {path} is not valid TOML: {e}") from None
     except UnicodeDecodeError as e:  # TOML is UTF-8 (a file saved as Latin-1, say)
@@ -142,6 +148,9 @@ def _from_toml(path: str) -> dict:
     out = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name in out:  # both spellings of one setting (max-tokens-limit and max_tokens_limit): the last won
+            raise InvalidArgumentError(f"{path}: {key!r} is set twice (as {name.replace('_', '-')!r} and "
+                                       f"{name!r}): keep one")
         if name not in known:
             raise InvalidArgumentError(f"{path}: unknown setting {key!r} (known: "
                                        f"{', '.join(n.replace('_', '-') for n in known)})")
@@ -156,12 +165,17 @@ def _from_toml(path: str) -> dict:
 
 
 def _read_key_file(path: str) -> str:
+    """The key in `path`: one line (a byte-order mark and surrounding white space dropped)."""
     try:
-        key = Path(path).read_text().strip()
-    except OSError as e:
-        raise InvalidArgumentError(f"cannot read the API key file {path}: {e.strerror or e}") from None
+        key = small_files.read_text(Path(path), MAX_KEY_FILE_BYTES, InvalidArgumentError)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"the API key file: {e}") from None
+    key = key.removeprefix("\ufeff").strip()
     if not key:
         raise InvalidArgumentError(f"the API key file {path} is empty")
+    if any(c.isspace() for c in key):
+        raise InvalidArgumentError(f"the API key file {path} holds more than one line, or a key with spaces: "
+                                   "put the key alone on one line")
     return key
 
 
