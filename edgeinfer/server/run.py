@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import faulthandler
 import logging
 import socket
 import sys
@@ -258,6 +259,9 @@ def url_of(sock: socket.socket) -> str:
 
 
 def serve(config: ServeConfig) -> int:
+    faulthandler.enable(file=sys.stderr)  # a fatal signal leaves a line in the log: the model's weights are mapped
+    # from its files, and a file rewritten in place under a running server (cp over it) ends it with SIGBUS,
+    # which otherwise left nothing (an ops review)
     setup_logging(config.log_format)
     socks = listen_sockets(config.host, config.port)  # first: a port in use fails at once, not after the load
     try:
