@@ -684,3 +684,35 @@ def test_a_bad_value_in_the_config_file_is_named_by_its_key(tmp_path, line, key)
     (tmp_path / "serve.toml").write_text(line + "\n")
     with pytest.raises(InvalidArgumentError, match=f"^{key} must be"):
         load_config(str(tmp_path / "serve.toml"), {})
+
+
+def test_json_logs_are_json_on_every_line(capsys):
+    """--log-format json wrote a prompt (--log-prompts), the drain on SIGTERM and the power controller's
+    notes as plain text, and ttft_ms as a string ("26.0", or "-") where total_ms was a number (an ops
+    review)."""
+    import logging
+
+    from edgeinfer.server.answer import log_request
+    from edgeinfer.server.run import setup_logging
+
+    saved = {n: (lg.handlers[:], lg.level, lg.propagate) for n in ("edgeinfer.server", "edgeinfer.power")
+             for lg in [logging.getLogger(n)]}
+    try:
+        setup_logging("json")
+        log_request("json", {"status": 200, "ttft_ms": 26.0, "total_ms": 30.5})
+        log_request("json", {"status": 499, "ttft_ms": None, "total_ms": 3.0})
+        logging.getLogger("edgeinfer.server").info("prompt %s", json.dumps("Once upon a time"))
+        logging.getLogger("edgeinfer.server").info("signal %s: draining (%d in flight), then exiting", 15, 1)
+        logging.getLogger("edgeinfer.power").warning("edgeinfer power: %s", "too hot")
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+        assert [x.get("ttft_ms", "absent") for x in lines[:2]] == [26.0, None]
+        assert [x["message"] for x in lines[2:]] == ['prompt "Once upon a time"',
+                                                     "signal 15: draining (1 in flight), then exiting",
+                                                     "edgeinfer power: too hot"]
+        setup_logging("text")
+        log_request("text", {"status": 499, "ttft_ms": None})
+        assert capsys.readouterr().err.rstrip().endswith("status=499 ttft_ms=-")
+    finally:
+        for n, (handlers, level, propagate) in saved.items():
+            lg = logging.getLogger(n)
+            lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate

@@ -94,7 +94,7 @@ class Reply:
 
     def _log(self, status: int, completion_tokens: int) -> None:
         total_ms = (time.perf_counter() - self.t0) * 1e3
-        ttft = f"{self.ttft_s * 1e3:.1f}" if self.ttft_s is not None else "-"
+        ttft = round(self.ttft_s * 1e3, 1) if self.ttft_s is not None else None  # a number (JSON: null when none)
         log_request(self.server.config.log_format, {
             "method": "POST", "path": f"/v1/{'chat/' if self.chat else ''}completions", "status": status,
             "prompt_tokens": len(self.prompt), "completion_tokens": completion_tokens, "ttft_ms": ttft,
@@ -231,6 +231,8 @@ def log_request(log_format: str, fields: dict) -> None:
 
 
 def _plain(v) -> str:
+    if v is None:
+        return "-"
     s = str(v)
     return s if s.isprintable() and not any(c in s for c in ' ="\\') else json.dumps(s)
 

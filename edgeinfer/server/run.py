@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import faulthandler
+import json
 import logging
 import socket
 import sys
@@ -147,13 +148,28 @@ def _quiet_accept_errors():
     return handler
 
 
+class JSONLines(logging.Formatter):
+    """--log-format json: a request's line as it is (already a JSON object), any other line (a prompt
+    with --log-prompts, the drain on SIGTERM, the power controller's notes) as {"time", "level",
+    "logger", "message"}: every line one JSON object."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if message.startswith("{"):
+            return message
+        return json.dumps({"time": round(record.created, 3), "level": record.levelname.lower(),
+                           "logger": record.name, "message": message})
+
+
 def setup_logging(fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s" if fmt == "json" else "%(asctime)s edgeinfer %(message)s"))
-    root = logging.getLogger("edgeinfer.server")
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
-    root.propagate = False
+    handler.setFormatter(JSONLines() if fmt == "json" else logging.Formatter("%(asctime)s edgeinfer %(message)s"))
+    # JSON: the power controller's notes too, in the same form (as text they keep their own "edgeinfer power:")
+    for name in ("edgeinfer.server", "edgeinfer.power") if fmt == "json" else ("edgeinfer.server",):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 def build(config: ServeConfig, model=None) -> Server:
