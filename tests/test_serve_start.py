@@ -182,7 +182,7 @@ def test_sigterm_answers_a_request_whose_body_is_still_coming_with_503_and_no_tr
     with _serving(SERVE + ["--port", "0", "--grace-s", "2"]) as (proc, url):
         host, port = re.search(r"http://([\d.]+):(\d+)", url).groups()
         with socket.create_connection((host, int(port))) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 1000\r\n\r\n{")
             time.sleep(0.5)
             proc.send_signal(signal.SIGTERM)

@@ -39,7 +39,7 @@ def _shaped(resp: httpx.Response) -> bool:
 
 def _raw(body: dict, path: str = "/v1/completions") -> bytes:
     b = json.dumps(body).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(b)}\r\n\r\n").encode() + b
 
 
@@ -152,7 +152,7 @@ def test_client_gone_mid_body_is_not_logged_as_an_internal_error(srv):
     try:
         for _ in range(3):
             s = socket.create_connection(("127.0.0.1", srv.port))
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode()
                       + b"\r\nContent-Type: application/json\r\nContent-Length: 400\r\n\r\n{\"model\": \"st")
             time.sleep(0.05)
             s.close()
@@ -172,7 +172,7 @@ def test_a_body_that_never_arrives_is_answered_408_and_its_connection_closed(srv
     monkeypatch.setattr(app, "BODY_READ_S", 0.5)
     s = socket.create_connection(("127.0.0.1", srv.port))
     try:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode()
                   + b"\r\nContent-Type: application/json\r\nContent-Length: 400\r\n\r\n{\"model\": \"st")
         s.settimeout(10)
         t0 = time.monotonic()
@@ -199,9 +199,9 @@ def test_connections_that_never_finish_a_request_head_are_closed(srv, monkeypatc
     import edgeinfer.server.run as run
 
     monkeypatch.setattr(run, "HEAD_READ_S", 1.0)
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode()
             + b"\r\nContent-Type: application/json\r\n")
-    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     idle, half, trickle, slow, early = (socket.create_connection(("127.0.0.1", srv.port)) for _ in range(5))
     keep = None
     try:
@@ -249,7 +249,7 @@ def test_an_early_413_closes_its_connection_once_answered(srv):
     client still uploading to be cut off at the head deadline (30 s later) before it reads the 413."""
     s = socket.create_connection(("127.0.0.1", srv.port))
     try:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode()
                   + b"\r\nContent-Type: application/json\r\nContent-Length: 99999999\r\n\r\n{")
         s.settimeout(10)
         t0, reply = time.monotonic(), b""
@@ -655,7 +655,7 @@ def test_a_client_that_leaves_while_sending_its_body_is_counted_as_gone_not_as_a
     before_499, before_400 = count("499"), count("400")
     host, port = one_slot.url[7:].rsplit(":", 1)
     with socket.create_connection((host, int(port))) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000\r\n\r\n{\"model\"")
         time.sleep(0.3)
     assert _wait(lambda: count("499") == before_499 + 1, 10)
@@ -768,7 +768,7 @@ def test_a_client_that_leaves_while_waiting_to_be_tokenized_is_never_tokenized(m
         host, port = big.r.url[7:].rsplit(":", 1)
         body = json.dumps({"model": MODEL, "prompt": "LEFT", "max_tokens": 2}).encode()
         with socket.create_connection((host, int(port))) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             time.sleep(0.5)  # read whole, now in line behind the BIGs
         assert _wait(lambda: _count(big.r, "499") == before + 1, 10)  # before: only after the BIGs
@@ -946,7 +946,7 @@ def test_idle_connections_past_the_cap_give_way_to_new_ones(monkeypatch, model_f
         streaming = socket.create_connection(("127.0.0.1", r.port))  # a request in progress, opened first
         body = json.dumps({"model": "stories260K-int8", "prompt": "Once", "max_tokens": 64, "stream": True,
                            "ignore_eos": True}).encode()
-        streaming.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        streaming.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                           b"Content-Length: %d\r\n\r\n" % len(body) + body)
         streaming.settimeout(10)
         assert streaming.recv(4096).startswith(b"HTTP/1.1 200")
@@ -988,3 +988,34 @@ def test_the_open_files_limit_is_raised_and_caps_the_connections():
 @pytest.fixture(scope="module")
 def model_for_cap():
     return edgeinfer.load()
+
+
+def test_web_pages_cannot_use_a_keyless_loopback_server(model_for_cap):
+    """Without a key (loopback only), a page in the device's browser could post a text/plain "simple"
+    request from any origin (no preflight: it ran a generation), and a DNS-rebinding page (its own name
+    now resolving to 127.0.0.1) could read the reply (an ops review). Both are 403 now; a loopback
+    origin, a listed cors-origin and clients that send no Origin (the openai client, curl) are served."""
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=8, cors_origins=("http://app.example",)),
+                model=model_for_cap)
+    body = json.dumps({"model": "stories260K-int8", "prompt": "Once", "max_tokens": 2})
+    url = r.url + "/v1/completions"
+    try:
+        page = httpx.post(url, content=body, headers={"Content-Type": "text/plain", "Origin": "http://evil.example"})
+        assert page.status_code == 403 and page.json()["error"]["code"] == "origin_not_allowed"
+        rebind = httpx.post(url, content=body, headers={"Host": f"rebind.evil.example:{r.port}"})
+        assert rebind.status_code == 403 and rebind.json()["error"]["code"] == "host_not_allowed"
+        for origin in ("http://localhost:3000", "http://127.0.0.1:8000", "http://app.example", None):
+            headers = {"Content-Type": "application/json"} | ({"Origin": origin} if origin else {})
+            assert httpx.post(url, content=body, headers=headers).status_code == 200, origin
+        assert httpx.post(url, content=body, headers={"Host": f"localhost:{r.port}"}).status_code == 200
+        assert r.client(key=None).completions.create(model="stories260K-int8", prompt="Hi",
+                                                     max_tokens=2).usage.completion_tokens == 2
+    finally:
+        r.stop()
+    keyed = Running(ServeConfig(api_key=KEY, slots=1, queue=1, max_tokens_limit=8), model=model_for_cap)
+    try:  # with a key, a page cannot send it without a preflight that fails: no Host or Origin rule
+        ok = httpx.post(keyed.url + "/v1/completions", content=body,
+                        headers={"Authorization": f"Bearer {KEY}", "Host": "proxy.example"})
+        assert ok.status_code == 200
+    finally:
+        keyed.stop()

@@ -24,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import ipaddress
 import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -167,6 +169,22 @@ class Server:
     async def models(self, request: Request) -> Response:
         return JSON(replies.models_list(self.model_id, self.created))
 
+    def foreign_page(self, request: Request) -> APIError | None:
+        """Without an API key (loopback only), a 403 for what a web page in this device's browser sends:
+        an Origin that is not a loopback one nor in cors-origins (a page elsewhere posting a "simple"
+        request, which needs no preflight: it ran a generation, unread), or a Host that is not a loopback
+        name (DNS rebinding: a page whose name now points at 127.0.0.1 reads the reply). Clients that
+        are not browsers send no Origin and the Host they connected to."""
+        origin = request.headers.get("origin")
+        if origin is not None and origin not in self.config.cors_origins and not _loopback_url(origin):
+            return APIError(403, f"requests from web pages of {origin[:100]!r} are refused (not in cors-origins)",
+                            code="origin_not_allowed")
+        host = request.headers.get("host")
+        if host is not None and not _loopback_url("http://" + host):
+            return APIError(403, f"Host {host[:100]!r} is not this server's loopback name (without an API key the "
+                                 "server answers only for localhost, 127.0.0.1 and [::1])", code="host_not_allowed")
+        return None
+
     async def model_card(self, request: Request) -> Response:
         """GET /v1/models/{id}: the served model's card, or OpenAI's 404 for any other id."""
         asked = request.path_params["model"]
@@ -293,6 +311,22 @@ class Server:
             watch.cancel()
 
 
+
+def _loopback_url(url: str) -> bool:
+    """Whether `url`'s host is a loopback name or address (localhost, 127.0.0.0/8, ::1)."""
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        return False
+    if host is None:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
 class _Gate:
     """ASGI middleware in front of every route: 503 while draining, 401 without the key (except /health)."""
 
@@ -310,6 +344,8 @@ class _Gate:
         elif path != "/health" and not self.server.authorized(Request(scope)):
             err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
+        elif not self.server.config.api_key:
+            err = self.server.foreign_page(Request(scope))
         if err is None:
             return await self.app(scope, receive, send)
         self.server.metrics.request("other", err.status)
