@@ -34,6 +34,7 @@ from edgeinfer.generation import Completion, Generation, Request
 from edgeinfer.kv_cache import RingKVCache, Snapshot
 from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.prefix_cache import PrefixSnapshot, held_after, reuse
+from edgeinfer.sampling.params import is_integer
 from edgeinfer.overflow import DEFAULT_PREFILL_CHUNK, check_policy, rebase_warning, resolve_capacity, resolve_sinks
 from edgeinfer.power.controller import PowerController, PowerState
 from edgeinfer.power.policy import resolve_policy
@@ -93,6 +94,10 @@ class Model:
             raise InvalidArgumentTypeError(f"path must be a folder path (str or os.PathLike) or None, "
                                            f"got {type(path).__name__}")
         folder = Path(path) if path is not None else default_model_path()
+        # numpy integers as the ints they are (they were refused as "not an integer", where generation's
+        # options take them)
+        threads, capacity_tokens, n_sink, prefill_chunk = (int(v) if is_integer(v) else v for v in
+                                                           (threads, capacity_tokens, n_sink, prefill_chunk))
         check_policy(overflow)
         if not isinstance(verbose, bool):
             raise InvalidArgumentError(f"verbose must be True or False, got {verbose!r}")
@@ -158,25 +163,29 @@ class Model:
         or float ids. Errors: InvalidArgumentTypeError for a wrong type, InvalidArgumentError for an
         empty prompt or an id outside the vocabulary.
         """
+        return self._ids(prompt, "prompt")
+
+    def _ids(self, prompt, name: str) -> list[int]:
+        """`encode_prompt`, its errors naming the argument `name` (snapshot's is "prefix")."""
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidArgumentError("the prompt is empty: give text, or [bos_id] to generate from nothing")
+                raise InvalidArgumentError(f"the {name} is empty: give text, or [bos_id] to generate from nothing")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (bytes, bytearray, memoryview)):
-            raise InvalidArgumentTypeError("prompt must be text or token ids, not bytes: decode it first, "
-                                           "e.g. prompt.decode('utf-8')")
+            raise InvalidArgumentTypeError(f"{name} must be text or token ids, not bytes: decode it first, "
+                                           f"e.g. {name}.decode('utf-8')")
         elif isinstance(prompt, np.ndarray) and prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer):
             ids = prompt.tolist()
         elif isinstance(prompt, Sequence) and all(
                 isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
             ids = [int(t) for t in prompt]
         else:
-            raise InvalidArgumentTypeError("prompt must be a string, a list of token ids (ints) or a 1-D integer "
+            raise InvalidArgumentTypeError(f"{name} must be a string, a list of token ids (ints) or a 1-D integer "
                                            f"numpy array, got {type(prompt).__name__}"
                                            + (f" of {prompt.dtype} shape {prompt.shape}"
                                               if isinstance(prompt, np.ndarray) else ""))
         if not ids:
-            raise InvalidArgumentError("the prompt is empty (no tokens): give text or at least one token id")
+            raise InvalidArgumentError(f"the {name} is empty (no tokens): give text or at least one token id")
         vocab = self.manifest.arch.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -241,7 +250,7 @@ class Model:
         ids then prefills only the rest."""
         with self.lock.hold():
             if prefix is not None:
-                ids = self.encode_prompt(prefix)
+                ids = self._ids(prefix, "prefix")
                 if len(ids) > self.capacity_tokens:  # the ring would shift: it could not hold the prefix whole
                     raise InvalidArgumentError(f"the prefix has {len(ids)} tokens, more than the ring's "
                                                f"{self.capacity_tokens}")

@@ -418,3 +418,30 @@ def test_arguments_of_other_types_are_edgeinfer_errors(bundled, call):
     }
     with pytest.raises(edgeinfer.EdgeInferError):
         calls[call]()
+
+
+def test_numpy_numbers_are_taken_where_ints_and_floats_are_asked():
+    """load(threads=np.int64(1)) (and capacity_tokens, n_sink, prefill_chunk) was refused as "not an
+    integer", and Policy(max_temp_c=np.float32(70)) as "not a number", where generation's options take
+    numpy numbers (an embedder's review)."""
+    from edgeinfer.power.policy import Policy
+
+    m = edgeinfer.load(threads=np.int64(1), capacity_tokens=np.int64(256), n_sink=np.int32(4),
+                       prefill_chunk=np.int64(64))
+    assert m.capacity_tokens == 256 and type(m.capacity_tokens) is int
+    want = edgeinfer.load(threads=1, capacity_tokens=256).generate("Once", max_new_tokens=8, temperature=0)
+    assert m.generate("Once", max_new_tokens=8, temperature=0).token_ids == want.token_ids
+    p = Policy("balanced", max_temp_c=np.float32(70.0), power_budget_w=np.int64(5))
+    assert (p.max_temp_c, p.power_budget_w) == (70.0, 5.0) and type(p.max_temp_c) is float
+    with pytest.raises(InvalidArgumentError, match="max_temp_c must be a number"):
+        Policy("balanced", max_temp_c=np.float32("nan"))
+    with pytest.raises(InvalidArgumentError):
+        edgeinfer.load(capacity_tokens=np.float64(256))  # a float is still no capacity
+
+
+def test_a_bad_snapshot_prefix_names_the_prefix():
+    m = edgeinfer.load()
+    with pytest.raises(InvalidArgumentTypeError, match=r"^prefix must be a string"):
+        m.snapshot(prefix=5)
+    with pytest.raises(InvalidArgumentError, match=r"^the prefix is empty"):
+        m.snapshot(prefix="")

@@ -30,6 +30,7 @@ The steps of `decide`:
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 
 from edgeinfer.errors import InvalidArgumentError
@@ -73,8 +74,9 @@ class Policy:
             v = getattr(self, field)
             if v is None:
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not lo <= v <= hi:
                 raise InvalidArgumentError(f"power policy {field} must be a number in [{lo:g}, {hi:g}], got {v!r:.40}")
+            object.__setattr__(self, field, float(v))  # a numpy number (np.float32 was refused) as a plain float
         if self.hysteresis_c >= self.warm_band_c:
             raise InvalidArgumentError(f"hysteresis_c ({self.hysteresis_c}) must be less than warm_band_c "
                                        f"({self.warm_band_c}): the warm level would never be left")
