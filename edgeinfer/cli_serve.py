@@ -38,6 +38,8 @@ SERVE_FLAGS = (
                                           "--draft-model", ("off",) + SPECULATIVE),
     ("--draft-model", "draft_model", str, "with --speculative draft: a small model folder of the same tokenizer", None),
     ("--max-tokens-limit", "max_tokens_limit", int, "most tokens one request may generate (default 512)", None),
+    ("--max-prompt-tokens", "max_prompt_tokens", int, "longest prompt accepted, in tokens; a longer one is a 400 "
+                                                      "(default: 8 times a slot's ring)", None),
     ("--log-format", "log_format", str, "one log line per request as text or JSON (default text)", ("text", "json")),
     ("--grace-s", "grace_s", float, "on SIGTERM, how long requests in flight may finish (default 30)", None),
     ("--power", "power", str, "power policy (default: the device profile's)", POWER_CHOICES),

@@ -716,3 +716,31 @@ def test_json_logs_are_json_on_every_line(capsys):
         for n, (handlers, level, propagate) in saved.items():
             lg = logging.getLogger(n)
             lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+
+
+def test_prompts_past_max_prompt_tokens_are_refused_once_tokenized(model):
+    """Nothing bounded a prompt but the body's size: a 1 MiB body of one-letter messages was 195,025
+    tokens and held a slot for 10 minutes, shifting through the ring (an ops review). The default is 8
+    rings; past it a 400 names both lengths, and a prompt within it is served."""
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=8), model=model)
+    try:
+        cl = r.client(key=None)
+        limit = 8 * model.capacity_tokens
+        assert r.server.max_prompt_tokens == limit
+        with pytest.raises(openai.BadRequestError) as e:
+            cl.completions.create(model="stories260K-int8", prompt=[5] * (limit + 1), max_tokens=2)
+        assert e.value.code == "context_length_exceeded" and f"{limit + 1} tokens" in e.value.message
+        with pytest.raises(openai.BadRequestError) as e:
+            cl.chat.completions.create(model="stories260K-int8", max_tokens=2,
+                                       messages=[{"role": "user", "content": "a " * limit}])
+        assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+        assert cl.completions.create(model="stories260K-int8", prompt=[5] * limit, max_tokens=2).usage.prompt_tokens \
+            == limit
+    finally:
+        r.stop()
+    small = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=8, max_prompt_tokens=16), model=model)
+    try:
+        with pytest.raises(openai.BadRequestError, match="at most 16"):
+            small.client(key=None).completions.create(model="stories260K-int8", prompt=[5] * 17, max_tokens=2)
+    finally:
+        small.stop()

@@ -70,8 +70,8 @@ def srv(model):
 
 @pytest.fixture
 def one_slot(model):
-    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=20_000), model=model)
-    yield r
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=20_000, max_prompt_tokens=200_000), model=model)
+    yield r  # (prompts far past the ring: long prefills to interrupt)
     r.stop()
 
 
@@ -430,7 +430,7 @@ def test_second_sigterm_exits_promptly_even_during_a_long_prefill():
     `cancelled`, and the interpreter joins the ThreadPoolExecutor's threads at exit: the process
     lives until the prefill ends (~20 s here; hours for a real model on a
     Pi, until systemd's SIGKILL)."""
-    proc, port, url = _start_process("--grace-s", "1")
+    proc, port, url = _start_process("--grace-s", "1", "--max-prompt-tokens", "200000")
     s = socket.create_connection(("127.0.0.1", port))
     try:
         s.sendall(_raw({"model": MODEL, "prompt": "a " * 150_000, "max_tokens": 5}))

@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError
 from edgeinfer.server import protocol, replies
-from edgeinfer.server.config import ServeConfig
+from edgeinfer.server.config import PROMPT_RINGS, ServeConfig
 from edgeinfer.server.metrics import Metrics
 from edgeinfer.server.protocol import APIError
 from edgeinfer.server.answer import JSON, Reply, cancel_on_disconnect, error_response, log_request
@@ -64,6 +64,7 @@ class Server:
     def __init__(self, model, config: ServeConfig):
         self.model, self.config = model, config
         self.model_id = model.folder.name
+        self.max_prompt_tokens = config.max_prompt_tokens or PROMPT_RINGS * model.capacity_tokens
         self.created = int(time.time())
         self.scheduler = Scheduler(model, config.slots, config.queue)
         self.metrics = Metrics(self.scheduler, model.power)
@@ -229,11 +230,20 @@ class Server:
             raise APIError(400, str(e), param="logit_bias") from None
         try:  # what the prompt's text or ids themselves break (vocabulary, UTF-8, the template's own checks)
             if chat:
-                return req, self.model.encode_chat(list(req.messages)), req.top_logprobs if req.logprobs else None
+                prompt = self.model.encode_chat(list(req.messages))
+                self._check_prompt_length(prompt, "messages")
+                return req, prompt, req.top_logprobs if req.logprobs else None
             prompt = self.model.encode_prompt(req.prompt if isinstance(req.prompt, str) else list(req.prompt))
         except InvalidArgumentError as e:
             raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+        self._check_prompt_length(prompt, "prompt")
         return req, prompt, req.logprobs
+
+    def _check_prompt_length(self, prompt: list[int], param: str) -> None:
+        if len(prompt) > self.max_prompt_tokens:  # OpenAI's context_length_exceeded: a 400 naming the lengths
+            raise APIError(400, f"the prompt is {len(prompt)} tokens; this server takes at most "
+                                f"{self.max_prompt_tokens} (max-prompt-tokens)", param=param,
+                           code="context_length_exceeded")
 
     async def _prepared(self, request: Request, body: dict, chat: bool) -> tuple:
         """`_prepare` in the tokenizing thread, for a request that could be admitted now (else 429 at

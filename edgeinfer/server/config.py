@@ -30,6 +30,8 @@ POWER_CHOICES = POLICY_NAMES + ("off",)  # power = ...: a policy, or no power ma
 LOOPBACK_NAMES = ("localhost",)
 PATH_SETTINGS = ("model", "draft_model", "api_key_file")  # resolved against a config file's folder
 API_KEY_ENV = "EDGEINFER_API_KEY"
+PROMPT_RINGS = 8  # max-prompt-tokens' default, in slot rings: a longer prompt would only shift through the
+# ring for minutes, holding its slot (a 1 MiB body of one-letter messages: 195,025 tokens, 10 minutes)
 MAX_GRACE_S = 86400  # a day: the systemd unit's stop timeout is built from it
 
 
@@ -48,6 +50,7 @@ class ServeConfig:
     speculative: str = "off"  # ngram | draft: speculative decoding for every request (edgeinfer/speculative.py)
     draft_model: str | None = None  # with speculative = draft: the small model of the same tokenizer that drafts
     max_tokens_limit: int = 512  # the most tokens one request may generate (and the default)
+    max_prompt_tokens: int | None = None  # the longest prompt accepted (None: PROMPT_RINGS x a slot's ring)
     max_body_bytes: int = 1 << 20  # larger request bodies are answered 413
     grace_s: float = 30.0  # on SIGTERM: how long requests in flight may take to finish
     log_format: str = "text"
@@ -85,6 +88,8 @@ class ServeConfig:
         for name in ("slots", "max_tokens_limit", "max_body_bytes"):
             positive(name)
         positive("queue", 0)
+        if self.max_prompt_tokens is not None:
+            positive("max_prompt_tokens")
         if self.capacity is not None:
             positive("capacity", 2)  # named as the file and the flag name it (load's check says capacity_tokens)
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
