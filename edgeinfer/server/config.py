@@ -125,8 +125,8 @@ class ServeConfig:
         self.power_policy()  # an unknown policy or a bad limit is refused here, with its name
         if not is_loopback(self.host) and not self.api_key:
             raise InvalidArgumentError(
-                f"refusing to listen on {self.host} without an API key: anyone on the network could use the "
-                "model; give --api-key-file FILE (or EDGEINFER_API_KEY), or keep --host 127.0.0.1")
+                f"refusing to listen on {self.host or 'every interface (host empty)'} without an API key: anyone on the "
+                "network could use the model; give --api-key-file FILE (or EDGEINFER_API_KEY), or keep --host 127.0.0.1")
 
 
 def is_loopback(host: str) -> bool:
