@@ -74,7 +74,7 @@ class Policy:
             v = getattr(self, field)
             if v is None:
                 continue
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not lo <= v <= hi:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not lo <= v <= hi or not math.isfinite(v):
                 raise InvalidArgumentError(f"power policy {field} must be a number in [{lo:g}, {hi:g}], got {v!r:.40}")
             object.__setattr__(self, field, float(v))  # a numpy number (np.float32 was refused) as a plain float
         if self.hysteresis_c >= self.warm_band_c:

@@ -12,8 +12,9 @@ class Metrics:
     def __init__(self, scheduler, power=None):
         """power: the Model's PowerController (None: off): its readings and plan become gauges."""
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("edgeinfer_requests", "HTTP requests answered, by endpoint and status",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter("edgeinfer_requests", "completion requests answered (endpoint chat or completions), "
+                                "and requests the key, a draining server or a web page's origin turned away "
+                                "(endpoint other), by status", ["endpoint", "status"], registry=r)
         self.ttft = Histogram("edgeinfer_time_to_first_token_seconds", "from request received to first token",
                               buckets=LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("edgeinfer_time_per_output_token_seconds", "decode time per generated token",
