@@ -3,7 +3,8 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, GET /health,
 GET /metrics.
 Every error is OpenAI-shaped ({"error": {"message", "type", "param", "code"}}) with its status:
-400 bad request, 401 bad or missing key, 404 unknown route or model, 405, 408 body too slow, 413 body too large,
+400 bad request, 401 bad or missing key, 403 a web page's request without a key (a foreign Origin or Host),
+404 unknown route or model, 405, 408 body too slow, 413 body too large,
 429 queue full (with Retry-After), 499 (logged and counted only) the client left, 503 shutting down or a background request (header
 x-edgeinfer-priority) the power plan refuses (with Retry-After), 500 a bug (logged, the server goes on).
 
@@ -321,7 +322,6 @@ class Server:
             watch.cancel()
 
 
-
 def _loopback_url(url: str) -> bool:
     """Whether `url`'s host is a loopback name or address (localhost, 127.0.0.0/8, ::1)."""
     try:
@@ -337,8 +337,10 @@ def _loopback_url(url: str) -> bool:
     except ValueError:
         return False
 
+
 class _Gate:
-    """ASGI middleware in front of every route: 503 while draining, 401 without the key (except /health)."""
+    """ASGI middleware in front of every route: 503 while draining, 401 without the key (except /health),
+    403 for a web page's request to a server without a key (`Server.foreign_page`)."""
 
     def __init__(self, app, server: Server):
         self.app, self.server = app, server

@@ -43,7 +43,9 @@ class HeadTimeoutH11(H11Protocol):
     413 or 408). uvicorn times a connection out only once a response is sent (its keep-alive), and
     any byte cancels that: connections that sent nothing, or half a head, were held for ever, and
     enough of them ran the process out of file descriptors (accept() failed, /health stopped
-    answering). The deadline is absolute: trickling bytes does not extend it."""
+    answering). The deadline is absolute: trickling bytes does not extend it. At most `max_connections`
+    are open at once: past it the oldest connection with no request in progress is closed (or the new
+    one, when every other has a request), so a flood of idle ones never exhausts the descriptors."""
 
     _head_timer: asyncio.TimerHandle | None = None
     _opened_s = 0.0
