@@ -55,7 +55,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=str, default=None, help="TOML file of these settings (flags win)")
     for flag, _, kind, help_text, choices in SERVE_FLAGS:
         p.add_argument(flag, type=kind, default=None, help=help_text, choices=choices)
-    p.add_argument("--log-prompts", action="store_true", default=None, help="log each prompt (off by default)")
+    p.add_argument("--log-prompts", action=argparse.BooleanOptionalAction, default=None,
+                   help="log each prompt's text (off by default; --no-log-prompts overrides a config file's true)")
     p.add_argument("--print-systemd-unit", action="store_true", help="print a systemd unit for these settings and exit")
 
 
@@ -112,8 +113,8 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
             argv += [flag, str(Path(value).resolve())]  # (it was left out, and the service then had no key)
         elif value is not None and name not in ("api_key", "api_key_file", "draft_model"):  # a key: the env file's
             argv += [flag, str(value)]
-    if args.log_prompts:
-        argv.append("--log-prompts")
+    if args.log_prompts is not None:
+        argv.append("--log-prompts" if args.log_prompts else "--no-log-prompts")
     total = footprint(folder, config.capacity) + sum(footprint(f, None) for f in folders[1:])
     needed = [sys.executable, *(str(f) for f in folders)] + ([str(Path(args.config).resolve())] if args.config else []) \
         + [str(Path(f).resolve()) for f in (args.api_key_file, config.api_key_file) if f]

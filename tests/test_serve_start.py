@@ -250,3 +250,23 @@ def test_enumerated_serve_settings_name_every_choice(capsys):
         with pytest.raises(SystemExit) as e:
             main(["serve", flag, "bogus", "--print-systemd-unit"])
         assert e.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_no_log_prompts_overrides_the_config_file(tmp_path, capsys):
+    """`log-prompts = true` in the file could not be switched off from the command line (an ops review)."""
+    import shlex
+
+    from edgeinfer.cli import main
+    from edgeinfer.cli_serve import _serve_args
+    from edgeinfer.server.config import load_config
+
+    conf = tmp_path / "edgeinfer.toml"
+    conf.write_text("log-prompts = true\n")
+    p = __import__("argparse").ArgumentParser()
+    _serve_args(p)
+    for flags, want in (([], True), (["--no-log-prompts"], False), (["--log-prompts"], True)):
+        args = p.parse_args(["--config", str(conf), *flags])
+        assert load_config(str(conf), {"log_prompts": args.log_prompts, "slots": 1, "power": "off"}).log_prompts is want
+    assert main(["serve", "--config", str(conf), "--no-log-prompts", "--print-systemd-unit"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("ExecStart="))
+    assert "--no-log-prompts" in shlex.split(line[len("ExecStart="):])
