@@ -744,3 +744,23 @@ def test_prompts_past_max_prompt_tokens_are_refused_once_tokenized(model):
             small.client(key=None).completions.create(model="stories260K-int8", prompt=[5] * 17, max_tokens=2)
     finally:
         small.stop()
+
+
+def test_a_logged_prompt_carries_its_replys_id(model, caplog):
+    """The prompt line (--log-prompts) had no id, so it could not be matched to its request's line when
+    requests overlap (an ops review). Both lines now carry the reply's id."""
+    import logging
+
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=8, log_prompts=True, log_format="json"), model=model)
+    try:
+        with caplog.at_level(logging.INFO, logger="edgeinfer.server"):
+            c = r.client(key=None).completions.create(model="stories260K-int8", prompt="Once upon", max_tokens=2)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not any('"status"' in m for m in caplog.messages):
+                time.sleep(0.05)
+    finally:
+        r.stop()
+    lines = [json.loads(m) for m in caplog.messages if m.startswith("{")]
+    prompt = next(x for x in lines if "prompt" in x)
+    request = next(x for x in lines if "status" in x)
+    assert prompt["id"] == request["id"] == c.id and prompt["prompt"].endswith("Once upon")

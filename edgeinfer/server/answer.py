@@ -42,10 +42,12 @@ def error_response(e: APIError, headers: dict | None = None) -> JSONResponse:
 class Reply:
     """One generation request's answer, whole or streamed (state of a single response)."""
 
-    def __init__(self, server: "Server", req, chat: bool, prompt: list[int], job: Job, t0: float, endpoint: str):
+    def __init__(self, server: "Server", req, chat: bool, prompt: list[int], job: Job, t0: float, endpoint: str,
+                 reply_id: str | None = None):
+        """reply_id: the response's id (chatcmpl-..., cmpl-...; None: a new one), in its log line too."""
         self.server, self.req, self.chat, self.prompt, self.job, self.t0 = server, req, chat, prompt, job, t0
         self.endpoint = endpoint
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.id = reply_id or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.model_id = server.model_id
         self.ttft_s: float | None = None
@@ -96,7 +98,7 @@ class Reply:
         total_ms = (time.perf_counter() - self.t0) * 1e3
         ttft = round(self.ttft_s * 1e3, 1) if self.ttft_s is not None else None  # a number (JSON: null when none)
         log_request(self.server.config.log_format, {
-            "method": "POST", "path": f"/v1/{'chat/' if self.chat else ''}completions", "status": status,
+            "id": self.id, "method": "POST", "path": f"/v1/{'chat/' if self.chat else ''}completions", "status": status,
             "prompt_tokens": len(self.prompt), "completion_tokens": completion_tokens, "ttft_ms": ttft,
             "total_ms": round(total_ms, 1)})
 

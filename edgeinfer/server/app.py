@@ -29,6 +29,7 @@ import ipaddress
 import json
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -297,8 +298,9 @@ class Server:
         except EdgeInferError as e:  # the prompt itself (vocabulary, empty, a template's raise_exception)
             return self._refused(request, endpoint, APIError(400, str(e)), t0)
         try:  # from admit to a queued job: nothing may keep the ticket, or its place holds the line for ever
-            if self.config.log_prompts:
-                log.info("prompt %s", json.dumps(self.model.tokenizer.decode(prompt)))
+            reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+            if self.config.log_prompts:  # the reply's id, as its request line has it (requests overlap)
+                log_request(self.config.log_format, {"id": reply_id, "prompt": self.model.tokenizer.decode(prompt)})
             options = req.options
             if self.config.speculative != "off":
                 options = dataclasses.replace(options, speculative=self.config.speculative)
@@ -307,7 +309,7 @@ class Server:
         except BaseException:  # never queued (the pool shut down, a failure): its place is given up
             self.scheduler.withdraw(ticket)
             raise
-        reply = Reply(self, req, chat, prompt, job, t0, endpoint)
+        reply = Reply(self, req, chat, prompt, job, t0, endpoint, reply_id)
         watch = asyncio.ensure_future(cancel_on_disconnect(request, job))
         try:
             first = await job.events.get()
