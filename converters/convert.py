@@ -95,6 +95,17 @@ def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | No
                        scale_dtype=scale_dtype)
 
 
+def _as_stored_on_cuda(scheme: QuantScheme, log) -> QuantScheme:
+    """The scheme the cuda graph holds: its float weights are fp16 (the fp16 pass converts every float
+    initializer), so fp32 weights, embedding or lm_head are recorded, and said, as fp16 (the manifest
+    and `inspect` said fp32 of fp16 tensors)."""
+    fp32 = {f: "fp16" for f in ("weights", "embedding", "lm_head") if getattr(scheme, f) == "fp32"}
+    if fp32:
+        log(f"note: --target cuda computes in fp16 and stores float weights as fp16: {', '.join(fp32)} written as "
+            "fp16, not fp32")
+    return dataclasses.replace(scheme, **fp32) if fp32 else scheme
+
+
 def check_spec(spec: ArchSpec, where: str) -> None:
     """The bounds `load` checks (ArchSpec.from_json), refused before any work rather than once the
     folder is written (a max_position_embeddings of 2**28 converted into a folder load refused)."""
@@ -377,6 +388,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
             if target == "cuda":  # fp16 activations and KV (converters/cuda_graph.py)
                 model = cuda_graph.to_fp16(model, tmp, DATA_FILE)
                 cuda_graph.save(model, tmp / MODEL_FILE, DATA_FILE)
+                scheme = _as_stored_on_cuda(scheme, log)
             else:
                 onnx.save_model(model, tmp / MODEL_FILE)
             del model

@@ -159,3 +159,23 @@ def test_the_systemd_unit_sizes_a_float16_ring_as_load_allocates_it(folders, mon
     rows, ring = kv_at_load(m, 64)
     assert ring == m.arch.kv_bytes_per_token // 2 * rows  # float16: half the float32 bytes
     assert sized == [weights + 3 * ring]
+
+
+def test_float_weights_are_recorded_as_the_fp16_the_cuda_graph_holds(tmp_path):
+    """`--target cuda --quant fp32` (or `--embedding fp32`) wrote fp16 tensors (the fp16 pass converts every
+    float initializer) while the manifest and `inspect` said fp32 (a fresh user's review): recorded now as
+    fp16, said in the log, and every float initializer of the graph is fp16 indeed."""
+    from edgeinfer.converters.convert import default_scheme
+
+    notes = []
+    for name, kw in (("fp32", dict(quant="fp32")),
+                     ("emb", dict(scheme=default_scheme("int4", 32, embedding="fp32")))):
+        out = tmp_path / name
+        convert(STORIES_SRC, out, target="cuda", log=notes.append, **kw)
+        q = read_manifest(out).quantization
+        m = onnx.load(str(out / "model.onnx"))
+        floats = {onnx.TensorProto.DataType.Name(t.data_type) for t in m.graph.initializer
+                  if t.data_type in (F16, F32) and "embed" in t.name}
+        assert floats == {"FLOAT16"}, floats
+        assert (q.embedding, q.lm_head) == ("fp16", "fp16") and q.weights == ("fp16" if name == "fp32" else "int4")
+    assert sum("stores float weights as fp16" in n for n in notes) == 2
