@@ -269,3 +269,13 @@ def test_a_scheme_whose_recipe_contradicts_its_storage_is_refused():
     with pytest.raises(ConvertError, match="recipe mse stores symmetric blocks"):
         QuantScheme(weights="int4", recipe="mse", symmetric=False)
     assert QuantScheme(weights="int4", recipe="asym", symmetric=False).recipe == "asym"
+
+
+def test_q4_1_is_recorded_as_the_asymmetric_recipe_it_is():
+    """`--recipe q4_1` (blocks with an fp16 minimum) was recorded and shown as "symmetric", and
+    `--asymmetric` silently changed the tensors it cannot take (a fresh user's review): the scheme is
+    asymmetric throughout now, with or without the flag."""
+    from edgeinfer.converters.convert import default_scheme
+
+    assert default_scheme("int4", 32, recipe="q4_1").symmetric is False
+    assert default_scheme("int4", 32, recipe="q4_1", symmetric=False) == default_scheme("int4", 32, recipe="q4_1")
