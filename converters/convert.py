@@ -328,7 +328,8 @@ def _check_portable(target: str, quant: str | None, capacity_tokens, prefill_tok
                            f"ring gains nothing and every prompt pays for all of it; give at most {cap}")
     if cap + 2 * pre > MAX_DIM:
         raise ConvertError(f"--capacity {cap} with --prefill-tokens {pre} makes attention rows of {cap + 2 * pre} "
-                           f"columns, over CoreML's limit of {MAX_DIM}: lower --capacity or --prefill-tokens")
+                           f"columns, over the portable graphs' limit of {MAX_DIM} (CoreML's largest dimension; "
+                           "NNAPI's graph is built the same way): lower --capacity or --prefill-tokens")
     return PortableInfo(capacity_tokens=cap, prefill_tokens=pre, weights=weights)
 
 

@@ -139,7 +139,8 @@ def test_attention_mask_by_hand():
     ({"target": "coreml", "quant": "int8"}, "DequantizeLinear"),
     ({"target": "cpu", "capacity_tokens": 128}, "--target coreml or nnapi"),
     ({"target": "coreml", "capacity_tokens": 1}, "--capacity"),
-    ({"target": "coreml", "capacity_tokens": 16300}, "CoreML's limit"),
+    ({"target": "coreml", "capacity_tokens": 16300}, "portable graphs' limit"),
+    ({"target": "nnapi", "capacity_tokens": 16300}, "portable graphs' limit"),  # it named CoreML for nnapi
     ({"target": "coreml", "scheme": default_scheme("int4")}, "quantization schemes"),
     ({"target": "nnapi", "attention": "gqa"}, "--attention"),
     ({"target": "cpu", "ort_format": True}, "--ort-format"),
