@@ -471,3 +471,17 @@ def test_deeply_nested_recorded_device_files_are_one_line_errors(tmp_path):
     (tmp_path / "env.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(InvalidArgumentError, match="env.json: not JSON"):
         detect_from_fixture(tmp_path)
+
+
+def test_a_background_refusal_names_its_cause():
+    """Under-voltage on a Pi at 58 °C said "background refused: heat" (a fresh user's review): the
+    refusal names the device's throttling report, and heat only where the temperature is the cause."""
+    from pathlib import Path
+
+    from edgeinfer.power.policy import Load, Policy, decide
+    from edgeinfer.power.sensors import sensors_from_fixture
+
+    fixtures = Path(__file__).parent / "fixtures" / "power"
+    r = sensors_from_fixture(fixtures / "pi5-undervoltage").read()
+    plan = decide(r, Policy("balanced"), Load(max_threads=4))
+    assert "background refused: the device reports throttling" in plan.reason and "heat" not in plan.reason

@@ -280,8 +280,9 @@ def decide(readings: Readings, policy: Policy, load: Load, previous: Plan | None
         reasons.append(f"under-voltage: {threads} of {n} cores")
     if policy.name != "performance":
         if level == "hot" or (policy.name == "thermal-guard" and level == "warm"):
-            admit = False
-            reasons.append("background refused: heat")
+            admit = False  # hot by the device's own report (a Pi's under-voltage throttling, say) or by heat
+            reasons.append("background refused: " + ("the device reports throttling" if _device_says_hot(readings)
+                                                      else "heat"))
         if low_battery:
             admit = False
             reasons.append(f"background refused: battery {readings.battery_pct:g}% < {policy.battery_floor_pct():g}%")
