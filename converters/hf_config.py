@@ -17,6 +17,9 @@ from edgeinfer.errors import ConvertError
 def read_config(folder: Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.exists():
+        if (Path(folder) / "edgeinfer.json").is_file():  # an output given as a source ("missing config.json" said)
+            raise ConvertError(f"{folder} is an edgeinfer model folder (converted already), not a source: convert the "
+                               "Hugging Face folder or GGUF file it was made from")
         raise ConvertError(f"missing config.json in {folder}")
     cfg = read_json(path)
     if not isinstance(cfg, dict):

@@ -522,3 +522,16 @@ def test_rope_blocks_that_agree_are_read_and_a_top_level_original_length_fills_t
     top = parse_rope({"original_max_position_embeddings": 64, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}})
     assert top.original_max_position_embeddings == 64
+
+
+def test_a_converted_folder_given_as_the_source_is_named_so(tmp_path):
+    """`convert OUT -o X` on an edgeinfer folder said "missing config.json in OUT" (a fresh user's review)."""
+    from conftest import STORIES_SRC
+    from edgeinfer.errors import ConvertError
+    from edgeinfer.converters import convert
+
+    out = tmp_path / "out"
+    convert(STORIES_SRC, out, quant="fp32")
+    with pytest.raises(ConvertError, match="is an edgeinfer model folder \\(converted already\\), not a source"):
+        convert(out, tmp_path / "again", quant="int8")
+    assert not (tmp_path / "again").exists()
