@@ -53,7 +53,7 @@ def format_report(data: dict) -> str:
     lines.append("plans (idle runtime):")
     for name, p in data["plans"].items():
         cap = f"{p['max_tokens_per_s']:.1f} tok/s" if p["max_tokens_per_s"] else "unpaced"
-        lines.append(f"  {name:<13} {p['threads']} cores, {cap}, background "
+        lines.append(f"  {name:<13} {p['threads']} core{'s' if p['threads'] != 1 else ''}, {cap}, background "
                      f"{'admitted' if p['admit_background'] else 'refused'}  ({p['reason'] or p['level']})")
     return "\n".join(map(_printable, lines))
 
