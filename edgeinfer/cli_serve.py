@@ -116,8 +116,8 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
     if args.log_prompts is not None:
         argv.append("--log-prompts" if args.log_prompts else "--no-log-prompts")
     total = footprint(folder, config.capacity) + sum(footprint(f, None) for f in folders[1:])
-    needed = [sys.executable, *(str(f) for f in folders)] + ([str(Path(args.config).resolve())] if args.config else []) \
-        + [str(Path(f).resolve()) for f in (args.api_key_file, config.api_key_file) if f]
+    needed = [sys.executable, *(str(f) for f in folders),  # what the service reads
+              *(str(Path(f).resolve()) for f in (args.config, args.api_key_file, config.api_key_file) if f)]
     for warning in hidden_paths(needed):
         print(f"edgeinfer: warning: {warning}", file=sys.stderr)
     print(systemd_unit(exec_start=argv, memory_max_bytes=total, grace_s=config.grace_s,

@@ -443,17 +443,12 @@ def test_recorded_device_files_past_the_size_bound_are_refused_unread(tmp_path):
     from edgeinfer.small_files import MAX_RECORDED_BYTES
 
     (tmp_path / "root").mkdir()
-    for name in ("commands.json", "platform.txt"):
+    for name, reader in (("commands.json", sensors_from_fixture), ("platform.txt", sensors_from_fixture),
+                         ("env.json", detect_from_fixture), ("machine.txt", detect_from_fixture)):
         with open(tmp_path / name, "wb") as f:
             f.truncate(MAX_RECORDED_BYTES + 1)
         with pytest.raises(InvalidArgumentError, match=f"{name} is {MAX_RECORDED_BYTES + 1} bytes"):
-            sensors_from_fixture(tmp_path)
-        (tmp_path / name).unlink()
-    for name in ("env.json", "machine.txt"):
-        with open(tmp_path / name, "wb") as f:
-            f.truncate(MAX_RECORDED_BYTES + 1)
-        with pytest.raises(InvalidArgumentError, match=f"{name} is {MAX_RECORDED_BYTES + 1} bytes"):
-            detect_from_fixture(tmp_path)
+            reader(tmp_path)
         (tmp_path / name).unlink()
     (tmp_path / "platform.txt").write_text("linux\n")  # within the bound: read as before
     assert detect_from_fixture(tmp_path) is not None and sensors_from_fixture(tmp_path) is not None

@@ -39,6 +39,11 @@ def error_response(e: APIError, headers: dict | None = None) -> JSONResponse:
     return JSON(e.body(), status_code=e.status, headers=headers)
 
 
+def new_reply_id(chat: bool) -> str:
+    """A response's id, as OpenAI's: chatcmpl-... or cmpl-..."""
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
 class Reply:
     """One generation request's answer, whole or streamed (state of a single response)."""
 
@@ -47,7 +52,7 @@ class Reply:
         """reply_id: the response's id (chatcmpl-..., cmpl-...; None: a new one), in its log line too."""
         self.server, self.req, self.chat, self.prompt, self.job, self.t0 = server, req, chat, prompt, job, t0
         self.endpoint = endpoint
-        self.id = reply_id or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.id = reply_id or new_reply_id(chat)
         self.created = int(time.time())
         self.model_id = server.model_id
         self.ttft_s: float | None = None
@@ -98,8 +103,8 @@ class Reply:
         total_ms = (time.perf_counter() - self.t0) * 1e3
         ttft = round(self.ttft_s * 1e3, 1) if self.ttft_s is not None else None  # a number (JSON: null when none)
         log_request(self.server.config.log_format, {
-            "id": self.id, "method": "POST", "path": f"/v1/{'chat/' if self.chat else ''}completions", "status": status,
-            "prompt_tokens": len(self.prompt), "completion_tokens": completion_tokens, "ttft_ms": ttft,
+            "id": self.id, "method": "POST", "path": f"/v1/{'chat/' if self.chat else ''}completions",
+            "status": status, "prompt_tokens": len(self.prompt), "completion_tokens": completion_tokens, "ttft_ms": ttft,
             "total_ms": round(total_ms, 1)})
 
     def _finish_metrics(self, completion, cached: int, status: int = 200) -> None:

@@ -29,7 +29,6 @@ import ipaddress
 import json
 import logging
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -46,7 +45,7 @@ from edgeinfer.server import protocol, replies
 from edgeinfer.server.config import PROMPT_RINGS, ServeConfig
 from edgeinfer.server.metrics import Metrics
 from edgeinfer.server.protocol import APIError
-from edgeinfer.server.answer import JSON, Reply, cancel_on_disconnect, error_response, log_request
+from edgeinfer.server.answer import JSON, Reply, cancel_on_disconnect, error_response, log_request, new_reply_id
 from edgeinfer.server.scheduler import Closed, Job, QueueFull, Scheduler
 
 log = logging.getLogger("edgeinfer.server")
@@ -230,22 +229,19 @@ class Server:
             req.options.sampling.check_vocabulary(self.model.manifest.arch.vocab_size)
         except InvalidArgumentError as e:
             raise APIError(400, str(e), param="logit_bias") from None
+        param = "messages" if chat else "prompt"
         try:  # what the prompt's text or ids themselves break (vocabulary, UTF-8, the template's own checks)
             if chat:
                 prompt = self.model.encode_chat(list(req.messages))
-                self._check_prompt_length(prompt, "messages")
-                return req, prompt, req.top_logprobs if req.logprobs else None
-            prompt = self.model.encode_prompt(req.prompt if isinstance(req.prompt, str) else list(req.prompt))
+            else:
+                prompt = self.model.encode_prompt(req.prompt if isinstance(req.prompt, str) else list(req.prompt))
         except InvalidArgumentError as e:
-            raise APIError(400, str(e), param="messages" if chat else "prompt") from None
-        self._check_prompt_length(prompt, "prompt")
-        return req, prompt, req.logprobs
-
-    def _check_prompt_length(self, prompt: list[int], param: str) -> None:
+            raise APIError(400, str(e), param=param) from None
         if len(prompt) > self.max_prompt_tokens:  # OpenAI's context_length_exceeded: a 400 naming the lengths
             raise APIError(400, f"the prompt is {len(prompt)} tokens; this server takes at most "
                                 f"{self.max_prompt_tokens} (max-prompt-tokens)", param=param,
                            code="context_length_exceeded")
+        return req, prompt, (req.top_logprobs if req.logprobs else None) if chat else req.logprobs
 
     async def _prepared(self, request: Request, body: dict, chat: bool) -> tuple:
         """`_prepare` in the tokenizing thread, for a request that could be admitted now (else 429 at
@@ -298,7 +294,7 @@ class Server:
         except EdgeInferError as e:  # the prompt itself (vocabulary, empty, a template's raise_exception)
             return self._refused(request, endpoint, APIError(400, str(e)), t0)
         try:  # from admit to a queued job: nothing may keep the ticket, or its place holds the line for ever
-            reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+            reply_id = new_reply_id(chat)
             if self.config.log_prompts:  # the reply's id, as its request line has it (requests overlap)
                 log_request(self.config.log_format, {"id": reply_id, "prompt": self.model.tokenizer.decode(prompt)})
             options = req.options

@@ -95,7 +95,8 @@ class ServeConfig:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in [0, 65535], got {self.port!r}")
         if self.speculative not in ("off",) + SPECULATIVE:
-            raise InvalidArgumentError(f"speculative must be one of off, {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+            raise InvalidArgumentError(f"speculative must be one of off, {', '.join(SPECULATIVE)}, "
+                                       f"got {self.speculative!r}")
         if self.speculative == "draft" and not self.draft_model:
             raise InvalidArgumentError("speculative = draft needs draft-model (a model folder of the same tokenizer)")
         if self.draft_model is not None and self.speculative != "draft":
@@ -125,8 +126,9 @@ class ServeConfig:
         self.power_policy()  # an unknown policy or a bad limit is refused here, with its name
         if not is_loopback(self.host) and not self.api_key:
             raise InvalidArgumentError(
-                f"refusing to listen on {self.host or 'every interface (host empty)'} without an API key: anyone on the "
-                "network could use the model; give --api-key-file FILE (or EDGEINFER_API_KEY), or keep --host 127.0.0.1")
+                f"refusing to listen on {self.host or 'every interface (host empty)'} without an API key: anyone on "
+                "the network could use the model; give --api-key-file FILE (or EDGEINFER_API_KEY), or keep "
+                "--host 127.0.0.1")
 
 
 def is_loopback(host: str) -> bool:

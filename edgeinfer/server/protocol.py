@@ -206,7 +206,10 @@ def _max_tokens(body: dict, names: tuple[str, ...], limit: int) -> tuple[int, st
         (a, va), (b, vb) = list(given.items())[:2]
         raise APIError(400, f"{a} ({va}) and {b} ({vb}) differ: set one of them", param=a,
                        code="invalid_parameter_combination")
-    return next(((v, name) for name, v in reversed(given.items())), (limit, names[-1]))
+    if not given:
+        return limit, names[-1]
+    name = next(reversed(given))  # (they agree)
+    return given[name], name
 
 
 def _stop(body: dict) -> tuple[str, ...] | None:
