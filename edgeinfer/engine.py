@@ -194,7 +194,7 @@ class Engine(ChunkedSteps):
                 b.kv = _dead  # (first: a rebind cut short by Ctrl-C is not taken for a whole one)
                 self._bind_ring(b.io, cache.k, cache.v, shape, self._seqlens)
                 b.kv = weakref.ref(cache)
-            key = (s, n, logits.ctypes.data, self._rope_gen)
+            key = (s, n, cache.logits_address if logits is cache.logits else logits.ctypes.data, self._rope_gen)
             if key != b.tokens:  # every call of this shape after the first reuses the binding
                 b.tokens = None
                 self._bind_tokens(b.io, self._ids, self._pos, [1, s], n, logits)

@@ -209,3 +209,32 @@ def test_a_stop_string_in_the_text_held_at_the_end_stops(bundled):
     c = bundled.generate("Once", max_new_tokens=3, temperature=0, ignore_eos=True, logit_bias={3 + 0xE2: 100},
                          stop=["\ufffd"])
     assert c.text == "" and c.finish_reason == "stop"
+
+
+def _library_decode(tok, ids) -> str:
+    """The back end's own decode of `ids`, with the ids `Tokenizer.decode` drops before decoding removed."""
+    kept = [int(i) for i in ids if 0 <= int(i) < tok._n_vocab]
+    return tok._sp.decode(kept) if tok.kind == "sentencepiece" else tok._hf.decode(kept, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("backend", ["sentencepiece", "byte_level"])
+def test_remembered_short_decodes_are_the_library_decodes(bundled, tmp_path, backend):
+    """Decodes of one or two ids are remembered (the detokenizer asks for two per token): every
+    single id (past the vocabulary and negative ones too) and random pairs (specials and bytes among
+    them) give the library's decode, the first time and from memory, as lists, tuples and numpy ids;
+    the memory stays within `SHORT_DECODES` as new pairs keep coming."""
+    import numpy as np
+
+    tok = bundled.tokenizer if backend == "sentencepiece" else _byte_level(tmp_path)[0]
+    n = tok._n_vocab
+    rng = random.Random(5)
+    singles = [[i] for i in range(-2, n + 3)]
+    pairs = [[rng.randrange(-1, n + 2), rng.randrange(-1, n + 2)] for _ in range(3 * tok.SHORT_DECODES)]
+    for ids in singles + pairs:
+        want = _library_decode(tok, ids)
+        assert tok.decode(ids) == want
+        assert tok.decode(tuple(ids)) == want and tok.decode(np.array(ids, np.int64).tolist()) == want
+        assert tok.decode([np.int64(i) for i in ids]) == want
+        assert len(tok._short) <= tok.SHORT_DECODES
+    assert tok.decode([]) == ""
+    assert tok.decode(iter(pairs[0])) == _library_decode(tok, pairs[0])  # any iterable, as before
