@@ -246,8 +246,11 @@ def _cmd_power(args: argparse.Namespace) -> int:
     from edgeinfer.power.report import format_report, report
     from edgeinfer.power.sensors import Sensors, sensors_from_fixture
 
-    if args.watch and not (math.isfinite(args.interval_s) and 0.1 <= args.interval_s <= 86400):
-        raise EdgeInferError(f"--interval-s must be a number of seconds in [0.1, 86400], got {args.interval_s}")
+    if args.interval_s is not None and not args.watch:  # (it was ignored: one reading, at once)
+        raise EdgeInferError("--interval-s goes with --watch (without it, power prints one reading)")
+    interval_s = 1.0 if args.interval_s is None else args.interval_s
+    if args.watch and not (math.isfinite(interval_s) and 0.1 <= interval_s <= 86400):
+        raise EdgeInferError(f"--interval-s must be a number of seconds in [0.1, 86400], got {interval_s}")
     if args.root is not None and not (args.root / "root").is_dir() and not (args.root / "platform.txt").is_file():
         raise EdgeInferError(f"{args.root} is not a recorded device (a folder with root/ and platform.txt)")
     sensors = sensors_from_fixture(args.root) if args.root is not None else Sensors()
@@ -256,7 +259,7 @@ def _cmd_power(args: argparse.Namespace) -> int:
         print(json.dumps(data) if args.json else format_report(data), flush=True)
         if not args.watch:
             return 0
-        time.sleep(args.interval_s)
+        time.sleep(interval_s)
         if not args.json:
             print()
 
@@ -318,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pw = sub.add_parser("power", help="what this device's sensors read and the plan each power policy would choose")
     pw.add_argument("--watch", action="store_true", help="print again every --interval-s until Ctrl-C")
-    pw.add_argument("--interval-s", type=float, default=1.0, help="seconds between readings with --watch (default 1)")
+    pw.add_argument("--interval-s", type=float, default=None, help="seconds between readings with --watch (default 1)")
     pw.add_argument("--json", action="store_true", help="one JSON object per reading")
     pw.add_argument("--root", type=Path, default=None, help="read a recorded device folder instead (tests/fixtures/power/...)")
     pw.set_defaults(func=_cmd_power)

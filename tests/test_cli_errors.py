@@ -109,6 +109,8 @@ def test_power_limits_past_any_float_and_a_watch_interval_past_a_day_are_one_lin
         Policy("balanced", max_tokens_per_s=10 ** 400)
     assert main(["power", "--watch", "--interval-s", "1e10"]) == 1
     assert "--interval-s must be a number of seconds in [0.1, 86400]" in capsys.readouterr().err
+    assert main(["power", "--interval-s", "5"]) == 1  # ignored before: one reading, at once
+    assert "--interval-s goes with --watch" in capsys.readouterr().err
 
 
 def test_chat_help_is_not_a_message_and_json_does_not_go_with_stream(capsys):
