@@ -279,7 +279,8 @@ class Request:
         stepper.join(cache)
         try:
             window = opts.sampling.penalty_last_n if opts.sampling.has_penalties else 0  # the ids it keeps, at most
-            sampler = Sampler(opts.sampling, opts.seed, (self.prefix[-window:] if window else []) + feed)
+            history = ((self.prefix[-window:] if window else []) + feed) if opts.penalize_prompt else []
+            sampler = Sampler(opts.sampling, opts.seed, history)
             finish, final, t_first = yield from self._decode(logits, sampler, detok, stops, generated, marks, stepper)
         finally:
             stepper.leave(cache)

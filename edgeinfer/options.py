@@ -25,7 +25,11 @@ class GenerationOptions:
     sampling: the chain's settings (temperature 0 is greedy); speculative: None (plain decoding) or
     "ngram" (prompt-lookup drafts checked in one graph call: the same tokens, sooner, on text that
     repeats itself; `speculative.py`) or "draft" (drafts by the small model of the same tokenizer
-    that `Model.set_draft` attached). Bad values raise InvalidArgumentError."""
+    that `Model.set_draft` attached); penalize_prompt: the penalties (`sampling`'s repetition, frequency
+    and presence penalties, over its last `penalty_last_n` ids) count the prompt's ids (a
+    conversation's earlier turns too) as well as the reply's, as llama.cpp does (True), or the
+    reply's alone (False: OpenAI's rule for its frequency and presence penalties, which the daemon
+    applies over the whole reply). Bad values raise InvalidArgumentError."""
 
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
@@ -33,6 +37,7 @@ class GenerationOptions:
     ignore_eos: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculative: str | None = None
+    penalize_prompt: bool = True
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
@@ -48,8 +53,9 @@ class GenerationOptions:
             if not is_integer(self.seed):
                 raise InvalidArgumentError(f"seed must be an integer or None, got {self.seed!r}")
             object.__setattr__(self, "seed", int(self.seed))
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "penalize_prompt"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.speculative is not None and (not isinstance(self.speculative, str) or self.speculative not in SPECULATIVE):
             raise InvalidArgumentError(f"speculative must be None or one of {', '.join(map(repr, SPECULATIVE))}, "
                                        f"got {self.speculative!r}")

@@ -61,6 +61,29 @@ def test_a_turn_s_penalties_and_usage_see_the_whole_conversation(fp32, penalty):
     assert warm.usage.prompt_tokens == len(ids) and warm.token_ids == plain.token_ids
 
 
+def test_penalties_of_the_reply_alone_follow_openai_s_formula(fp32):
+    """penalize_prompt=False (the daemon's rule for OpenAI's frequency and presence penalties): each
+    logit j is lowered by c[j] * frequency + (c[j] > 0) * presence, c[j] counting j in the reply so
+    far only; hand-computed on the graph's logits of prompt + reply. The first token is then the
+    unpenalised one (the default rule counts the prompt's words: here it changes the reply)."""
+    from collections import Counter
+
+    m = edgeinfer.load(fp32)
+    prompt = m.tokenizer.encode("Lily and Ben went to the park. Lily and Ben")
+    freq, pres, n = 0.7, 1.3, 24
+    pen = dict(GREEDY, max_new_tokens=n, frequency_penalty=freq, presence_penalty=pres)
+    got = list(m.generate(prompt, penalize_prompt=False, penalty_last_n=n, **pen).token_ids)
+    reply: list[int] = []
+    for _ in range(n):
+        logits = m.engine.prefill(m.new_cache(), prompt + reply).astype(np.float64)
+        for t, c in Counter(reply).items():
+            logits[t] -= c * freq + pres
+        reply.append(int(np.argmax(logits)))
+    assert got == reply
+    assert got[0] == m.generate(prompt, max_new_tokens=1, **GREEDY).token_ids[0]
+    assert list(m.generate(prompt, **pen).token_ids) != got  # the prompt counted: another reply
+
+
 def test_a_turn_refused_after_it_started_over_leaves_the_cache_as_it_was(fp32):
     """Under truncate, a turn that does not fit beside the history starts over; cancelled before its
     first graph call, it used to leave the cache emptied (the next turn re-prefilled the history

@@ -117,6 +117,24 @@ def test_legacy_completion_logprobs(srv):
     lp = c.choices[0].logprobs
     assert "".join(lp.tokens) == c.choices[0].text and lp.text_offset[0] == len("Once upon")
     assert all(len(t) == 2 for t in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+    ids = edgeinfer.load().encode_prompt("Once upon")  # a prompt of ids: offsets from its text too (they were from 0)
+    d = srv.client().completions.create(model="stories260K-int8", prompt=ids, max_tokens=6, temperature=0, logprobs=2)
+    assert d.choices[0].logprobs.text_offset == lp.text_offset and d.choices[0].text == c.choices[0].text
+
+
+def test_with_include_usage_every_chunk_before_the_last_has_usage_null(srv):
+    """OpenAI: "All other chunks will also include a usage field, but with a null value" (they had none)."""
+    for path, extra in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                        ("/v1/completions", {"prompt": "Once upon"})):
+        events = []
+        with httpx.stream("POST", srv.url + path, timeout=30, headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "stories260K-int8", "max_tokens": 8, "stream": True,
+                                "stream_options": {"include_usage": True}, **extra}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+        assert len(events) >= 3 and all("usage" in e and e["usage"] is None for e in events[:-1]), events
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] > 0
 
 
 def test_reused_prefix_gives_the_same_reply_on_the_int8_model(srv, model):

@@ -368,7 +368,9 @@ def test_same_request_twice_gives_the_same_greedy_reply_with_penalties(model, pe
     finally:
         r.stop()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the path under test
-    want = edgeinfer.load().generate(prompt, max_new_tokens=40, temperature=0, ignore_eos=True, **penalty).text
+    openai_rule = {} if "repetition_penalty" in penalty else dict(penalize_prompt=False, penalty_last_n=40)
+    want = edgeinfer.load().generate(prompt, max_new_tokens=40, temperature=0, ignore_eos=True, **penalty,
+                                     **openai_rule).text  # (OpenAI's penalties count the reply alone)
     assert first["choices"][0]["text"] == want
     assert second["choices"][0]["text"] == want
 

@@ -71,7 +71,7 @@ COMMON_BAD = [
     (dict(temperature=2.01), 400, "temperature"),
     (dict(temperature=float("nan")), 400, "temperature"),
     (dict(temperature=float("inf")), 400, "temperature"),
-    (dict(top_p=0), 400, "top_p"),
+    (dict(top_p=-0.01), 400, "top_p"),
     (dict(top_p=1.5), 400, "top_p"),
     (dict(top_p=[1]), 400, "top_p"),
     (dict(n=2), 400, "n"),
@@ -122,6 +122,10 @@ COMMON_BAD = [
     (dict(tool_choice="required"), 400, "tool_choice"),  # no tool can be called
     (dict(tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tool_choice"),
     (dict(function_call={"name": "f"}), 400, "function_call"),
+    (dict(modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}), 400, "modalities"),
+    (dict(audio={"voice": "alloy", "format": "wav"}), 400, "audio"),
+    (dict(presence_penalty=1, repetition_penalty=1.2), 400, "repetition_penalty"),  # two rules, one window
+    (dict(frequency_penalty=-1, repetition_penalty=0.9), 400, "repetition_penalty"),
 ]
 
 CHAT_BAD = COMMON_BAD + [
@@ -150,6 +154,7 @@ CHAT_BAD = COMMON_BAD + [
     (dict(logprobs=True, top_logprobs=2.0), 400, "top_logprobs"),
     (dict(top_logprobs=2), 400, "top_logprobs"),  # without logprobs
     (dict(logprobs=False, top_logprobs=0), 400, "top_logprobs"),
+    (dict(prompt="Once upon a time"), 400, "prompt"),  # /v1/completions' field
 ]
 
 COMP_BAD = COMMON_BAD + [
@@ -167,6 +172,8 @@ COMP_BAD = COMMON_BAD + [
     (dict(logprobs=-1), 400, "logprobs"),
     (dict(logprobs=True), 400, "logprobs"),
     (dict(logprobs=2.0), 400, "logprobs"),
+    (dict(max_completion_tokens=2), 400, "max_completion_tokens"),  # chat's: was ignored (the reply ran to the limit)
+    (dict(messages=[{"role": "user", "content": "hi"}]), 400, "messages"),
 ]
 
 
@@ -253,14 +260,19 @@ def test_completion_features_not_implemented_are_refused_not_ignored(changes):
 
 def test_sampling_fields_reach_the_options():
     r = chat(temperature=0, top_p=0.5, max_tokens=7, stop="\n", seed=-3, frequency_penalty=-2, presence_penalty=2,
-             logit_bias={"5": -100, "17": 2.5}, top_k=3, min_p=0.1, typical_p=0.9, repetition_penalty=1.3,
-             ignore_eos=True, n=1)
+             logit_bias={"5": -100, "17": 2.5}, top_k=3, min_p=0.1, typical_p=0.9, ignore_eos=True, n=1)
     o = r.options
     assert (o.max_new_tokens, o.stop, o.seed, o.ignore_eos) == (7, ("\n",), -3, True)
+    # OpenAI's frequency and presence penalties count the tokens of the reply alone, all of them
     assert o.sampling == SamplingParams(temperature=0, top_p=0.5, top_k=3, min_p=0.1, typical_p=0.9,
-                                        repetition_penalty=1.3, frequency_penalty=-2, presence_penalty=2,
+                                        frequency_penalty=-2, presence_penalty=2, penalty_last_n=7,
                                         logit_bias={5: -100.0, 17: 2.5})
+    assert o.penalize_prompt is False
     assert o.sampling.logit_bias_items == ((5, -100.0), (17, 2.5))
+    o = chat(repetition_penalty=1.3, presence_penalty=0, frequency_penalty=None).options  # llama.cpp's rule
+    assert (o.sampling.repetition_penalty, o.sampling.penalty_last_n, o.penalize_prompt) == (1.3, 64, True)
+    assert comp(presence_penalty=0.5, repetition_penalty=1).options.penalize_prompt is False
+    assert chat().options.penalize_prompt is True
     assert comp(stop=["a", "b", "c", "d"], temperature=2, top_p=1).options.stop == ("a", "b", "c", "d")
     assert comp(stop=[]).options.stop == ()
     assert comp(max_tokens=LIMIT).options.max_new_tokens == LIMIT
@@ -275,8 +287,10 @@ def test_max_tokens_and_max_completion_tokens_are_one_limit():
     assert chat(max_tokens=4, max_completion_tokens=4).options.max_new_tokens == 4
     assert chat(max_completion_tokens=4).options.max_new_tokens == 4
     assert chat(max_tokens=9, max_completion_tokens=None).options.max_new_tokens == 9
-    # completions know only max_tokens: max_completion_tokens there is an unknown field
-    assert comp(max_completion_tokens=4).options.max_new_tokens == LIMIT
+    # completions know only max_tokens: max_completion_tokens there was ignored (the reply ran to the limit)
+    err = refused(parse_completion, body(COMP, max_completion_tokens=4))
+    assert (err.status, err.param) == (400, "max_completion_tokens") and "/v1/chat/completions" in err.message
+    assert comp(max_completion_tokens=None).options.max_new_tokens == LIMIT
 
 
 def test_streaming_flags():
@@ -549,3 +563,11 @@ def test_fields_openai_or_other_servers_define_are_still_ignored():
                   cache_prompt=True, n_predict=4, max_output_tokens=4)
     assert chat(**others).options.max_new_tokens == LIMIT
     assert comp(**others).options.max_new_tokens == LIMIT
+
+
+def test_top_p_zero_is_the_most_likely_token_alone():
+    """OpenAI allows top_p 0 (some clients send it for "deterministic"); it was a 400 "in (0, 1]"."""
+    for parse in (chat, comp):
+        o = parse(top_p=0, temperature=0.7).options.sampling
+        assert (o.top_k, o.top_p, o.temperature) == (1, 1.0, 0.7)
+    assert chat(top_p=0, top_k=40).options.sampling.top_k == 1

@@ -57,7 +57,10 @@ class Reply:
         self.model_id = server.model_id
         self.ttft_s: float | None = None
         self.tok = server.model.tokenizer
-        self._offsets = replies.TextOffsets(len(req.prompt) if not chat and isinstance(req.prompt, str) else 0)
+        # legacy logprobs' text_offset counts from the prompt's start (a prompt of ids: its decoded text)
+        start = 0 if chat or req.logprobs is None else \
+            len(req.prompt) if isinstance(req.prompt, str) else len(self.tok.decode(list(req.prompt)))
+        self._offsets = replies.TextOffsets(start)
         wanted = bool(req.logprobs) if chat else req.logprobs is not None
         # logprobs go out with the text their tokens add (a stop string's: never); none asked: no gate, no cost
         self._gate = replies.LogprobGate() if wanted else None
@@ -163,8 +166,8 @@ class Reply:
         event, status, completion, tokens = first, 200, None, 0  # tokens: those sent, for the log of a cut stream
         try:
             if self.chat:
-                yield _sse(replies.chat_chunk(id=self.id, created=self.created, model=self.model_id,
-                                               delta={"role": "assistant", "content": ""}))
+                yield self._event(replies.chat_chunk(id=self.id, created=self.created, model=self.model_id,
+                                                     delta={"role": "assistant", "content": ""}))
             while event[0] == "chunk":
                 if self.ttft_s is None:
                     self.ttft_s = time.perf_counter() - self.t0
@@ -178,7 +181,7 @@ class Reply:
                 tokens += sum(c.token_id is not None for c in chunks)  # before the yield: a client that
                 text, entries = "".join(c.text for c in chunks), self._released(chunks)  # leaves there still
                 if text or entries:  # counts them
-                    yield _sse(self._chunk_body(text, entries))
+                    yield self._event(self._chunk_body(text, entries))
                 if event is None:
                     event = await self.job.events.get()
             if event[0] == "error":
@@ -195,13 +198,13 @@ class Reply:
             _, completion, cached = event
             reason = replies.finish_reason(completion.finish_reason)
             if entries := self._held_back(completion):
-                yield _sse(self._chunk_body("", entries))
+                yield self._event(self._chunk_body("", entries))
             if self.chat:
-                yield _sse(replies.chat_chunk(id=self.id, created=self.created, model=self.model_id, delta={},
-                                               finish_reason=reason))
+                yield self._event(replies.chat_chunk(id=self.id, created=self.created, model=self.model_id,
+                                                     delta={}, finish_reason=reason))
             else:
-                yield _sse(replies.completion_chunk(id=self.id, created=self.created, model=self.model_id, text="",
-                                                     finish_reason=reason))
+                yield self._event(replies.completion_chunk(id=self.id, created=self.created, model=self.model_id,
+                                                           text="", finish_reason=reason))
             if self.req.include_usage:
                 usage = self._usage(completion, cached)
                 build = replies.chat_chunk if self.chat else replies.completion_chunk
@@ -217,6 +220,11 @@ class Reply:
                 self.server.metrics.request(self.endpoint, 499 if status == 200 else status)
                 self.server.metrics.cut(tokens)
                 self._log(499 if status == 200 else status, tokens)
+
+    def _event(self, chunk: dict) -> str:
+        """A chunk before the last as an SSE event: with include_usage it carries "usage": null (OpenAI:
+        "All other chunks will also include a usage field, but with a null value")."""
+        return _sse({**chunk, "usage": None} if self.req.include_usage else chunk)
 
     def _chunk_body(self, text: str, entries: list[dict]) -> dict:
         """One SSE event: the text of one or more consecutive chunks and the logprob entries released with it."""

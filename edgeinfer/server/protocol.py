@@ -7,9 +7,10 @@ error body). Every bad field is a 400 whose `param` names it. A null optional fi
 fields are ignored (OpenAI's newer ones, a client's own), unless the name is a near miss of one this
 server reads (`max_token`, `temprature`: a 400 that names the field meant, where the typo was served
 with the default), and except `tools` / `functions` / `tool_choice` / `function_call` /
-`response_format` and, on completions, `echo`, `best_of` and `suffix`: each is refused unless it asks
-for what this server does anyway (no tools, plain text, no echo), so a client that relies on them
-does not get something else silently.
+`response_format` / `modalities` / `audio` and, on completions, `echo`, `best_of` and `suffix`: each
+is refused unless it asks for what this server does anyway (no tools, plain text, no echo), so a
+client that relies on them does not get something else silently; nor is the other endpoint's
+`prompt`, `messages` or `max_completion_tokens` ignored (a 400 names where it belongs).
 
 Responses are built in `replies`.
 """
@@ -30,14 +31,20 @@ MAX_LEGACY_LOGPROBS = 5  # completions' logprobs
 # fields this server does not implement -> the values that ask for nothing it does not do anyway (no
 # tools, so a tool choice of "auto" calls none; plain text)
 UNSUPPORTED = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
-               "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"})}
+               "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+               "modalities": (None, ["text"]), "audio": (None,)}
 UNSUPPORTED_COMPLETION = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
+# the other endpoint's fields: sent here, each is a 400 naming where it belongs (ignored, max_completion_tokens
+# on /v1/completions let a reply run to the server's limit)
+OTHER_ENDPOINT = {"chat": {"prompt": "/v1/completions"},
+                  "completion": {"messages": "/v1/chat/completions",
+                                 "max_completion_tokens": "/v1/chat/completions (here: max_tokens)"}}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 # (field, test, range in words): numbers passed through to the sampler once checked
 _NUMBERS = (
     ("temperature", lambda v: v == 0 or MIN_TEMPERATURE <= v <= 2, f"0 or in [{MIN_TEMPERATURE:g}, 2]"),
-    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("top_p", lambda v: 0 <= v <= 1, "in [0, 1]"),  # 0: the most likely token alone (top_k 1), as OpenAI allows
     ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
     ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
     ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -167,6 +174,12 @@ def _refuse_near_misses(body: dict, read: frozenset) -> None:
                                  "are ignored; one this close to a known one is taken for a typo)")
 
 
+def _refuse_other_endpoint(body: dict, endpoint: str) -> None:
+    for name, where in OTHER_ENDPOINT[endpoint].items():
+        if body.get(name) is not None:
+            raise _bad(name, f"{name} belongs to {where}")
+
+
 def _refuse_unsupported(body: dict, unsupported: dict) -> None:
     """A 400 naming the first field in `unsupported` whose value asks for more than its harmless
     values (compared with their types: 1 is not True, [] is not {})."""
@@ -252,6 +265,14 @@ def _options(body: dict, max_names: tuple[str, ...], limit: int) -> GenerationOp
     kw["stop"] = _stop(body)
     kw["logit_bias"] = _logit_bias(body)
     kw["ignore_eos"] = _bool(body, "ignore_eos")
+    if kw["top_p"] == 0:  # the nucleus of no probability: the most likely token alone
+        kw["top_p"], kw["top_k"] = 1.0, 1
+    if kw["presence_penalty"] or kw["frequency_penalty"]:  # OpenAI's rule: the ids this reply sampled, all of them
+        if kw["repetition_penalty"] not in (None, 1):  # (one window serves the three: it counts the prompt too)
+            raise APIError(400, "repetition_penalty counts the prompt's tokens and frequency_penalty / "
+                                "presence_penalty only the reply's (OpenAI's rule): send one kind",
+                           param="repetition_penalty", code="invalid_parameter_combination")
+        kw["penalize_prompt"], kw["penalty_last_n"] = False, max_new_tokens
     kw = {k: v for k, v in kw.items() if v is not None}
     try:
         return GenerationOptions.from_kwargs(**kw)
@@ -299,6 +320,7 @@ def parse_chat(body, *, model_id: str, max_tokens_limit: int) -> ChatRequest:
     model). max_tokens and max_completion_tokens are one limit (both given: equal); checked against
     `max_tokens_limit`, which is also the default."""
     _common(body, model_id)
+    _refuse_other_endpoint(body, "chat")
     _refuse_near_misses(body, READ_CHAT)
     messages = _messages(body)
     options = _options(body, ("max_tokens", "max_completion_tokens"), max_tokens_limit)
@@ -327,6 +349,7 @@ def parse_completion(body, *, model_id: str, max_tokens_limit: int) -> Completio
     """A /v1/completions body -> CompletionRequest, or APIError (400 naming the field; 404 for
     another model). max_tokens is checked against `max_tokens_limit`, which is also the default."""
     _common(body, model_id)
+    _refuse_other_endpoint(body, "completion")
     _refuse_near_misses(body, READ_COMPLETION)
     _refuse_unsupported(body, UNSUPPORTED_COMPLETION)
     prompt = _prompt(body)
