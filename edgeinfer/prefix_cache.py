@@ -21,10 +21,12 @@ every reply again, so the whole held prefix is reused.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import lzma
 import os
 import secrets
+import time
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ from edgeinfer.kv_cache import RingKVCache, Snapshot
 from edgeinfer.overflow import fits_beside
 
 SNAPSHOT_FORMAT = 1
+STALE_PARTIAL_S = 600  # a destination's temporary file this old is a killed writer's (`save` sweeps them)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -95,9 +98,12 @@ class PrefixSnapshot:
     def save(self, path: str | Path) -> None:
         """Write to `path` (a .npz file; written whole to a new temporary file beside it, then renamed:
         a failed or interrupted write leaves neither; each writer has its own temporary file, so
-        writers of one path at once each rename a whole file). A link is written through to its
-        target; a destination that exists and is not a regular file (a device, a FIFO, a folder) is
-        refused, not replaced. InvalidArgumentError when it cannot be written there."""
+        writers of one path at once each rename a whole file). The file is on the disk before the
+        rename and the rename before `save` returns (fsync: a power cut leaves the old file or the new
+        one). A process killed while writing (SIGKILL, a power cut) leaves its temporary file: the next
+        save to the same destination removes those older than STALE_PARTIAL_S. A link is written
+        through to its target; a destination that exists and is not a regular file (a device, a FIFO,
+        a folder) is refused, not replaced. InvalidArgumentError when it cannot be written there."""
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidArgumentTypeError(f"path must be a str or a path, got {type(path).__name__}")
         given = path = Path(path)
@@ -112,12 +118,17 @@ class PrefixSnapshot:
             if path.exists() and not path.is_file():
                 raise InvalidArgumentError(f"{str(given)!r} is {'a folder' if path.is_dir() else 'not a regular file'}"
                                            ": give the snapshot a file name (it is not replaced)")
-            tmp = path.parent / f".edgeinfer-snapshot-{secrets.token_hex(8)}.partial"  # a new file of its own:
+            stem = f".edgeinfer-snapshot-{hashlib.sha256(os.fsencode(path.name)).hexdigest()[:12]}"  # this destination's
+            tmp = path.parent / f"{stem}.{secrets.token_hex(8)}.partial"  # a new file of its own:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)  # a name
             with os.fdopen(fd, "wb") as f:  # planted there is not followed; the mode is the umask's, as open()'s
                 np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), positions=kv.positions, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
             tmp.replace(path)
             tmp = None
+            _sync_folder(path.parent)
+            _sweep_stale(path.parent, stem)
         except (OSError, ValueError, RuntimeError) as e:  # ValueError: a NUL or a lone surrogate in the name
             if isinstance(e, InvalidArgumentError):
                 raise
@@ -157,6 +168,10 @@ class PrefixSnapshot:
                         if len(shape) == 3 and tuple(shape[1:]) != tuple(row):
                             raise InvalidArgumentError(f"{other}; its rows are {tuple(shape[1:])} (KV heads, head "
                                                        f"size), this model's {tuple(row)}")
+                        if len(shape) == 3 and shape[0] > most and max_rows is not None:  # a good file, a smaller
+                            raise InvalidArgumentError(  # ring: say so (it read as "cannot read": an app deletes such)
+                                f"{path} holds a prefix of {shape[0]} tokens, which does not fit this model's ring of "
+                                f"{most}: load the model with capacity_tokens of at least {shape[0]}")
                         if len(shape) != 3 or shape[0] > most:
                             raise ValueError(f"its array {name} is {shape}, not up to {most} rows of {tuple(row)}")
                     for info in z.zip.infolist():  # what each member unpacks to, bounded before anything is read
@@ -195,6 +210,35 @@ class PrefixSnapshot:
             # for a flipped flag or method, a broken deflate or LZMA stream
             raise InvalidArgumentError(f"{path} is not a prefix snapshot edgeinfer can read "
                                        f"({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync a folder (a rename in it reaches the disk); nothing where folders cannot be opened so."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _sweep_stale(folder: Path, stem: str) -> None:
+    """Remove this destination's temporary files (`stem`.*.partial) older than STALE_PARTIAL_S: left by
+    writers killed mid-write (a younger one may be another writer's, still at work)."""
+    now = time.time()
+    try:
+        for p in folder.glob(f"{stem}.*.partial"):
+            try:
+                if now - p.lstat().st_mtime > STALE_PARTIAL_S and p.is_file() and not p.is_symlink():
+                    p.unlink()
+            except OSError:
+                pass
+    except OSError:
+        pass
 
 
 def _array_names(layers: int) -> set[str]:

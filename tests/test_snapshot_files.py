@@ -13,6 +13,7 @@ import io
 import json
 import os
 import stat
+import time
 import zipfile
 
 import numpy as np
@@ -97,7 +98,7 @@ def test_arrays_larger_than_the_ring_are_refused_before_they_are_read(model, tmp
                                                          "shape": (1 << 30, spec.num_kv_heads, spec.head_dim)})
     reads = []
     monkeypatch.setattr(np.lib.format, "read_array", lambda *a, **k: reads.append(1))
-    with pytest.raises(InvalidArgumentError, match="not up to 64 rows"):
+    with pytest.raises(InvalidArgumentError, match="does not fit this model's ring of 64"):
         model.restore(big)
     assert reads == []  # refused from the headers: no data read
 
@@ -212,3 +213,54 @@ def test_a_snapshot_of_another_model_says_so(model, tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"is a snapshot of another model: .*its rows are"):
         model.restore(tmp_path / "wide.npz")
     model.restore(good)  # the model's own still restores
+
+
+def test_a_good_snapshot_too_long_for_this_ring_says_so(converted, model, tmp_path):
+    """A snapshot saved from a larger ring, restored after the app was reconfigured with a smaller one,
+    was "not a prefix snapshot edgeinfer can read" (a long-running app's review: an app deletes files
+    it cannot read); it is a good file that does not fit, and still restores into a ring that holds it."""
+    big = edgeinfer.load(converted(STORIES_SRC, "fp32"), capacity_tokens=256, threads=1)
+    ids = [1] + [400 + i % 50 for i in range(99)]
+    big.snapshot(ids, path=tmp_path / "s.npz")
+    with pytest.raises(InvalidArgumentError, match=r"holds a prefix of 100 tokens, which does not fit this model's "
+                                                   r"ring of 64: load the model with capacity_tokens of at least 100"):
+        model.restore(tmp_path / "s.npz")
+    big.restore(tmp_path / "s.npz")
+
+
+def test_a_writer_killed_mid_save_leaves_a_file_the_next_save_removes(model, tmp_path, monkeypatch):
+    """kill -9 during save left a .partial of 4-16 MB beside the snapshot for ever, one per kill (a
+    long-running app's review). The next save to that destination removes its own stale ones (older
+    than STALE_PARTIAL_S: a younger one may be another writer's at work); nothing else is touched.
+    The file and the rename are synced to the disk (a power cut leaves the old file or the new)."""
+    import hashlib
+    import subprocess
+    import sys
+
+    dest = tmp_path / "sys.npz"
+    code = (f"import edgeinfer, numpy as np, os\n"
+            f"m = edgeinfer.load({str(model.folder)!r}, capacity_tokens=64, threads=1)\n"
+            f"s = m.snapshot({PROMPT!r})\n"
+            f"real = np.savez\n"
+            f"def killed(f, **a):\n    real(f, **a); f.flush(); os.kill(os.getpid(), 9)\n"
+            f"np.savez = killed\n"
+            f"s.save({str(dest)!r})\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert r.returncode == -9, r.stderr.decode()
+    (left,) = tmp_path.glob("*.partial")
+    stem = ".edgeinfer-snapshot-" + hashlib.sha256(b"sys.npz").hexdigest()[:12]
+    assert left.name.startswith(stem + ".") and not dest.exists()
+    young = tmp_path / f"{stem}.0123456789abcdef.partial"  # another writer's, at work
+    young.write_bytes(b"x")
+    other = tmp_path / ".edgeinfer-snapshot-000000000000.feedfacefeedface.partial"  # another destination's
+    other.write_bytes(b"x")
+    old = time.time() - prefix_cache.STALE_PARTIAL_S - 5
+    for p in (left, other):
+        os.utime(p, (old, old))
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(stat.S_IFMT(os.fstat(fd).st_mode)), real_fsync(fd)))
+    model.snapshot(PROMPT, path=dest)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other.name, young.name, "sys.npz"])
+    assert synced == [stat.S_IFREG, stat.S_IFDIR]  # the file, then the folder that holds the rename
+    assert prefix_cache.PrefixSnapshot.load(dest).token_ids == tuple(PROMPT)
