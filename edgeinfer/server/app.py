@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import ipaddress
 import json
 import logging
 import time
@@ -42,7 +41,7 @@ from starlette.routing import Route
 
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError
 from edgeinfer.server import protocol, replies
-from edgeinfer.server.config import PROMPT_RINGS, ServeConfig
+from edgeinfer.server.config import PROMPT_RINGS, ServeConfig, is_loopback
 from edgeinfer.server.metrics import Metrics
 from edgeinfer.server.protocol import APIError
 from edgeinfer.server.answer import JSON, Reply, cancel_on_disconnect, error_response, log_request, new_reply_id
@@ -321,19 +320,13 @@ class Server:
 
 
 def _loopback_url(url: str) -> bool:
-    """Whether `url`'s host is a loopback name or address (localhost, 127.0.0.0/8, ::1)."""
+    """Whether `url`'s host is a loopback name or address (`config.is_loopback`), or a name under
+    .localhost (which browsers resolve to loopback themselves)."""
     try:
         host = urlsplit(url).hostname
     except ValueError:
         return False
-    if host is None:
-        return False
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return host is not None and (is_loopback(host) or host.endswith(".localhost"))
 
 
 class _Gate:
