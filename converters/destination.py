@@ -4,7 +4,7 @@ atomic replacement of the destination by it (shared by `convert` and `optimum_ex
 Refusals happen before any work: a destination that is a file, the root, a link to nothing, or
 (with force) one that is not a model folder, holds the source or the current folder, or holds
 files no conversion wrote. The temporary folder is `.DST.partial-PID-RANDOM` next to `dst`; it
-is renamed into place at the end, and `dst` is replaced only then.
+is renamed into place at the end, and `dst` is replaced only then, its files on the disk first.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
+from edgeinfer.durable import sync_folder, sync_tree
 from edgeinfer.errors import ConvertError
 from edgeinfer.integrity import STAMP_FILE
 from edgeinfer.manifest import MANIFEST_FILE
@@ -168,7 +169,22 @@ def _remove_orphans(dst: Path) -> None:
 
 def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:
     """Rename the finished `tmp` to `dst`. Without `force`, a `dst` that appeared meanwhile (another
-    conversion into it finished first) is left alone: ConvertError, and `tmp` is removed by the caller."""
+    conversion into it finished first) is left alone: ConvertError, and `tmp` is removed by the caller.
+    Every file in `tmp` is on the disk before the rename, and the rename before this returns (fsync:
+    a power cut leaves the old model or the new one, never a named folder of empty files)."""
+    sync_tree(tmp)
+    old = _rename_into_place(tmp, dst, force)
+    sync_folder(dst.parent)
+    if old is None:
+        return
+    if old.is_symlink():
+        old.unlink()  # DST was a link to a model folder: the link is replaced, its target left alone
+    else:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _rename_into_place(tmp: Path, dst: Path, force: bool) -> Path | None:
+    """Rename `tmp` to `dst`; returns the name the replaced `dst` was moved to (None: there was none)."""
     if not force:
         try:
             os.rename(tmp, dst)  # fails if dst exists and is not an empty folder: never replaces one
@@ -177,10 +193,10 @@ def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:
                 raise ConvertError(f"destination exists: {dst} (another conversion created it meanwhile; use "
                                    "--force to replace it)") from None
             raise
-        return
+        return None
     if not os.path.lexists(dst):
         os.replace(tmp, dst)
-        return
+        return None
     old = dst.parent / f"{_hidden(dst)}.old-{os.getpid()}"
     os.replace(dst, old)
     try:
@@ -188,7 +204,4 @@ def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:
     except BaseException:
         os.replace(old, dst)
         raise
-    if old.is_symlink():
-        old.unlink()  # DST was a link to a model folder: the link is replaced, its target left alone
-    else:
-        shutil.rmtree(old, ignore_errors=True)
+    return old

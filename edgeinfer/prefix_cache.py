@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeinfer import small_files
+from edgeinfer.durable import sync_folder
 from edgeinfer.errors import InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.kv_cache import RingKVCache, Snapshot
 from edgeinfer.overflow import fits_beside
@@ -127,7 +128,7 @@ class PrefixSnapshot:
                 os.fsync(f.fileno())
             tmp.replace(path)
             tmp = None
-            _sync_folder(path.parent)
+            sync_folder(path.parent)
             _sweep_stale(path.parent, stem)
         except (OSError, ValueError, RuntimeError) as e:  # ValueError: a NUL or a lone surrogate in the name
             if isinstance(e, InvalidArgumentError):
@@ -210,20 +211,6 @@ class PrefixSnapshot:
             # for a flipped flag or method, a broken deflate or LZMA stream
             raise InvalidArgumentError(f"{path} is not a prefix snapshot edgeinfer can read "
                                        f"({type(e).__name__}: {str(e)[:200]})") from None
-
-
-def _sync_folder(folder: Path) -> None:
-    """fsync a folder (a rename in it reaches the disk); nothing where folders cannot be opened so."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _sweep_stale(folder: Path, stem: str) -> None:

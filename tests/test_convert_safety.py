@@ -235,3 +235,34 @@ def test_a_destination_that_links_to_nothing_is_refused_before_any_work(capsys, 
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     monkeypatch.setattr(convert_module, "temp_folder", lambda dst: pytest.fail("work began"))
     assert_user_error(*run_convert(capsys, work / "src", tmp_path / "dangling"), "is a link to nothing")
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_every_file_is_on_the_disk_before_the_model_is_renamed_into_place(monkeypatch, work, tmp_path, existing):
+    """A power cut after `convert` returns must not leave a model folder of empty or partly written
+    files (the page cache was not flushed): each written file and the folder are fsynced before the
+    rename, the folder holding the destination after it, and (with --force) the old model is removed
+    only after that."""
+    convert_module = importlib.import_module("edgeinfer.converters.convert")
+    dst = tmp_path / "out"
+    if existing:
+        model_folder(dst)
+    events = []
+    real_fsync, real_replace, real_rename, real_rmtree = os.fsync, os.replace, os.rename, shutil.rmtree
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", str(a), str(b))), real_replace(a, b))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(a), str(b))), real_rename(a, b))[1])
+    monkeypatch.setattr(shutil, "rmtree", lambda p, *a, **k: (events.append(("rmtree", str(p))),
+                                                              real_rmtree(p, *a, **k))[1])
+    convert_module.convert(work / "src", dst, quant="fp32", force=existing)
+    publish = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(dst))
+    tmp = events[publish][1]
+    synced_before = {e[1] for e in events[:publish] if e[0] == "fsync"}
+    written = {str(Path(tmp) / p.relative_to(dst)) for p in dst.rglob("*")} | {tmp}
+    assert written <= synced_before, written - synced_before
+    assert ("fsync", str(tmp_path)) in events[publish:]
+    if existing:
+        removed = next(i for i, e in enumerate(events) if e[0] == "rmtree" and ".old-" in e[1])
+        assert events.index(("fsync", str(tmp_path)), publish) < removed
+    assert_no_leftovers(tmp_path)
