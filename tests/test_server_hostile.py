@@ -121,6 +121,17 @@ def test_unknown_model_with_a_lone_surrogate_is_a_404_not_a_500(srv, raw_model):
     assert resp.status_code in (400, 404) and _shaped(resp), (resp.status_code, resp.text[:200])
 
 
+@pytest.mark.parametrize("method,path", [("POST", "/v1/chat/completions/"), ("POST", "/v1/completions/"),
+                                         ("GET", "/v1/models/"), ("GET", "/health/")])
+def test_a_trailing_slash_is_a_404_naming_the_route_not_an_empty_307(srv, method, path):
+    """curl -X POST .../v1/chat/completions/ got Starlette's 307 with an empty body, which a client that
+    does not follow a POST's redirect (httpx, the openai client) shows as a bare error. Expected:
+    OpenAI's error shape, naming the route without the slash."""
+    resp = httpx.request(method, srv.url + path, headers=AUTH, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert resp.status_code == 404 and _shaped(resp), (resp.status_code, resp.text[:200])
+    assert f"without the trailing slash: {path.rstrip('/')}" in resp.json()["error"]["message"]
+
+
 def test_405_carries_an_allow_header(srv):
     """GET /v1/chat/completions. Expected: 405 with `Allow: POST` (RFC 9110 15.5.6: a 405 MUST carry
     Allow; Starlette's own 405 does). Actual: the app's HTTPException handler rebuilds the response

@@ -82,12 +82,18 @@ class Server:
                            allow_headers=["*"])] if config.cors_origins else []
         self.app = Starlette(routes=routes, middleware=cors + [Middleware(_Gate, server=self)],  # first = outermost
                              exception_handlers={HTTPException: self._http_error, Exception: self._bug})
+        self.app.router.redirect_slashes = False  # Starlette's 307 for "/v1/completions/" has an empty body, which
+        # clients that do not follow a POST's redirect show as a bare error: our 404 names the route instead
+        self._paths = {r.path for r in routes if "{" not in r.path}
 
     # ---- plumbing -------------------------------------------------------------------------------
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = f"{request.method} {request.url.path}: " + ("no such route" if exc.status_code == 404 else exc.detail)
+        meant = request.url.path.rstrip("/")
+        if exc.status_code == 404 and meant != request.url.path and meant in self._paths:
+            msg += f" (without the trailing slash: {meant})"
         self.log_refusal(request.method, request.url.path, exc.status_code, code)
         return error_response(APIError(exc.status_code, msg, code=code), headers=exc.headers)  # 405: Allow
 
@@ -189,6 +195,8 @@ class Server:
     async def model_card(self, request: Request) -> Response:
         """GET /v1/models/{id}: the served model's card, or OpenAI's 404 for any other id."""
         asked = request.path_params["model"]
+        if not asked:  # "/v1/models/": the list's route with a slash, not a model called ""
+            raise HTTPException(404)
         if asked != self.model_id:
             err = APIError(404, f"The model '{asked[:200]}' does not exist", param="model", code="model_not_found")
             self.log_refusal(request.method, request.url.path, err.status, err.code)
