@@ -7,7 +7,8 @@ Per token = what the generation loop does: `token = sampler.sample(logits)`, the
 `sampler.accept(token)`, starting from a 64-id prompt as the history. Settings: "default" = top-k 40,
 top-p 0.95, min-p 0.05, temperature 0.8, repetition penalty 1.1 over 64 ids; "penalties" = the same
 plus frequency 0.5 and presence 0.5; "no_penalties" = the same filters, no penalty (accept is then
-nearly free: `accept_ns`, timed alone); "full_top_p" = top-k 0, top-p 0.95 (every token a candidate).
+nearly free: `accept_ns`, timed alone); "full_top_p" = top-k 0, top-p 0.95 (every token a candidate);
+"greedy" = temperature 0, nothing else (the C sampler's float32 argmax path).
 Logits are random normal (std 3), the same for every token.
 
 --baseline MODULE: also time an older copy of `edgeinfer.sampling` importable under that name, side
@@ -43,6 +44,7 @@ SETTINGS = {
                                 penalty_last_n=64),
     "no_penalties": SamplingParams(**FILTERS),
     "full_top_p": SamplingParams(temperature=0.8, top_k=0, top_p=0.95, min_p=0.0),
+    "greedy": SamplingParams(temperature=0.0),
 }
 
 

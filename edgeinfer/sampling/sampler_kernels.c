@@ -113,6 +113,46 @@ VECTOR_CLONES int64_t argmax_first(const double *x, idx_t n) {
     return 0;
 }
 
+/*
+ * argmax_first on float32, with step 1's checks in the same pass: *nan_seen / *inf_seen say whether
+ * a NaN / +inf was met (the index is then meaningless). The largest value, lowest index on ties,
+ * is the argmax_first of the values converted to double (the conversion is exact and keeps order).
+ */
+#define F32_LANES 32 /* four AVX registers of maxima: a chain of one would wait on each max's latency */
+VECTOR_CLONES int64_t argmax_first_f32(const float *x, idx_t n, int *nan_seen, int *inf_seen) {
+    float m[F32_LANES], z[F32_LANES]; /* z: sums of x * 0, NaN once a NaN or an infinity was met, else 0 */
+    for (int j = 0; j < F32_LANES; j++) m[j] = -INFINITY, z[j] = 0.0f;
+    idx_t i = 0;
+    for (; i + F32_LANES <= n; i += F32_LANES)
+        for (int j = 0; j < F32_LANES; j++) {
+            m[j] = x[i + j] > m[j] ? x[i + j] : m[j];
+            z[j] += x[i + j] * 0.0f;
+        }
+    for (; i < n; i++) {
+        m[0] = x[i] > m[0] ? x[i] : m[0];
+        z[0] += x[i] * 0.0f;
+    }
+    float best = m[0], zs = z[0];
+    for (int j = 1; j < F32_LANES; j++) {
+        best = m[j] > best ? m[j] : best;
+        zs += z[j];
+    }
+    *nan_seen = *inf_seen = 0;
+    if (zs != zs) { /* a NaN or an infinity: which (-inf alone is allowed) */
+        int32_t bad = 0;
+        for (i = 0; i < n; i++) bad |= (x[i] != x[i]) | ((x[i] == INFINITY) << 1);
+        *nan_seen = bad & 1;
+        *inf_seen = bad >> 1;
+    }
+    for (i = 0; i + 32 <= n; i += 32) {
+        int hit = 0;
+        for (int j = 0; j < 32; j++) hit |= x[i + j] == best;
+        if (hit) break;
+    }
+    for (; i < n; i++) if (x[i] == best) return i;
+    return 0;
+}
+
 /* softmax pieces over cand: e[id] = exp(x[id] / t - max); returns their sum (and the max if asked).
  * `identity`: the caller knows cand[i] == i for all i < n. `xs` is scratch [n]. */
 double exp_over(const double *x, double *e, const int32_t *cand, idx_t n, int identity, double *xs,
