@@ -62,20 +62,37 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
 
 def _not_the_converters(folder: Path) -> list[str]:
     """What in a model folder its manifest does not list (a user's notes, a saved prefix snapshot):
-    names, sorted; a manifest that cannot be read lists nothing but itself and the stamp file."""
+    names, sorted. A manifest that cannot be read, or lists no files (an older converter's, a damaged
+    one, a user's own edgeinfer.json), lists nothing: then anything but the names some conversion
+    writes (`CONVERTER_NAMES`) counts, and a sub-folder always does."""
     try:
-        listed = set(json.loads((folder / MANIFEST_FILE).read_text()).get("files") or {})
+        listed = json.loads((folder / MANIFEST_FILE).read_text()).get("files") or {}
     except (OSError, ValueError, AttributeError):
-        listed = set()
-    if not listed:  # an older converter's manifest (no file list) or an empty folder: nothing to compare
-        return []
-    ours = listed | {MANIFEST_FILE, STAMP_FILE} | {p.name for p in folder.glob(f"{STAMP_FILE}.*.tmp")}
-    return sorted(p.name for p in folder.iterdir() if p.name not in ours and not _os_clutter(p.name))
+        listed = {}
+    ours = (set(listed) if isinstance(listed, dict) and listed else set(CONVERTER_NAMES)) | {MANIFEST_FILE, STAMP_FILE}
+    ours |= {p.name for p in folder.glob(f"{glob.escape(STAMP_FILE)}.*.tmp") if _stamp_temp(p.name)}
+    return sorted(p.name for p in folder.iterdir()
+                  if p.name not in ours and not _os_clutter(folder, p.name) or p.is_dir() and not p.is_symlink())
 
 
-def _os_clutter(name: str) -> bool:
-    """Files a desktop makes by itself in any folder it shows (Finder, Explorer): not the user's work."""
-    return name in (".DS_Store", "Thumbs.db", "desktop.ini") or name.startswith("._")
+CONVERTER_NAMES = ("model.onnx", "model.onnx.data", "prefill.onnx", "embeddings.npy", "model.ort", "prefill.ort",
+                   "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")  # every file any conversion writes
+
+
+def _stamp_temp(name: str) -> bool:
+    """The verification stamp's temporary files (integrity.py: mkstemp's 8 characters between
+    `.edgeinfer-verified.json.` and `.tmp`), not a user's file that starts and ends alike."""
+    middle = name[len(STAMP_FILE) + 1:-len(".tmp")]
+    return len(middle) == 8 and all(c in "abcdefghijklmnopqrstuvwxyz0123456789_" for c in middle)
+
+
+def _os_clutter(folder: Path, name: str) -> bool:
+    """Files a desktop makes by itself in any folder it shows (Finder, Explorer): not the user's work.
+    `._NAME` (macOS's AppleDouble) only beside a NAME it describes."""
+    if name.startswith("._"):
+        return (folder / name[2:]).exists()
+    return name in (".DS_Store", "Thumbs.db", "desktop.ini")
 
 
 def _os_error(e: OSError, dst: Path) -> ConvertError:

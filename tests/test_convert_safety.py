@@ -266,3 +266,39 @@ def test_every_file_is_on_the_disk_before_the_model_is_renamed_into_place(monkey
         removed = next(i for i, e in enumerate(events) if e[0] == "rmtree" and ".old-" in e[1])
         assert events.index(("fsync", str(tmp_path)), publish) < removed
     assert_no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("manifest", ['{"format": 1, "arch', '{"my": "settings"}', "[]", "{}", '{"files": []}'])
+def test_force_keeps_user_files_beside_a_manifest_that_lists_none(capsys, work, tmp_path, manifest):
+    """A model folder whose edgeinfer.json was damaged, or a project folder holding an edgeinfer.json
+    of its own: the user's files there were deleted by --force, because a manifest that could not
+    be read (or listed no files) counted nothing as theirs (a hostile review). Now only the names a
+    conversion writes may be replaced without a file list; anything else is refused, by name."""
+    dst = tmp_path / "model"
+    dst.mkdir()
+    (dst / "edgeinfer.json").write_text(manifest)
+    (dst / "model.onnx").write_bytes(b"old")
+    (dst / "notes.txt").write_text("mine")
+    (dst / "experiments").mkdir()
+    (dst / "experiments" / "run1.csv").write_text("1,2")
+    before = snapshot(dst)
+    rc, err = run_convert(capsys, work / "src", dst, "--force")
+    assert_user_error(rc, err, "experiments", "notes.txt", "which no conversion wrote")
+    assert snapshot(dst) == before
+    assert_no_leftovers(tmp_path)
+
+
+def test_force_keeps_files_that_only_look_like_desktop_or_stamp_clutter(capsys, work, tmp_path):
+    """`._budget.xlsx` with no budget.xlsx beside it is not macOS's AppleDouble file, and
+    `.edgeinfer-verified.json.backup.tmp` is not the stamp's temporary file: both are the user's."""
+    dst = tmp_path / "model"
+    assert run_convert(capsys, work / "src", dst)[0] == 0
+    for name in ("._budget.xlsx", ".edgeinfer-verified.json.backup.tmp"):
+        (dst / name).write_text("precious")
+        rc, err = run_convert(capsys, work / "src", dst, "--force")
+        assert_user_error(rc, err, name)
+        (dst / name).unlink()
+    (dst / "._model.onnx").write_text("Finder's")  # beside the file it describes: clutter, replaced
+    (dst / ".DS_Store").write_text("Finder's")
+    assert run_convert(capsys, work / "src", dst, "--force")[0] == 0
+    assert_no_leftovers(tmp_path)
