@@ -263,7 +263,7 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
     quant = quant or (portable.weights if portable else "int4")
     try:
         _check_source(src)
-        _check_destination(src, dst, force)
+        _check_destination(src, dst, force, log)
         if quant != "keep":
             scheme = scheme or default_scheme(quant, block_size, accuracy_level=accuracy_level)
             if target == "cuda" and scheme.scale_dtype != "float32":  # the fp16 graph pass keeps its own scales

@@ -9,12 +9,14 @@ is renamed into place at the end, and `dst` is replaced only then, its files on 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import glob
 import json
 import os
 import secrets
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from edgeinfer.integrity import STAMP_FILE
 from edgeinfer.manifest import MANIFEST_FILE
 
 
-def _check_destination(src: Path, dst: Path, force: bool) -> None:
+def _check_destination(src: Path, dst: Path, force: bool, log=lambda msg: None) -> None:
     """Refuse, before any work, a destination that `convert` must not create or replace.
 
     DST must be a folder path whose nearest existing ancestor is a folder. An existing DST is
@@ -32,6 +34,7 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
     or an empty folder; never if it is, or contains, the source folder or the current folder
     (compared both as resolved paths, through symlinks, and as written).
     """
+    _restore_stranded(dst, log)
     if dst.exists() and not dst.is_dir():
         raise ConvertError(f"destination is a file, not a folder: {dst}")
     if dst.parent == dst:  # "/": no folder to build it beside, and never one to replace
@@ -166,22 +169,22 @@ def _remove_made(folders: list[Path]) -> None:
 
 
 def _remove_orphans(dst: Path) -> None:
-    prefix = f"{_hidden(dst)}.partial-"
-    for p in dst.parent.glob(glob.escape(prefix) + "*"):
-        pid = p.name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or not p.is_dir() or p.is_symlink():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:  # its conversion is gone here; untouched for an hour: gone anywhere
-            try:
+    """Remove what conversions into `dst` that were killed outright left beside it: their `.partial-`
+    folders, and `.old-` folders (a replaced model whose removal was cut short; one that DST lacks
+    was put back by `_restore_stranded` first), once their process is gone and nothing in them
+    changed for ORPHAN_AGE_S."""
+    for kind in ("partial", "old"):
+        prefix = f"{_hidden(dst)}.{kind}-"
+        for p in dst.parent.glob(glob.escape(prefix) + "*"):
+            pid = p.name[len(prefix):].split("-", 1)[0]
+            if not pid.isdigit() or int(pid) == os.getpid() or not p.is_dir() or p.is_symlink() or not _gone(int(pid)):
+                continue
+            try:  # gone here; untouched for an hour: gone anywhere (a conversion on another host sharing the folder)
                 newest = max([p.stat().st_mtime] + [q.stat().st_mtime for q in p.iterdir()])
             except OSError:
                 continue
             if time.time() - newest > ORPHAN_AGE_S:
                 shutil.rmtree(p, ignore_errors=True)
-        except (PermissionError, OverflowError):  # alive (another user's), or no such pid at all
-            pass
 
 
 def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:
@@ -214,11 +217,64 @@ def _rename_into_place(tmp: Path, dst: Path, force: bool) -> Path | None:
     if not os.path.lexists(dst):
         os.replace(tmp, dst)
         return None
-    old = dst.parent / f"{_hidden(dst)}.old-{os.getpid()}"
-    os.replace(dst, old)
+    if _exchange(tmp, dst):  # one step: there is no moment without a model at dst
+        return tmp
+    old = dst.parent / f"{_hidden(dst)}.old-{os.getpid()}"  # two steps: a process killed between them leaves
+    os.replace(dst, old)  # the old model here, which the next conversion into dst puts back (`_restore_stranded`)
     try:
         os.replace(tmp, dst)
     except BaseException:
         os.replace(old, dst)
         raise
     return old
+
+
+RENAME_EXCHANGE = 2  # Linux renameat2's flag; macOS renamex_np's RENAME_SWAP has the same value
+AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names `a` and `b` in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`, macOS
+    `renamex_np(RENAME_SWAP)`); False where the system or the file system cannot, and nothing changed."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if sys.platform == "darwin":
+            fn, args = libc.renamex_np, (os.fsencode(a), os.fsencode(b), RENAME_EXCHANGE)
+        else:
+            fn, args = libc.renameat2, (AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE)
+    except (OSError, AttributeError):  # no such call in this C library (an older glibc, musl, Windows)
+        return False
+    if fn(*args) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False  # the kernel or this file system has no exchange: two renames instead
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _restore_stranded(dst: Path, log) -> None:
+    """Put back a model that a conversion killed between its two renames left as `.DST.old-PID` (only
+    where `_exchange` is not available), when DST is missing and that process is gone."""
+    if os.path.lexists(dst):
+        return
+    prefix = f"{_hidden(dst)}.old-"
+    for p in sorted(dst.parent.glob(glob.escape(prefix) + "*")) if dst.parent.is_dir() else ():
+        pid = p.name[len(prefix):]
+        if not pid.isdigit() or int(pid) == os.getpid() or not _gone(int(pid)):
+            continue
+        try:
+            os.rename(p, dst)
+        except OSError:
+            continue
+        log(f"note: put back {dst}, which a conversion stopped half-way through replacing it had left as {p.name}")
+        return
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False

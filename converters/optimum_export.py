@@ -129,7 +129,7 @@ def convert_via_optimum(src: Path | str, dst: Path | str, *, quant: str = "int4"
         _check_source(src)
         if not src.is_dir():
             raise ConvertError(f"--via optimum exports a Hugging Face model folder, got a file: {src}")
-        _check_destination(src, dst, force)
+        _check_destination(src, dst, force, log)
         cfg = read_config(src)
         transformers, TasksManager, export = _exporter()
         model_type = cfg.get("model_type")

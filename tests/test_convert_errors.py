@@ -224,11 +224,12 @@ def test_a_tensor_in_two_shards_is_refused(capsys, src, tmp_path):
 
 
 def _existing_dst(tmp_path: Path) -> Path:
-    """An earlier edgeinfer model folder (the only kind --force may replace), with a file to recognise it by."""
+    """An earlier edgeinfer model folder (the only kind --force may replace), with a file to recognise it by
+    (one a conversion writes: its manifest lists no files, so any other would be the user's, kept)."""
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "edgeinfer.json").write_text("{}")
-    (dst / "keep.txt").write_text("mine")
+    (dst / "chat_template.jinja").write_text("mine")
     return dst
 
 
@@ -236,14 +237,14 @@ def test_existing_destination_refused_without_force(capsys, src, tmp_path):
     dst = _existing_dst(tmp_path)
     rc, err = run_convert(capsys, src, dst)
     assert_user_error(rc, err, "destination exists", "--force")
-    assert sorted(p.name for p in dst.iterdir()) == ["edgeinfer.json", "keep.txt"]
+    assert sorted(p.name for p in dst.iterdir()) == ["chat_template.jinja", "edgeinfer.json"]
 
 
 def test_force_replaces_destination_only_when_complete(capsys, src, tmp_path):
     dst = _existing_dst(tmp_path)
     rc, _ = run_convert(capsys, src, dst, "--force")
     assert rc == 0
-    assert (dst / "model.onnx").exists() and (dst / "edgeinfer.json").exists() and not (dst / "keep.txt").exists()
+    assert (dst / "model.onnx").exists() and (dst / "edgeinfer.json").exists() and not (dst / "chat_template.jinja").exists()
     assert_no_partial(tmp_path)
 
 
@@ -252,7 +253,7 @@ def test_failure_with_force_keeps_existing_destination(capsys, src, tmp_path):
     rewrite_tensor(src, "model.norm.weight", shape=[63])
     rc, err = run_convert(capsys, src, dst, "--force")
     assert_user_error(rc, err, "model.norm.weight")
-    assert sorted(p.name for p in dst.iterdir()) == ["edgeinfer.json", "keep.txt"]
+    assert sorted(p.name for p in dst.iterdir()) == ["chat_template.jinja", "edgeinfer.json"]
     assert_no_partial(tmp_path)
 
 
@@ -277,7 +278,7 @@ def test_disk_full(capsys, monkeypatch, src, tmp_path):
     _fail_after(monkeypatch, 5, OSError(errno.ENOSPC, "No space left on device"))
     rc, err = run_convert(capsys, src, dst, "--force")
     assert_user_error(rc, err, "disk full")
-    assert sorted(p.name for p in dst.iterdir()) == ["edgeinfer.json", "keep.txt"]
+    assert sorted(p.name for p in dst.iterdir()) == ["chat_template.jinja", "edgeinfer.json"]
     assert_no_partial(tmp_path)
 
 

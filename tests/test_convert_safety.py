@@ -255,6 +255,10 @@ def test_every_file_is_on_the_disk_before_the_model_is_renamed_into_place(monkey
     monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(a), str(b))), real_rename(a, b))[1])
     monkeypatch.setattr(shutil, "rmtree", lambda p, *a, **k: (events.append(("rmtree", str(p))),
                                                               real_rmtree(p, *a, **k))[1])
+    destination = importlib.import_module("edgeinfer.converters.destination")
+    real_exchange = destination._exchange
+    monkeypatch.setattr(destination, "_exchange", lambda a, b: (events.append(("rename", str(a), str(b))),
+                                                                real_exchange(a, b))[1])
     convert_module.convert(work / "src", dst, quant="fp32", force=existing)
     publish = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(dst))
     tmp = events[publish][1]
@@ -263,7 +267,7 @@ def test_every_file_is_on_the_disk_before_the_model_is_renamed_into_place(monkey
     assert written <= synced_before, written - synced_before
     assert ("fsync", str(tmp_path)) in events[publish:]
     if existing:
-        removed = next(i for i, e in enumerate(events) if e[0] == "rmtree" and ".old-" in e[1])
+        removed = next(i for i, e in enumerate(events) if e[0] == "rmtree" and (".old-" in e[1] or e[1] == tmp))
         assert events.index(("fsync", str(tmp_path)), publish) < removed
     assert_no_leftovers(tmp_path)
 
@@ -301,4 +305,37 @@ def test_force_keeps_files_that_only_look_like_desktop_or_stamp_clutter(capsys, 
     (dst / "._model.onnx").write_text("Finder's")  # beside the file it describes: clutter, replaced
     (dst / ".DS_Store").write_text("Finder's")
     assert run_convert(capsys, work / "src", dst, "--force")[0] == 0
+    assert_no_leftovers(tmp_path)
+
+
+def test_force_swaps_the_old_model_for_the_new_in_one_step(capsys, work, tmp_path, monkeypatch):
+    """--force moved the old model aside, then the new one in: a process killed between the two
+    renames (the OOM killer, a power cut) left no model at DST. Where the system can exchange two
+    names atomically (Linux renameat2, macOS renamex_np) DST is never missing."""
+    dst = model_folder(tmp_path / "model")
+    seen = []
+    real_replace, real_rename = os.replace, os.rename
+    for name, real in (("replace", real_replace), ("rename", real_rename)):
+        monkeypatch.setattr(os, name, lambda a, b, real=real: (seen.append(os.path.lexists(dst)), real(a, b),
+                                                               seen.append(os.path.lexists(dst)))[1])
+    assert run_convert(capsys, work / "src", dst, "--force")[0] == 0
+    assert all(seen) and (dst / "model.onnx").read_bytes() != b"old"
+    assert_no_leftovers(tmp_path)
+
+
+def test_a_model_stranded_between_two_renames_is_put_back(capsys, work, tmp_path, monkeypatch):
+    """Where no exchange exists, the two renames remain; a conversion killed between them left
+    `.DST.old-PID` and no DST. The next conversion into DST puts the old model back first (so it
+    is refused without --force, the model intact), and a later --force replaces it as usual."""
+    destination = importlib.import_module("edgeinfer.converters.destination")
+    dead_pid = 4_194_305  # above Linux's largest pid_max: never a live process
+    dst = tmp_path / "model"
+    stranded = model_folder(tmp_path / f".model.old-{dead_pid}")
+    rc = main(["convert", str(work / "src"), "-o", str(dst)])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "destination exists" in err and f"put back {dst}" in out + err
+    assert not stranded.exists() and (dst / "model.onnx").read_bytes() == b"old"
+    monkeypatch.setattr(destination, "_exchange", lambda a, b: False)  # the two-rename path
+    assert run_convert(capsys, work / "src", dst, "--force")[0] == 0
+    assert (dst / "model.onnx").read_bytes() != b"old"
     assert_no_leftovers(tmp_path)
