@@ -6,21 +6,13 @@ line as "System: ...", "User: ...", "Assistant: ..." and ends with "Assistant:" 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
+from edgeinfer.template_sandbox import MAX_TEMPLATE_CHARS, budget, compile_template  # noqa: F401 (re-exported)
 
 ROLES = ("system", "user", "assistant")
-MAX_TEMPLATE_CHARS = 256 * 1024  # Hugging Face templates are a few KB; compiling costs ~6 s per MB
-MAX_REPEAT_ITEMS = 1 << 20  # a template's `*` may build a string or list of at most this many items
-MAX_INT_BITS = 1 << 16  # and `**` an integer of at most this many bits
 MAX_RENDER_CHARS = 16 << 20  # a rendered prompt (the daemon reads bodies of 1 MiB)
-
-
-def _raise(message: str):
-    """The templates' `raise_exception`: the template refuses these messages (a user error)."""
-    raise InvalidArgumentError(f"chat template: {message}")
 
 
 def check_messages(messages: Sequence[dict]) -> list[dict]:
@@ -34,62 +26,6 @@ def check_messages(messages: Sequence[dict]) -> list[dict]:
             raise InvalidArgumentError(f"message {i} must be a dict with role in {ROLES} and string content")
         out.append({"role": m["role"], "content": m["content"]})
     return out
-
-
-def compile_template(template: str):
-    """The Jinja template object for `template`, in the sandbox Hugging Face templates expect (with
-    `raise_exception`, and `{% generation %}` blocks rendered as their body: transformers' tag that
-    marks the assistant's tokens for training); ModelFormatError when it does not parse (the
-    model's fault, not the caller's: the daemon answers 500)."""
-    import jinja2  # only models with a template pay for importing it (about 30 ms)
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        tags = {"generation"}
-
-        def parse(self, parser):
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    class Sandbox(ImmutableSandboxedEnvironment):
-        """The operators that build large values bounded: `'a' * 10**10`, `(9**1000)**1000`,
-        `'%999999999d' % 1`, `'{:>999999999}'.format(1)` are refused (intercepted operators are not
-        folded at compile time either); what a render yields in all is capped (`ChatTemplate.render`).
-        Not bounded: a filter on constants is still run when compiling (`'a'|center(99999999)`: 0.6 s
-        and 100 MB at load; at 10**10 a MemoryError, so a template error), and a loop that writes
-        nothing runs as long as it runs. The template comes with the model, not from a client."""
-
-        intercepted_binops = frozenset({"*", "**", "%"})
-
-        def call_binop(self, context, operator, left, right):
-            if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 \
-                    and max(left.bit_length(), 1) * right > MAX_INT_BITS:
-                raise InvalidArgumentError(f"chat template: {left!r:.20} ** {right} is too large")
-            if operator == "%" and isinstance(left, str) and re.search(r"%[^a-zA-Z%]*(\d{5}|\*)", left):
-                raise InvalidArgumentError(f"chat template: the format {left!r:.40} pads too widely")
-            if operator == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
-                left, right = right, left
-            if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int) \
-                    and len(left) * right > MAX_REPEAT_ITEMS:
-                raise InvalidArgumentError(f"chat template: repeating {len(left)} items {right} times is too many")
-            return super().call_binop(context, operator, left, right)
-
-        def format_string(self, s, args, kwargs, format_func=None):
-            if re.search(r"\{[^{}]*:[^{}]*(\d{5}|\{)", s):  # a width of 5 digits, or one taken from an argument
-                raise InvalidArgumentError(f"chat template: the format {s!r:.40} pads too widely")
-            return super().format_string(s, args, kwargs, format_func)
-
-    if len(template) > MAX_TEMPLATE_CHARS:
-        raise ModelFormatError(f"the model's chat template is {len(template)} characters, more than the "
-                               f"{MAX_TEMPLATE_CHARS} read")
-    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation])
-    env.globals["raise_exception"] = _raise
-    try:
-        return env.from_string(template)
-    except (jinja2.TemplateError, RecursionError, MemoryError, OverflowError) as e:  # nesting, folded constants
-        raise ModelFormatError(f"the model's chat template does not parse: "
-                               f"{e.__class__.__name__}: {str(e)[:200]}") from None
 
 
 class ChatTemplate:
@@ -127,12 +63,14 @@ class ChatTemplate:
 
         try:
             pieces, size = [], 0
-            for piece in self._tpl.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            bos_token=self.bos_token, eos_token=self.eos_token):
-                size += len(piece)
-                if size > MAX_RENDER_CHARS:  # a loop that writes without end
-                    raise InvalidArgumentError(f"chat template: the rendering passed {MAX_RENDER_CHARS} characters")
-                pieces.append(piece)
+            with budget():  # loops and built strings bounded per render (template_sandbox)
+                for piece in self._tpl.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                bos_token=self.bos_token, eos_token=self.eos_token):
+                    size += len(piece)
+                    if size > MAX_RENDER_CHARS:  # a loop that writes without end
+                        raise InvalidArgumentError(f"chat template: the rendering passed {MAX_RENDER_CHARS} "
+                                                   "characters")
+                    pieces.append(piece)
             return "".join(pieces)
         except InvalidArgumentError:
             raise

@@ -50,3 +50,44 @@ def test_what_a_review_got_past_the_first_bounds_is_refused(template):
     with pytest.raises(InvalidArgumentError, match="chat template"):
         t.render(HI)
 
+
+
+@pytest.mark.parametrize("template", [
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",  # writes nothing: ran for hours
+    "{% for c in 'x' * 1000000 %}{% for d in 'x' * 1000000 %}{% endfor %}{% endfor %}",
+    "{% set a = 'xxxxxxxxxxxxxxxx' %}" + "{% set a = a ~ a %}" * 40 + "{{ a|length }}",  # grew until the OOM killer
+    "{% set a = 'xxxxxxxxxxxxxxxx' %}" + "{% set a = a + a %}" * 40 + "{{ a|length }}",
+    "{% set a = 'xx' %}" + "{% set a = a|replace('x', 'xx') %}" * 40 + "{{ a|length }}",
+    "{% set a = 'xx' %}" + "{% set a = a.replace('x', 'xx') %}" * 40 + "{{ a|length }}",
+    "{% set a = ['x'] %}" + "{% set a = a + a %}" * 40 + "{{ a|length }}",
+    "{% set ns = namespace(a='x' * 1000000) %}{% for i in range(200) %}{% set ns.a = ns.a ~ 'y' %}{% endfor %}",
+])
+def test_loops_and_built_strings_are_bounded_per_render(template):
+    """A hostile review's templates (a GGUF from anywhere brings one): nested loops that write
+    nothing hung `edgeinfer chat` at 100 % CPU, and doubling a string with `~` took the memory.
+    Each render now has a loop and a built-characters budget (template_sandbox)."""
+    import time
+
+    t = ChatTemplate(template)
+    assert t.error is None
+    t0 = time.perf_counter()
+    with pytest.raises(InvalidArgumentError, match="chat template: it built|chat template: its loops"):
+        t.render(HI)
+    assert time.perf_counter() - t0 < 30
+
+
+def test_a_template_cannot_shadow_the_hooks():
+    """The hooks are imported names: a macro or variable of any name does not replace them."""
+    for name in ("_loop", "_concat", "_edgeinfer_loop", "loop_hook"):
+        t = ChatTemplate("{% macro " + name + "(x) %}{{ x }}{% endmacro %}{% set " + name + " = 1 %}"
+                         "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}")
+        with pytest.raises(InvalidArgumentError, match="its loops"):
+            t.render(HI)
+
+
+def test_the_budget_is_per_render():
+    """A template that spends most of its budget renders every time, not only the first."""
+    t = ChatTemplate("{% for i in range(9) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+                     "{{ messages[0]['content'] }}")  # 900,000 of the 1,048,576 iterations
+    for _ in range(3):
+        assert t.render(HI) == "hi"
