@@ -36,7 +36,8 @@ def format_platform(data: dict) -> str:
     threads = "ONNX Runtime's choice (auto)" if p["threads"] == "auto" else str(p["threads"])
     lines = [
         f"platform        {p['name']}: {p['description']}",
-        f"  providers     {', '.join(p['providers'])} (first available wins)",
+        f"  providers     {', '.join(p['providers'])} (first available wins"
+        + ("; edgeinfer itself drives cpu and cuda, the app the others)" if set(p["providers"]) - {"cpu", "cuda"} else ")"),
         f"  graph         {p['flavour']} flavour: edgeinfer convert --target {p['convert_target']} "
         f"--quant {p['quantization']}",
         f"  threads       {threads}",
