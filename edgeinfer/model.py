@@ -143,7 +143,7 @@ class Model:
             print(f"edgeinfer: loaded {folder} in {self.load_ms:.0f} ms; KV cache {self.cache.bytes / 2**20:.2f} MiB "
                   f"({spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads x {self.cache.rows} rows x "
                   f"{spec.head_dim} x {self.cache.dtype.itemsize} bytes; a ring of {capacity}), {n_sink} sinks, "
-                  f"overflow={overflow}",
+                  f"overflow={overflow}, provider {self.session.provider}",
                   file=sys.stderr)
 
     def _piece(self, token_id) -> str:

@@ -120,6 +120,7 @@ class DecoderSession:
                                                 providers=[PROVIDERS[self.provider]])
         except Exception as e:  # onnxruntime raises its own exception types for bad files
             raise ModelFormatError(f"cannot load {self.folder / MODEL_FILE}: {str(e).splitlines()[0][:300]}") from None
+        self.provider = _provider_in_use(self.session, self.provider, asked=provider)
         self._check_inputs()
         if self.manifest.target == "cuda" and self.manifest.interface.version == 1:
             warnings.warn(f"{self.folder}: a cuda-target folder of graph interface version 1 rounds RoPE's angles "
@@ -138,6 +139,22 @@ class DecoderSession:
             raise ModelFormatError(f"{self.folder / MODEL_FILE} does not take the inputs its edgeinfer.json names "
                                    f"(interface version {self.manifest.interface.version}): missing "
                                    f"{_some(want - got)}, unexpected {_some(got - want)}")
+
+
+def _provider_in_use(session, chosen: str, asked) -> str:
+    """The provider `session` really runs on. ONNX Runtime falls back to the CPU, with no error, when a
+    provider it lists cannot start (onnxruntime-gpu without its CUDA or cuDNN libraries: a broken
+    JetPack looked healthy). Asked for by name: InvalidArgumentError; chosen by "auto": a warning, and
+    the CPU is what `DecoderSession.provider` says."""
+    running = session.get_providers()
+    if PROVIDERS[chosen] in running:
+        return chosen
+    why = (f"the {chosen} provider did not start (ONNX Runtime runs this session on {', '.join(running)}): are "
+           "its libraries installed (CUDA and cuDNN for onnxruntime-gpu)? ONNX Runtime's log says more")
+    if asked != "auto":
+        raise InvalidArgumentError(why)
+    warnings.warn(f"{why}; running on the CPU", stacklevel=4)
+    return "cpu"
 
 
 def _some(names: set[str], most: int = 8) -> str:

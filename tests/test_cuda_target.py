@@ -179,3 +179,39 @@ def test_float_weights_are_recorded_as_the_fp16_the_cuda_graph_holds(tmp_path):
         assert floats == {"FLOAT16"}, floats
         assert (q.embedding, q.lm_head) == ("fp16", "fp16") and q.weights == ("fp16" if name == "fp32" else "int4")
     assert sum("stores float weights as fp16" in n for n in notes) == 2
+
+
+_REAL_SESSION = ort.InferenceSession
+
+
+class _FellBack:
+    """An InferenceSession as onnxruntime-gpu makes one when CUDA cannot start: it lists only the CPU."""
+
+    def __init__(self, path, so, providers):
+        self._inner = _REAL_SESSION(path, so, providers=["CPUExecutionProvider"])
+
+    def get_providers(self):
+        return ["CPUExecutionProvider"]
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("asked", ["cuda", "auto"])
+def test_a_cuda_provider_that_did_not_start_is_said(folders, monkeypatch, asked):
+    """A Jetson review: onnxruntime-gpu lists CUDAExecutionProvider but, without its CUDA or cuDNN
+    libraries, runs the session on the CPU with no error, and edgeinfer said "cuda". Asked for by
+    name it is now an error; chosen by "auto" a warning, and the session says "cpu"."""
+    from edgeinfer import platforms, session
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(platforms, "available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(session, "resolve_provider", lambda p, target: "cuda")
+    monkeypatch.setattr(session.ort, "InferenceSession", _FellBack)
+    if asked == "cuda":
+        with pytest.raises(InvalidArgumentError, match="cuda provider did not start"):
+            session.DecoderSession(folders(STORIES_SRC, "cuda"), provider=asked)
+    else:
+        with pytest.warns(UserWarning, match="running on the CPU"):
+            s = session.DecoderSession(folders(STORIES_SRC, "cuda"), provider=asked)
+        assert s.provider == "cpu"

@@ -782,3 +782,9 @@ def test_a_logged_prompt_carries_its_replys_id(model, caplog):
     prompt = next(x for x in lines if "prompt" in x)
     request = next(x for x in lines if "status" in x)
     assert prompt["id"] == request["id"] == c.id and prompt["prompt"].endswith("Once upon")
+
+
+def test_health_names_the_provider_the_model_runs_on(srv):
+    """An operator could not tell a CUDA session that fell back to the CPU from a working one (a Jetson
+    review): /health says which provider ONNX Runtime really runs."""
+    assert httpx.get(srv.url + "/health").json()["provider"] == "cpu"

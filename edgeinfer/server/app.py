@@ -206,6 +206,7 @@ class Server:
     async def health(self, request: Request) -> Response:
         s, power = self.scheduler, self.model.power_state()
         return JSON({"status": "draining" if self.draining else "ok", "model": self.model_id,
+                     "provider": self.model.session.provider,  # the one ONNX Runtime really runs on
                      "slots_busy": s.busy, "slots_total": len(s.slots), "queue_depth": max(0, s.waiting),
                      # the readings describe the device: only for callers holding the key (when one is set)
                      "power": power.as_dict() if power is not None and self.authorized(request) else None})

@@ -290,7 +290,8 @@ def serve(config: ServeConfig) -> int:
         raise
     s, m = server.scheduler, server.model
     kv_mb = sum(slot.cache.bytes for slot in s.slots) / 2**20
-    print(f"edgeinfer serve: model {m.folder} ({server.model_id}); {len(s.slots)} slots x {m.capacity_tokens} tokens "
+    print(f"edgeinfer serve: model {m.folder} ({server.model_id}) on {m.session.provider}; "
+          f"{len(s.slots)} slots x {m.capacity_tokens} tokens "
           f"= {kv_mb:.1f} MiB of KV cache; queue {config.queue}; overflow {config.overflow}; "
           f"speculative {config.speculative}"
           f"{f' (draft model {config.draft_model})' if config.draft_model else ''}; "
