@@ -730,3 +730,39 @@ def test_a_pin_made_while_confined_is_kept_when_the_cores_are_given_back(restore
             pass
     limit.apply(limit.max_threads)
     assert os.sched_getaffinity(os.getpid()) == {allowed[-1]}
+
+
+class Stuck:
+    """Sensors whose second read blocks until released (a wedged i2c or hwmon read)."""
+
+    def __init__(self, first: Readings):
+        self.first, self.reads, self.release = first, 0, threading.Event()
+
+    def read(self) -> Readings:
+        self.reads += 1
+        if self.reads > 1:
+            self.release.wait()
+        return self.first
+
+
+def test_a_stuck_sensor_read_is_said_and_the_plans_age_shown(caplog):
+    """A Jetson review: a temperature file whose read blocked froze the plan (a hot 1 tok/s cap) for
+    good, and power_state() and /health served it with no age and no warning. The plan in force stays
+    (no file read can be timed out), but its age is in the state and the log says a read is stuck."""
+    clock = Clock()
+    sensors = Stuck(Readings(temp_c=95.0))
+    c = PowerController(Policy("balanced"), sensors, fake_cores(), interval_s=0.01, clock=clock).start()
+    try:
+        deadline = time.monotonic() + 10
+        while sensors.reads < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sensors.reads == 2  # the sampling thread is now stuck in its read
+        assert c.state().plan_age_s == 0.0 and not [r for r in caplog.records if "stuck" in r.getMessage()]
+        clock.t += 61
+        with caplog.at_level("WARNING"):
+            state = c.state()
+        assert state.plan_age_s == 61.0 and state.as_dict()["plan_age_s"] == 61.0
+        assert [r for r in caplog.records if "a read is stuck" in r.getMessage()]
+    finally:
+        sensors.release.set()
+        c.stop()

@@ -42,6 +42,7 @@ TEMP_MEDIAN_OF = 5  # readings a temperature is the median of (2 s at the defaul
 UNENFORCED_AFTER = 3  # readings without a field before its limit is said to be unenforced
 MAX_SLEEP_S = 1.0 / MIN_TOKENS_PER_S
 MIN_SLEEP_S = 0.001  # the pacer sleeps only when this far ahead of its schedule (sleeps wake ~0.1-0.3 ms late)
+STALE_PLAN_S = 60.0  # a plan this old while sampling runs: a sensor read is stuck (`PowerController.state`)
 LATE_S = 0.005  # a step later than this (or a period, if longer) restarts the schedule instead of catching up
 
 
@@ -53,11 +54,13 @@ class PowerState:
     plan: Plan | None
     threads_applied: int
     paced_s_total: float  # seconds the pacers have slept, all generations together
+    plan_age_s: float | None = None  # since the plan (and its readings) was made; None before the first
 
     def as_dict(self) -> dict:
         return {"policy": self.policy.name, "readings": self.readings.as_dict() if self.readings else None,
                 "plan": self.plan.as_dict() if self.plan else None, "threads_applied": self.threads_applied,
-                "paced_s_total": round(self.paced_s_total, 3)}
+                "paced_s_total": round(self.paced_s_total, 3),
+                "plan_age_s": None if self.plan_age_s is None else round(self.plan_age_s, 1)}
 
 
 class PowerController:
@@ -71,6 +74,7 @@ class PowerController:
         self._temps: deque = deque(maxlen=TEMP_MEDIAN_OF)  # the last temperatures read, for `_smoothed`
         self._reads, self._seen = 0, set()  # readings taken, and which fields were ever read (`_say_unenforced`)
         self.plan: Plan | None = None
+        self._planned_at: float | None = None  # clock() of the last tick's plan
         self.paced_s_total = 0.0
         self._lock = threading.Lock()  # the step statistics
         self._steps, self._compute_s, self._window_start = 0, 0.0, clock()
@@ -100,7 +104,7 @@ class PowerController:
             self._warn(f"power control failed ({type(e).__name__}: {e}); running the safe plan")
             readings, plan = self.readings, safe_plan(load, f"power control failed: {type(e).__name__}",
                                                        self.policy, self.plan)
-        self.readings, self.plan = readings, plan
+        self.readings, self.plan, self._planned_at = readings, plan, now
         if plan.threads != self.cores.applied:
             self.cores.apply(plan.threads)
         return plan
@@ -199,8 +203,16 @@ class PowerController:
             pass
 
     def state(self) -> PowerState:
+        """The last readings and plan, and how old they are. A plan older than STALE_PLAN_S while sampling
+        runs means a sensor read is stuck (a wedged i2c or hwmon read blocks the sampling thread, and
+        no file read can time out): the plan in force stays as it was, and the log says so once."""
         self._own_process()
-        return PowerState(self.policy, self.readings, self.plan, self.cores.applied, self.paced_s_total)
+        age = None if self._planned_at is None else self.clock() - self._planned_at
+        if age is not None and age > max(STALE_PLAN_S, 20 * self.interval_s) and self._thread is not None \
+                and self._thread.is_alive():
+            self._warn("the sensors have not answered for over a minute (a read is stuck?): the plan in force is "
+                       "that old; /health's power.plan_age_s says how old")
+        return PowerState(self.policy, self.readings, self.plan, self.cores.applied, self.paced_s_total, age)
 
     def admits_background(self) -> bool:
         self._own_process()
