@@ -243,7 +243,7 @@ def _cmd_power(args: argparse.Namespace) -> int:
     import math
     import time
 
-    from edgeinfer.power.report import format_report, report
+    from edgeinfer.power.report import format_report, report, watch
     from edgeinfer.power.sensors import Sensors, sensors_from_fixture
 
     if args.interval_s is not None and not args.watch:  # (it was ignored: one reading, at once)
@@ -254,14 +254,15 @@ def _cmd_power(args: argparse.Namespace) -> int:
     if args.root is not None and not (args.root / "root").is_dir() and not (args.root / "platform.txt").is_file():
         raise EdgeInferError(f"{args.root} is not a recorded device (a folder with root/ and platform.txt)")
     sensors = sensors_from_fixture(args.root) if args.root is not None else Sensors()
-    while True:
+    if not args.watch:
         data = report(sensors.read())
         print(json.dumps(data) if args.json else format_report(data), flush=True)
-        if not args.watch:
-            return 0
-        time.sleep(interval_s)
-        if not args.json:
+        return 0
+    for i, data in enumerate(watch(sensors)):
+        if i and not args.json:
             print()
+        print(json.dumps(data) if args.json else format_report(data), flush=True)
+        time.sleep(interval_s)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -480,3 +480,29 @@ def test_a_background_refusal_names_its_cause():
     r = sensors_from_fixture(fixtures / "pi5-undervoltage").read()
     plan = decide(r, Policy("balanced"), Load(max_threads=4))
     assert "background refused: the device reports throttling" in plan.reason and "heat" not in plan.reason
+
+
+def test_power_watch_plans_as_the_running_model_does():
+    """A Jetson review: at 95 °C `power --watch` said "background refused"; once the sensor read
+    garbage it said "background admitted (no temperature reading)", while the daemon kept the hot
+    level and kept refusing. The watch now plans through the runtime's own controller."""
+    from edgeinfer.power.controller import PowerController
+    from edgeinfer.power.report import watch
+    from edgeinfer.power.threads import CoreLimit
+
+    class Script:
+        def __init__(self, *items):
+            self.items = list(items)
+
+        def read(self):
+            return self.items.pop(0) if len(self.items) > 1 else self.items[0]
+
+    seq = [Readings(temp_c=95.0, cpu_count=4)] * 3 + [Readings(cpu_count=4)] * 3
+    rounds = watch(Script(*seq))
+    shown = [next(rounds)["plans"]["balanced"] for _ in seq]
+    cores = CoreLimit(list(range(4)))
+    cores.supported = False
+    runtime = PowerController(Policy("balanced"), Script(*seq), cores)
+    made = [runtime.tick().as_dict() for _ in seq]
+    assert [p["admit_background"] for p in shown] == [p["admit_background"] for p in made] == [False] * 6
+    assert [p["reason"] for p in shown] == [p["reason"] for p in made]

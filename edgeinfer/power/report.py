@@ -10,10 +10,39 @@ from edgeinfer.power.threads import allowed_cores
 
 def report(readings: Readings) -> dict:
     """{"readings": ..., "plan_cpus": the cores the plans are for, "plans": {policy: plan}} for an idle
-    runtime on all its cores (the readings' CPU count, else this host's)."""
+    runtime on all its cores (the readings' CPU count, else this host's), from this reading alone."""
     load = Load(max_threads=readings.cpu_count or len(allowed_cores()))
     return {"readings": readings.as_dict(), "plan_cpus": load.max_threads,
             "plans": {name: decide(readings, Policy(name), load).as_dict() for name in POLICY_NAMES}}
+
+
+class _ThisRound:
+    """The round's one reading, given to every policy's controller."""
+
+    readings: Readings | None = None
+
+    def read(self) -> Readings:
+        return self.readings
+
+
+def watch(sensors):
+    """`power --watch`: a `report` per reading, whose plans are made as a running model makes them
+    (`PowerController.tick`: the temperature's median over the last readings, a level kept while a
+    reading is missing, holds): one controller per policy, over no cores of this process. Each plan
+    from `report` alone forgot the last: a sensor gone garbage while hot showed "background admitted"
+    while the daemon kept refusing (a Jetson review)."""
+    from edgeinfer.power.controller import PowerController
+    from edgeinfer.power.threads import CoreLimit
+
+    this, controllers = _ThisRound(), None
+    while True:
+        this.readings = sensors.read()
+        if controllers is None:
+            cores = CoreLimit(list(range(this.readings.cpu_count or len(allowed_cores()))))
+            cores.supported = False  # reported, never applied: the watch runs no model
+            controllers = {name: PowerController(Policy(name), this, cores) for name in POLICY_NAMES}
+        yield {"readings": this.readings.as_dict(), "plan_cpus": cores.max_threads,
+               "plans": {name: c.tick().as_dict() for name, c in controllers.items()}}
 
 
 def _fmt(value, unit: str = "", digits: int = 1) -> str:
