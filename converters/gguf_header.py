@@ -11,7 +11,10 @@ format the `gguf` package writes (GGUF versions 2 and 3, little-endian):
     data:     from the header's end rounded up to `general.alignment` (32), plus each offset
 
 Strings are a u64 length and UTF-8 bytes. Every count and length is checked against the file size
-before anything is allocated for it, so a damaged header raises `HeaderError`, never MemoryError.
+before anything is allocated for it, so a damaged header raises `HeaderError`, never MemoryError;
+and the counts of tensors, metadata entries and strings in an array are bounded far above any real
+model's (`MAX_*`), since a Python object per entry costs ~10x its bytes in the file (a hostile file of
+3 million tiny tensor entries, 114 MB, took 1.1 GB and 36 s before its first entry was refused).
 Type numbers are the `gguf` package's (`GGMLQuantizationType`, `GGML_QUANT_SIZES`).
 """
 
@@ -30,6 +33,9 @@ DEFAULT_ALIGNMENT = 32
 SCALARS = {0: ("<B", "u1"), 1: ("<b", "i1"), 2: ("<H", "<u2"), 3: ("<h", "<i2"), 4: ("<I", "<u4"), 5: ("<i", "<i4"),
            6: ("<f", "<f4"), 7: ("<?", "?"), 10: ("<Q", "<u8"), 11: ("<q", "<i8"), 12: ("<d", "<f8")}
 STRING, ARRAY = 8, 9
+MAX_TENSORS = 1 << 16  # real models: a few hundred to a few thousand
+MAX_METADATA = 1 << 16  # real models: a few dozen entries (the vocabulary is one array)
+MAX_ARRAY_STRINGS = 1 << 21  # the largest vocabularies are 262,144 tokens; merges up to about a million
 
 
 class HeaderError(ValueError):
@@ -77,6 +83,8 @@ class _Reader:
         if item == STRING:
             if count * 8 > self.size:
                 raise HeaderError(f"{what} claims {count} strings (truncated or corrupted)")
+            if count > MAX_ARRAY_STRINGS:
+                raise HeaderError(f"{what} holds {count} strings, more than the {MAX_ARRAY_STRINGS} read")
             return [self.string(what) for _ in range(count)]
         raise HeaderError(f"{what} is an array of unsupported type {item}")
 
@@ -97,6 +105,9 @@ def read_header(path: Path) -> tuple[dict, list[TensorEntry]]:
         n_tensors, n_kv = r.unpack("<Q", "the tensor count"), r.unpack("<Q", "the metadata count")
         if n_tensors > size or n_kv > size:
             raise HeaderError(f"counts of {n_tensors} tensors and {n_kv} metadata entries cannot fit the file")
+        if n_tensors > MAX_TENSORS or n_kv > MAX_METADATA:
+            raise HeaderError(f"{n_tensors} tensors and {n_kv} metadata entries: more than the {MAX_TENSORS} and "
+                              f"{MAX_METADATA} read (no model has so many)")
         meta = {}
         for _ in range(n_kv):
             key = r.string("a metadata key")
@@ -112,7 +123,7 @@ def read_header(path: Path) -> tuple[dict, list[TensorEntry]]:
             dims = tuple(r.unpack("<Q", f"tensor {name!r}") for _ in range(n_dims))
             entries.append((name, dims, r.unpack("<I", f"tensor {name!r}"), r.unpack("<Q", f"tensor {name!r}")))
         align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
             raise HeaderError(f"general.alignment {align!r} is not a power of two")
         start = -(-f.tell() // align) * align
     return meta, [TensorEntry(n, d, t, start + o) for n, d, t, o in entries]

@@ -388,3 +388,35 @@ def test_a_sentencepiece_vocabulary_without_special_ids_gets_llama_cpps_defaults
     m = convert(src, tmp_path / "out", quant="fp32")
     assert (m.tokenizer.bos_token_id, m.tokenizer.eos_token_ids, m.tokenizer.add_bos) == (1, (2,), True)
     assert edgeinfer.load(tmp_path / "out").tokenizer.encode("x")[0] == 1
+
+
+@pytest.mark.parametrize("n_tensors, n_kv, says", [(1 << 16 | 1, 0, "65537 tensors"), (0, 1 << 16 | 1, "65537 metadata")])
+def test_counts_past_any_real_model_are_refused_before_reading(tmp_path, n_tensors, n_kv, says):
+    """A hostile review: 3 million tiny tensor entries (a 114 MB file) took 1.1 GB and 36 s to read
+    before the first was refused; the counts are now bounded far above any real model's."""
+    import time
+
+    path = tmp_path / "many.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + b"\0" * (2 << 20))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=says):
+        read_header(path)
+    assert time.perf_counter() - t0 < 1
+
+
+def test_a_string_array_past_any_vocabulary_is_refused(tmp_path):
+    k = b"tokenizer.ggml.tokens"
+    n = (1 << 21) + 1
+    path = tmp_path / "vocab.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(k)) + k
+                     + struct.pack("<IIQ", 9, 8, n) + struct.pack("<Q", 1) * 2 * n)
+    with pytest.raises(ValueError, match="more than the 2097152 read"):
+        read_header(path)
+
+
+def test_an_alignment_given_as_a_bool_is_refused(tmp_path):
+    """`general.alignment` True read as 1: the file was misread and caught only later, as a
+    "non-finite scale" (a hostile review)."""
+    src = _mutate(Q8, tmp_path / "align.gguf", {"general.alignment": (True, V.BOOL)})
+    with pytest.raises(ValueError, match="general.alignment True"):
+        read_header(src)
