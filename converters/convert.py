@@ -171,8 +171,13 @@ def _tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
     if not all(map(token_id, eos)) or not (bos is None or token_id(bos)):
         raise ConvertError(f"{gen_path if gen else src / 'config.json'}: bos_token_id {bos!r} and eos_token_id "
                            f"{eos!r} must be token ids in [0, {spec.vocab_size})")
-    return TokenizerInfo(kind=kind, add_bos=bool(cfg.get("add_bos_token", kind == "sentencepiece")),
-                         bos_token_id=bos, eos_token_ids=tuple(eos), chat_template=template)
+    add_bos = cfg.get("add_bos_token")
+    if add_bos is None:
+        add_bos = kind == "sentencepiece"
+    if not isinstance(add_bos, bool):  # "false" read as true (any non-empty string did)
+        raise ConvertError(f"{cfg_path}: add_bos_token must be true or false, got {add_bos!r:.40}")
+    return TokenizerInfo(kind=kind, add_bos=add_bos, bos_token_id=bos, eos_token_ids=tuple(eos),
+                         chat_template=template)
 
 
 def _check_tokenizer(folder: Path, manifest: Manifest, log=lambda msg: None) -> None:

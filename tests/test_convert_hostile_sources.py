@@ -190,3 +190,15 @@ def test_a_destination_name_of_up_to_255_bytes_converts(capsys, src, tmp_path):
         assert rc == 0, err
         assert (dst / "edgeinfer.json").exists()
         assert_no_partial(tmp_path)
+
+
+@pytest.mark.parametrize("value", ['"yes"', '"false"', "1", "[]"])
+def test_add_bos_token_must_be_a_bool(capsys, src, tmp_path, value):
+    """`"add_bos_token": "false"` was read as true (any non-empty string was), silently (a hostile
+    review); a value that is not true, false or null is a one-line error naming the field."""
+    path = src / "tokenizer_config.json"
+    cfg = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps(cfg | {"add_bos_token": json.loads(value)}))
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "add_bos_token must be true or false")
+    assert_no_partial(tmp_path)
