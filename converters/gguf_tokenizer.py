@@ -188,7 +188,10 @@ def tokenizer_info(meta: dict, name: str = "") -> TokenizerInfo:
     """BOS/EOS, add_bos and the chat template from the GGUF metadata."""
     name = name or "the GGUF"
     tokens = meta.get("tokenizer.ggml.tokens")
-    n = len(tokens) if isinstance(tokens, list) else 0
+    if not isinstance(tokens, list) or not tokens:  # (else "bos_token_id must be a token id below 0")
+        raise ConvertError(f"{name} metadata: tokenizer.ggml.tokens (the vocabulary) is missing or not a list of "
+                           "strings: a GGUF without its tokenizer cannot be converted")
+    n = len(tokens)
     bos = _token_id(meta, "tokenizer.ggml.bos_token_id", n, name)
     eos = [_token_id(meta, k, n, name) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                                  "tokenizer.ggml.eom_token_id")]

@@ -202,3 +202,11 @@ def test_add_bos_token_must_be_a_bool(capsys, src, tmp_path, value):
     rc, err = run_convert(capsys, src, tmp_path / "out")
     assert_user_error(rc, err, "add_bos_token must be true or false")
     assert_no_partial(tmp_path)
+
+
+def test_an_unsupported_model_type_is_named_not_the_supported_architecture(capsys, src, tmp_path):
+    """model_type "gpt2" beside architectures ["LlamaForCausalLM"] said "unsupported architecture
+    'LlamaForCausalLM'; supported: LlamaForCausalLM, ..." (a hostile review)."""
+    edit_config(src, model_type="gpt2")
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "unsupported architecture 'gpt2'")

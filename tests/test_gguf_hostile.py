@@ -420,3 +420,10 @@ def test_an_alignment_given_as_a_bool_is_refused(tmp_path):
     src = _mutate(Q8, tmp_path / "align.gguf", {"general.alignment": (True, V.BOOL)})
     with pytest.raises(ValueError, match="general.alignment True"):
         read_header(src)
+
+
+def test_a_gguf_without_its_vocabulary_says_so(tmp_path):
+    """It said "tokenizer.ggml.bos_token_id must be a token id below 0, got 1" (a hostile review)."""
+    src = _mutate(Q8, tmp_path / "novocab.gguf", {"tokenizer.ggml.tokens": DROP})
+    with pytest.raises(ConvertError, match="tokenizer.ggml.tokens .the vocabulary. is missing"):
+        convert(src, tmp_path / "out")

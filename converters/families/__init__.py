@@ -29,7 +29,7 @@ def spec_from_config(cfg: dict) -> ArchSpec:
     if model_type is not None and not isinstance(model_type, str):
         raise ConvertError(f"config.json: model_type must be a name, got {model_type!r:.80}")
     if model_type not in REGISTRY or (archs and archs[0] not in ARCHITECTURES):
-        name = archs[0] if archs else model_type
+        name = archs[0] if archs and archs[0] not in ARCHITECTURES else model_type
         raise ConvertError(
             f"unsupported architecture {name!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
         )
