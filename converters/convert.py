@@ -259,8 +259,12 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
     if quant == "keep" and block_size != 32:
         raise ConvertError(f"--quant keep stores the GGUF's own blocks of 32: --block-size {block_size} does not apply")
     if quant == "keep" and (not gguf or target != "cpu" or scheme is not None):
+        choices = {"coreml": "fp16 or fp32", "nnapi": "int8, fp16 or fp32"}.get(target, "int4, int8, fp16 or fp32")
         raise ConvertError("--quant keep takes over a GGUF file's own quantized blocks for --target cpu"
-                           + ("" if gguf else f"; {src} is not a GGUF file") + ": choose --quant int4, int8, fp16 or fp32")
+                           + ("" if gguf else f"; {src} is not a GGUF file") + f": choose --quant {choices}")
+    if quant is None and gguf and target == "cuda" and scheme is None:
+        log("note: --target cuda quantizes the GGUF's weights again (int4, gptq): its own blocks are kept only "
+            "for --target cpu")
     portable = _check_portable(target, quant, capacity_tokens, prefill_tokens, attention, scheme)
     if ort_format and portable is None:
         raise ConvertError("--ort-format writes the portable graphs for ONNX Runtime Mobile: it goes with --target "

@@ -766,3 +766,28 @@ def test_a_stuck_sensor_read_is_said_and_the_plans_age_shown(caplog):
     finally:
         sensors.release.set()
         c.stop()
+
+
+def test_a_timed_out_command_takes_its_children_with_it(tmp_path):
+    """A Jetson review: a command past its timeout was killed, but not the processes it had started
+    (a termux-* command is a shell script): each timed-out reading left a process behind."""
+    from edgeinfer.power.commands import run_command
+
+    script = tmp_path / "slowcmd"
+    script.write_text(f"#!/bin/sh\nsleep 30 &\necho $! > {tmp_path / 'child.pid'}\nsleep 30\n")
+    script.chmod(0o755)
+    t0 = time.monotonic()
+    assert run_command([str(script)], 0.5) is None
+    assert time.monotonic() - t0 < 5
+    pid = int((tmp_path / "child.pid").read_text())
+
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+
+    deadline = time.monotonic() + 5
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone()

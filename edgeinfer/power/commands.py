@@ -12,6 +12,8 @@ answer" (the program is missing, exited nonzero, timed out, or printed something
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from typing import Callable, Mapping, Optional, Sequence
@@ -31,19 +33,35 @@ def run_command(argv: Sequence[str], timeout_s: float) -> str | None:
     """Run `argv` (no shell, stdin closed) and return its stdout, or None when the program is
     missing or not executable, exits nonzero, runs past `timeout_s` (the child is killed), or prints
     non-UTF-8. Never raises."""
-    try:
-        done = subprocess.run(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:  # subprocess.run has killed and reaped the child
-        return None
+    try:  # a session of its own: on timeout its whole process group is killed (a wrapper script's children
+        # outlived it: termux-* commands are shell scripts)
+        child = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
     except (OSError, ValueError, subprocess.SubprocessError):
         return None
-    if done.returncode != 0:
+    try:
+        out, _ = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(child)
+        return None
+    if child.returncode != 0:
         return None
     try:
-        return done.stdout.decode("utf-8")
+        return out.decode("utf-8")
     except UnicodeDecodeError:
         return None
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    """SIGKILL `child`'s process group (it leads one), then reap the child."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (OSError, AttributeError):  # gone already; or no process groups (Windows)
+        child.kill()
+    try:
+        child.communicate(timeout=1)
+    except (subprocess.TimeoutExpired, OSError):
+        pass
 
 
 class RecordedCommands:

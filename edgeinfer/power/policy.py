@@ -84,7 +84,8 @@ class Policy:
             given = [f for f in ("min_battery_pct", "max_temp_c", "margin_c") if getattr(self, f) is not None]
             if given:
                 raise InvalidArgumentError(f"{', '.join(given)} contradicts the performance policy (it never paces "
-                                           "for heat nor refuses work); use balanced, battery or thermal-guard")
+                                           "for heat nor refuses work); use balanced, battery or thermal-guard (where no policy is "
+                                           "given, the device profile's applies: `edgeinfer inspect --platform`)")
 
     def temperature_limit_c(self, readings: Readings) -> float:
         """The temperature to stay under: max_temp_c, else the device's throttle point less the margin;
