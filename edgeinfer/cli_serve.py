@@ -76,6 +76,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(load_config(args.config, flags))
 
 
+CUDA_RUNTIME_BYTES = 1 << 30  # a cuda folder's MemoryMax allowance for the CUDA runtime and its libraries (cuBLAS,
+# cuDNN) in the process: not measured here (no GPU); the footprint alone left a Jetson's unit no room for them
+
+
 def _print_systemd_unit(args: argparse.Namespace, config) -> int:
     from edgeinfer.manifest import read_manifest
     from edgeinfer.model import default_model_path
@@ -94,7 +98,8 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
         weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         if manifest.portable is not None:
             weights = max(weights, 2 * 4 * parameter_count(spec))
-        return weights + config.slots * kv_at_load(manifest, cap)[1]  # a float16 ring, a portable graph's R
+        cuda = CUDA_RUNTIME_BYTES if manifest.target == "cuda" else 0
+        return weights + config.slots * kv_at_load(manifest, cap)[1] + cuda  # a float16 ring, a portable graph's R
 
     if config.port == 0:
         raise EdgeInferError("port 0 lets the system pick a free port at each start, which no client of a service "
@@ -120,6 +125,11 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
               *(str(Path(f).resolve()) for f in (args.config, args.api_key_file, config.api_key_file) if f)]
     for warning in hidden_paths(needed):
         print(f"edgeinfer: warning: {warning}", file=sys.stderr)
+    from edgeinfer.platforms import detect
+
+    device = detect().profile.name
+    on_device = device.startswith(("raspberry-pi", "jetson")) or read_manifest(folder).target == "cuda"
     print(systemd_unit(exec_start=argv, memory_max_bytes=total, grace_s=config.grace_s,
-                       writable_paths=[str(f) for f in folders]), end="")
+                       writable_paths=[str(f) for f in folders],
+                       supplementary_groups=("video",) if on_device else ()), end="")
     return 0

@@ -158,7 +158,26 @@ def test_the_systemd_unit_sizes_a_float16_ring_as_load_allocates_it(folders, mon
     weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     rows, ring = kv_at_load(m, 64)
     assert ring == m.arch.kv_bytes_per_token // 2 * rows  # float16: half the float32 bytes
-    assert sized == [weights + 3 * ring]
+    from edgeinfer.cli_serve import CUDA_RUNTIME_BYTES
+
+    assert sized == [weights + 3 * ring + CUDA_RUNTIME_BYTES]  # the CUDA runtime's libraries: a Jetson review
+
+
+def test_the_systemd_unit_lets_a_cuda_or_pi_service_open_its_devices(folders, monkeypatch, capsys):
+    """A Jetson review: the unit ran as `edgeinfer` with no access to /dev/nvhost* and /dev/nvmap (CUDA)
+    or a Pi's /dev/vcio (vcgencmd's throttle flags). A cuda folder, or a unit printed on a Pi or a
+    Jetson, adds the video group; a cpu folder printed on another machine does not."""
+    import edgeinfer.platforms as platforms
+    from edgeinfer.cli import main
+
+    real = platforms.detect()
+    for folder, device, want in ((folders(TINY / "llama2_gqa_tied", "cuda"), real.profile.name, True),
+                                 (folders(TINY / "llama2_gqa_tied", "cpu"), "raspberry-pi-5", True),
+                                 (folders(TINY / "llama2_gqa_tied", "cpu"), "x86-64-desktop", False)):
+        profile = platforms.load_profiles()[device]
+        monkeypatch.setattr(platforms, "detect", lambda *a, **k: dataclasses.replace(real, profile=profile))
+        assert main(["serve", "-m", str(folder), "--port", "8080", "--slots", "1", "--print-systemd-unit"]) == 0
+        assert ("SupplementaryGroups=video" in capsys.readouterr().out) is want, (folder.name, device)
 
 
 def test_float_weights_are_recorded_as_the_fp16_the_cuda_graph_holds(tmp_path):

@@ -113,7 +113,7 @@ def test_systemd_analyze_verify(tmp_path):
     path = tmp_path / "edgeinfer-test.service"
     path.write_text(systemd_unit(exec_start=[sys.executable, "-m", "edgeinfer", "serve", "--host", "0.0.0.0"],
                                  memory_max_bytes=FOOTPRINT, writable_paths=[str(tmp_path)],
-                                 working_dir=str(tmp_path)))
+                                 working_dir=str(tmp_path), supplementary_groups=("video",)))
     r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)],
                        capture_output=True, text=True, timeout=60)
     problems = [ln for ln in r.stderr.splitlines() if path.name in ln]

@@ -89,12 +89,14 @@ def hidden_paths(paths: Sequence[str]) -> list[str]:
 
 def systemd_unit(*, exec_start: Sequence[str], memory_max_bytes: int, user: str = "edgeinfer",
                  env_file: str = "/etc/edgeinfer/edgeinfer.env", working_dir: str | None = None,
-                 writable_paths: Sequence[str] = (), grace_s: float = 30) -> str:
+                 writable_paths: Sequence[str] = (), grace_s: float = 30,
+                 supplementary_groups: Sequence[str] = ()) -> str:
     """The text of `edgeinfer.service` (see the module docstring for what it guarantees).
 
     exec_start: the command, its first word an absolute path (e.g. /opt/edgeinfer/bin/edgeinfer);
     memory_max_bytes: the footprint the limit is derived from (see `memory_max_mib`);
-    grace_s: the server's SIGTERM grace period, in seconds (TimeoutStopSec is larger).
+    grace_s: the server's SIGTERM grace period, in seconds (TimeoutStopSec is larger);
+    supplementary_groups: groups whose devices the service needs (`video` on a Pi and a Jetson).
     InvalidArgumentError for anything the unit could not carry faithfully."""
     if isinstance(exec_start, str) or not exec_start:
         raise InvalidArgumentError("exec_start must be a non-empty list of strings (the program, then its arguments)")
@@ -116,6 +118,9 @@ def systemd_unit(*, exec_start: Sequence[str], memory_max_bytes: int, user: str 
     if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not 0 <= grace_s < 86400:
         raise InvalidArgumentError(f"grace_s must be a number of seconds in [0, 86400), got {grace_s!r}")
     mem = memory_max_mib(memory_max_bytes)
+    if isinstance(supplementary_groups, str) or not all(isinstance(g, str) and _USER.match(g)
+                                                          for g in supplementary_groups):
+        raise InvalidArgumentError(f"supplementary_groups must be a list of group names, got {supplementary_groups!r}")
 
     lines = [
         "# edgeinfer OpenAI-compatible daemon (written by `edgeinfer serve --print-systemd-unit`)",
@@ -129,6 +134,9 @@ def systemd_unit(*, exec_start: Sequence[str], memory_max_bytes: int, user: str 
         "Type=simple",
         f"User={user}",
         f"Group={user}",
+        *([f"SupplementaryGroups={' '.join(supplementary_groups)}",
+           "# video: /dev/vcio (vcgencmd: a Pi's throttle flags), /dev/nvhost* and /dev/nvmap (a Jetson's CUDA)"]
+          if supplementary_groups else []),
         f"EnvironmentFile=-{env_file}",
         "Environment=PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1",
     ]
