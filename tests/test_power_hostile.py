@@ -791,3 +791,22 @@ def test_a_timed_out_command_takes_its_children_with_it(tmp_path):
     while not gone() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gone()
+
+
+def test_decoding_under_a_step_per_window_is_not_idle():
+    """A Jetson review: paced under 2 tok/s, every other 0.5 s window saw no step, so the plan said
+    "holding 77.5 °C (idle)" while decoding at 1 tok/s, and the controller skipped those updates.
+    A window with no step right after one with steps keeps the last rates; idle comes only once no
+    step came for longer than the slowest pace."""
+    clock = Clock()
+    c = PowerController(Policy("thermal-guard", max_temp_c=70.0), Switch(Readings(temp_c=69.0)), fake_cores(),
+                        interval_s=0.5, clock=clock)
+    reasons = []
+    for t in range(8):  # one step a second, plans every half second
+        if t % 2 == 0:
+            c.record_step(0.01)
+        clock.t += 0.5
+        reasons.append(c.tick().reason)
+    assert not any("(idle)" in r for r in reasons), reasons
+    clock.t += 3.0  # no step for 3 s: idle
+    assert "(idle)" in c.tick().reason or c.plan.max_tokens_per_s is None

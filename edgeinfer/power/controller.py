@@ -78,6 +78,9 @@ class PowerController:
         self.paced_s_total = 0.0
         self._lock = threading.Lock()  # the step statistics
         self._steps, self._compute_s, self._window_start = 0, 0.0, clock()
+        self._last_step_at: float | None = None  # clock() of the last step recorded
+        self._rates: tuple[float | None, float | None] = (None, None)  # (paced, unpaced) tok/s of the last
+        # window that saw a step, while decoding goes on
         self._warned: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -91,9 +94,15 @@ class PowerController:
         with self._lock:
             steps, compute_s, span = self._steps, self._compute_s, max(now - self._window_start, 1e-9)
             self._steps, self._compute_s, self._window_start = 0, 0.0, now
-        load = Load(max_threads=self.cores.max_threads,
-                    tokens_per_s=steps / span if steps else None,
-                    unpaced_tokens_per_s=steps / compute_s if steps and compute_s > 0 else None)
+            last_step_at = self._last_step_at
+        if steps:
+            self._rates = (steps / span, steps / compute_s if compute_s > 0 else None)
+        elif last_step_at is None or now - last_step_at > MAX_SLEEP_S + 2 * self.interval_s:
+            self._rates = (None, None)  # idle
+        # else: decoding slower than a step per window (paced under 2 tok/s): the last window's rates, not
+        # "idle" (which showed in /health and skipped the controller's updates every other tick)
+        load = Load(max_threads=self.cores.max_threads, tokens_per_s=self._rates[0],
+                    unpaced_tokens_per_s=self._rates[1])
         try:
             readings = replace(self.sensors.read(), time_s=now)  # one clock for plans and pacing
             for w in readings.warnings:
@@ -224,6 +233,7 @@ class PowerController:
         with self._lock:
             self._steps += 1
             self._compute_s += compute_s
+            self._last_step_at = self.clock()
 
     def pacer(self, cancelled: threading.Event | None = None) -> "Pacer":
         self._own_process()
