@@ -810,3 +810,22 @@ def test_decoding_under_a_step_per_window_is_not_idle():
     assert not any("(idle)" in r for r in reasons), reasons
     clock.t += 3.0  # no step for 3 s: idle
     assert "(idle)" in c.tick().reason or c.plan.max_tokens_per_s is None
+
+
+def test_a_zone_that_comes_back_is_read_again_within_seconds(tmp_path):
+    """A Jetson review: a thermal zone removed (a driver reload) and back at 45 °C was not read again
+    until the next full listing, 60 s on, so a cap set while hot outlived the outage by up to a minute.
+    While a field read before is missing, the files are listed again within 5 s."""
+    from edgeinfer.power.sensors import REDISCOVER_MISSING_S
+
+    s = sensors(tmp_path, {ZONE + "type": "cpu-thermal\n", ZONE + "temp": "95000\n"})
+    assert s.read().temp_c == 95.0
+    zone = tmp_path / "root" / ZONE
+    moved = tmp_path / "gone"
+    zone.rename(moved)
+    s.clock.t += 1
+    assert s.read().temp_c is None
+    moved.rename(zone)
+    (zone / "temp").write_text("45000\n")
+    s.clock.t += REDISCOVER_MISSING_S + 0.5
+    assert s.read().temp_c == 45.0

@@ -40,6 +40,7 @@ from .raspberry_pi import RaspberryPi
 from .readings import Readings
 
 REDISCOVER_S = 60.0
+REDISCOVER_MISSING_S = 5.0  # sooner while a field read before is missing (a zone gone and back: a driver reload)
 
 
 def _psutil_battery():
@@ -71,12 +72,18 @@ class Sensors:
         self.android = Android(self.root, self.commands, self.live, os.environ if self.live else {})
         self.macos = MacOS(self.commands)
         self._listed_at: float | None = None
+        self._seen: set[str] = set()  # the fields some reading gave
 
     def read(self) -> Readings:
         now = self.clock()
         report = Report()
         self._read_into(report, now)
         fields = {k: v for k, v in report.fields.items() if k in Readings.__dataclass_fields__}
+        given = {k for k, v in fields.items() if v is not None}
+        if self._seen - given and self._listed_at is not None:  # list the files again within REDISCOVER_MISSING_S,
+            # not REDISCOVER_S: a cap set while hot stayed for a minute after the sensor came back (a Jetson review)
+            self._listed_at = min(self._listed_at, now - REDISCOVER_S + REDISCOVER_MISSING_S)
+        self._seen |= given
         return Readings(time_s=now, **fields, sources=tuple(report.sources),
                         warnings=tuple(report.warnings))
 
