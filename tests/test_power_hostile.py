@@ -829,3 +829,17 @@ def test_a_zone_that_comes_back_is_read_again_within_seconds(tmp_path):
     (zone / "temp").write_text("45000\n")
     s.clock.t += REDISCOVER_MISSING_S + 0.5
     assert s.read().temp_c == 45.0
+
+
+def test_the_first_budget_cap_applies_at_once():
+    """A Jetson review: a generation drawing 15 W against a 5 W budget ran uncapped for its first
+    5 s, the idle plan made at load being held for hold_s. A first cap for the budget applies at once."""
+    clock = Clock()
+    c = PowerController(Policy("balanced", power_budget_w=5.0), Switch(Readings(power_w=15.0)), fake_cores(),
+                        interval_s=0.5, clock=clock)
+    assert c.tick().max_tokens_per_s is None  # idle at load: nothing to cap
+    c.record_step(0.01)
+    c.record_step(0.01)
+    clock.t += 0.5
+    plan = c.tick()
+    assert plan.max_tokens_per_s is not None and "(held)" not in plan.reason, plan.reason

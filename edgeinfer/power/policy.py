@@ -24,7 +24,7 @@ The steps of `decide`:
    critical guard paces); background work is refused
    when hot (thermal-guard: warm too) or on battery under `min_battery_pct`.
 4. Hold: a plan differs from `previous` at most once per `hold_s`, except a change that makes it
-   safer because the device is hot, which applies at once.
+   safer because the device is hot, or a first cap for the power budget, which apply at once.
 """
 
 from __future__ import annotations
@@ -319,5 +319,8 @@ def _hold(plan: Plan, previous: Plan | None, policy: Policy, now: float) -> Plan
         return plan
     if plan.level == "hot" and _safer(plan, previous) and (previous.level != "hot" or previous.heat_cap is None):
         return plan  # getting hot (or busy while hot): act now
+    if plan.budget_cap is not None and previous.budget_cap is None and _safer(plan, previous):
+        return plan  # over the power budget (a supply's limit: a Pi browns out past it): act now, not after
+        # the idle plan's hold (a generation ran uncapped for its first 5 s: a Jetson review)
     return replace(previous, reason=previous.reason if previous.reason.endswith("(held)")
                    else previous.reason + " (held)")
