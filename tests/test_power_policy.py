@@ -506,3 +506,14 @@ def test_power_watch_plans_as_the_running_model_does():
     made = [runtime.tick().as_dict() for _ in seq]
     assert [p["admit_background"] for p in shown] == [p["admit_background"] for p in made] == [False] * 6
     assert [p["reason"] for p in shown] == [p["reason"] for p in made]
+
+
+def test_performance_does_not_say_it_reduced_load_for_under_voltage():
+    """`edgeinfer power` on a Pi in under-voltage showed performance's plan as "...load reduced"
+    while it reduced nothing (a Pi review)."""
+    from edgeinfer.power.readings import PiThrottle
+
+    r = Readings(temp_c=50.0, cpu_count=4, pi_throttle=PiThrottle.from_mask(0x50005))
+    perf = decide(r, Policy("performance"), Load(max_threads=4))
+    assert "load reduced" not in perf.reason and perf.threads == 4
+    assert "load reduced" in decide(r, Policy("balanced"), Load(max_threads=4)).reason

@@ -168,6 +168,8 @@ def thermal_level(r: Readings, policy: Policy, previous: Plan | None) -> tuple[s
     """Step 1: ("cool" | "warm" | "hot", why)."""
     forced = _device_says_hot(r)
     if forced:
+        if policy.name == "performance":  # it reduces nothing for the device's own report (a Pi review)
+            forced = forced.removesuffix(", load reduced") + "; performance reduces no load for it"
         return "hot", forced
     before = previous.level if previous is not None else "cool"
     if r.temp_c is None:
