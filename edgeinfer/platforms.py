@@ -275,7 +275,11 @@ def detect_from_fixture(folder: Path | str, profiles: dict[str, Profile] | None 
         raise InvalidArgumentError(f"{folder / 'env.json'}: not JSON: {str(e)[:200]}") from None
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise InvalidArgumentError(f"{folder / 'env.json'} must be a JSON object of name -> string")
-    return detect(folder / "root", env, text("platform.txt", "linux"), text("machine.txt", ""), profiles)
+    from edgeinfer.power.sensors import check_recording
+
+    platform = text("platform.txt", "linux")
+    check_recording(folder, platform)
+    return detect(folder / "root", env, platform, text("machine.txt", ""), profiles)
 
 
 __all__ = ["Profile", "ProfileError", "Detection", "load_profile", "load_profiles", "detect",

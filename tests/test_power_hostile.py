@@ -843,3 +843,17 @@ def test_the_first_budget_cap_applies_at_once():
     clock.t += 0.5
     plan = c.tick()
     assert plan.max_tokens_per_s is not None and "(held)" not in plan.reason, plan.reason
+
+
+@pytest.mark.parametrize("cmd", ["power", "inspect"])
+def test_root_must_be_a_recording_not_the_live_system(tmp_path, capsys, cmd):
+    """A Jetson review: `--root /` was taken as a recording (its /root is a folder) and read /root/sys;
+    a platform.txt saying "windows" was taken silently."""
+    argv = ["power", "--root"] if cmd == "power" else ["inspect", "--platform", "--root"]
+    assert main(argv + ["/"]) == 1
+    assert "this system's root" in capsys.readouterr().err
+    rec = tmp_path / "rec"
+    (rec / "root").mkdir(parents=True)
+    (rec / "platform.txt").write_text("windows\n")
+    assert main(argv + [str(rec)]) == 1
+    assert "sys.platform" in capsys.readouterr().err

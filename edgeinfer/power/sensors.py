@@ -148,4 +148,19 @@ def sensors_from_fixture(folder: Path | str,
     if not isinstance(outputs, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
                                                 for k, v in outputs.items()):
         raise InvalidArgumentError(f"{commands_file} must be a JSON object of command line -> output (or null)")
+    check_recording(folder, platform)
     return Sensors(folder / "root", run=RecordedCommands(outputs), platform=platform, clock=clock)
+
+
+RECORDED_PLATFORMS = ("linux", "android", "darwin", "win32")  # sys.platform values a recording may give
+
+
+def check_recording(folder: Path, platform: str) -> None:
+    """InvalidArgumentError for a folder that is the live system's root (its /root is no recording:
+    `--root /` read /root/sys and said "read: nothing") or whose platform.txt no sys.platform gives."""
+    if folder.resolve() == Path(folder.anchor or "/").resolve():
+        raise InvalidArgumentError(f"{folder} is this system's root, not a recorded device: leave out --root to "
+                                   "read this device")
+    if platform not in RECORDED_PLATFORMS:
+        raise InvalidArgumentError(f"{folder / 'platform.txt'} says {platform[:40]!r}: a recording's platform is one "
+                                   f"of {', '.join(RECORDED_PLATFORMS)} (Python's sys.platform)")
