@@ -13,6 +13,7 @@ import pathlib
 import tempfile
 
 from onnxruntime.tools.mobile_helpers import usability_checker as uc
+from edgeinfer.errors import ConvertError
 from onnxruntime.tools.onnx_model_utils import optimize_model
 
 EPS = {"NNAPI": lambda m: uc.check_nnapi_partitions(m, True),
@@ -20,15 +21,20 @@ EPS = {"NNAPI": lambda m: uc.check_nnapi_partitions(m, True),
 
 
 def mobile_usability(path: str | pathlib.Path) -> dict:
-    """{ep: {"partitions", "supported_nodes", "nodes", "verdict"}} for the graph at `path`."""
+    """{ep: {"partitions", "supported_nodes", "nodes", "verdict"}} for the graph at `path`; ConvertError
+    for a graph the checker cannot judge."""
     path = pathlib.Path(path)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         optimized = pathlib.Path(tmp) / path.name
         optimize_model(path, optimized, use_external_initializers=True)
-        model = uc.ModelProtoWithShapeInfo(optimized).model_with_shape_info
-        for ep, check in EPS.items():
-            info = check(model)
+        try:
+            model = uc.ModelProtoWithShapeInfo(optimized).model_with_shape_info
+            infos = {ep: check(model) for ep, check in EPS.items()}
+        except ValueError as e:  # its shape inference stops at contrib ops: a fused (--target cpu) graph
+            raise ConvertError(f"{path}: ONNX Runtime's mobile checker cannot judge this graph (it judges the "
+                               f"portable graphs, --target coreml|nnapi): {str(e).splitlines()[0][:200]}") from None
+        for ep, info in infos.items():
             out[ep] = {"partitions": info.num_partitions, "supported_nodes": info.num_supported_nodes,
                        "nodes": info.num_nodes, "verdict": info.suitability().name}
     return out

@@ -272,3 +272,14 @@ def test_the_service_unit_of_a_portable_folder_counts_its_float32_weights(portab
     on_disk = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     assert 2 * 4 * parameter_count(spec) > on_disk  # (int8 weights: about an eighth)
     assert sized[0] >= 2 * 4 * parameter_count(spec) + spec.kv_bytes_per_token  # weights, then a ring
+
+
+def test_the_mobile_checker_refuses_a_fused_graph_with_a_convert_error():
+    """A mobile review: `mobile_usability` on a fused graph raised a bare ValueError from ONNX Runtime's
+    checker ("Run onnx.shape_inference..."); it is edgeinfer's ConvertError, saying what it judges."""
+    from edgeinfer.converters.mobile_check import mobile_usability
+    from edgeinfer.errors import ConvertError
+    from edgeinfer.model import default_model_path
+
+    with pytest.raises(ConvertError, match="judges the portable graphs"):
+        mobile_usability(default_model_path() / "model.onnx")
