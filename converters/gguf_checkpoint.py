@@ -109,6 +109,10 @@ class GGUFCheckpoint:
             if start < end:
                 raise ConvertError(f"{self.path.name}: tensors {a!r} and {b!r} overlap in the file (a damaged tensor "
                                    "table)")
+            if start - end >= align:  # writers pad each tensor to the alignment only: a type or a shape in the
+                # table was changed (an F32 norm retyped F16 converted into a model of garbage; a hostile review)
+                raise ConvertError(f"{self.path.name}: tensor {a!r} ends at byte {end} but the next, {b!r}, starts at "
+                                   f"{start}: {start - end} bytes belong to no tensor (a damaged tensor table)")
         if unknown:
             more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
             why = " (Llama 3.1-style rope scaling is not supported from GGUF)" if "rope_freqs.weight" in unknown else ""

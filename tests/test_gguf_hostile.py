@@ -427,3 +427,24 @@ def test_a_gguf_without_its_vocabulary_says_so(tmp_path):
     src = _mutate(Q8, tmp_path / "novocab.gguf", {"tokenizer.ggml.tokens": DROP})
     with pytest.raises(ConvertError, match="tokenizer.ggml.tokens .the vocabulary. is missing"):
         convert(src, tmp_path / "out")
+
+
+def test_a_tensor_retyped_smaller_is_refused_by_the_gap_it_leaves(tmp_path):
+    """A hostile review: an F32 norm's type changed to F16 in the tensor table (same offsets) converted
+    silently into a model of garbage; the half of its bytes that then belong to no tensor show it."""
+    import shutil
+
+    src = tmp_path / "retyped.gguf"
+    shutil.copy(F32, src)
+    _meta, table = read_header(F32)
+    raw = bytearray(src.read_bytes())
+    norm = next(t for t in table if t.name.endswith("attn_norm.weight"))
+    name = norm.name.encode()
+    at = raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", raw, at)[0]
+    type_at = at + 4 + 8 * n_dims
+    assert struct.unpack_from("<I", raw, type_at)[0] == 0  # F32
+    struct.pack_into("<I", raw, type_at, 1)  # F16
+    src.write_bytes(bytes(raw))
+    with pytest.raises(ConvertError, match="belong to no tensor"):
+        convert(src, tmp_path / "out")
