@@ -1,6 +1,7 @@
 """What our code costs per generated token around the graph: the graph replaced by a replay.
 
-    python scripts/bench_python_overhead.py -m MODEL [-m MODEL ...] [--tokens 200] [--rounds 7] [--out FILE.json]
+    python scripts/bench_python_overhead.py -m MODEL [-m MODEL ...] [--tokens 200] [--rounds 7] [--text EVAL_TXT]
+        [--out FILE.json]
 
 On a tiny model the graph is a few hundred microseconds a token and this box's noise moves it by
 tens, so the Python around it (sampling, detokenizing, the ring's bookkeeping, speculation's
@@ -75,13 +76,14 @@ def main() -> None:
     ap.add_argument("-m", "--model", action="append", required=True)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--text", type=Path, default=None, help="paragraphs for a chat model's tasks (as bench_speculative)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     rows = []
     for path in args.model:
         m = edgeinfer.load(path, threads=2)
         engine = m.engine
-        prompts = repeat_prompts(m, None, args.tokens)
+        prompts = repeat_prompts(m, args.text, args.tokens)
         recorded = []
         for p in prompts:
             c = m.generate(p, max_new_tokens=args.tokens, temperature=0, ignore_eos=True)

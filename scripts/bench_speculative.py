@@ -56,6 +56,9 @@ def typos(text: str, rng: np.random.Generator) -> str:
 def repeat_prompts(m, text_file: Path | None, n_new: int) -> list[list[int]]:
     rng = np.random.default_rng(0)
     if m.manifest.tokenizer.chat_template:
+        if text_file is None:
+            raise SystemExit(f"{m.folder}: a chat model's repeat prompts are tasks on paragraphs of --text (e.g. "
+                             "../shared/models/SmolLM2-135M-Instruct/eval.txt)")
         lines = [ln for ln in Path(text_file).read_text().splitlines() if len(ln.split()) > 40]
         out = []
         for i, task in enumerate(TASKS):
