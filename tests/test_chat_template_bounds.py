@@ -71,7 +71,7 @@ def test_loops_and_built_strings_are_bounded_per_render(template):
     t = ChatTemplate(template)
     assert t.error is None
     t0 = time.perf_counter()
-    with pytest.raises(InvalidArgumentError, match="chat template: it built|chat template: its loops"):
+    with pytest.raises(InvalidArgumentError, match="chat template: it built|chat template: its loops|it would build"):
         t.render(HI)
     assert time.perf_counter() - t0 < 30
 
@@ -91,3 +91,59 @@ def test_the_budget_is_per_render():
                      "{{ messages[0]['content'] }}")  # 900,000 of the 1,048,576 iterations
     for _ in range(3):
         assert t.render(HI) == "hi"
+
+
+@pytest.mark.parametrize("template", [
+    "{% macro f(n) %}{% if n > 0 %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(40) }}",  # days
+    "{% for x in range(2) recursive %}{% if loop.depth < 40 %}{{ loop(range(2)) }}{% endif %}{% endfor %}",
+    "{% set big = [0] * 1000000 %}{% for i in range(100000) %}{% if 1 in big %}{% endif %}{% endfor %}",
+])
+def test_work_no_count_sees_is_bounded_by_the_render_deadline(template, monkeypatch):
+    """A review of the first budget: a macro recursing 2^40 times, a recursive loop (its inner
+    iterables skip the loop hook) and a scan of a big list in each of 2^20 allowed iterations each
+    ran for hours or days. Every hook checks the render's deadline (shortened here)."""
+    import time
+
+    from edgeinfer import template_sandbox
+
+    monkeypatch.setattr(template_sandbox, "MAX_RENDER_S", 0.5)
+    t0 = time.perf_counter()
+    with pytest.raises(InvalidArgumentError, match="ran past 0.5 s"):
+        ChatTemplate(template).render(HI)
+    assert time.perf_counter() - t0 < 10
+
+
+@pytest.mark.parametrize("template, says", [
+    ("{% set a = messages[0].content %}" + "{% set a %}{{ a }}{{ a }}{% endset %}" * 40 + "{{ a|length }}",
+     "would build"),  # a block set doubling: no ~, no filter (17 GB at 33)
+    ("{{ messages[0].content.center(1000000000)|length }}", "past the 1048576"),  # 1 GB before it was counted
+    ("{{ messages[0].content|center(1000000000) }}", "past the 1048576"),
+    ("{{ 'x'.ljust(10**9) }}", "past the 1048576"),
+    ("{{ ('%0' ~ '1000000000' ~ 'd')|format(1) }}", "pads too widely"),  # the filter skipped %'s check
+    ("{% set s = 'x' * 100000 %}{{ s.replace('', s)|length }}", "would build"),
+    ("{% set s = 'x' * 100000 %}{{ s|replace('', s)|length }}", "would build"),
+    ("{% set s = 'x' * 1000000 %}{{ ([s] * 1000)|join|length }}", "would build"),
+    ("{% set s = 'x' * 1000000 %}{{ s.join(['a'] * 1000)|length }}", "would build"),
+    ("{{ ('\\n' * 1000000)|indent(1000000)|length }}", "would build"),
+    ("{{ messages|tojson(indent=100000) }}", "tojson"),
+    ("{{ lipsum(n=1000000) }}", "lipsum"),
+])
+def test_what_builds_far_more_than_it_is_given_is_refused_before_it_runs(template, says):
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(InvalidArgumentError, match=says):
+        ChatTemplate(template).render(HI)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 600 * 1024  # KB: no GB allocated
+
+
+def test_templates_with_block_sets_tojson_and_joins_render_as_plain_jinja_does():
+    """The hooks change no rendering: the reference is Jinja's own sandbox, without them."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    src = ("{% set sys %}{{ messages[0]['content']|upper }}{% endset %}{{ sys }}|"
+           "{{ messages|map(attribute='role')|join(', ') }}|{{ {'a': [1, 2]}|tojson(indent=2) }}|"
+           "{{ '  x'.center(7) ~ 'ab'.replace('a', 'A') ~ ('x\\ny'|indent(2)) }}"
+           "{% macro m(n) %}<{{ n }}>{% endmacro %}{% for i in range(3) %}{{ m(i) }}{% endfor %}")
+    want = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(src).render(messages=HI)
+    assert ChatTemplate(src).render(HI) == want and "<2>" in want
