@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import glob
+import hashlib
 import json
 import os
 import secrets
@@ -142,9 +143,14 @@ HIDDEN_NAME_BYTES = 100  # of dst's name in the hidden folders' names (255 bytes
 
 
 def _hidden(dst: Path) -> str:
-    """The start of the names of the hidden folders made beside `dst` (".NAME", its first
-    HIDDEN_NAME_BYTES bytes; a character cut there, or a byte that is not UTF-8, is left out)."""
-    return "." + os.fsencode(dst.name)[:HIDDEN_NAME_BYTES].decode("utf-8", "ignore")
+    """The start of the names of the hidden folders made beside `dst`: ".NAME", or for a name past
+    HIDDEN_NAME_BYTES bytes its first bytes then "~" and a hash of the whole name (two long names that
+    begin alike shared one prefix, and a stranded model of one was put back as the other; a review).
+    A character cut at the limit, or a byte that is not UTF-8, is left out."""
+    raw = os.fsencode(dst.name)
+    if len(raw) <= HIDDEN_NAME_BYTES:
+        return "." + raw.decode("utf-8", "ignore")
+    return "." + raw[:HIDDEN_NAME_BYTES].decode("utf-8", "ignore") + "~" + hashlib.sha256(raw).hexdigest()[:12]
 
 
 def _make_parents(dst: Path) -> list[Path]:
@@ -236,13 +242,15 @@ AT_FDCWD = -100
 def _exchange(a: Path, b: Path) -> bool:
     """Swap the names `a` and `b` in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`, macOS
     `renamex_np(RENAME_SWAP)`); False where the system or the file system cannot, and nothing changed."""
+    if sys.platform == "win32":  # no such call (and ctypes.CDLL(None) is a TypeError there)
+        return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if sys.platform == "darwin":
             fn, args = libc.renamex_np, (os.fsencode(a), os.fsencode(b), RENAME_EXCHANGE)
         else:
             fn, args = libc.renameat2, (AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE)
-    except (OSError, AttributeError):  # no such call in this C library (an older glibc, musl, Windows)
+    except (OSError, AttributeError, TypeError):  # no such call in this C library (an older glibc, musl)
         return False
     if fn(*args) == 0:
         return True
@@ -260,14 +268,26 @@ def _restore_stranded(dst: Path, log) -> None:
     prefix = f"{_hidden(dst)}.old-"
     for p in sorted(dst.parent.glob(glob.escape(prefix) + "*")) if dst.parent.is_dir() else ():
         pid = p.name[len(prefix):]
-        if not pid.isdigit() or int(pid) == os.getpid() or not _gone(int(pid)):
-            continue
+        if not pid.isdigit() or int(pid) == os.getpid() or not _gone(int(pid)) or not _whole_model(p):
+            continue  # (a model whose removal after a finished swap was cut short is half gone: not put back)
         try:
             os.rename(p, dst)
         except OSError:
             continue
         log(f"note: put back {dst}, which a conversion stopped half-way through replacing it had left as {p.name}")
         return
+
+
+def _whole_model(folder: Path) -> bool:
+    """Every file `folder`'s manifest lists is there, at its size (the old model a conversion moved
+    aside, whole), not one whose removal had begun."""
+    try:
+        listed = json.loads((folder / MANIFEST_FILE).read_text()).get("files")
+        return bool(listed) and isinstance(listed, dict) and all(
+            (folder / name).is_file() and (folder / name).stat().st_size == entry.get("bytes")
+            for name, entry in listed.items())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _gone(pid: int) -> bool:

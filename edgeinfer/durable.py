@@ -10,13 +10,15 @@ place, then `sync_folder` the folder that holds the name. Where a file system ca
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 
 def sync_file(path: Path) -> None:
     """fsync the regular file `path` (its data and size reach the disk). OSError if it cannot be opened
     or synced: a caller publishing it should fail rather than publish data that may not be there."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDWR if sys.platform == "win32" else os.O_RDONLY)  # Windows flushes only a
+    # handle that may write (FlushFileBuffers); POSIX syncs any, and needs no write permission for it
     try:
         os.fsync(fd)
     finally:
@@ -25,7 +27,9 @@ def sync_file(path: Path) -> None:
 
 def sync_folder(folder: Path) -> None:
     """fsync a folder (the names made, renamed or removed in it reach the disk); nothing where folders
-    cannot be opened or synced so."""
+    cannot be opened or synced so (Windows)."""
+    if sys.platform == "win32":
+        return
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:

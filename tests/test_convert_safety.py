@@ -330,12 +330,54 @@ def test_a_model_stranded_between_two_renames_is_put_back(capsys, work, tmp_path
     destination = importlib.import_module("edgeinfer.converters.destination")
     dead_pid = 4_194_305  # above Linux's largest pid_max: never a live process
     dst = tmp_path / "model"
-    stranded = model_folder(tmp_path / f".model.old-{dead_pid}")
+    stranded = tmp_path / f".model.old-{dead_pid}"
+    assert run_convert(capsys, work / "src", stranded)[0] == 0  # a whole model, as the first rename left it
+    before = snapshot(stranded)
     rc = main(["convert", str(work / "src"), "-o", str(dst)])
     out, err = capsys.readouterr()
     assert rc == 1 and "destination exists" in err and f"put back {dst}" in out + err
-    assert not stranded.exists() and (dst / "model.onnx").read_bytes() == b"old"
+    assert not stranded.exists() and snapshot(dst) == before
     monkeypatch.setattr(destination, "_exchange", lambda a, b: False)  # the two-rename path
+    (dst / "model.onnx").write_bytes(b"old")  # (its stamp then says the folder changed: it is rewritten)
     assert run_convert(capsys, work / "src", dst, "--force")[0] == 0
     assert (dst / "model.onnx").read_bytes() != b"old"
     assert_no_leftovers(tmp_path)
+
+
+def test_a_half_removed_old_model_is_not_put_back(capsys, work, tmp_path):
+    """A review: where renames are not atomic swaps, a `.DST.old-PID` whose removal (after a finished
+    swap) was cut short is missing files; if DST was later deleted, it was put back half gone."""
+    dead_pid = 4_194_305
+    stranded = tmp_path / f".model.old-{dead_pid}"
+    assert run_convert(capsys, work / "src", stranded)[0] == 0
+    (stranded / "model.onnx.data").unlink()
+    assert run_convert(capsys, work / "src", tmp_path / "model")[0] == 0  # converts; nothing put back
+    assert stranded.exists() and (tmp_path / "model" / "model.onnx.data").exists()
+
+
+def test_long_destination_names_that_begin_alike_keep_their_leftovers_apart(tmp_path):
+    """A review: hidden names kept only the first 100 bytes of DST's name, so a model stranded beside
+    "m...mA" was put back as "m...mB". Past 100 bytes the name ends in a hash of the whole."""
+    destination = importlib.import_module("edgeinfer.converters.destination")
+    a, b = tmp_path / ("m" * 100 + "A"), tmp_path / ("m" * 100 + "B")
+    assert destination._hidden(a) != destination._hidden(b)
+    assert destination._hidden(tmp_path / "short") == ".short"
+    stranded = tmp_path / f"{destination._hidden(a)}.old-4194305"
+    stranded.mkdir()
+    destination._restore_stranded(b, print)
+    assert stranded.exists() and not b.exists()
+
+
+def test_windows_takes_the_two_rename_path_and_a_flushable_handle(monkeypatch, tmp_path):
+    """A review: on Windows ctypes.CDLL(None) is a TypeError (the swap crashed instead of falling
+    back), and os.fsync needs a handle that may write."""
+    destination = importlib.import_module("edgeinfer.converters.destination")
+    durable = importlib.import_module("edgeinfer.durable")
+    monkeypatch.setattr(destination.sys, "platform", "win32")
+    assert destination._exchange(tmp_path / "a", tmp_path / "b") is False
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, flags, *a: (opened.append(flags), real_open(p, flags, *a))[1])
+    (tmp_path / "f").write_text("x")
+    durable.sync_file(tmp_path / "f")
+    assert opened == [os.O_RDWR]
