@@ -258,7 +258,7 @@ def _cmd_power(args: argparse.Namespace) -> int:
         data = report(sensors.read())
         print(json.dumps(data) if args.json else format_report(data), flush=True)
         return 0
-    for i, data in enumerate(watch(sensors)):
+    for i, data in enumerate(watch(sensors, interval_s)):
         if i and not args.json:
             print()
         print(json.dumps(data) if args.json else format_report(data), flush=True)

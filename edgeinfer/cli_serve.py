@@ -98,8 +98,7 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
         weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         if manifest.portable is not None:
             weights = max(weights, 2 * 4 * parameter_count(spec))
-        cuda = CUDA_RUNTIME_BYTES if manifest.target == "cuda" else 0
-        return weights + config.slots * kv_at_load(manifest, cap)[1] + cuda  # a float16 ring, a portable graph's R
+        return weights + config.slots * kv_at_load(manifest, cap)[1]  # a float16 ring, a portable graph's R
 
     if config.port == 0:
         raise EdgeInferError("port 0 lets the system pick a free port at each start, which no client of a service "
@@ -121,6 +120,8 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
     if args.log_prompts is not None:
         argv.append("--log-prompts" if args.log_prompts else "--no-log-prompts")
     total = footprint(folder, config.capacity) + sum(footprint(f, None) for f in folders[1:])
+    if any(read_manifest(f).target == "cuda" for f in folders):  # once per process, draft model or not
+        total += CUDA_RUNTIME_BYTES
     needed = [sys.executable, *(str(f) for f in folders),  # what the service reads
               *(str(Path(f).resolve()) for f in (args.config, args.api_key_file, config.api_key_file) if f)]
     for warning in hidden_paths(needed):

@@ -760,9 +760,10 @@ def test_a_stuck_sensor_read_is_said_and_the_plans_age_shown(caplog):
         assert c.state().plan_age_s == 0.0 and not [r for r in caplog.records if "stuck" in r.getMessage()]
         clock.t += 61
         with caplog.at_level("WARNING"):
-            state = c.state()
-        assert state.plan_age_s == 61.0 and state.as_dict()["plan_age_s"] == 61.0
+            c.pacer()  # a generation beginning (a CLI chat reads no state) says it
         assert [r for r in caplog.records if "a read is stuck" in r.getMessage()]
+        state = c.state()
+        assert state.plan_age_s == 61.0 and state.as_dict()["plan_age_s"] == 61.0
     finally:
         sensors.release.set()
         c.stop()
@@ -857,3 +858,17 @@ def test_root_must_be_a_recording_not_the_live_system(tmp_path, capsys, cmd):
     (rec / "platform.txt").write_text("windows\n")
     assert main(argv + [str(rec)]) == 1
     assert "sys.platform" in capsys.readouterr().err
+
+
+def test_seconds_per_token_is_not_idle_and_reads_its_real_rate():
+    """A review: at 3 s a token (a big model on a Pi), one step in a 0.5 s window read as 2 tok/s, and
+    a window 2 s after a step read as idle mid-generation. Sparse windows read the last steps."""
+    from edgeinfer.power.controller import _rates
+
+    steps = [(1000.0 + 3 * i, 3.0) for i in range(5)]  # a step every 3 s, each 3 s of compute
+    for k in range(2, 6):
+        for dt in (0.25, 1.5, 2.75):  # ticks between steps
+            paced, unpaced = _rates(0, 0.0, 0.5, steps[:k], steps[k - 1][0] + dt, 0.5, (None, None))
+            assert paced == pytest.approx(1 / 3) and unpaced == pytest.approx(1 / 3)
+    assert _rates(0, 0.0, 0.5, steps, steps[-1][0] + 9.5, 0.5, (1.0, 1.0)) == (None, None)  # 3 gaps: idle
+    assert _rates(8, 0.05, 0.5, steps, 1020.0, 0.5, (None, None)) == (16.0, 160.0)  # dense: the window's own

@@ -63,6 +63,32 @@ class PowerState:
                 "plan_age_s": None if self.plan_age_s is None else round(self.plan_age_s, 1)}
 
 
+RECENT_STEPS = 8  # steps a sparse window's rates are read from
+RECENT_STEPS_S = 60.0  # and how old they may be
+DENSE_STEPS = 4  # a window with this many steps gives its own rates
+
+
+def _rates(steps: int, compute_s: float, span: float, recent: list, now: float, interval_s: float,
+           previous: tuple) -> tuple[float | None, float | None]:
+    """(paced, unpaced) decode tok/s for a plan, or (None, None) when idle. A window of DENSE_STEPS
+    or more steps gives its own; a sparser one (slow decoding: paced under a few tok/s, or seconds of
+    compute per token on a big model) reads the last steps' spacing and compute instead: one step in a
+    0.5 s window read as 2 tok/s at 0.33, and a window with none read as idle between two steps (a
+    review). Idle: no step for three of the last gaps between steps, and at least the slowest pace
+    plus two sampling intervals."""
+    if steps >= DENSE_STEPS:
+        return steps / span, steps / compute_s if compute_s > 0 else None
+    if not recent:
+        return None, None
+    gap = recent[-1][0] - recent[-2][0] if len(recent) >= 2 else 0.0
+    if now - recent[-1][0] > max(MAX_SLEEP_S + 2 * interval_s, 3 * gap):
+        return None, None
+    if len(recent) < 2:  # the first step of a generation: this window's rate, or the last one's
+        return (steps / span, steps / compute_s if compute_s > 0 else None) if steps else previous
+    total = sum(c for _, c in recent)
+    return (len(recent) - 1) / max(recent[-1][0] - recent[0][0], 1e-9), (len(recent) / total if total > 0 else None)
+
+
 class PowerController:
     def __init__(self, policy: Policy, sensors, cores: CoreLimit | None = None, *,
                  interval_s: float = DEFAULT_INTERVAL_S, clock=time.monotonic, sleep=time.sleep):
@@ -78,9 +104,8 @@ class PowerController:
         self.paced_s_total = 0.0
         self._lock = threading.Lock()  # the step statistics
         self._steps, self._compute_s, self._window_start = 0, 0.0, clock()
-        self._last_step_at: float | None = None  # clock() of the last step recorded
-        self._rates: tuple[float | None, float | None] = (None, None)  # (paced, unpaced) tok/s of the last
-        # window that saw a step, while decoding goes on
+        self._recent: deque = deque(maxlen=RECENT_STEPS)  # (clock(), compute s) of the last steps
+        self._rates: tuple[float | None, float | None] = (None, None)  # (paced, unpaced) tok/s in force
         self._warned: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -94,13 +119,8 @@ class PowerController:
         with self._lock:
             steps, compute_s, span = self._steps, self._compute_s, max(now - self._window_start, 1e-9)
             self._steps, self._compute_s, self._window_start = 0, 0.0, now
-            last_step_at = self._last_step_at
-        if steps:
-            self._rates = (steps / span, steps / compute_s if compute_s > 0 else None)
-        elif last_step_at is None or now - last_step_at > MAX_SLEEP_S + 2 * self.interval_s:
-            self._rates = (None, None)  # idle
-        # else: decoding slower than a step per window (paced under 2 tok/s): the last window's rates, not
-        # "idle" (which showed in /health and skipped the controller's updates every other tick)
+            recent = [(t, c) for t, c in self._recent if now - t <= RECENT_STEPS_S]
+        self._rates = _rates(steps, compute_s, span, recent, now, self.interval_s, self._rates)
         load = Load(max_threads=self.cores.max_threads, tokens_per_s=self._rates[0],
                     unpaced_tokens_per_s=self._rates[1])
         try:
@@ -179,6 +199,7 @@ class PowerController:
             if self._forks_seen != _FORKS[0]:
                 if self._thread is not None and not self._stop.is_set():
                     self._stop = threading.Event()
+                    self._planned_at = self.clock()  # the parent's plan, from now: not "stuck" before a tick
                     self._spawn(first_wait=False)
                 self._forks_seen = _FORKS[0]
 
@@ -216,12 +237,19 @@ class PowerController:
         runs means a sensor read is stuck (a wedged i2c or hwmon read blocks the sampling thread, and
         no file read can time out): the plan in force stays as it was, and the log says so once."""
         self._own_process()
+        return PowerState(self.policy, self.readings, self.plan, self.cores.applied, self.paced_s_total,
+                          self._plan_age_s())
+
+    def _plan_age_s(self) -> float | None:
+        """Seconds since the plan in force was made (None before the first); past STALE_PLAN_S while the
+        sampling thread runs, the log says once that a read is stuck. Checked where a state is read
+        and where a generation begins (`pacer`), so a CLI chat that never reads a state says it too."""
         age = None if self._planned_at is None else self.clock() - self._planned_at
         if age is not None and age > max(STALE_PLAN_S, 20 * self.interval_s) and self._thread is not None \
                 and self._thread.is_alive():
             self._warn("the sensors have not answered for over a minute (a read is stuck?): the plan in force is "
                        "that old; /health's power.plan_age_s says how old")
-        return PowerState(self.policy, self.readings, self.plan, self.cores.applied, self.paced_s_total, age)
+        return age
 
     def admits_background(self) -> bool:
         self._own_process()
@@ -233,10 +261,11 @@ class PowerController:
         with self._lock:
             self._steps += 1
             self._compute_s += compute_s
-            self._last_step_at = self.clock()
+            self._recent.append((self.clock(), compute_s))
 
     def pacer(self, cancelled: threading.Event | None = None) -> "Pacer":
         self._own_process()
+        self._plan_age_s()
         return Pacer(self, cancelled)
 
 

@@ -25,7 +25,7 @@ class _ThisRound:
         return self.readings
 
 
-def watch(sensors):
+def watch(sensors, interval_s: float = 1.0):
     """`power --watch`: a `report` per reading, whose plans are made as a running model makes them
     (`PowerController.tick`: the temperature's median over the last readings, a level kept while a
     reading is missing, holds): one controller per policy, over no cores of this process. Each plan
@@ -40,7 +40,8 @@ def watch(sensors):
         if controllers is None:
             cores = CoreLimit(list(range(this.readings.cpu_count or len(allowed_cores()))))
             cores.supported = False  # reported, never applied: the watch runs no model
-            controllers = {name: PowerController(Policy(name), this, cores) for name in POLICY_NAMES}
+            controllers = {name: PowerController(Policy(name), this, cores, interval_s=interval_s)
+                           for name in POLICY_NAMES}
         yield {"readings": this.readings.as_dict(), "plan_cpus": cores.max_threads,
                "plans": {name: c.tick().as_dict() for name, c in controllers.items()}}
 
