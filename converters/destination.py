@@ -199,6 +199,11 @@ def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:
     Every file in `tmp` is on the disk before the rename, and the rename before this returns (fsync:
     a power cut leaves the old model or the new one, never a named folder of empty files)."""
     sync_tree(tmp)
+    if force and dst.is_dir() and not dst.is_symlink():  # again: the check before the minutes of converting
+        theirs = _not_the_converters(dst)  # could not see files written into DST meanwhile (a daemon's snapshot)
+        if theirs:
+            raise ConvertError(f"{dst} now also holds {', '.join(theirs[:5])}, written while converting, which no "
+                               "conversion wrote: --force would delete it; move it out first")
     old = _rename_into_place(tmp, dst, force)
     sync_folder(dst.parent)
     if old is None:

@@ -381,3 +381,22 @@ def test_windows_takes_the_two_rename_path_and_a_flushable_handle(monkeypatch, t
     (tmp_path / "f").write_text("x")
     durable.sync_file(tmp_path / "f")
     assert opened == [os.O_RDWR]
+
+
+def test_files_written_into_the_destination_while_converting_are_not_deleted(capsys, work, tmp_path, monkeypatch):
+    """A review: --force decided what it may delete before the minutes of converting; a prefix
+    snapshot a daemon saved into DST meanwhile was deleted at the swap. It is checked again there."""
+    convert_module = importlib.import_module("edgeinfer.converters.convert")
+    dst = tmp_path / "model"
+    assert run_convert(capsys, work / "src", dst)[0] == 0
+    real = convert_module._replace_atomically
+
+    def late_write(tmp, d, force=True):
+        (d / "system.npz").write_bytes(b"snapshot")
+        return real(tmp, d, force)
+
+    monkeypatch.setattr(convert_module, "_replace_atomically", late_write)
+    rc, err = run_convert(capsys, work / "src", dst, "--force")
+    assert_user_error(rc, err, "system.npz", "written while converting")
+    assert (dst / "system.npz").read_bytes() == b"snapshot"
+    assert_no_leftovers(tmp_path)
