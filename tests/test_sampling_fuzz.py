@@ -152,3 +152,33 @@ def test_logprobs_after_a_greedy_draw_are_the_chains():
     ref = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum())
     assert r.token == int(np.argmax(x)) and abs(r.logprob - ref.max()) < 1e-9
     assert [t for t, _ in r.top] == list(np.argsort(-x)[:3])
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=0),
+                                    SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+                                    SamplingParams(temperature=0.8, repetition_penalty=1.1)])
+@pytest.mark.parametrize("vocab", [1, 31, 33, 49_152])
+def test_all_minus_inf_is_refused_without_the_argmax_pass(params, vocab):
+    """At a temperature above 0 with nothing adjusted the chain no longer takes the argmax (two reads
+    of the vocabulary); the count of -inf logits refuses an all -inf row with the same error."""
+    x = np.full(vocab, -np.inf, np.float32)
+    with pytest.raises(ValueError, match="all logits are -inf"):
+        Sampler(params, 0, [0]).sample(x)
+    x[vocab // 2] = 1.0  # one finite logit: it is drawn
+    assert Sampler(params, 0, [0]).sample(x) == vocab // 2
+
+
+@pytest.mark.parametrize("vocab", [40, 49_152, 151_936])
+def test_top_k_block_skipping_keeps_the_same_candidates(vocab):
+    """top_k_scan skips blocks of 32 with nothing above the heap's floor: the kept set (ties by the
+    lower id) is the twin's, for rising, falling, tied and random logits."""
+    rng = np.random.default_rng(vocab)
+    ramp = np.arange(vocab, dtype=np.float64) * (20.0 / vocab)  # (a spread under exp's underflow, where the C
+    rows = [rng.standard_normal(vocab), ramp, -ramp,  # chain's 0 and numpy's denormals differ)
+            np.repeat(rng.standard_normal(vocab // 40 + 1), 40)[:vocab], np.zeros(vocab)]
+    for row in rows:
+        x = row.astype(np.float32)
+        for k in (1, 40, 1000):
+            p = SamplingParams(temperature=1.0, top_k=k, top_p=1.0, min_p=0.0)
+            got, ref = filter_probs(x, p), reference.filter_probs(x, p)
+            assert np.array_equal(got > 0, ref > 0) and np.abs(got - ref).max() < 1e-9

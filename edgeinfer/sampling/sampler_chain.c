@@ -56,8 +56,9 @@ static double rng_uniform(Rng *r) { return (double)(rng_next(r) >> 11) * (1.0 / 
  * Step 1. st->lg = the logits as double, with the penalties and the logit bias applied. Returns
  * NULL, or the message for bad input (NaN or +inf logits, a history or bias id >= V, all -inf,
  * a logit the penalties and bias pushed to +inf).
- * *best: the argmax of the result (lowest id on ties). *n_neginf: how many logits are -inf, over-
- * counted when a bias is -inf (it only decides the filter's slow path).
+ * *best: the argmax of the result (lowest id on ties), or -1 at a temperature above 0 with nothing
+ * adjusted (only temperature 0 reads it). *n_neginf: how many logits are -inf, over-counted when a
+ * bias is -inf (it only decides the filter's slow path).
  */
 static const char *adjust_logits(ChainState *st, const float *logits, idx_t V, int64_t *best, idx_t *n_neginf) {
     const Params *p = &st->p;
@@ -80,11 +81,16 @@ static const char *adjust_logits(ChainState *st, const float *logits, idx_t V, i
         lg[p->bias_ids[i]] += p->bias_vals[i];
         neg += p->bias_vals[i] == -INFINITY;
     }
+    *n_neginf = neg;
+    if (p->temperature != 0.0 && st->win.n_distinct == 0 && p->n_bias == 0) {
+        /* nothing adjusted and no argmax wanted: the counts say all (the argmax's two reads saved) */
+        *best = -1;
+        return neg >= V ? "all logits are -inf: nothing can be sampled" : NULL;
+    }
     *best = argmax_first(lg, V);
     if (lg[*best] == -INFINITY) return "all logits are -inf: nothing can be sampled";
     /* SamplingParams' bounds keep this from happening; were it to, no candidate would survive the filter */
     if (lg[*best] == INFINITY) return "the penalties and logit_bias push a logit to +inf";
-    *n_neginf = neg;
     return NULL;
 }
 

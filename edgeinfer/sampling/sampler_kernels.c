@@ -246,13 +246,23 @@ idx_t prefix_mass(const double *key, const double *e, double sum, int32_t *cand,
 }
 
 /* the k best finite ids of lg[0..V) (larger logit, then lower id) into cand; returns their count */
-idx_t top_k_scan(const double *lg, idx_t V, idx_t k, int32_t *cand) {
+VECTOR_CLONES idx_t top_k_scan(const double *lg, idx_t V, idx_t k, int32_t *cand) {
     idx_t n = 0, i = 0;
     for (; i < V && n < k; i++) if (lg[i] != -INFINITY) cand[n++] = (int32_t)i;
     if (n < k) return n;
     for (idx_t j = k / 2; j-- > 0;) heap_down(lg, cand, k, j);
     double floor = lg[cand[0]];
+    /* blocks of 32 with none above the floor are skipped after one vectorized test (once the heap
+     * holds good logits, nearly all of them): the same ids in the same order as one by one */
     for (; i < V; i++) {
+        if (i % 32 == 0 && i + 32 <= V) {
+            int hit = 0;
+            for (int j = 0; j < 32; j++) hit |= lg[i + j] > floor;
+            if (!hit) {
+                i += 31;
+                continue;
+            }
+        }
         if (lg[i] > floor) { /* equal logits lose: a later id ranks below */
             cand[0] = (int32_t)i;
             heap_down(lg, cand, k, 0);
