@@ -129,7 +129,8 @@ def _check_args(what: str, value, args: tuple, kwargs: dict) -> None:
     far more than they are given, room for the most they can make."""
     for a in (*args, *kwargs.values()):
         if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_ARG_INT:
-            raise InvalidArgumentError(f"chat template: {what}({a}) is past the {MAX_ARG_INT} a template may ask")
+            raise InvalidArgumentError(f"chat template: {what}({str(a)[:24]}) is past the {MAX_ARG_INT} a template "
+                                       "may ask")
     if not isinstance(value, str) and what != "join":
         return
     arg = (lambda i, key, default=None: args[i] if len(args) > i else kwargs.get(key, default))
