@@ -104,9 +104,9 @@ def test_work_no_count_sees_is_bounded_by_the_render_deadline(template, monkeypa
     ran for hours or days. Every hook checks the render's deadline (shortened here)."""
     import time
 
-    from edgeinfer import template_sandbox
+    from edgeinfer import template_budget
 
-    monkeypatch.setattr(template_sandbox, "MAX_RENDER_S", 0.5)
+    monkeypatch.setattr(template_budget, "MAX_RENDER_S", 0.5)
     t0 = time.perf_counter()
     with pytest.raises(InvalidArgumentError, match="ran past 0.5 s"):
         ChatTemplate(template).render(HI)
@@ -116,13 +116,13 @@ def test_work_no_count_sees_is_bounded_by_the_render_deadline(template, monkeypa
 @pytest.mark.parametrize("template, says", [
     ("{% set a = messages[0].content %}" + "{% set a %}{{ a }}{{ a }}{% endset %}" * 40 + "{{ a|length }}",
      "would build"),  # a block set doubling: no ~, no filter (17 GB at 33)
-    ("{{ messages[0].content.center(1000000000)|length }}", "past the 1048576"),  # 1 GB before it was counted
+    ("{{ messages[0].content.center(1000000000)|length }}", "past the 1048576"),  # (30 bits)  # 1 GB before it was counted
     ("{{ messages[0].content|center(1000000000) }}", "past the 1048576"),
     ("{{ 'x'.ljust(10**9) }}", "past the 1048576"),
-    ("{{ ('%0' ~ '1000000000' ~ 'd')|format(1) }}", "pads too widely"),  # the filter skipped %'s check
+    ("{{ ('%0' ~ '1000000000' ~ 'd')|format(1) }}", "would build"),  # the filter skipped %'s check
     ("{% set s = 'x' * 100000 %}{{ s.replace('', s)|length }}", "would build"),
     ("{% set s = 'x' * 100000 %}{{ s|replace('', s)|length }}", "would build"),
-    ("{% set s = 'x' * 1000000 %}{{ ([s] * 1000)|join|length }}", "would build"),
+    ("{% set s = 'x' * 1000000 %}{{ ([s] * 1000)|join|length }}", "would build|built more"),
     ("{% set s = 'x' * 1000000 %}{{ s.join(['a'] * 1000)|length }}", "would build"),
     ("{{ ('\\n' * 1000000)|indent(1000000)|length }}", "would build"),
     ("{{ messages|tojson(indent=100000) }}", "tojson"),
@@ -147,3 +147,57 @@ def test_templates_with_block_sets_tojson_and_joins_render_as_plain_jinja_does()
            "{% macro m(n) %}<{{ n }}>{% endmacro %}{% for i in range(3) %}{{ m(i) }}{% endfor %}")
     want = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(src).render(messages=HI)
     assert ChatTemplate(src).render(HI) == want and "<2>" in want
+
+
+@pytest.mark.parametrize("template, says", [
+    ("{% set ns = namespace(a=(1,)) %}{% for j in range(3) %}{% for i in range(100000) %}{% set ns.a = (ns.a,) %}"
+     "{% endfor %}{% endfor %}{{ {ns.a: 1}|length }}", "nests values more than 256 deep"),  # hash(): SIGSEGV
+    ("{% set a = [1] %}" + "{% set a = [a, a] %}" * 60 + "{{ a }}", "would build"),  # 2^60 to print
+    ("{% set a = [1] %}" + "{% set a = [a, a] %}" * 60 + "{{ a|tojson }}", "would build"),
+    ("{% set l = range(100000)|list %}{% set l2 = range(99999)|list + [0] %}{{ l2 in [l] * 1000000 }}",
+     "would build"),  # 1e11 comparisons in one `in`
+    ("{% set s = 'a' * 1000000 %}{% set t = 'a' * 1000000 %}{{ ([s, t] * 500000)|max|length }}", "built more"),
+    ("{% set s = 'f' * 1000000 %}{% set s = s ~ s %}{% set n = s|int(base=16) %}{{ n // 7 }}", "int of a"),
+    ("{% set m = ('f' * 4000)|int(base=16) %}{% set m = m ** 5 %}{{ (m * m) // 7 }}", "bits"),
+    ("{{ ('{0:😀>9999}' * 100000).format('')|length }}", "would build"),  # 4 GB before it was counted
+    ("{{ ('%(a)9999s' * 100000) % {'a': ''} }}", "would build"),
+    ("{{ ('x' * 2000).join('y' * 1000000)|length }}", "would build"),
+    ("{{ ('y' * 1000000)|join('x' * 2000)|length }}", "would build"),
+    ("{{ ('\\n' * 2000)|wordwrap(wrapstring='x' * 1000000)|length }}", "would build"),
+    ("{{ [1, 2]|dictsort }}", "failed on these messages"),  # an AttributeError escaped as a traceback
+    ("{{ cycler().next() }}", "failed on these messages"),  # a RuntimeError likewise
+])
+def test_a_second_review_s_attacks_are_refused_quickly(template, says):
+    """A security review of the budget: a deeply nested tuple's hash crashed the interpreter; values
+    of shared references printed, compared or encoded at 2^60 items in one C call; big-integer
+    arithmetic and format widths ran for minutes or took gigabytes before any count; filters raised
+    exceptions that escaped as tracebacks."""
+    import resource
+    import time
+
+    before, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
+    with pytest.raises(InvalidArgumentError, match=says):
+        ChatTemplate(template).render(HI)
+    assert time.perf_counter() - t0 < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 600 * 1024
+
+
+@pytest.mark.parametrize("template", ["{% if true %}" * 101 + "x" + "{% endif %}" * 101,
+                                      "{{ 'x'" + "|lower" * 210 + " }}", "{{ messages" + "[0]" * 210 + " }}",
+                                      "{{ " + "1" * 5000 + " }}"])
+def test_syntax_python_cannot_compile_is_a_template_error(template):
+    """IndentationError, SyntaxError and ValueError escaped ChatTemplate() and so broke loading the
+    model (which should still complete plain prompts)."""
+    t = ChatTemplate(template)
+    assert isinstance(t.error, ModelFormatError)
+
+
+def test_deep_filter_chains_compile_in_linear_time():
+    """22 KB of 180-deep filter chains took 45 s to compile (Jinja's constant folding retried every
+    level); with folding off and nesting capped, a 256 KB template of chains compiles in seconds."""
+    import time
+
+    chain = "{{ ''" + "|lower" * 40 + " }}"
+    t0 = time.perf_counter()
+    t = ChatTemplate(chain * (200 * 1024 // len(chain)))
+    assert t.error is None and time.perf_counter() - t0 < 20
