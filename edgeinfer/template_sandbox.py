@@ -127,10 +127,12 @@ def compile_template(template: str):
         intercepted_binops = frozenset({"*", "**", "%", "+", "-", "/", "//"})
 
         def call_binop(self, context, operator, left, right):
+            if operator == "+" and type(left) is str and type(right) is str:  # the commonest, kept cheap
+                return current().built(left + right)
             check_int_op(operator, left, right)
             if operator == "%":
                 check_percent(left)
-            if operator == "*":
+            elif operator == "*":
                 check_repeat(left, right)
             return current().built(super().call_binop(context, operator, left, right))
 
