@@ -127,8 +127,11 @@ def compile_template(template: str):
         intercepted_binops = frozenset({"*", "**", "%", "+", "-", "/", "//"})
 
         def call_binop(self, context, operator, left, right):
-            if operator == "+" and type(left) is str and type(right) is str:  # the commonest, kept cheap
-                return current().built(left + right)
+            if operator == "+" and type(left) is str and type(right) is str:  # the commonest, kept cheap: counted
+                out = left + right  # in place (the deadline is checked at the next loop item or call)
+                b = current()
+                b.units -= len(out)
+                return out if b.units >= 0 else b.built(out)
             check_int_op(operator, left, right)
             if operator == "%":
                 check_percent(left)
