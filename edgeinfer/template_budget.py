@@ -25,8 +25,9 @@ import time
 from edgeinfer.errors import InvalidArgumentError
 
 MAX_REPEAT_ITEMS = 1 << 20  # a template's `*` may build a string or list of at most this many items
-MAX_INT_BITS = 1 << 16  # an integer in arithmetic (`**`, `*`, `//`, ...): 65,536 bits
-MAX_INT_TEXT = 4300  # characters of a string the int filter reads (Python's own limit for base 10)
+MAX_INT_BITS = 1 << 12  # an integer in arithmetic (`**`, `*`, `//`, ...): 4,096 bits, 1,233 digits (str() of one
+# of 4,300 digits cost 0.2 ms, and a join of 100,000 of them 20 s)
+MAX_INT_TEXT = 1024  # characters of a string the int filter reads
 MAX_LOOP_ITEMS = 1 << 20  # loop iterations in one render (about a second of Jinja)
 MAX_BUILT_UNITS = 64 << 20  # characters, and SLOT_UNITS per container slot, built in one render
 SLOT_UNITS = 8  # a container slot's units: a pointer's bytes
@@ -70,7 +71,7 @@ class Budget:
     def built(self, value):
         """Count a value the template made (its logical size: `measure`); returns it."""
         self.tick()
-        if isinstance(value, str):
+        if isinstance(value, (str, bytes, bytearray)):
             used = len(value)
         elif isinstance(value, _CONTAINERS):
             used = self.measure(value)[0]
@@ -122,6 +123,8 @@ class Budget:
             for x in items:
                 if isinstance(x, str):
                     size += len(x)
+                elif isinstance(x, int):
+                    size += _digits(x)
                 elif isinstance(x, _CONTAINERS):
                     known = memo.get(id(x))
                     s, d = (known[1], known[2]) if known is not None and known[0] is x else (leaf_size(x), 0)
@@ -149,9 +152,17 @@ def _holds_containers(node) -> bool:
 
 
 def _leaf_size(node) -> int:
-    """A container of no containers: SLOT_UNITS a slot plus its strings' characters."""
+    """A container of no containers: SLOT_UNITS a slot plus its strings' characters and its big
+    integers' digits (what str() of it writes)."""
     items = _items(node)
-    return SLOT_UNITS * len(items) + sum(len(x) for x in items if isinstance(x, str))
+    return SLOT_UNITS * len(items) + sum(len(x) if isinstance(x, str) else _digits(x) if isinstance(x, int) else 0
+                                         for x in items)
+
+
+def _digits(x: int) -> int:
+    """About the digits of a big integer (none counted under 64 bits: they are cheap)."""
+    bits = x.bit_length()
+    return bits // 3 if bits > 64 else 0
 
 
 _BUDGET: contextvars.ContextVar[Budget] = contextvars.ContextVar("edgeinfer_template_budget")
@@ -193,31 +204,71 @@ def check_repeat(left, right) -> None:
         _refuse(f"repeating {len(left)} items {right} times is too many")
 
 
-def check_percent(fmt) -> None:
-    """`fmt % args` (the `%` operator and the format filter): a width taken from an argument (`*`),
-    or widths summing past what the budget can hold (`'%(a)9999s' * 100000`)."""
+def text_bound(x) -> int:
+    """The most characters str(x) can make: a string's length, an integer's digits, a container's
+    logical size (`Budget.measure`), 64 for anything else (a float's repr is at most 24)."""
+    if isinstance(x, str):
+        return len(x)
+    if isinstance(x, int):
+        return x.bit_length() // 3 + 2
+    if isinstance(x, _CONTAINERS):
+        return current().measure(x)[0]
+    return 64
+
+
+_PERCENT = re.compile(r"%(?:\((?P<key>[^)]*)\))?[-#0 +]*(?P<width>\*|\d+)?(?:\.(?P<prec>\*|\d+))?[hlL]?(?P<conv>[a-zA-Z%])")
+
+
+def check_percent(fmt, args=None) -> None:
+    """`fmt % args` (the `%` operator and the format filter): a width or precision taken from an
+    argument (`*`) is refused; the most it can make (each conversion's width, precision and argument
+    text, an argument used 2,000 times counted 2,000 times) must fit the budget."""
     if not isinstance(fmt, str):
         return
-    if re.search(r"%[^a-zA-Z%]*\*", fmt):
-        _refuse(f"the format {fmt[:40]!r} takes its width from an argument")
-    widths = sum(int(w) for w in re.findall(r"%(?:\([^)]*\))?[-#0 +]*(\d+)", fmt))
-    current().room(len(fmt) + widths)
+    positional = list(args) if isinstance(args, tuple) else [args]
+    total, i = len(fmt), 0
+    for m in _PERCENT.finditer(fmt):
+        if m["width"] == "*" or m["prec"] == "*":
+            _refuse(f"the format {fmt[:40]!r} takes a width from an argument")
+        if m["conv"] == "%":
+            continue
+        total += int(m["width"] or 0) + int(m["prec"] or 0)
+        if m["key"] is not None:
+            value = args.get(m["key"]) if isinstance(args, dict) else None
+        else:
+            value, i = (positional[i] if i < len(positional) else None), i + 1
+        total += text_bound(value) if value is not None else 0
+    current().room(total)
 
 
-def check_format(fmt: str) -> None:
-    """`fmt.format(...)`: a width taken from an argument, or widths summing past the budget (4-digit
-    widths with a 4-byte fill, 100,000 times over: 4 GB)."""
-    widths = 0
+def check_format(fmt: str, args: tuple = (), kwargs: dict | None = None) -> None:
+    """`fmt.format(*args, **kwargs)`: a width taken from an argument is refused; the most it can make
+    (widths, precisions, and each field's argument text, once per use) must fit the budget
+    ('{0}' * 2000 of a 1 MB string: 2 GB; 4-digit widths with a 4-byte fill 100,000 times: 4 GB)."""
+    kwargs = kwargs or {}
     try:
         fields = list(string.Formatter().parse(fmt))
     except ValueError:
         return  # str.format will refuse it
-    for _, _, spec, _ in fields:
+    total, auto = len(fmt), 0
+    for _, name, spec, _ in fields:
+        if name is None:
+            continue
         if spec and "{" in spec:
             _refuse(f"the format {fmt[:40]!r} takes its width from an argument")
-        m = re.match(r"(?:.?[<>=^])?[-+ ]?z?#?0?(\d*)", spec or "")
-        widths += int(m.group(1)) if m and m.group(1) else 0
-    current().room(len(fmt) + widths)
+        m = re.match(r"(?:.?[<>=^])?[-+ ]?z?#?0?(\d*)[_,]?(?:\.(\d+))?", spec or "")
+        total += (int(m[1]) if m and m[1] else 0) + (int(m[2]) if m and m[2] else 0)
+        head = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if head == "":
+            head, auto = str(auto), auto + 1
+        value = args[int(head)] if head.isdigit() and int(head) < len(args) else kwargs.get(head)
+        total += text_bound(value) if value is not None else 0
+    current().room(total)
+
+
+ATTRIBUTE_FILTERS = frozenset({"map", "sort", "unique", "groupby", "min", "max", "sum", "selectattr", "rejectattr",
+                               "attr", "dictsort"})
+MAX_ATTRIBUTE_PARTS = 16  # `attribute='a.b.c'`: one lookup a part an item (5,001 parts on 100,000 items: 16 s)
 
 
 def check_args(what: str, value, args: tuple, kwargs: dict) -> None:
@@ -227,14 +278,18 @@ def check_args(what: str, value, args: tuple, kwargs: dict) -> None:
     for a in (*args, *kwargs.values()):
         if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_ARG_INT:
             _refuse(f"{what}(an integer of {a.bit_length()} bits) is past the {MAX_ARG_INT} a template may ask")
+        if what in ATTRIBUTE_FILTERS and isinstance(a, str) and a.count(".") >= MAX_ATTRIBUTE_PARTS:
+            _refuse(f"{what} with an attribute path of {a.count('.') + 1} parts")
     arg = (lambda i, key, default=None: args[i] if len(args) > i else kwargs.get(key, default))
     if what == "join":  # value: the items (a list, a string: its characters); the separator the argument
         sep = arg(0, "d", "")
         if isinstance(value, str):
             current().room(len(value) * (1 + len(str(sep))))
         elif isinstance(value, (list, tuple)):
-            current().room(len(str(sep)) * len(value) + sum(len(x) if isinstance(x, str) else 64 for x in value))
+            current().room(len(str(sep)) * len(value) + sum(map(text_bound, value)))
         return
+    if what == "sum" and not isinstance(arg(1, "start", 0), (int, float)):  # list + list a step: quadratic
+        _refuse("sum with a start that is not a number")
     if what == "int" and isinstance(value, str) and len(value) > MAX_INT_TEXT:
         _refuse(f"int of a {len(value)}-character string is past the {MAX_INT_TEXT} read")
     if what == "tojson":
@@ -243,17 +298,15 @@ def check_args(what: str, value, args: tuple, kwargs: dict) -> None:
             _refuse(f"tojson(indent={indent}) is past {MAX_JSON_INDENT}")
     if not isinstance(value, str):
         return
-    if what == "replace" and isinstance(arg(0, "old"), str) and isinstance(arg(1, "new"), str):
+    if what == "replace":
         old, new = arg(0, "old"), arg(1, "new")
-        current().room(len(value) + (len(value) + 1 if old == "" else value.count(old)) * len(new))
+        if isinstance(old, str) and new is not None:
+            new_len = text_bound(new)
+            current().room(len(value) + (len(value) + 1 if old == "" else value.count(old)) * new_len)
     elif what == "expandtabs":
         current().room(len(value) + value.count("\t") * int(arg(0, "tabsize", 8)))
     elif what == "indent":
         width = arg(0, "width", 4)
         current().room(len(value) + (value.count("\n") + 1) * (len(width) if isinstance(width, str) else int(width)))
-    elif what == "wordwrap":
-        wrap = arg(2, "wrapstring") or "\n"
-        lines = len(value) // max(int(arg(0, "width", 79)), 1) + value.count("\n") + 1
-        current().room(len(value) + lines * len(str(wrap)))
-    elif what == "format":
-        check_percent(value)
+    elif what == "format":  # the filter: value % (kwargs or args)
+        check_percent(value, kwargs if kwargs else (args if len(args) != 1 else args[0]))

@@ -9,8 +9,10 @@ ran for hours, doubled strings and lists took the memory, one C call on a huge v
 a deeply nested tuple crashed the interpreter):
 
 - put into the syntax tree before compiling (`Hooks`), so they hold however the template is written:
-  every `{% for %}`'s items through `Budget.loop`; every `~`, list, tuple and dict literal through
-  `Budget.built` (its logical size and depth);
+  every `{% for %}`'s items through `Budget.loop`; every `~`, slice, list, tuple and dict literal
+  through `Budget.built` (its logical size and depth);
+- only the methods chat templates call (`METHODS`: a string's, a dict's, a list's; none of bytes' or
+  ints'), and no filter that can run for minutes in one call (`BLOCKED_FILTERS`);
 - in the environment (`Sandbox`): every call (a macro, a string method, a global, a recursive loop's
   `loop(...)`, whose items then go through `Budget.loop` too), arithmetic and `%`, `.format`, and
   every filter and test check their arguments first and count what they return; a macro's, a block
@@ -35,6 +37,7 @@ from edgeinfer.template_budget import (MAX_REPEAT_ITEMS, budget, check_args, che
 MAX_TEMPLATE_CHARS = 256 * 1024  # Hugging Face templates are a few KB; compiling costs ~6 s per MB
 MAX_NESTING = 64  # syntax nested this deep (real templates: under 15)
 LOOP_FILTER, VALUE_FILTER = "edgeinfer_loop", "edgeinfer_value"  # the hooks' names among the filters
+_RUNTIME: tuple = ()  # Jinja's own objects whose methods a template calls (loop.cycle, cycler.next): set at compile
 
 
 def _raise(message: str):
@@ -90,6 +93,10 @@ def compile_template(template: str):
     from jinja2 import nodes
     from jinja2.ext import Extension
     from jinja2.runtime import LoopContext
+    from jinja2.utils import Cycler, Joiner, Namespace
+
+    global _RUNTIME
+    _RUNTIME = (LoopContext, Cycler, Joiner, Namespace)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from jinja2.visitor import NodeTransformer
 
@@ -123,6 +130,10 @@ def compile_template(template: str):
 
         visit_List = visit_Tuple = visit_Dict = _literal
 
+        def visit_Getitem(self, node):  # a slice copies (s[::-1] fifty times: 2 GB), and Jinja writes a
+            node = self.generic_visit(node)  # slice as Python's own subscript, past the sandbox's getitem
+            return hook(node, VALUE_FILTER) if isinstance(node.arg, nodes.Slice) and node.ctx == "load" else node
+
     class Sandbox(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"*", "**", "%", "+", "-", "/", "//"})
 
@@ -134,7 +145,7 @@ def compile_template(template: str):
                 return out if b.units >= 0 else b.built(out)
             check_int_op(operator, left, right)
             if operator == "%":
-                check_percent(left)
+                check_percent(left, right)
             elif operator == "*":
                 check_repeat(left, right)
             return current().built(super().call_binop(context, operator, left, right))
@@ -144,9 +155,14 @@ def compile_template(template: str):
             if wrapped is None:
                 return None
 
+            mapping = value.__name__ == "format_map"
+
             @functools.wraps(wrapped)
-            def checked(*args, **kwargs):  # widths summed before formatting ('{0:😀>9999}' * 10**5: 4 GB)
-                check_format(value.__self__)
+            def checked(*args, **kwargs):  # what it can make, summed before formatting ('{0:😀>9999}' * 10**5: 4 GB)
+                if mapping and len(args) == 1 and isinstance(args[0], dict):
+                    check_format(value.__self__, (), args[0])
+                else:
+                    check_format(value.__self__, args, kwargs)
                 return wrapped(*args, **kwargs)
             return checked
 
@@ -154,6 +170,8 @@ def compile_template(template: str):
             b = current()
             b.tick()
             owner = getattr(__obj, "__self__", None)
+            if owner is not None and not isinstance(owner, _RUNTIME) and type(__obj).__name__ in _BUILTIN_METHODS:
+                _check_method(owner, getattr(__obj, "__name__", ""))
             if isinstance(owner, str):  # a string's method: 'x'.center(n), sep.join(items), s.replace(a, b)
                 name = getattr(__obj, "__name__", "")
                 if name == "join" and args:
@@ -175,7 +193,7 @@ def compile_template(template: str):
     env.globals["raise_exception"] = _raise
     del env.globals["lipsum"]  # lipsum(n=10**6) writes a million paragraphs; no chat template uses it
     env.concat = _joined
-    env.filters = {name: _counted(name, f) for name, f in env.filters.items()} | {
+    env.filters = {name: _counted(name, f) for name, f in env.filters.items() if name not in BLOCKED_FILTERS} | {
         LOOP_FILTER: _loop, VALUE_FILTER: _value, "edgeinfer_concat": _concat_items}
     env.tests = {name: _ticked(f) for name, f in env.tests.items()}
     try:
@@ -187,6 +205,30 @@ def compile_template(template: str):
         # nesting Python cannot compile, constants folded at compile time (a 5,000-digit literal)
         raise ModelFormatError(f"the model's chat template does not parse: "
                                f"{e.__class__.__name__}: {str(e)[:200]}") from None
+
+
+BLOCKED_FILTERS = frozenset({"urlize", "wordwrap", "batch", "slice"})  # no chat template uses them, and each can
+# run for minutes in one call (urlize's regex backtracks on ')' * 200,000; wordwrap is quadratic) or repeat a
+# fill value a million times (batch, slice)
+METHODS = {  # what a chat template may call on a value; any other method (bytes' and ints' among them:
+    # (1).to_bytes(2 * 10**9) and 'x'.encode() * 2000 took 2 GB) is refused
+    str: frozenset({"strip", "lstrip", "rstrip", "split", "rsplit", "splitlines", "startswith", "endswith", "lower",
+                    "upper", "title", "capitalize", "casefold", "swapcase", "replace", "find", "rfind", "index",
+                    "rindex", "count", "join", "format", "format_map", "removeprefix", "removesuffix", "partition",
+                    "rpartition", "center", "ljust", "rjust", "zfill", "isdigit", "isalpha", "isalnum", "isspace",
+                    "isupper", "islower", "isnumeric", "isdecimal", "istitle", "isidentifier", "isprintable"}),
+    dict: frozenset({"items", "keys", "values", "get"}),
+    list: frozenset({"index", "count"}),
+    tuple: frozenset({"index", "count"}),
+}
+_BUILTIN_METHODS = ("builtin_function_or_method", "method-wrapper")
+
+
+def _check_method(owner, name: str) -> None:
+    allowed = next((names for kind, names in METHODS.items() if isinstance(owner, kind)), frozenset())
+    if name not in allowed:
+        raise InvalidArgumentError(f"chat template: {type(owner).__name__}.{name}() is not a method chat templates "
+                                   "may call")
 
 
 def _counted(name: str, f):
