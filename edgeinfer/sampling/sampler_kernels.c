@@ -92,6 +92,24 @@ VECTOR_CLONES static void vexp_inplace(double *x, idx_t n) {
 }
 
 /*
+ * The first i in [0, n) with x[i] == best (0 if none), for doubles and floats: a vectorizable test
+ * per block of 32 (one branch per block), then the first index inside the block that holds it.
+ */
+#define FIRST_EQUAL_BODY                                                            \
+    {                                                                               \
+        idx_t i = 0;                                                                \
+        for (; i + 32 <= n; i += 32) {                                              \
+            int hit = 0;                                                            \
+            for (int j = 0; j < 32; j++) hit |= x[i + j] == best;                   \
+            if (hit) break;                                                         \
+        }                                                                           \
+        for (; i < n; i++) if (x[i] == best) return i;                              \
+        return 0;                                                                   \
+    }
+static inline int64_t first_equal_f64(const double *x, idx_t n, double best) FIRST_EQUAL_BODY
+static inline int64_t first_equal_f32(const float *x, idx_t n, float best) FIRST_EQUAL_BODY
+
+/*
  * Index of the largest value, lowest index on ties; 0 when every value is -inf (no NaN allowed).
  * Two vectorizable passes: 8 independent maxima; then a scan for the first block of 32 holding
  * the maximum (one branch per block), and the first index inside it.
@@ -104,13 +122,7 @@ VECTOR_CLONES int64_t argmax_first(const double *x, idx_t n) {
     for (; i < n; i++) m[0] = x[i] > m[0] ? x[i] : m[0];
     double best = m[0];
     for (int j = 1; j < 8; j++) best = m[j] > best ? m[j] : best;
-    for (i = 0; i + 32 <= n; i += 32) {
-        int hit = 0;
-        for (int j = 0; j < 32; j++) hit |= x[i + j] == best;
-        if (hit) break;
-    }
-    for (; i < n; i++) if (x[i] == best) return i;
-    return 0;
+    return first_equal_f64(x, n, best);
 }
 
 /*
@@ -144,13 +156,7 @@ VECTOR_CLONES int64_t argmax_first_f32(const float *x, idx_t n, int *nan_seen, i
         *nan_seen = bad & 1;
         *inf_seen = bad >> 1;
     }
-    for (i = 0; i + 32 <= n; i += 32) {
-        int hit = 0;
-        for (int j = 0; j < 32; j++) hit |= x[i + j] == best;
-        if (hit) break;
-    }
-    for (; i < n; i++) if (x[i] == best) return i;
-    return 0;
+    return first_equal_f32(x, n, best);
 }
 
 /* softmax pieces over cand: e[id] = exp(x[id] / t - max); returns their sum (and the max if asked).
