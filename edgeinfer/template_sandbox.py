@@ -37,7 +37,6 @@ from edgeinfer.template_budget import (MAX_REPEAT_ITEMS, budget, check_args, che
 MAX_TEMPLATE_CHARS = 256 * 1024  # Hugging Face templates are a few KB; compiling costs ~6 s per MB
 MAX_NESTING = 64  # syntax nested this deep (real templates: under 15)
 LOOP_FILTER, VALUE_FILTER = "edgeinfer_loop", "edgeinfer_value"  # the hooks' names among the filters
-_RUNTIME: tuple = ()  # Jinja's own objects whose methods a template calls (loop.cycle, cycler.next): set at compile
 
 
 def _raise(message: str):
@@ -93,10 +92,6 @@ def compile_template(template: str):
     from jinja2 import nodes
     from jinja2.ext import Extension
     from jinja2.runtime import LoopContext
-    from jinja2.utils import Cycler, Joiner, Namespace
-
-    global _RUNTIME
-    _RUNTIME = (LoopContext, Cycler, Joiner, Namespace)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from jinja2.visitor import NodeTransformer
 
@@ -170,7 +165,8 @@ def compile_template(template: str):
             b = current()
             b.tick()
             owner = getattr(__obj, "__self__", None)
-            if owner is not None and not isinstance(owner, _RUNTIME) and type(__obj).__name__ in _BUILTIN_METHODS:
+            if owner is not None and type(__obj).__name__ in _BUILTIN_METHODS:  # a C type's method (Jinja's own
+                # objects, loop.cycle and the like, have Python methods: not checked)
                 _check_method(owner, getattr(__obj, "__name__", ""))
             if isinstance(owner, str):  # a string's method: 'x'.center(n), sep.join(items), s.replace(a, b)
                 name = getattr(__obj, "__name__", "")
