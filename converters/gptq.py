@@ -10,16 +10,23 @@ calibration text (`calibration.Calibration`).
    they are, each weight's squared error weighed by its input's d (the grid is fixed before step
    4: "static groups"). Weighing is what fits the grid: SmolLM2-135M's perplexity +21.3 % with
    plain asym grids, +9.2 % with weighed ones (an experiment at fp32, with or without step 4).
-3. Damping: H + `DAMP` mean(diag H) I; U, the upper Cholesky factor of its inverse (not positive
-   definite in float64: ten times the damping, and so on).
-4. Error feedback, input by input in order, rows independent: code = clip(rint(w_j / s) + z, 0, 15);
-   e = (w_j - s (code - z)) / U[j, j]; the later inputs w_{j'} -= e U[j, j'] (within a batch of
-   `block` inputs at once, the rest once per batch). Only for weights of at most
-   `FEEDBACK_MAX_INPUTS` inputs: H and its inverse cost K^2 per token and K^3 (a 4864-input
-   down_proj: 9 s a layer here), and cutting H into diagonal windows to save that made SmolLM2
-   worse than no feedback at all (+27 % against +21 %); a wider weight is rounded to nearest on its
-   fitted grid. On SmolLM2 the feedback adds nothing to the fitted grid (+9.2 % either way); on
-   stories260K it is most of the gain (+10.6 % -> +6.5 %).
+3. The order: inputs by decreasing d ("act order"), so that the inputs that weigh most are
+   rounded first, while many inputs are left to take up their error (measured on SmolLM2-135M,
+   with the shipped text's paragraphs in four orders: 36.07, 36.92, 37.22, 37.79 in input order,
+   34.09, 36.73, 35.20, 35.61 in this one; stories260K 6.097, 6.145, 6.085, 6.119 against 6.081,
+   6.081, 6.060, 6.028). Damping: H + `DAMP` mean(diag H) I, rows and columns in that order; U,
+   the upper Cholesky factor of its inverse (not positive definite in float64: ten times the
+   damping, and so on).
+4. Error feedback, input by input in that order, rows independent: code = clip(rint(w_j / s) + z,
+   0, 15), on the grid of the block input j belongs to; e = (w_j - s (code - z)) / U[j, j]; the
+   inputs after it w_{j'} -= e U[j, j'] (within a batch of `block` inputs at once, the rest once per
+   batch). Only for weights of at most `FEEDBACK_MAX_INPUTS` inputs: H and its inverse cost K^2
+   per token and K^3 (a 4864-input down_proj: 9 s a layer here), and cutting H into diagonal
+   windows to save that made SmolLM2 worse than no feedback at all (+27 % against +21 %); a wider
+   weight is rounded to nearest on its fitted grid (feedback on SmolLM2's 1536-input down_proj made
+   it worse too: 36.26 against 34.02, in an experiment with act order and AWQ's scales on q|k|v). In input order the feedback
+   added nothing on SmolLM2 (+9.2 % either way) and most of the gain on stories260K (+10.6 % ->
+   +6.5 %); in act order it is the gain on SmolLM2 (the four orders of step 3).
 5. Pack codes and zero points as MatMulNBits reads them.
 Steps 2, 4 and 5 run on chunks of `ROWS` rows, on the cores this process may use (numpy releases
 the GIL), with BLAS on one thread (`threadpoolctl`): its own threads on top of ours oversubscribed
@@ -63,7 +70,11 @@ def _gptq_int4(w, x: np.ndarray, block: int):
     if not np.isfinite(d).all():  # no grid fits inputs past float64's range
         return int4_asym(w if isinstance(w, np.ndarray) else w[0:n], block)
     importance = (d / max(float(d.mean()), 1e-300) + FLOOR).astype(np.float32).reshape(nb, block)
-    u = _inverse_cholesky(x.T @ x) if k <= FEEDBACK_MAX_INPUTS else None  # 3.
+    order = u = None
+    if k <= FEEDBACK_MAX_INPUTS:  # 3.
+        order = np.argsort(-d[:k], kind="stable")  # equal d: input order
+        h = x.T @ x
+        u = _inverse_cholesky(h[np.ix_(order, order)])
     packed = np.empty((n, nb, block // 2), np.uint8)
     scales = np.empty((n, nb), np.float32)
     zps = np.zeros((n, nb + nb % 2), np.uint8)  # an even count: the last byte's high nibble is 0
@@ -77,7 +88,7 @@ def _gptq_int4(w, x: np.ndarray, block: int):
         if u is None:
             codes[:k] = _round(blocks[:, :k].T, s, z, block, k)
         else:
-            codes[:k] = _feedback(blocks[:, :k].T.copy(), s, z, u, block)  # 4.
+            codes[:k] = _feedback(blocks[:, :k].T, s, z, u, order, block)  # 4.
         packed[r:r + m] = pack4(codes.T.reshape(m, nb, block).astype(np.uint8))  # 5.
         scales[r:r + m] = s
         zps[r:r + m, :nb] = z.astype(np.uint8)
@@ -98,10 +109,13 @@ def _round(wt: np.ndarray, s: np.ndarray, z: np.ndarray, block: int, k: int) -> 
     return np.clip(np.rint(wt / s_in) + z_in, 0, 15)
 
 
-def _feedback(wt: np.ndarray, s: np.ndarray, z: np.ndarray, u: np.ndarray, block: int) -> np.ndarray:
-    """Step 4 on input-major weights wt [K, m] (rewritten as it goes); codes [K, m]."""
+def _feedback(wt: np.ndarray, s: np.ndarray, z: np.ndarray, u: np.ndarray, order: np.ndarray,
+              block: int) -> np.ndarray:
+    """Step 4 on input-major weights wt [K, m] (not written to): codes [K, m]. u is step 3's, its
+    rows and columns in `order`; each input keeps its own block's grid."""
     k = len(wt)
     s_in, z_in = _grid(s, z, block, k)
+    wt, s_in, z_in = wt[order], s_in[order], z_in[order]  # copies, in the order of rounding
     codes = np.empty_like(wt)
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
@@ -115,7 +129,9 @@ def _feedback(wt: np.ndarray, s: np.ndarray, z: np.ndarray, u: np.ndarray, block
             err[j - i1] = e
         if i2 < k:
             wt[i2:] -= u[i1:i2, i2:].T @ err
-    return codes
+    out = np.empty_like(codes)
+    out[order] = codes
+    return out
 
 
 def _inverse_cholesky(h: np.ndarray) -> np.ndarray:
