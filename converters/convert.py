@@ -65,7 +65,7 @@ def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | No
     default) is "gptq": asym's storage (integer zero points), so asym's decode speed, with the grid
     fitted to the inputs the weights meet on a shipped calibration text and the rounding errors fed
     forward (converters/gptq.py): the most accurate recipe that keeps the decode speed (perplexity
-    stories260K +12.2 % -> +7.3 %, SmolLM2 +21.5 % -> +9.0 % against asym; docs/quantization.md).
+    stories260K +12.2 % -> +7.0 %, SmolLM2 +21.5 % -> +3.0 % against asym; docs/quantization.md).
     int8 is symmetric round-to-nearest. fp16 / fp32: plain weights. `int8_tensors` keeps chosen int4
     projections at int8.
     """

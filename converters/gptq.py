@@ -19,14 +19,14 @@ calibration text (`calibration.Calibration`).
    damping, and so on).
 4. Error feedback, input by input in that order, rows independent: code = clip(rint(w_j / s) + z,
    0, 15), on the grid of the block input j belongs to; e = (w_j - s (code - z)) / U[j, j]; the
-   inputs after it w_{j'} -= e U[j, j'] (within a batch of `block` inputs at once, the rest once per
-   batch). Only for weights of at most `FEEDBACK_MAX_INPUTS` inputs: H and its inverse cost K^2
-   per token and K^3 (a 4864-input down_proj: 9 s a layer here), and cutting H into diagonal
-   windows to save that made SmolLM2 worse than no feedback at all (+27 % against +21 %); a wider
-   weight is rounded to nearest on its fitted grid (feedback on SmolLM2's 1536-input down_proj made
-   it worse too: 36.26 against 34.02, in an experiment with act order and AWQ's scales on q|k|v). In input order the feedback
-   added nothing on SmolLM2 (+9.2 % either way) and most of the gain on stories260K (+10.6 % ->
-   +6.5 %); in act order it is the gain on SmolLM2 (the four orders of step 3).
+   inputs after it w_{j'} -= e U[j, j'] (within a batch of `block` consecutive inputs of that order
+   at once, the rest once per batch; a batch is not a quantization block). Only for weights of at
+   most `FEEDBACK_MAX_INPUTS` inputs: H and its inverse cost K^2 per token and K^3 (a 4864-input
+   down_proj: 9 s a layer here), and cutting H into diagonal windows to save that made SmolLM2
+   worse than no feedback at all (+27 % against +21 %); a wider weight is rounded to nearest on its
+   fitted grid. In input order the feedback added nothing on SmolLM2 (+9.2 % either way) and most of
+   the gain on stories260K (+10.6 % -> +6.5 %); in act order it is the gain on SmolLM2 (the four
+   orders of step 3).
 5. Pack codes and zero points as MatMulNBits reads them.
 Steps 2, 4 and 5 run on chunks of `ROWS` rows, on the cores this process may use (numpy releases
 the GIL), with BLAS on one thread (`threadpoolctl`): its own threads on top of ours oversubscribed
@@ -73,8 +73,7 @@ def _gptq_int4(w, x: np.ndarray, block: int):
     order = u = None
     if k <= FEEDBACK_MAX_INPUTS:  # 3.
         order = np.argsort(-d[:k], kind="stable")  # equal d: input order
-        h = x.T @ x
-        u = _inverse_cholesky(h[np.ix_(order, order)])
+        u = _inverse_cholesky((x.T @ x)[np.ix_(order, order)])
     packed = np.empty((n, nb, block // 2), np.uint8)
     scales = np.empty((n, nb), np.float32)
     zps = np.zeros((n, nb + nb % 2), np.uint8)  # an even count: the last byte's high nibble is 0
