@@ -342,9 +342,13 @@ class Manifest:
             raise FieldError("flavour", f"{top['flavour']!r} does not go with target {top['target']!r} "
                              f"({flavours[top['target']]})")
         portable = PortableInfo.from_json(section("portable")) if top["flavour"] == "portable" else None
+        tokenizer = TokenizerInfo.from_json(section("tokenizer"))
+        bos = tokenizer.bos_token_id  # fed to the graph: out of range it wrapped round or crashed the Gather
+        if bos is not None and not 0 <= bos < arch.vocab_size:
+            raise FieldError("tokenizer.bos_token_id", f"{bos} is outside the vocabulary [0, {arch.vocab_size})")
         return cls(arch=arch, quantization=QuantScheme.from_json(section("quantization")),
                    interface=Interface.from_json(section("interface"), arch, portable=portable), portable=portable,
-                   tokenizer=TokenizerInfo.from_json(section("tokenizer")),
+                   tokenizer=tokenizer,
                    origin=Origin.from_json(d["origin"]) if "origin" in d else None,
                    files=_files(d), source=d.get("source", {}), **top)
 

@@ -72,6 +72,8 @@ def _set(path, value):
     (("tokenizer", "add_bos"), "yes", "tokenizer.add_bos: expected bool"),
     (("tokenizer", "kind"), "wordpiece", "tokenizer.kind: unknown 'wordpiece'"),
     (("tokenizer", "eos_token_ids"), [2, "x"], "tokenizer.eos_token_ids[1]"),
+    (("tokenizer", "bos_token_id"), 100000, "tokenizer.bos_token_id: 100000 is outside the vocabulary [0, 512)"),
+    (("tokenizer", "bos_token_id"), -1, "tokenizer.bos_token_id: -1 is outside"),  # eval scored a wrong figure
     (("quantization", "block_size"), 48, "quantization.block_size"),
     (("quantization", "weights"), "int3", "quantization.weights"),
     (("architecture", "head_dim"), "8", "architecture.head_dim: expected int"),
