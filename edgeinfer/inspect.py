@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 
 from edgeinfer.arch import ArchSpec
@@ -66,11 +67,38 @@ def _scale_dtype(m: Manifest) -> str:
     return "float16" if m.target == "cuda" and q.weights in ("int4", "int8") else q.scale_dtype
 
 
+def _file_sizes(folder: Path, m: Manifest) -> tuple[int, int, list[str]]:
+    """(the model's bytes, its graph files' bytes, problems) from the files the manifest lists, as
+    converted, each checked by its size alone (`inspect --verify` reads every byte): a missing or
+    resized file is a problem, a file the manifest does not list (a backup, notes) is not the model.
+    An older manifest that lists none: every file in the folder, unchecked."""
+    if not m.files:
+        files = [p for p in folder.iterdir() if p.is_file() and p.name != STAMP_FILE]
+        return (sum(p.stat().st_size for p in files),
+                sum(p.stat().st_size for p in files if p.name.startswith("model.onnx")), [])
+    problems, sizes = [], {}
+    for name, want in m.files.items():
+        size = want.get("bytes") if isinstance(want, dict) else None
+        if not isinstance(name, str) or Path(name).name != name or "\0" in name or type(size) is not int:
+            problems.append(f"the manifest's entry {name!r:.60} is malformed")
+            continue
+        sizes[name] = size
+        try:
+            st = (folder / name).stat()
+            got = st.st_size if stat.S_ISREG(st.st_mode) else None
+        except OSError:
+            got = None
+        if got is None:
+            problems.append(f"{name} is missing or not a regular file")
+        elif got != size:
+            problems.append(f"{name} is {got} bytes, the manifest says {size}")
+    return sum(sizes.values()), sum(b for n, b in sizes.items() if n.startswith("model.onnx")), problems
+
+
 def _summary(folder: Path, m: Manifest) -> dict:
     a = m.arch
-    disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != STAMP_FILE)
+    disk, weight_bytes, problems = _file_sizes(folder, m)
     load_capacity = resolve_capacity(m.default_capacity_tokens, a, None)
-    weight_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name.startswith("model.onnx"))
     kv_per_token = kv_bytes_per_token(m)
     rows, kv_bytes = kv_at_load(m, load_capacity)
     return {
@@ -87,6 +115,7 @@ def _summary(folder: Path, m: Manifest) -> dict:
         "kv_dtype": m.interface.kv_dtype, "portable": m.portable.to_json() if m.portable is not None else None,
         "origin": m.origin.to_json() if m.origin is not None else None,
         "bits_per_weight": round(weight_bytes * 8 / parameter_count(a), 2),  # the graph files over every parameter
+        "file_problems": problems,
     }
 
 
@@ -139,6 +168,8 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         f"  graph         {s['flavour']} flavour for {s['target']}, format v{s['format_version']}; attention: "
         f"{s['attention']} (KV mode {s['kv_mode']})",
         f"  size on disk  {s['size_on_disk_bytes'] / 1e6:.2f} MB",
+        *([f"  files         WARNING: {'; '.join(s['file_problems'])} (edgeinfer inspect --verify checks every byte)"]
+          if s["file_problems"] else []),
         f"  KV cache      {s['kv_bytes_per_token']} bytes per token ({s['kv_dtype']}); "
         f"{s['kv_bytes_at_default_capacity'] / 1e6:.2f} MB at the default capacity of {s['load_capacity_tokens']} "
         f"(+{s['kv_rows_at_load'] - s['load_capacity_tokens']} overflow rows)"

@@ -95,3 +95,31 @@ def test_inspect_describes_the_folder(capsys, converted):
 
     n_source = sum(int(np.prod(t.shape)) for t in Checkpoint(STORIES_SRC).tensors.values())
     assert s["kv_bytes_per_token"] == 2560 and s["source_head_dim"] == 8 and s["parameters"] == n_source
+
+
+def test_inspect_sizes_the_model_by_its_manifest_and_warns_of_damaged_files(capsys, converted, tmp_path):
+    """Hostile round: a backup of the weights and 50 MB of notes in the folder made inspect print
+    23.31 bits per weight and 50.79 MB for an int8 model; a deleted or truncated model.onnx.data
+    0.98 and 4.06 bits per weight, exit 0 and no warning. Sizes now come from the files the manifest lists; a
+    listed file that is missing or of another size is named (inspect --verify checks every byte)."""
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(converted(STORIES_SRC, "int8"), folder)
+    assert main(["inspect", str(folder), "--json"]) == 0
+    clean = json.loads(capsys.readouterr().out)
+    assert clean["file_problems"] == [] and clean["bits_per_weight"] > 8
+    shutil.copy(folder / "model.onnx.data", folder / "model.onnx.data.bak")
+    (folder / "notes.bin").write_bytes(b"\0" * 5_000_000)
+    assert main(["inspect", str(folder), "--json"]) == 0
+    cluttered = json.loads(capsys.readouterr().out)
+    assert cluttered["size_on_disk_bytes"] == clean["size_on_disk_bytes"]
+    assert cluttered["bits_per_weight"] == clean["bits_per_weight"] and cluttered["file_problems"] == []
+    with open(folder / "model.onnx.data", "r+b") as f:
+        f.truncate(1000)
+    assert main(["inspect", str(folder)]) == 0
+    text = capsys.readouterr().out
+    assert "WARNING: model.onnx.data is 1000 bytes, the manifest says" in text
+    (folder / "model.onnx.data").unlink()
+    assert main(["inspect", str(folder)]) == 0
+    assert "WARNING: model.onnx.data is missing" in capsys.readouterr().out
