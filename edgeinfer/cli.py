@@ -234,8 +234,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
               f"  peak RSS {r['peak_rss_mb']:.0f} MB, {r['cpu_s_per_token']['median'] * 1e3:.1f} CPU ms per token")
         job = r["prompt_tokens"] + r["gen_tokens"]
         if job > r["capacity_tokens"]:  # the model's own ring: its oldest tokens were shifted out on the way
+            why = (f"--capacity {args.capacity}: a larger ring, or fewer --prompt-tokens / --gen-tokens"
+                   if args.capacity is not None else "longer than the model was trained on; --prompt-tokens, --gen-tokens")
             print(f"  the KV ring holds {r['capacity_tokens']} tokens, fewer than the job's {job}: the oldest were "
-                  "shifted out as it ran (longer than the model was trained on; --prompt-tokens, --gen-tokens)")
+                  f"shifted out as it ran ({why})")
     return 0
 
 
