@@ -18,7 +18,9 @@ import sys
 import warnings
 from pathlib import Path
 
+from edgeinfer import progress
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.progress import Progress
 from edgeinfer.overflow import OVERFLOW_POLICIES
 
 
@@ -35,13 +37,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             raise EdgeInferError("--window cuts stories into windows; --stream runs each story through the ring "
                                  "whole: drop one of them")
         r = stream_perplexity(args.model, args.text, capacity=args.capacity,
-                              sinks=args.sinks, threads=args.threads)
+                              sinks=args.sinks, threads=args.threads, progress=Progress("edgeinfer eval"))
     else:
         if args.capacity is not None or args.sinks is not None:
             raise EdgeInferError("--capacity and --sinks set the ring of --stream scoring: add --stream, or drop them")
-        r = perplexity(args.model, args.text, window=args.window, threads=args.threads, path=args.path)
-    if args.json:
-        print(json.dumps(r.to_json()))
+        r = perplexity(args.model, args.text, window=args.window, threads=args.threads, path=args.path,
+                       progress=Progress("edgeinfer eval"))
+    progress.clear()
+    if args.json:  # which model and text, as given, so that a saved result says what it measured
+        print(json.dumps({"model": str(args.model), "text": str(args.text), **r.to_json()}))
     else:
         windows = f"{r.n_windows} windows of at most {r.window} tokens" if r.window else f"{r.n_windows} windows"
         print(f"perplexity {r.perplexity:.4f} over {r.scored_tokens} tokens "
@@ -215,15 +219,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from edgeinfer.bench import BenchConfig, run_bench
 
     cfg = BenchConfig(args.model, args.prompt_tokens, args.gen_tokens, args.threads, args.runs, args.capacity)
-    tty = sys.stderr.isatty()
-
-    def progress(i: int, n: int) -> None:
-        if tty:
-            print(f"\redgeinfer bench: run {i + 1}/{n} ...", end="", file=sys.stderr, flush=True)
-
-    r = run_bench(cfg, progress)  # its bad settings are InvalidArgumentErrors; another error is a bug: a traceback
-    if tty:
-        print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+    shown = Progress("edgeinfer bench")
+    r = run_bench(cfg, lambda i, n: shown(i + 1, n, "runs"))  # bad settings: InvalidArgumentErrors; else a bug
+    progress.clear()
     if args.json:
         print(json.dumps(r))
     else:
@@ -365,9 +363,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
         return rc
     except EdgeInferError as e:
+        progress.clear()
         print(f"edgeinfer: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        progress.clear()
         print("edgeinfer: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:

@@ -126,9 +126,9 @@ def window_nll(engine: Engine, cache: RingKVCache, ids: list[int], path: str = "
 
 
 def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | None = None, threads: int | None = None,
-               session: DecoderSession | None = None, path: str = "prefill") -> PerplexityResult:
+               session: DecoderSession | None = None, path: str = "prefill", progress=None) -> PerplexityResult:
     """window: tokens scored per window (None: 512, or the model's context or a portable model's ring
-    if shorter)."""
+    if shorter). progress: called (windows done, windows in all, "windows") after each window."""
     _check_args(model_dir, text_path, window=window)
     window = None if window is None else int(window)
     if window is not None and window < 2:
@@ -157,12 +157,15 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
         path = "decode"
     cache = engine.new_cache(min(window, sliding - 1) if sliding else window, 0)
     t0 = time.perf_counter()
+    encoded = [tok.encode(story, add_bos=True) for story in stories]
+    in_all = sum(-(-len(ids) // window) for ids in encoded)
     total, count, windows = 0.0, 0, 0
-    for story in stories:
-        ids = tok.encode(story, add_bos=True)
+    for ids in encoded:
         for start in range(0, len(ids), window):
             nll, n = window_nll(engine, cache, ids[start:start + window], path)
             total, count, windows = total + nll, count + n, windows + 1
+            if progress is not None:
+                progress(windows, in_all, "windows")
     if count == 0:
         raise EdgeInferError(f"{text_path}: no token to score")
     mean = _finite(total / count, model_dir)
@@ -170,13 +173,14 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
 
 
 def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity: int, sinks: int | None = None,
-                      threads: int | None = None, chunk: int = 64) -> PerplexityResult:
+                      threads: int | None = None, chunk: int = 64, progress=None) -> PerplexityResult:
     """Perplexity with each story as one stream through the ring-buffer KV cache (teacher forcing).
 
     Every token but the story's first is scored. While the ring has room, tokens go in chunks (each
     sees the whole story so far); once it is full they go one at a time, so each token sees exactly
     the sinks and the latest tokens the ring holds, at their true positions. sinks: None is `load`'s
-    default (4, none for a model whose sliding window binds).
+    default (4, none for a model whose sliding window binds). progress: called (tokens scored, tokens
+    to score, "tokens") after each call.
     """
     _check_args(model_dir, text_path, capacity=capacity, sinks=sinks, chunk=chunk)
     if capacity is None:
@@ -193,9 +197,10 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
     engine = open_engine(session, max_chunk=min(chunk, capacity), threads=threads)
     cache = engine.new_cache(capacity, sinks)
     t0 = time.perf_counter()
+    encoded = [tok.encode(story, add_bos=True) for story in stories]
+    in_all = sum(max(len(ids) - 1, 0) for ids in encoded)
     total, count = 0.0, 0
-    for story in stories:
-        ids = tok.encode(story, add_bos=True)
+    for ids in encoded:
         cache.reset()
         pos = 0
         while pos < len(ids) - 1:
@@ -205,6 +210,8 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
             total += _nll(lg, ids[pos + 1:pos + s + 1])
             count += s
             pos += s
+            if progress is not None:
+                progress(count, in_all, "tokens")
     if count == 0:
         raise EdgeInferError(f"{text_path}: no token to score")
     mean = _finite(total / count, model_dir)

@@ -81,6 +81,7 @@ def test_eval_cli_window_changes_count(capsys, converted):
     out = json.loads(capsys.readouterr().out)
     # 16 stories, 7919 ids with BOS: every 128-token window loses its first token to scoring
     assert out["scored_tokens"] == 7919 - out["n_windows"]
+    assert out["model"] == str(folder) and out["text"] == str(EVAL_TXT)  # a saved result says what it measured
 
 
 def test_inspect_describes_the_folder(capsys, converted):
