@@ -20,7 +20,6 @@ from pathlib import Path
 
 from edgeinfer import progress
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.progress import Progress
 from edgeinfer.overflow import OVERFLOW_POLICIES
 
 
@@ -37,12 +36,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             raise EdgeInferError("--window cuts stories into windows; --stream runs each story through the ring "
                                  "whole: drop one of them")
         r = stream_perplexity(args.model, args.text, capacity=args.capacity,
-                              sinks=args.sinks, threads=args.threads, progress=Progress("edgeinfer eval"))
+                              sinks=args.sinks, threads=args.threads, progress=progress.on_terminal("edgeinfer eval"))
     else:
         if args.capacity is not None or args.sinks is not None:
             raise EdgeInferError("--capacity and --sinks set the ring of --stream scoring: add --stream, or drop them")
         r = perplexity(args.model, args.text, window=args.window, threads=args.threads, path=args.path,
-                       progress=Progress("edgeinfer eval"))
+                       progress=progress.on_terminal("edgeinfer eval"))
     progress.clear()
     if args.json:  # which model and text, as given, so that a saved result says what it measured
         print(json.dumps({"model": str(args.model), "text": str(args.text), **r.to_json()}))
@@ -219,7 +218,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from edgeinfer.bench import BenchConfig, run_bench
 
     cfg = BenchConfig(args.model, args.prompt_tokens, args.gen_tokens, args.threads, args.runs, args.capacity)
-    shown = Progress("edgeinfer bench")
+    shown = progress.Progress("edgeinfer bench")
     r = run_bench(cfg, lambda i, n: shown(i + 1, n, "runs"))  # bad settings: InvalidArgumentErrors; else a bug
     progress.clear()
     if args.json:
@@ -233,7 +232,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         job = r["prompt_tokens"] + r["gen_tokens"]
         if job > r["capacity_tokens"]:  # the model's own ring: its oldest tokens were shifted out on the way
             why = (f"--capacity {args.capacity}: a larger ring, or fewer --prompt-tokens / --gen-tokens"
-                   if args.capacity is not None else "longer than the model was trained on; --prompt-tokens, --gen-tokens")
+                   if args.capacity is not None else
+                   "longer than the model was trained on; --prompt-tokens, --gen-tokens")
             print(f"  the KV ring holds {r['capacity_tokens']} tokens, fewer than the job's {job}: the oldest were "
                   f"shifted out as it ran ({why})")
     return 0

@@ -157,10 +157,11 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
         path = "decode"
     cache = engine.new_cache(min(window, sliding - 1) if sliding else window, 0)
     t0 = time.perf_counter()
-    encoded = [tok.encode(story, add_bos=True) for story in stories]
-    in_all = sum(-(-len(ids) // window) for ids in encoded)
+    # the count for progress encodes the text twice (each story's ids held one at a time, as before)
+    in_all = sum(-(-len(tok.encode(s, add_bos=True)) // window) for s in stories) if progress else 0
     total, count, windows = 0.0, 0, 0
-    for ids in encoded:
+    for story in stories:
+        ids = tok.encode(story, add_bos=True)
         for start in range(0, len(ids), window):
             nll, n = window_nll(engine, cache, ids[start:start + window], path)
             total, count, windows = total + nll, count + n, windows + 1
@@ -197,10 +198,10 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
     engine = open_engine(session, max_chunk=min(chunk, capacity), threads=threads)
     cache = engine.new_cache(capacity, sinks)
     t0 = time.perf_counter()
-    encoded = [tok.encode(story, add_bos=True) for story in stories]
-    in_all = sum(max(len(ids) - 1, 0) for ids in encoded)
+    in_all = sum(max(len(tok.encode(s, add_bos=True)) - 1, 0) for s in stories) if progress else 0
     total, count = 0.0, 0
-    for ids in encoded:
+    for story in stories:
+        ids = tok.encode(story, add_bos=True)
         cache.reset()
         pos = 0
         while pos < len(ids) - 1:

@@ -1,10 +1,11 @@
 """A one-line count on stderr while a long command runs (`edgeinfer eval`, `edgeinfer bench`), shown
 only when stderr is a terminal, so that logs and pipes get nothing but the result.
 
-`Progress(label)` is called with (done, total, unit) as work completes; it redraws at most every
-`REDRAW_S` seconds and on the last item. `clear()` wipes the line of whichever Progress last drew
-one: the command does it before printing its result, and the CLI's error and Ctrl-C handlers before
-their message, which otherwise ran on after "run 1/2 ..." on the same line.
+`Progress(label)` (or `on_terminal(label)`: None where nothing would be drawn) is called with
+(done, total, unit) as work completes; it redraws at most every `REDRAW_S` seconds and on the last
+item. `clear()` wipes the line of whichever Progress last drew one: the command does it before
+printing its result, and the CLI's error and Ctrl-C handlers before their message, which otherwise
+ran on after "run 1/2 ..." on the same line.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ class Progress:
         self._last = now
         print(f"\r\033[K{self.label}: {done}/{total} {unit} ...", end="", file=self.stream, flush=True)
         _shown = self
+
+
+def on_terminal(label: str) -> Progress | None:
+    """A Progress when stderr is a terminal, else None (a caller then skips what counting costs)."""
+    p = Progress(label)
+    return p if p.tty else None
 
 
 def clear() -> None:
