@@ -2,7 +2,8 @@
 
 Method: load the model once (timed), then `runs` times: a fresh cache, the same random prompt
 ids (seeded, BOS first), greedy generation of `gen_tokens` tokens with EOS ignored. Speeds are
-reported as median, min and max over the runs. peak_rss_mb is the process's peak resident set (in
+reported as median, min and max over the runs; the result names the model folder (absolute) and
+the versions that ran it (`versions`). peak_rss_mb is the process's peak resident set (in
 MiB); cpu_s_per_token is the process's CPU seconds (every thread's, `time.process_time`, to the
 microsecond) of the whole generation divided by tokens generated.
 """
@@ -47,6 +48,16 @@ def prompt_ids(vocab_size: int, bos_id: int | None, n: int, seed: int) -> list[i
 def _stats(values: list[float], digits: int = 3) -> dict:
     return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
             "max": round(max(values), digits)}
+
+
+def versions() -> dict:
+    """What measured: edgeinfer's, ONNX Runtime's and Python's versions (a saved result says them)."""
+    import platform
+
+    import onnxruntime
+
+    from edgeinfer import __version__
+    return {"edgeinfer": __version__, "onnxruntime": onnxruntime.__version__, "python": platform.python_version()}
 
 
 def peak_rss_mb() -> float:
@@ -101,7 +112,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         decode.append(c.timings.decode_tok_s)
         cpu.append((c1 - c0) / len(c.token_ids))
     return {
-        "model": str(model.folder), "quantization": model.manifest.quantization.weights,
+        "model": str(Path(model.folder).resolve()), "versions": versions(), "quantization": model.manifest.quantization.weights,
         "prompt_tokens": cfg.prompt_tokens, "gen_tokens": cfg.gen_tokens, "threads": cfg.threads, "runs": cfg.runs,
         "capacity_tokens": capacity,
         "load_s": round(load_s, 3), "ttft_ms": _stats(ttft), "prefill_tok_s": _stats(prefill),

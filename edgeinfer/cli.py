@@ -43,8 +43,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         r = perplexity(args.model, args.text, window=args.window, threads=args.threads, path=args.path,
                        progress=progress.on_terminal("edgeinfer eval"))
     progress.clear()
-    if args.json:  # which model and text, as given, so that a saved result says what it measured
-        print(json.dumps({"model": str(args.model), "text": str(args.text), **r.to_json()}))
+    if args.json:  # which model, text and versions (paths absolute), so that a saved result says what it measured
+        from edgeinfer.bench import versions
+        print(json.dumps({"model": str(args.model.resolve()), "text": str(args.text.resolve()), "versions": versions(),
+                          **r.to_json()}))
     else:
         windows = f"{r.n_windows} windows of at most {r.window} tokens" if r.window else f"{r.n_windows} windows"
         print(f"perplexity {r.perplexity:.4f} over {r.scored_tokens} tokens "
@@ -228,7 +230,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
               f"{r['gen_tokens']} new tokens, median of {r['runs']})\n"
               f"  load {r['load_s']:.2f} s, time to first token {r['ttft_ms']['median']:.1f} ms, "
               f"prefill {r['prefill_tok_s']['median']:.0f} tok/s, decode {r['decode_tok_s']['median']:.1f} tok/s\n"
-              f"  peak RSS {r['peak_rss_mb']:.0f} MB, {r['cpu_s_per_token']['median'] * 1e3:.1f} CPU ms per token")
+              f"  peak RSS {r['peak_rss_mb']:.0f} MiB, {r['cpu_s_per_token']['median'] * 1e3:.1f} CPU ms per token")
         job = r["prompt_tokens"] + r["gen_tokens"]
         if job > r["capacity_tokens"]:  # the model's own ring: its oldest tokens were shifted out on the way
             why = (f"--capacity {args.capacity}: a larger ring, or fewer --prompt-tokens / --gen-tokens"

@@ -4,8 +4,13 @@
 from __future__ import annotations
 
 import json
+import platform
 
+import onnxruntime
+
+import edgeinfer
 from edgeinfer.cli import main
+from edgeinfer.model import default_model_path
 
 
 def test_bench_json_keys_and_sane_values(capsys):
@@ -22,6 +27,19 @@ def test_bench_json_keys_and_sane_values(capsys):
     # read 0.0 (hostile round)
     assert 0 < r["cpu_s_per_token"]["min"] < 0.01
     assert r["prompt_tokens"] == 64 and r["gen_tokens"] == 16 and r["runs"] == 2 and r["quantization"] == "int8"
+    # a saved result says what ran: the folder absolute, the versions (hostile round: -m as typed, none)
+    assert r["model"] == str(default_model_path().resolve())
+    assert r["versions"] == {"edgeinfer": edgeinfer.__version__, "onnxruntime": onnxruntime.__version__,
+                             "python": platform.python_version()}
+
+
+def test_bench_json_names_a_relative_model_folder_absolutely(capsys, monkeypatch):
+    folder = default_model_path().resolve()
+    monkeypatch.chdir(folder.parent)
+    assert main(["bench", "--json", "-m", folder.name, "--prompt-tokens", "8", "--gen-tokens", "2", "--runs", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == str(folder)
+    assert main(["bench", "-m", folder.name, "--prompt-tokens", "8", "--gen-tokens", "2", "--runs", "1"]) == 0
+    assert " MiB, " in capsys.readouterr().out  # the peak is MiB (inspect's MB are 10^6 bytes)
 
 
 def test_bench_rejects_bad_arguments(capsys):

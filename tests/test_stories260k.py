@@ -8,10 +8,12 @@ issue's bounds (int8 +1 %, int4 block 32 +5 %).
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 
+import edgeinfer
 from conftest import STORIES_FIX, STORIES_SRC
 from edgeinfer.cli import main
 from edgeinfer.evaluate import perplexity
@@ -82,6 +84,15 @@ def test_eval_cli_window_changes_count(capsys, converted):
     # 16 stories, 7919 ids with BOS: every 128-token window loses its first token to scoring
     assert out["scored_tokens"] == 7919 - out["n_windows"]
     assert out["model"] == str(folder) and out["text"] == str(EVAL_TXT)  # a saved result says what it measured
+    assert out["versions"]["edgeinfer"] == edgeinfer.__version__
+
+
+def test_eval_json_names_relative_paths_absolutely(capsys, converted, monkeypatch):
+    folder = converted(STORIES_SRC, "fp32")
+    monkeypatch.chdir(folder.parent)
+    assert main(["eval", "-m", folder.name, "--text", os.path.relpath(EVAL_TXT), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == str(folder.resolve()) and out["text"] == str(EVAL_TXT.resolve())
 
 
 def test_inspect_describes_the_folder(capsys, converted):
