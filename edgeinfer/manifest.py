@@ -31,6 +31,8 @@ folder by name ("upgrade edgeinfer").
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -377,6 +379,18 @@ def read_manifest(folder: Path) -> Manifest:
         raise ModelFormatError(f"cannot read {folder}: {e.strerror or e}") from None
 
 
+def _not_a_folder(folder: Path) -> str:
+    """Why `folder`, which is no folder and no regular file, cannot be read as a model folder."""
+    if not os.path.lexists(folder):
+        return f"model folder not found: {folder}"
+    if folder.is_symlink() and not os.path.exists(folder):
+        return f"{folder} is a symbolic link that leads nowhere (a missing target or a loop)"
+    mode = folder.stat().st_mode
+    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a folder")
+    return f"{folder} is {kind}, not an edgeinfer model folder"
+
+
 def _read_manifest(folder: Path) -> Manifest:
     if folder.is_file():
         try:
@@ -387,7 +401,7 @@ def _read_manifest(folder: Path) -> Manifest:
         raise ModelFormatError(f"{folder} is {'a GGUF file' if gguf else 'a file'}, not an edgeinfer model folder"
                                + (f": convert it first (edgeinfer convert {folder} -o FOLDER)" if gguf else ""))
     if not folder.is_dir():
-        raise ModelFormatError(f"model folder not found: {folder}")
+        raise ModelFormatError(_not_a_folder(folder))
     path = folder / MANIFEST_FILE
     if not path.exists():
         raise ModelFormatError(f"{folder} is not an edgeinfer model folder (no {MANIFEST_FILE}); "

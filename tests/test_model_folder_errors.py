@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -36,6 +37,21 @@ def test_a_bad_thread_count_is_the_callers_error_not_the_models(capsys):
 
 def test_missing_folder(capsys, tmp_path):
     one_line_error(capsys, ["eval", "-m", str(tmp_path / "nope"), "--text", str(EVAL_TXT)], "model folder not found")
+
+
+def test_a_path_that_is_no_folder_says_what_it_is(capsys, tmp_path):
+    """-m /dev/null, a FIFO or a link that leads nowhere said "model folder not found" (hostile round)."""
+    fifo, loop, dangling = tmp_path / "fifo", tmp_path / "loop", tmp_path / "dangling"
+    os.mkfifo(fifo)
+    loop.symlink_to(loop)
+    dangling.symlink_to(tmp_path / "gone")
+    for path, what in [("/dev/null", "is a device, not an edgeinfer model folder"),
+                       (fifo, "is a FIFO, not an edgeinfer model folder"),
+                       (loop, "is a symbolic link that leads nowhere"),
+                       (dangling, "is a symbolic link that leads nowhere")]:
+        for argv in (["eval", "-m", str(path), "--text", str(EVAL_TXT)], ["inspect", str(path)],
+                     ["generate", "Hi", "-m", str(path)]):
+            one_line_error(capsys, argv, f"{path} {what}")
 
 
 def test_not_an_edgeinfer_folder(capsys):
