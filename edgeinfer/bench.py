@@ -75,13 +75,18 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         raise InvalidArgumentError(f"--prompt-tokens and --gen-tokens may be at most {MAX_PROMPT_TOKENS}")
     if cfg.capacity is not None and cfg.capacity < 2:  # 0 read as "not given"
         raise InvalidArgumentError(f"--capacity must be at least 2, got {cfg.capacity}")
+    from edgeinfer.kv_cache import binding_window, max_capacity
+    from edgeinfer.manifest import read_manifest
+    from edgeinfer.model import default_model_path
+    from edgeinfer.overflow import resolve_sinks
+
+    manifest = read_manifest(Path(cfg.model) if cfg.model is not None else default_model_path())
+    sinks = resolve_sinks(manifest.arch, None)
+    if cfg.capacity is not None and cfg.capacity <= sinks:  # (load's message offers fewer sinks: not a bench flag)
+        raise InvalidArgumentError(f"--capacity must be at least {sinks + 1}: the ring keeps {sinks} attention sinks "
+                                   f"beside the tokens it holds, got {cfg.capacity}")
     capacity = cfg.capacity or cfg.prompt_tokens + cfg.gen_tokens + 8
     if cfg.capacity is None:
-        from edgeinfer.kv_cache import binding_window, max_capacity
-        from edgeinfer.manifest import read_manifest
-        from edgeinfer.model import default_model_path
-
-        manifest = read_manifest(Path(cfg.model) if cfg.model is not None else default_model_path())
         portable = manifest.portable
         if portable is not None and capacity > portable.capacity_tokens:  # fixed at convert: say which sizes fit
             n = portable.capacity_tokens

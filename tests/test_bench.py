@@ -49,6 +49,9 @@ def test_bench_rejects_bad_arguments(capsys):
     assert "at most 1048576" in capsys.readouterr().err
     assert main(["bench", "--capacity", "0"]) == 1  # was read as "not given"
     assert "--capacity must be at least 2" in capsys.readouterr().err
+    assert main(["bench", "--capacity", "4"]) == 1  # it offered "fewer sinks", which bench cannot set
+    err = capsys.readouterr().err
+    assert "--capacity must be at least 5: the ring keeps 4 attention sinks" in err and "fewer" not in err
 
 
 def test_bench_defaults_run_on_a_model_trained_on_fewer_positions(capsys):
