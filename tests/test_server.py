@@ -122,6 +122,35 @@ def test_legacy_completion_logprobs(srv):
     assert d.choices[0].logprobs.text_offset == lp.text_offset and d.choices[0].text == c.choices[0].text
 
 
+def test_legacy_top_logprobs_always_hold_the_sampled_token(srv):
+    """OpenAI's reference: "the API will always return the logprob of the sampled token, so there may
+    be up to logprobs+1 elements". Sampled at temperature 2, 12 of 40 tokens were missing (hostile
+    round), and with logprobs 0 every entry was {}; chat's top_logprobs stay the most likely alone."""
+    cl = srv.client()
+    for n in (0, 1):
+        c = cl.completions.create(model="stories260K-int8", prompt="Once upon a time", max_tokens=40, temperature=2,
+                                  seed=3, logprobs=n)
+        lp = c.choices[0].logprobs
+        assert len(lp.tokens) == 40
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert len(top) in (n, n + 1) and logprob in top.values(), (token, logprob, top)  # the sampled one's
+        added = sum(len(top) == n + 1 for top in lp.top_logprobs)  # where it is not among the n most likely
+        assert added == 40 if n == 0 else 0 < added < 40  # at temperature 2 some sampled tokens are not the best
+    r = cl.chat.completions.create(model="stories260K-int8", messages=[{"role": "user", "content": "Once"}],
+                                   max_tokens=20, temperature=2, seed=3, logprobs=True, top_logprobs=1)
+    assert all(len(t.top_logprobs) == 1 for t in r.choices[0].logprobs.content)
+
+
+def test_a_compressed_body_is_415_not_invalid_json(srv):
+    import gzip
+
+    raw = gzip.compress(json.dumps({"model": "stories260K-int8", "prompt": "Once", "max_tokens": 3}).encode())
+    r = httpx.post(srv.url + "/v1/completions", content=raw, headers={
+        "Content-Type": "application/json", "Content-Encoding": "gzip", "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_content_encoding", r.text
+    assert r.headers["connection"] == "close"  # the body was not read
+
+
 def test_with_include_usage_every_chunk_before_the_last_has_usage_null(srv):
     """OpenAI: "All other chunks will also include a usage field, but with a null value" (they had none)."""
     for path, extra in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),

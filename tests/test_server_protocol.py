@@ -87,6 +87,10 @@ COMMON_BAD = [
     (dict(seed=1.5), 400, "seed"),
     (dict(seed="1"), 400, "seed"),
     (dict(seed=False), 400, "seed"),
+    (dict(seed=1 << 64), 400, "seed"),  # was masked to 64 bits: 2**64 + 1 gave seed 1's reply
+    (dict(seed=-(1 << 63) - 1), 400, "seed"),
+    (dict(stop="\ud800"), 400, "stop"),  # a lone surrogate: no reply holds it (was taken, and never matched)
+    (dict(stop=["ok", "a\udfffb"]), 400, "stop"),
     (dict(frequency_penalty=2.5), 400, "frequency_penalty"),
     (dict(frequency_penalty="0"), 400, "frequency_penalty"),
     (dict(presence_penalty=-2.5), 400, "presence_penalty"),
@@ -134,6 +138,11 @@ CHAT_BAD = COMMON_BAD + [
     (dict(messages="hi"), 400, "messages"),
     (dict(messages=["hi"]), 400, "messages"),
     (dict(messages=[{"role": "tool", "content": "42", "tool_call_id": "x"}]), 400, "messages"),
+    # an assistant turn that called tools: its calls were dropped (text content) or its null content blamed
+    (dict(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "calling", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400, "messages"),
+    (dict(messages=[{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]),
+     400, "messages"),
     (dict(messages=[{"role": "function", "content": "42", "name": "f"}]), 400, "messages"),
     (dict(messages=[{"role": "bot", "content": "hi"}]), 400, "messages"),
     (dict(messages=[{"role": ["user"], "content": "hi"}]), 400, "messages"),
@@ -210,6 +219,10 @@ def test_another_model_is_openai_s_404():
     (dict(n=2), "only n=1 is supported"),
     (dict(tools=[{}]), "not supported"),
     (dict(messages=[{"role": "tool", "content": "x"}]), "'tool'"),
+    (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]),
+     "messages[0].tool_calls: this server has no tool calling"),  # it blamed the null content
+    (dict(messages=[{"role": "assistant", "content": None, "function_call": {"name": "f"}}]),
+     "messages[0].function_call: this server has no tool calling"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "'image_url'"),
     (dict(temperature="x" * 10_000), "..."),  # a huge value is cut short in the message
 ])
@@ -571,3 +584,21 @@ def test_top_p_zero_is_the_most_likely_token_alone():
         o = parse(top_p=0, temperature=0.7).options.sampling
         assert (o.top_k, o.top_p, o.temperature) == (1, 1.0, 0.7)
     assert chat(top_p=0, top_k=40).options.sampling.top_k == 1
+
+
+def test_a_temperature_below_the_samplers_least_is_greedy():
+    """OpenAI allows any temperature in [0, 2]; one in (0, 1e-6) was a 400 "0 or in [1e-06, 2]"."""
+    for parse in (chat, comp):
+        for t in (1e-9, 5e-324, 9.9e-7):
+            assert parse(temperature=t).options.sampling.temperature == 0.0
+        assert parse(temperature=1e-6).options.sampling.temperature == 1e-6
+
+
+def test_seeds_of_64_bits_signed_or_not_are_taken():
+    for seed in (-(1 << 63), -1, 0, (1 << 64) - 1):
+        assert chat(seed=seed).options.seed == seed
+
+
+def test_tool_calls_that_ask_for_nothing_pass():
+    assert chat(messages=[{"role": "assistant", "content": "hi", "tool_calls": []}]).messages[0]["content"] == "hi"
+

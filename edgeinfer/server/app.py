@@ -4,7 +4,7 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1
 GET /metrics.
 Every error is OpenAI-shaped ({"error": {"message", "type", "param", "code"}}) with its status:
 400 bad request, 401 bad or missing key, 403 a web page's request without a key (a foreign Origin or Host),
-404 unknown route or model, 405, 408 body too slow, 413 body too large,
+404 unknown route or model, 405, 408 body too slow, 413 body too large, 415 a compressed body,
 429 queue full (with Retry-After), 499 (logged and counted only) the client left, 503 shutting down or a background request (header
 x-edgeinfer-priority) the power plan refuses (with Retry-After), 500 a bug (logged, the server goes on).
 
@@ -123,6 +123,10 @@ class Server:
 
     async def read_json(self, request: Request) -> dict:
         limit = self.config.max_body_bytes
+        coding = request.headers.get("content-encoding", "identity").strip().lower()
+        if coding not in ("", "identity"):  # a gzip body was read as JSON and refused as "not valid JSON"
+            raise APIError(415, f"Content-Encoding {coding[:40]!r} is not supported: send the body uncompressed",
+                           code="unsupported_content_encoding")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"request body of {declared} bytes is over the limit of {limit}", code="body_too_large")

@@ -43,7 +43,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 # (field, test, range in words): numbers passed through to the sampler once checked
 _NUMBERS = (
-    ("temperature", lambda v: v == 0 or MIN_TEMPERATURE <= v <= 2, f"0 or in [{MIN_TEMPERATURE:g}, 2]"),
+    ("temperature", lambda v: 0 <= v <= 2, "in [0, 2]"),  # below MIN_TEMPERATURE: greedy, as 0 (`_options`)
     ("top_p", lambda v: 0 <= v <= 1, "in [0, 1]"),  # 0: the most likely token alone (top_k 1), as OpenAI allows
     ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
     ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
@@ -232,6 +232,11 @@ def _stop(body: dict) -> tuple[str, ...] | None:
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
         raise _bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} of them, got {_show(v)}")
+    for s in stops:  # a lone surrogate (JSON's "\ud800") is no text a reply can hold: it would never match
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _bad("stop", f"stop {_show(s)} is not valid UTF-8 text (a lone surrogate)") from None
     return tuple(stops)
 
 
@@ -261,10 +266,12 @@ def _options(body: dict, max_names: tuple[str, ...], limit: int) -> GenerationOp
     for name, ok, words in _NUMBERS:
         kw[name] = _number(body, name, ok, words)
     kw["top_k"] = _integer(body, "top_k", 0, INT32_MAX)
-    kw["seed"] = _integer(body, "seed")
+    kw["seed"] = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)  # 64 bits, signed or not (the API masks any int)
     kw["stop"] = _stop(body)
     kw["logit_bias"] = _logit_bias(body)
     kw["ignore_eos"] = _bool(body, "ignore_eos")
+    if kw["temperature"] is not None and 0 < kw["temperature"] < MIN_TEMPERATURE:  # OpenAI allows it; the sampler
+        kw["temperature"] = 0.0  # refuses it (logits / 1e-310 overflow), and its limit is the argmax: greedy
     if kw["top_p"] == 0:  # the nucleus of no probability: the most likely token alone
         kw["top_p"], kw["top_k"] = 1.0, 1
     if kw["presence_penalty"] or kw["frequency_penalty"]:  # OpenAI's rule: the ids this reply sampled, all of them
@@ -311,6 +318,9 @@ def _messages(body: dict) -> tuple[dict, ...]:
         if not isinstance(role, str) or role not in ROLES:
             raise _bad("messages", f"messages[{i}].role {_show(role)} is not supported "
                                    f"(supported: {', '.join(ROLES)}; this server has no tool calling)")
+        for key in ("tool_calls", "function_call"):  # an assistant turn that called tools: dropped, the history
+            if m.get(key) not in (None, []):  # the model sees would lie; with content null, the error blamed it
+                raise _bad("messages", f"messages[{i}].{key}: this server has no tool calling")
         out.append({"role": ROLES[role], "content": _content(m.get("content"), i)})
     return tuple(out)
 
