@@ -48,6 +48,11 @@ class GenerationOptions:
         stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
         if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
             raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        for s in stops:  # a lone surrogate is no text a reply can hold (the prompt's are refused): it never matched
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidArgumentError(f"stop {s!r:.60} is not valid UTF-8 text (a lone surrogate)") from None
         object.__setattr__(self, "stop", tuple(stops))
         if self.seed is not None:
             if not is_integer(self.seed):

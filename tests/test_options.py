@@ -23,6 +23,7 @@ def test_flat_keywords_split_between_request_and_sampler():
     (dict(seed="1"), ValueError, "seed"),
     (dict(ignore_eos="yes"), ValueError, "ignore_eos"),
     (dict(top_p=2), ValueError, "top_p"),
+    (dict(stop=["ok", "\ud800"]), ValueError, "lone surrogate"),  # was taken, and could never match
 ])
 def test_bad_options_are_user_errors_of_the_old_types(kw, exc, needle):
     with pytest.raises(exc, match=needle) as e:
@@ -46,3 +47,20 @@ def test_defaults_are_declared_once():
     assert default("stop") == ()
     with pytest.raises(KeyError):
         default("nope")
+
+
+def test_a_checked_logit_bias_cannot_be_changed_afterwards():
+    """It was a writable dict: NaN put in after the check made every token <unk>, +inf blamed the
+    model's weights (hostile round). The caller's own dict stays theirs."""
+    mine = {5: 1.0}
+    o = GenerationOptions.from_kwargs(logit_bias=mine, max_new_tokens=3)
+    with pytest.raises(TypeError):
+        o.sampling.logit_bias[5] = float("nan")
+    mine[5] = 2.0
+    assert o.sampling.logit_bias == {5: 1.0} and mine == {5: 2.0}
+    p = SamplingParams(logit_bias={3: -1.0})
+    from dataclasses import replace
+    assert replace(p, top_k=2).logit_bias == {3: -1.0}  # a checked one passes the check again
+    import copy
+    import pickle
+    assert pickle.loads(pickle.dumps(o)) == o and copy.deepcopy(o) == o  # options sent to another process

@@ -284,6 +284,30 @@ def test_c_logprobs_equal_twin():
         assert max(abs(a[1] - b[1]) for a, b in zip(got.top, ref.top)) < 1e-9
 
 
+def test_reference_top_logprobs_take_the_lower_id_on_ties_and_leave_bans_out():
+    """As the C sampler does; the numpy twin (an install without a compiler) gave ids 568-570 for 0-2
+    of equal logits and listed banned tokens at -inf (hostile round)."""
+    assert [t for t, _ in logprobs(np.zeros(600, np.float32), P(temperature=0), [], 0, top_n=3).top] == [0, 1, 2]
+    top = logprobs(np.array([-np.inf, 1.0, 0.0], np.float32), P(temperature=0), [], 1, top_n=3).top
+    assert [t for t, _ in top] == [1, 2] and top[0][1] == pytest.approx(-math.log1p(math.exp(-1)), abs=1e-6)
+    assert logprobs(np.array([2.0, 1.0, 2.0, 2.0], np.float32), P(), [], 0, top_n=2).top[1][0] == 2
+
+
+@pytest.mark.skipif(BACKEND != "c", reason="C extension not built")
+def test_c_logprobs_equal_twin_on_ties_and_bans():
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        v = int(rng.integers(2, 700))
+        lg = rng.integers(-2, 3, v).astype(np.float32)  # few values: ties everywhere
+        lg[rng.random(v) < rng.random()] = -np.inf
+        lg[int(rng.integers(v))] = 1.0
+        n = int(rng.integers(1, 12))
+        got = Sampler(P(temperature=0), 1).sample_with_logprobs(lg, top_n=n)
+        ref = logprobs(lg, P(temperature=0), [], got.token, n)
+        assert [t for t, _ in got.top] == [t for t, _ in ref.top]
+        assert all(abs(a[1] - b[1]) < 1e-9 for a, b in zip(got.top, ref.top))
+
+
 @pytest.mark.skipif(BACKEND != "c", reason="C extension not built")
 def test_c_logprobs_need_a_run():
     from edgeinfer.sampling import _csampler

@@ -81,14 +81,18 @@ def filter_probs(logits, params: SamplingParams, history=None) -> np.ndarray:
 
 
 def logprobs(logits, params: SamplingParams, history, token: int, top_n: int = 0) -> SampleResult:
-    """Log-probabilities of the penalised, biased distribution at temperature 1 (over all tokens)."""
+    """Log-probabilities of the penalised, biased distribution at temperature 1 (over all tokens);
+    `top`: the top_n most likely, best first, the lower id first on ties, banned (-inf) ones left
+    out, as the C sampler gives them."""
     lg = reference.adjust_logits(logits, params, history)
     m = lg.max()
     lse = m + np.log(np.sum(np.exp(lg - m)))
     top: tuple = ()
-    if top_n > 0:
-        n = min(top_n, lg.size)
-        part = np.argpartition(-lg, n - 1)[:n]
+    n = min(top_n, int(np.count_nonzero(lg > -np.inf)))
+    if n > 0:
+        least = lg[np.argpartition(-lg, n - 1)[n - 1]]  # the n-th largest value: ties there go by id
+        above = np.flatnonzero(lg > least)
+        part = np.concatenate([above, np.flatnonzero(lg == least)[:n - len(above)]])
         part = part[np.lexsort((part, -lg[part]))]
         top = tuple((int(i), float(lg[i] - lse)) for i in part)
     return SampleResult(int(token), float(lg[token] - lse), top)

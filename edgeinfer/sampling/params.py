@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from edgeinfer.errors import InvalidArgumentError
@@ -34,14 +35,36 @@ def as_float(v) -> float:
         return math.nan
 
 
+class CheckedBias(Mapping):
+    """A checked logit_bias {id: bias}: read-only (a plain dict let NaN in after the check), and,
+    unlike a MappingProxyType, it pickles and copies (options sent to another process)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: dict[int, float]):
+        self._items = dict(items)
+
+    def __getitem__(self, token: int) -> float:
+        return self._items[token]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Settings of the sampling chain (order and meaning: `edgeinfer.sampling.reference`).
 
     temperature 0 is greedy; top_k 0, top_p 1, min_p 0, typical_p 1, repetition_penalty 1 and
     frequency/presence penalties 0 switch their step off. `logit_bias` maps token id -> added logit
-    (a number in [-1e6, 1e6], or -inf to ban the token); it is copied, so a later change to the
-    caller's dict changes nothing. A temperature is 0 or at least 1e-6; repetition_penalty lies in
+    (a number in [-1e6, 1e6], or -inf to ban the token); it is copied into a read-only mapping, so a
+    later change to the caller's dict changes nothing and the checked values cannot be changed. A temperature is 0 or at least 1e-6; repetition_penalty lies in
     [1e-6, 1e6] and the frequency and presence penalties in [-1e6, 1e6]: within these bounds no
     penalised or biased logit can reach +inf.
 
@@ -98,7 +121,7 @@ class SamplingParams:
                                            f"got {getattr(self, name)}")
         integer("penalty_last_n")
         if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
+            if not isinstance(self.logit_bias, (dict, CheckedBias)):  # (the latter: `replace` of a checked one)
                 raise InvalidArgumentError("logit_bias must be a dict {token_id: bias}")
             bias = {}  # checked as copied: the caller's dict may change later, or meanwhile
             for k, v in dict(self.logit_bias).items():
@@ -109,7 +132,8 @@ class SamplingParams:
                     raise InvalidArgumentError(f"logit_bias[{k}] must be a number in [-{PENALTY_LIMIT:g}, "
                                                f"{PENALTY_LIMIT:g}] or -inf, got {v!r}")
                 bias[int(k)] = f
-            object.__setattr__(self, "logit_bias", bias)
+            object.__setattr__(self, "logit_bias", CheckedBias(bias))  # read-only: checked once, it stays so
+            # (a writable copy let NaN in after the check: every token became <unk>)
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """InvalidArgumentError naming the first logit_bias id at or past the model's vocabulary."""
