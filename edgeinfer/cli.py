@@ -136,14 +136,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _stdin_text() -> str:
-    """The prompt `-` stands for: all of standard input, as UTF-8 (a command line holds 128 KiB at most)."""
+    """The prompt `-` stands for: all of standard input, as UTF-8, a leading byte-order mark dropped (a
+    command line holds 128 KiB at most)."""
     if sys.stdin is None:
         raise EdgeInferError("the prompt is - (standard input), but standard input is closed")
     if sys.stdin.isatty():
         print("edgeinfer: reading the prompt from standard input; end it with Ctrl-D", file=sys.stderr)
     data = sys.stdin.buffer.read()
-    try:
-        return data.decode("utf-8")
+    try:  # a byte-order mark (a file saved by Notepad) is no part of the prompt: it was 3 byte tokens, as eval
+        return data.decode("utf-8").removeprefix("\ufeff")  # drops it too
     except UnicodeDecodeError as e:
         raise EdgeInferError(f"standard input is not valid UTF-8 (byte {e.start}): the prompt must be text") from None
 

@@ -4,6 +4,7 @@ never a traceback; a reader closing the pipe early ends the program quietly."""
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import subprocess
 import sys
@@ -224,6 +225,11 @@ def test_a_prompt_of_dash_is_read_from_standard_input_and_piped_chat_prints_no_p
     piped = subprocess.run(argv, input="Once upon a time".encode(), capture_output=True, timeout=120)
     given = subprocess.run(argv[:4] + ["Once upon a time"] + argv[5:], capture_output=True, timeout=120)
     assert piped.returncode == 0 and piped.stdout == given.stdout and piped.stdout.strip(), piped.stderr
+    bom = subprocess.run(argv + ["--json"], input="\ufeffOnce upon a time".encode(), capture_output=True, timeout=120)
+    plain = subprocess.run(argv + ["--json"], input=b"Once upon a time", capture_output=True, timeout=120)
+    assert bom.returncode == 0, bom.stderr
+    (bom, plain) = ({k: v for k, v in json.loads(r.stdout).items() if k != "timings"} for r in (bom, plain))
+    assert bom == plain and bom["usage"]["prompt_tokens"] == 5  # a BOM was 3 byte tokens of prompt
     bad = subprocess.run(argv, input=b"Once \xff", capture_output=True, timeout=120)
     assert bad.returncode == 1
     _one_error_line(bad.stderr.decode(), "standard input is not valid UTF-8")
