@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from array import array
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -256,7 +257,8 @@ class Request:
         self.fed, self.prompt_dropped = feed, self.cut + dropped
         dropped_before = cache.dropped
         detok, stops = Detokenizer(tok, self.prefix[-Detokenizer.CONTEXT:] + prompt_ids), StopFilter(opts.stop)
-        generated: list[int] = []
+        generated = array("i")  # 4 bytes a token: a list held an int object and a pointer, 40 bytes (a stream of
+        # 100 M tokens would have held 4 GB; the ring itself is constant)
         # (tokens fed, text length they make, no text pending, cache mark) of the last tokens, for stop strings
         marks: deque = deque(maxlen=STOP_MARKS if opts.stop else 1)
 
@@ -311,7 +313,7 @@ class Request:
         if self.cancelled.is_set():
             raise GenerationCancelled("the request was cancelled")
 
-    def _decode(self, logits, sampler: Sampler, detok: Detokenizer, stops: StopFilter, generated: list[int],
+    def _decode(self, logits, sampler: Sampler, detok: Detokenizer, stops: StopFilter, generated: array,
                 marks: deque, stepper):
         """Step 4: sample, yield, feed back, until a finish. Returns (finish_reason, the last chunk or
         None, time of the first token); the last chunk is yielded by the caller once the completion is set."""
