@@ -20,7 +20,9 @@ from pathlib import Path
 
 from edgeinfer import progress
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.overflow import OVERFLOW_POLICIES
+
+OVERFLOW_POLICIES = ("shift", "truncate", "error")  # `overflow.OVERFLOW_POLICIES` (importing it needs numpy:
+# this module stays light, so that a Ctrl-C at start finds main's handler in place; a test holds them equal)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -355,7 +357,13 @@ def _numbers_as_values(add_parser):
 
 def main(argv: list[str] | None = None) -> int:
     _standard_streams()
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except (KeyboardInterrupt, ImportError) as e:  # (imports run from here on: a Ctrl-C at start gave a traceback)
+        if not _caused_by_interrupt(e):
+            raise
+        print("edgeinfer: interrupted", file=sys.stderr)
+        return 130
     if sys.stdout is None:  # started with its standard output closed (`>&-`)
         print("edgeinfer: error: cannot write the output: standard output is closed", file=sys.stderr)
         return 1
@@ -373,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         progress.clear()
         print("edgeinfer: interrupted", file=sys.stderr)
         return 130
+    except ImportError as e:  # a Ctrl-C inside a compiled module's import (ONNX Runtime's) comes out as
+        if not _caused_by_interrupt(e):  # "ImportError: initialization failed", the interrupt its cause
+            raise
+        print("edgeinfer: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader went away: Python's docs (signal, "Note on SIGPIPE") advise pointing stdout at
         # devnull, so that flushing it again at exit does not raise, and leaving quietly.
@@ -387,6 +400,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         warnings.showwarning = show
+
+
+def _caused_by_interrupt(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -258,3 +258,35 @@ def test_a_warning_reads_as_one_cli_line(capsys):
     assert "edgeinfer: warning: capacity_tokens=500 leaves 12" in err
     assert "UserWarning" not in err and ".py:" not in err
     assert warnings.showwarning is before
+
+
+def test_ctrl_c_at_start_is_one_line_not_a_traceback():
+    """Ctrl-C in the first ~0.4 s (while numpy and ONNX Runtime were imported, before main's handler
+    was in place) printed a traceback (hostile round, 3 of 3 at 0.15-0.35 s); `import edgeinfer`
+    and the CLI module now import neither, and main catches it from the parser on."""
+    import signal
+
+    light = subprocess.run([sys.executable, "-c", "import sys, edgeinfer, edgeinfer.cli; "
+                            "print('numpy' in sys.modules, 'onnxruntime' in sys.modules)"],
+                           capture_output=True, text=True, timeout=60)
+    assert light.stdout.split() == ["False", "False"], light.stderr
+    for delay_s in (0.15, 0.25, 0.35):
+        proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "generate", "Once upon a time", "--max-tokens",
+                                 "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        time.sleep(delay_s)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert b"Traceback" not in err, (delay_s, err.decode())
+        # 130 with its one line; or done before the signal (0); or killed before Python's own handler (-2)
+        assert proc.returncode in (0, 130, -signal.SIGINT), (delay_s, proc.returncode, err.decode())
+
+
+
+def test_the_cli_s_overflow_choices_are_the_runtime_s_and_every_public_name_resolves():
+    import edgeinfer
+    from edgeinfer import cli, overflow
+
+    assert cli.OVERFLOW_POLICIES == overflow.OVERFLOW_POLICIES
+    assert all(getattr(edgeinfer, name) is not None for name in edgeinfer.__all__) and "load" in dir(edgeinfer)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        edgeinfer.nope  # noqa: B018
