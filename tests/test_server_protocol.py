@@ -602,3 +602,15 @@ def test_seeds_of_64_bits_signed_or_not_are_taken():
 def test_tool_calls_that_ask_for_nothing_pass():
     assert chat(messages=[{"role": "assistant", "content": "hi", "tool_calls": []}]).messages[0]["content"] == "hi"
 
+
+def test_the_legacy_top_logprobs_hold_the_sampled_token_under_its_own_text():
+    """The reply's `tokens[i]` is a key of `top_logprobs[i]` with `token_logprobs[i]` (a review: a byte
+    token whose text another top token shares kept that one's logprob, and a first token shown
+    without its space was not a key at all)."""
+    entries = [token_logprob("Once", -0.1, [(" Once", -0.1), (" In", -2.0)]),  # a first token, its space dropped
+               token_logprob(b"\xe2", -3.0, [(b"\x80", -0.5)]),  # two byte tokens, both shown as U+FFFD
+               token_logprob(" s", -2.5, [(" play", -0.5)])]  # not among the most likely
+    lp = completion_logprobs(entries, text_offset=0)
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[token] == logprob
+    assert lp["top_logprobs"][2] == {" play": -0.5, " s": -2.5}

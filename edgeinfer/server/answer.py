@@ -36,6 +36,8 @@ class JSON(JSONResponse):
 def error_response(e: APIError, headers: dict | None = None) -> JSONResponse:
     if e.status in (408, 413, 415):  # the body was not read to its end: the connection cannot carry another request,
         headers = {**(headers or {}), "Connection": "close"}  # so it closes once the answer is out (as nginx does)
+    if e.status == 415:  # the codings it takes (RFC 9110, 15.5.16)
+        headers = {**headers, "Accept-Encoding": "identity"}
     return JSON(e.body(), status_code=e.status, headers=headers)
 
 
@@ -94,8 +96,6 @@ class Reply:
         if chunk.logprob is None or chunk.token_id is None:
             return None
         top = [(self.tok.token_text(i), lp) for i, lp in chunk.top_logprobs]
-        if not self.chat and all(i != chunk.token_id for i, _ in chunk.top_logprobs):  # the legacy endpoint's
-            top.append((self.tok.token_text(chunk.token_id), chunk.logprob))  # "up to logprobs + 1": the sampled one
         text = self.tok.token_text(chunk.token_id)
         first, self._first_entry = self._first_entry, False
         if isinstance(text, str) and chunk.piece and chunk.piece != text and (first or text.endswith(chunk.piece)):

@@ -160,15 +160,18 @@ def _incomplete_end(data: bytes) -> tuple[bytes, bytes]:
 def completion_logprobs(entries: list[dict], *, text_offset: "int | TextOffsets") -> dict:
     """Legacy completions' logprobs {"tokens", "token_logprobs", "top_logprobs", "text_offset"} from
     `token_logprob` dicts; `text_offset`: the first token's character offset (the prompt's length),
-    or a stream's `TextOffsets`, which goes on from chunk to chunk. Tokens with the same text keep
-    the first's logprob."""
+    or a stream's `TextOffsets`, which goes on from chunk to chunk. Each `top_logprobs` dict holds
+    the sampled token under its text as `tokens` gives it (OpenAI's reference: "the API will always
+    return the logprob of the sampled token, so there may be up to logprobs+1 elements"); other
+    tokens with the same text keep the first's logprob."""
     offsets = text_offset if isinstance(text_offset, TextOffsets) else TextOffsets(text_offset)
     tops = []
     for e in entries:
         top = {}
         for t in e["top_logprobs"]:
             top.setdefault(t["token"], t["logprob"])
-        tops.append(top)
+        top[e["token"]] = e["logprob"]  # the sampled one, whatever shares its text (byte tokens) or
+        tops.append(top)  # whatever its piece is here (a first token without its space, a cut at a stop)
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": tops, "text_offset": [offsets.take(e) for e in entries]}
 

@@ -40,7 +40,7 @@ class HeadTimeoutH11(H11Protocol):
     """uvicorn's h11 protocol, plus a deadline for the request head: a connection that has not sent
     a whole request line and headers within `HEAD_READ_S` of opening (or of its last response, for
     the next request) is closed; so is one still sending a body that was already answered (an early
-    413 or 408). uvicorn times a connection out only once a response is sent (its keep-alive), and
+    413, 408 or 415). uvicorn times a connection out only once a response is sent (its keep-alive), and
     any byte cancels that: connections that sent nothing, or half a head, were held for ever, and
     enough of them ran the process out of file descriptors (accept() failed, /health stopped
     answering). The deadline is absolute: trickling bytes does not extend it. At most `max_connections`
@@ -84,7 +84,7 @@ class HeadTimeoutH11(H11Protocol):
     def _head_timeout(self) -> None:
         self._head_timer = None
         # no request in progress (one has the app's own timeouts): what the client sends now is a next
-        # head, or the rest of a body the server already answered (an early 413 or 408), trickled
+        # head, or the rest of a body the server already answered (an early 413, 408 or 415), trickled
         if self._idle() and not self.transport.is_closing():
             self.transport.close()
 
