@@ -6,6 +6,7 @@ Runtime modules never import torch or transformers; the converter lives in `edge
 __version__ = "0.1.0"
 
 import os  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 # ONNX Runtime's official Linux and macOS wheels (1.32) keep a device identifier and an event queue
 # under ~/.cache/Microsoft and send usage events to Microsoft, unless ORT_DISABLE_TELEMETRY=1 is set
@@ -18,8 +19,17 @@ from edgeinfer.errors import (  # noqa: E402
     ConvertError, EdgeInferError, ForkedBusyError, InvalidArgumentError, InvalidArgumentTypeError, ModelFormatError)
 
 # The rest of the public API is imported when first used (PEP 562): numpy and ONNX Runtime take about
-# 0.4 s to import, and `edgeinfer --help` or a Ctrl-C at start (which printed a traceback from inside
-# these imports: the CLI's handler was not in place yet) need neither.
+# 0.4 s to import, and the CLI's Ctrl-C handler must be in place before they are (a Ctrl-C at start
+# printed a traceback from inside them). `edgeinfer.model` and the other submodules are attributes
+# once imported, as with any package.
+if TYPE_CHECKING:  # what type checkers and editors see: the names as they are
+    from edgeinfer.context_lock import ContextBusyError
+    from edgeinfer.generation import Chunk, Completion, Generation
+    from edgeinfer.model import Conversation, Model, load
+    from edgeinfer.options import GenerationOptions
+    from edgeinfer.overflow import ContextOverflowError
+    from edgeinfer.sampling import SamplingParams
+
 _LAZY = {"ContextBusyError": "edgeinfer.context_lock", "ContextOverflowError": "edgeinfer.overflow",
          "GenerationOptions": "edgeinfer.options", "SamplingParams": "edgeinfer.sampling",
          "Chunk": "edgeinfer.generation", "Completion": "edgeinfer.generation", "Generation": "edgeinfer.generation",

@@ -47,7 +47,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     progress.clear()
     if args.json:  # which model, text and versions (paths absolute), so that a saved result says what it measured
         from edgeinfer.bench import versions
-        print(json.dumps({"model": str(args.model.resolve()), "text": str(args.text.resolve()), "versions": versions(),
+        print(json.dumps({"model": os.path.abspath(args.model), "text": os.path.abspath(args.text), "versions": versions(),
                           **r.to_json()}))
     else:
         windows = f"{r.n_windows} windows of at most {r.window} tokens" if r.window else f"{r.n_windows} windows"
@@ -403,12 +403,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _caused_by_interrupt(e: BaseException) -> bool:
+    """Whether `e` is a KeyboardInterrupt or was raised from one (`raise ... from`, as pybind11 turns a
+    Ctrl-C inside a compiled module's initialisation into "ImportError: initialization failed")."""
     seen = set()
     while e is not None and id(e) not in seen:
         if isinstance(e, KeyboardInterrupt):
             return True
         seen.add(id(e))
-        e = e.__cause__ or e.__context__
+        e = e.__cause__
     return False
 
 

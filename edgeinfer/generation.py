@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import copy
 import threading
-from array import array
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass

@@ -88,7 +88,7 @@ def logprobs(logits, params: SamplingParams, history, token: int, top_n: int = 0
     m = lg.max()
     lse = m + np.log(np.sum(np.exp(lg - m)))
     top: tuple = ()
-    n = min(top_n, int(np.count_nonzero(lg > -np.inf)))
+    n = min(top_n, int(np.count_nonzero(lg > -np.inf))) if top_n > 0 else 0
     if n > 0:
         least = lg[np.argpartition(-lg, n - 1)[n - 1]]  # the n-th largest value: ties there go by id
         above = np.flatnonzero(lg > least)

@@ -63,10 +63,11 @@ class SamplingParams:
 
     temperature 0 is greedy; top_k 0, top_p 1, min_p 0, typical_p 1, repetition_penalty 1 and
     frequency/presence penalties 0 switch their step off. `logit_bias` maps token id -> added logit
-    (a number in [-1e6, 1e6], or -inf to ban the token); it is copied into a read-only mapping, so a
-    later change to the caller's dict changes nothing and the checked values cannot be changed. A temperature is 0 or at least 1e-6; repetition_penalty lies in
-    [1e-6, 1e6] and the frequency and presence penalties in [-1e6, 1e6]: within these bounds no
-    penalised or biased logit can reach +inf.
+    (a number in [-1e6, 1e6], or -inf to ban the token); it is given as a dict and kept as a
+    `CheckedBias`, a read-only Mapping (not a dict: `dict(p.logit_bias)` for JSON), so a later change
+    to the caller's dict changes nothing and the checked values cannot be changed. A temperature is
+    0 or at least 1e-6; repetition_penalty lies in [1e-6, 1e6] and the frequency and presence
+    penalties in [-1e6, 1e6]: within these bounds no penalised or biased logit can reach +inf.
 
     Integers (top_k, penalty_last_n, logit_bias ids) must lie in [0, 2**31 - 1]: no vocabulary the
     sampler supports is larger, and a larger value is refused rather than overflowing the C types.
@@ -83,7 +84,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
-    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)  # given: a dict; kept: CheckedBias
 
     def __post_init__(self) -> None:
         def num(name: str) -> float:
