@@ -117,7 +117,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         decode.append(c.timings.decode_tok_s)
         cpu.append((c1 - c0) / len(c.token_ids))
     return {
-        "model": os.path.abspath(model.folder), "versions": versions(), "quantization": model.manifest.quantization.weights,
+        "model": os.path.abspath(model.folder), "versions": versions(),
+        "quantization": model.manifest.quantization.weights,
         "prompt_tokens": cfg.prompt_tokens, "gen_tokens": cfg.gen_tokens, "threads": cfg.threads, "runs": cfg.runs,
         "capacity_tokens": capacity,
         "load_s": round(load_s, 3), "ttft_ms": _stats(ttft), "prefill_tok_s": _stats(prefill),

@@ -47,8 +47,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     progress.clear()
     if args.json:  # which model, text and versions (paths absolute), so that a saved result says what it measured
         from edgeinfer.bench import versions
-        print(json.dumps({"model": os.path.abspath(args.model), "text": os.path.abspath(args.text), "versions": versions(),
-                          **r.to_json()}))
+        print(json.dumps({"model": os.path.abspath(args.model), "text": os.path.abspath(args.text),
+                          "versions": versions(), **r.to_json()}))
     else:
         windows = f"{r.n_windows} windows of at most {r.window} tokens" if r.window else f"{r.n_windows} windows"
         print(f"perplexity {r.perplexity:.4f} over {r.scored_tokens} tokens "
