@@ -1,0 +1,187 @@
+"""`edgeinfer generate` and `edgeinfer chat`: their flags (the generation options' defaults come from
+`edgeinfer.options`, declared once) and their handlers. Errors and exit codes are `cli.main`'s."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from edgeinfer.errors import EdgeInferError
+from edgeinfer.overflow import OVERFLOW_POLICIES
+
+
+def add_generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help="complete a prompt (no -m: the bundled stories260K model)")
+    g.add_argument("prompt", help="the prompt text; - reads it from standard input (a file piped in, of any length)")
+    _model_args(g)
+    _sampling_args(g)
+    g.add_argument("--stream", action="store_true", help="print tokens as they come")
+    g.add_argument("--json", action="store_true", help="print the completion as JSON")
+    g.set_defaults(func=_cmd_generate)
+
+
+def add_chat_parser(sub) -> None:
+    ch = sub.add_parser("chat", help="interactive chat (/reset clears the context, Ctrl-C stops a reply)")
+    _model_args(ch)
+    _sampling_args(ch)
+    ch.set_defaults(func=_cmd_chat)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", type=Path, default=None, help="edgeinfer model folder (default: bundled)")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: the device profile's)")
+    p.add_argument("--capacity", type=int, default=None, help="KV ring capacity in tokens")
+    p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=OVERFLOW_POLICIES[0],
+                   help="when the context is full: shift (forget the oldest, go on), truncate, error")
+    p.add_argument("-v", "--verbose", action="store_true", help="print load details (KV memory) to stderr")
+    p.add_argument("--power", choices=("performance", "balanced", "battery", "thermal-guard"), default=None,
+                   help="pace decoding by this device's sensors (default: off)")
+
+
+# generation flags: (flag, option name, type, help); defaults come from edgeinfer.options, declared once
+GENERATION_FLAGS = (
+    ("--max-tokens", "max_new_tokens", int, "tokens to generate at most"),
+    ("--temperature", "temperature", float, "0 is greedy"),
+    ("--top-k", "top_k", int, "0 switches it off"),
+    ("--top-p", "top_p", float, "1 switches it off"),
+    ("--min-p", "min_p", float, "0 switches it off"),
+    ("--typical-p", "typical_p", float, "1 switches it off"),
+    ("--repetition-penalty", "repetition_penalty", float, "1 switches it off"),
+    ("--frequency-penalty", "frequency_penalty", float, "0 switches it off"),
+    ("--presence-penalty", "presence_penalty", float, "0 switches it off"),
+    ("--penalty-last-n", "penalty_last_n", int, "how many recent tokens the penalties look at"),
+    ("--seed", "seed", int, "random when not given"),
+)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    from edgeinfer.options import default
+
+    for flag, name, kind, help_text in GENERATION_FLAGS:
+        d = default(name)
+        p.add_argument(flag, type=kind, default=d, help=f"{help_text} (default: {d})")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+
+
+def _options(args: argparse.Namespace):
+    from edgeinfer.options import GenerationOptions
+
+    flat = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in GENERATION_FLAGS}
+    return GenerationOptions.from_kwargs(**flat, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _load(args: argparse.Namespace):
+    import edgeinfer
+
+    return edgeinfer.load(args.model, threads=args.threads, capacity_tokens=args.capacity,
+                          overflow=args.overflow, verbose=args.verbose, power=args.power)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.stream and args.json:
+        raise EdgeInferError("--json prints the whole completion as one object: it does not go with --stream")
+    opts = _options(args)  # a bad option fails before the model loads
+    prompt = _stdin_text() if args.prompt == "-" else args.prompt
+    model = _load(args)
+    if args.stream:
+        g = model.stream(prompt, opts)
+        for chunk in g:
+            print(chunk.text, end="", flush=True)
+        print()
+        c = g.completion
+    else:
+        c = model.generate(prompt, opts)
+        if args.json:
+            from dataclasses import asdict
+
+            print(json.dumps({**asdict(c), "token_ids": list(c.token_ids)}))
+        else:
+            print(c.text)
+    for note in _context_notes(c, opts.max_new_tokens, model.capacity_tokens, args.overflow):
+        print(f"edgeinfer: note: {note}", file=sys.stderr)
+    return 0
+
+
+def _stdin_text() -> str:
+    """The prompt `-` stands for: all of standard input, as UTF-8, a leading byte-order mark dropped (a
+    command line holds 128 KiB at most)."""
+    if sys.stdin is None:
+        raise EdgeInferError("the prompt is - (standard input), but standard input is closed")
+    if sys.stdin.isatty():
+        print("edgeinfer: reading the prompt from standard input; end it with Ctrl-D", file=sys.stderr)
+    data = sys.stdin.buffer.read()
+    try:  # a byte-order mark (a file saved by Notepad) is no part of the prompt: it was 3 byte tokens, as eval
+        return data.decode("utf-8").removeprefix("\ufeff")  # drops it too
+    except UnicodeDecodeError as e:
+        raise EdgeInferError(f"standard input is not valid UTF-8 (byte {e.start}): the prompt must be text") from None
+
+
+def _context_notes(c, max_new_tokens: int, capacity: int, overflow: str) -> list[str]:
+    """What the text alone does not show: tokens the context dropped (`usage.dropped_tokens`), and a
+    reply cut short because the context filled (finish "length" before max_new_tokens)."""
+    notes = []
+    if c.usage.dropped_tokens:
+        notes.append(f"{c.usage.dropped_tokens} tokens were dropped from the {capacity}-token context (the prompt's "
+                     f"oldest, or the reply's own as it went on): what came after did not see them (--overflow "
+                     f"{overflow}; a larger --capacity keeps more)")
+    if c.finish_reason == "length" and c.usage.completion_tokens < max_new_tokens:
+        notes.append(f"the reply stopped after {c.usage.completion_tokens} tokens because the {capacity}-token "
+                     f"context is full (--overflow {overflow}; shift goes on, forgetting the oldest tokens)")
+    return notes
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    opts = _options(args)
+    if sys.stdin is None:
+        raise EdgeInferError("chat reads its messages from standard input, which is closed")
+    interactive = sys.stdin.isatty()
+    model = _load(args)
+    conv = model.conversation()
+    if interactive:
+        try:  # line editing and history; without it the terminal's own line buffer cuts a line at 4,095 bytes
+            import readline  # noqa: F401
+        except ImportError:  # Windows, or a Python built without it
+            pass
+    print("edgeinfer chat: /reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")  # piped: no prompts mixed into the replies
+        except EOFError:
+            if interactive:
+                print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        except UnicodeDecodeError as e:  # stdin decoded strictly (a UTF-8 locale) met a bad byte
+            print(f"edgeinfer: error: the input is not valid UTF-8 ({e.reason}); line skipped", file=sys.stderr)
+            continue
+        command = line.strip().lower()
+        if command in ("/quit", "/exit"):
+            return 0
+        if command == "/reset":
+            conv.reset()
+            print("(context cleared)", file=sys.stderr)
+            continue
+        if command in ("/help", "/?"):  # not a message to the model
+            print("/reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        reply = None
+        try:
+            reply = conv.stream_say(line, opts)
+            for chunk in reply:
+                print(chunk.text, end="", flush=True)
+        except KeyboardInterrupt:
+            if reply is not None:
+                reply.close()  # the conversation rolls the cut turn back: history and cache agree
+            print("\n(reply stopped; that turn is forgotten)", file=sys.stderr)
+            continue
+        except EdgeInferError as e:  # e.g. the reply does not fit (--overflow error): say so, keep chatting
+            print(f"edgeinfer: error: {e}", file=sys.stderr)
+            continue
+        print()
