@@ -65,8 +65,9 @@ def test_a_decoding_request_beside_a_long_prefill_is_not_held_to_one_step_per_ch
     calls = "".join(order)
     first, last = calls.index("d"), calls.rindex("d")
     assert calls.count("P") == 25 and calls.count("d") == 10
-    # one step per chunk would put 9 chunks between the first step and the last
-    assert calls[first:last].count("P") <= 4, calls
+    # one step per chunk would put 9 chunks between the first step and the last; a quiet box gives 4
+    # or fewer, a loaded one (CI beside other work: a 5 ms sleep overshoots the give-way) gave 5
+    assert calls[first:last].count("P") <= 6, calls
     assert not e.waiting  # every mark was dropped by the call that made it
 
 
