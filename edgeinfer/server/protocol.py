@@ -232,11 +232,6 @@ def _stop(body: dict) -> tuple[str, ...] | None:
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
         raise _bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} of them, got {_show(v)}")
-    for s in stops:  # a lone surrogate (JSON's "\ud800") is no text a reply can hold: it would never match
-        try:
-            s.encode("utf-8")
-        except UnicodeEncodeError:
-            raise _bad("stop", f"stop {_show(s)} is not valid UTF-8 text (a lone surrogate)") from None
     return tuple(stops)
 
 
