@@ -189,19 +189,13 @@ def _numbers_as_values(add_parser):
 
 def main(argv: list[str] | None = None) -> int:
     _standard_streams()
-    try:
-        args = build_parser().parse_args(argv)
-    except (KeyboardInterrupt, ImportError) as e:  # (imports run from here on: a Ctrl-C at start gave a traceback)
-        if not _caused_by_interrupt(e):
-            raise
-        print("edgeinfer: interrupted", file=sys.stderr)
-        return 130
-    if sys.stdout is None:  # started with its standard output closed (`>&-`)
-        print("edgeinfer: error: cannot write the output: standard output is closed", file=sys.stderr)
-        return 1
     show = warnings.showwarning
     warnings.showwarning = _show_warning
     try:
+        args = build_parser().parse_args(argv)  # (the imports run from here on, inside the handlers)
+        if sys.stdout is None:  # started with its standard output closed (`>&-`)
+            print("edgeinfer: error: cannot write the output: standard output is closed", file=sys.stderr)
+            return 1
         rc = args.func(args)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
         return rc
@@ -209,13 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         progress.clear()
         print(f"edgeinfer: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        progress.clear()
-        print("edgeinfer: interrupted", file=sys.stderr)
-        return 130
-    except ImportError as e:  # a Ctrl-C inside a compiled module's import (ONNX Runtime's) comes out as
-        if not _caused_by_interrupt(e):  # "ImportError: initialization failed", the interrupt its cause
+    except (KeyboardInterrupt, ImportError) as e:  # a Ctrl-C inside a compiled module's import (ONNX
+        if not _caused_by_interrupt(e):  # Runtime's) comes out as "ImportError: initialization failed"
             raise
+        progress.clear()
         print("edgeinfer: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
