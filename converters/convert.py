@@ -26,6 +26,7 @@ from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_
 from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
+from edgeinfer.converters.hf_tokenizer import TOKENIZER_FILES, check_tokenizer, tokenizer_info
 from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter
 from edgeinfer.converters import cuda_graph
 from edgeinfer.converters.ort_format import write_ort_format
@@ -33,17 +34,14 @@ from edgeinfer.converters.portable import build_portable
 from edgeinfer.integrity import sha256_file
 from edgeinfer.converters.quantize import QUANTS, QuantScheme
 from edgeinfer.converters.safetensors_io import Checkpoint
-from edgeinfer.converters.source_files import read_json, read_text, regular_file
+from edgeinfer.converters.source_files import regular_file
 from edgeinfer.converters.widen import WidenedSource, choose_kv_mode, widened_spec
 from edgeinfer.errors import ConvertError
 from edgeinfer.fields import FieldError
 from edgeinfer.kv_mode import PORTABLE
-from edgeinfer.manifest import (MODEL_FILE, Manifest, Origin, TokenizerInfo, graph_interface,
-                                portable_interface)
+from edgeinfer.manifest import MODEL_FILE, Manifest, Origin, graph_interface, portable_interface
 from edgeinfer.portable import MAX_DIM, PORTABLE_TARGETS, PortableInfo
 
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja")
 TARGETS = ("cpu", "cuda", "coreml", "nnapi")
 PORTABLE_WEIGHTS = {"coreml": ("fp16", "fp32"), "nnapi": ("int8", "fp16", "fp32")}  # first: the default
 DEFAULT_PORTABLE_CAPACITY = 512
@@ -114,89 +112,6 @@ def check_spec(spec: ArchSpec, where: str) -> None:
         ArchSpec.from_json(spec.to_json())
     except FieldError as e:
         raise ConvertError(f"{where}: {e}") from None
-
-
-def _json_object(path: Path) -> dict:
-    """A source's optional JSON settings file ({} when absent); ConvertError when it is not an object."""
-    if not path.exists():
-        return {}
-    data = read_json(path)
-    if not isinstance(data, dict):
-        raise ConvertError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _chat_template(template, where: Path, log) -> str | None:
-    """Hugging Face's forms of a chat template: text, or a list of {"name", "template"} of which
-    apply_chat_template uses the one named "default" (none: no template, said in the log). One that
-    does not parse is kept and said in the log: chat refuses it when used, completion still works."""
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        if not isinstance(named.get("default"), str):
-            log(f"note: {where} lists chat templates {sorted(map(str, named))} but none named 'default': the "
-                "folder gets none (chat renders plain 'User: ...' lines)")
-            return None
-        template = named["default"]
-    if template is not None and not isinstance(template, str):
-        raise ConvertError(f"{where}: chat_template must be text or a list of named templates, "
-                           f"got {type(template).__name__}")
-    if template:
-        from edgeinfer.chat import compile_template
-        from edgeinfer.errors import ModelFormatError
-
-        try:
-            compile_template(template)
-        except ModelFormatError as e:
-            log(f"note: {where}: {e}; kept as it is, chat will refuse it")
-    return template or None
-
-
-def _tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
-    cfg_path = src / "tokenizer_config.json"
-    cfg = _json_object(cfg_path)
-    gen_path = src / "generation_config.json"
-    gen = _json_object(gen_path)
-    template, where = cfg.get("chat_template"), cfg_path
-    if (src / "chat_template.jinja").exists():
-        template, where = read_text(src / "chat_template.jinja"), src / "chat_template.jinja"
-    template = _chat_template(template, where, log)
-    kind = "sentencepiece" if (src / "tokenizer.model").exists() else "hf_tokenizers"
-    eos = gen.get("eos_token_id", list(spec.eos_token_ids))
-    eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-    bos = gen.get("bos_token_id", spec.bos_token_id)
-
-    def token_id(v) -> bool:
-        return type(v) is int and 0 <= v < spec.vocab_size
-
-    if not all(map(token_id, eos)) or not (bos is None or token_id(bos)):
-        raise ConvertError(f"{gen_path if gen else src / 'config.json'}: bos_token_id {bos!r} and eos_token_id "
-                           f"{eos!r} must be token ids in [0, {spec.vocab_size})")
-    add_bos = cfg.get("add_bos_token")
-    if add_bos is None:
-        add_bos = kind == "sentencepiece"
-    if not isinstance(add_bos, bool):  # "false" read as true (any non-empty string did)
-        raise ConvertError(f"{cfg_path}: add_bos_token must be true or false, got {add_bos!r:.40}")
-    return TokenizerInfo(kind=kind, add_bos=add_bos, bos_token_id=bos, eos_token_ids=tuple(eos),
-                         chat_template=template)
-
-
-def _check_tokenizer(folder: Path, manifest: Manifest, log=lambda msg: None) -> None:
-    """The folder's tokenizer loads and knows its BOS and EOS ids, as `edgeinfer.load` will need:
-    a source whose tokenizer files are corrupt is refused here, not after a successful convert."""
-    from edgeinfer.errors import EdgeInferError
-    from edgeinfer.tokenizer import Tokenizer
-
-    info = manifest.tokenizer
-    try:
-        tok = Tokenizer(folder, info)
-        for t in [info.bos_token_id, *info.eos_token_ids]:
-            if t is not None:
-                tok.token_string(t)
-    except EdgeInferError as e:
-        raise ConvertError(f"the source's tokenizer cannot be used: {e}") from None
-    if tok.id_limit > manifest.arch.vocab_size:  # as transformers loads it: a prompt holding such a token is refused
-        log(f"note: the tokenizer gives ids up to {tok.id_limit - 1}, past the model's {manifest.arch.vocab_size} "
-            "embedding rows: a prompt holding such a token will be refused")
 
 
 def _check_source(src: Path) -> None:
@@ -385,7 +300,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
         if gguf:  # before the graph: a vocabulary that makes no tokenizer is refused before minutes of work
             tokenizer, tokenizer_files = gguf_import.write_gguf_tokenizer(ckpt, spec, tmp)
         else:
-            tokenizer = _tokenizer_info(src, spec, log)
+            tokenizer = tokenizer_info(src, spec, log)
         calibration = None
         if portable is None and not keep:
             calibration, scheme = plan(scheme, tmp if gguf else src, tokenizer, spec, log)
@@ -445,7 +360,7 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
             files=files, source=sources, converter_version=__version__,
         )
         manifest.write(tmp)
-        _check_tokenizer(tmp, manifest, log)
+        check_tokenizer(tmp, manifest, log)
         _replace_atomically(tmp, dst, force)
         return manifest
     finally:

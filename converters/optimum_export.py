@@ -33,7 +33,8 @@ from pathlib import Path
 
 from edgeinfer import __version__
 from edgeinfer.arch import ArchSpec
-from edgeinfer.converters.convert import MAX_DEFAULT_CAPACITY, TOKENIZER_FILES, _check_source, _tokenizer_info, check_spec
+from edgeinfer.converters.convert import MAX_DEFAULT_CAPACITY, _check_source, check_spec
+from edgeinfer.converters.hf_tokenizer import TOKENIZER_FILES, tokenizer_info
 from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
 from edgeinfer.converters.source_files import regular_file
 from edgeinfer.converters.hf_config import _eos_ids, _int, flag, parse_rope, read_config
@@ -165,7 +166,7 @@ def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transfor
         sources = ["config.json", *sorted({p.name for pat in WEIGHT_FILES for p in src.glob(pat)}), *tokenizer_files]
         manifest = Manifest(
             arch=spec, quantization=scheme, target="cpu", flavour="fused", interface=graph_interface(spec, OPTIMUM),
-            tokenizer=_tokenizer_info(src, spec, log),
+            tokenizer=tokenizer_info(src, spec, log),
             default_capacity_tokens=min(spec.max_position_embeddings, MAX_DEFAULT_CAPACITY),
             files={n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in outputs},
             source={n: sha256_file(src / n) for n in sources}, converter_version=__version__,

@@ -1,0 +1,99 @@
+"""A Hugging Face folder's tokenizer settings, as the manifest's `tokenizer` section holds them:
+which tokenizer files a folder takes over (`TOKENIZER_FILES`), its BOS and EOS ids and BOS rule, and
+its chat template in any of Hugging Face's forms (`tokenizer_info`); and the check, on a finished
+folder, that the tokenizer loads as `edgeinfer.load` will load it (`check_tokenizer`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgeinfer.converters.source_files import read_json, read_text
+from edgeinfer.errors import ConvertError
+from edgeinfer.manifest import Manifest, TokenizerInfo
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
+
+
+def json_object(path: Path) -> dict:
+    """A source's optional JSON settings file ({} when absent); ConvertError when it is not an object."""
+    if not path.exists():
+        return {}
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ConvertError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def chat_template(template, where: Path, log) -> str | None:
+    """Hugging Face's forms of a chat template: text, or a list of {"name", "template"} of which
+    apply_chat_template uses the one named "default" (none: no template, said in the log). One that
+    does not parse is kept and said in the log: chat refuses it when used, completion still works."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if not isinstance(named.get("default"), str):
+            log(f"note: {where} lists chat templates {sorted(map(str, named))} but none named 'default': the "
+                "folder gets none (chat renders plain 'User: ...' lines)")
+            return None
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise ConvertError(f"{where}: chat_template must be text or a list of named templates, "
+                           f"got {type(template).__name__}")
+    if template:
+        from edgeinfer.chat import compile_template
+        from edgeinfer.errors import ModelFormatError
+
+        try:
+            compile_template(template)
+        except ModelFormatError as e:
+            log(f"note: {where}: {e}; kept as it is, chat will refuse it")
+    return template or None
+
+
+def tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
+    cfg_path = src / "tokenizer_config.json"
+    cfg = json_object(cfg_path)
+    gen_path = src / "generation_config.json"
+    gen = json_object(gen_path)
+    template, where = cfg.get("chat_template"), cfg_path
+    if (src / "chat_template.jinja").exists():
+        template, where = read_text(src / "chat_template.jinja"), src / "chat_template.jinja"
+    template = chat_template(template, where, log)
+    kind = "sentencepiece" if (src / "tokenizer.model").exists() else "hf_tokenizers"
+    eos = gen.get("eos_token_id", list(spec.eos_token_ids))
+    eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    bos = gen.get("bos_token_id", spec.bos_token_id)
+
+    def token_id(v) -> bool:
+        return type(v) is int and 0 <= v < spec.vocab_size
+
+    if not all(map(token_id, eos)) or not (bos is None or token_id(bos)):
+        raise ConvertError(f"{gen_path if gen else src / 'config.json'}: bos_token_id {bos!r} and eos_token_id "
+                           f"{eos!r} must be token ids in [0, {spec.vocab_size})")
+    add_bos = cfg.get("add_bos_token")
+    if add_bos is None:
+        add_bos = kind == "sentencepiece"
+    if not isinstance(add_bos, bool):  # "false" read as true (any non-empty string did)
+        raise ConvertError(f"{cfg_path}: add_bos_token must be true or false, got {add_bos!r:.40}")
+    return TokenizerInfo(kind=kind, add_bos=add_bos, bos_token_id=bos, eos_token_ids=tuple(eos),
+                         chat_template=template)
+
+
+def check_tokenizer(folder: Path, manifest: Manifest, log=lambda msg: None) -> None:
+    """The folder's tokenizer loads and knows its BOS and EOS ids, as `edgeinfer.load` will need:
+    a source whose tokenizer files are corrupt is refused here, not after a successful convert."""
+    from edgeinfer.errors import EdgeInferError
+    from edgeinfer.tokenizer import Tokenizer
+
+    info = manifest.tokenizer
+    try:
+        tok = Tokenizer(folder, info)
+        for t in [info.bos_token_id, *info.eos_token_ids]:
+            if t is not None:
+                tok.token_string(t)
+    except EdgeInferError as e:
+        raise ConvertError(f"the source's tokenizer cannot be used: {e}") from None
+    if tok.id_limit > manifest.arch.vocab_size:  # as transformers loads it: a prompt holding such a token is refused
+        log(f"note: the tokenizer gives ids up to {tok.id_limit - 1}, past the model's {manifest.arch.vocab_size} "
+            "embedding rows: a prompt holding such a token will be refused")
