@@ -39,7 +39,8 @@ from edgeinfer.converters.widen import WidenedSource, choose_kv_mode, widened_sp
 from edgeinfer.errors import ConvertError
 from edgeinfer.fields import FieldError
 from edgeinfer.kv_mode import PORTABLE
-from edgeinfer.manifest import MODEL_FILE, Manifest, Origin, graph_interface, portable_interface
+from edgeinfer.interface import graph_interface, portable_interface
+from edgeinfer.manifest import MODEL_FILE, Manifest, Origin
 from edgeinfer.portable import MAX_DIM, PORTABLE_TARGETS, PortableInfo
 
 TARGETS = ("cpu", "cuda", "coreml", "nnapi")

@@ -39,7 +39,7 @@ from edgeinfer.converters.rows import Rows, checked
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
 from edgeinfer.kv_mode import NAMES, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, KVMode
-from edgeinfer.manifest import ROPE_COS, ROPE_SIN, io_names
+from edgeinfer.interface import ROPE_COS, ROPE_SIN, io_names
 
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 

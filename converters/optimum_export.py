@@ -42,7 +42,8 @@ from edgeinfer.converters.onnx_writer import DATA_FILE
 from edgeinfer.errors import ConvertError
 from edgeinfer.integrity import sha256_file
 from edgeinfer.kv_mode import OPTIMUM
-from edgeinfer.manifest import MODEL_FILE, Manifest, Origin, graph_interface
+from edgeinfer.interface import graph_interface
+from edgeinfer.manifest import MODEL_FILE, Manifest, Origin
 from edgeinfer.quant_scheme import QuantScheme
 
 TASK = "text-generation-with-past"

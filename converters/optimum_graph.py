@@ -19,7 +19,7 @@ costs, and leaves the runtime the standard mode's zero-copy binding (kv_mode.OPT
   slots; the Concat itself stays, feeding attention;
 - a `logits_index` input [N] selects the positions that get logits (a Gather in front of the
   lm_head MatMul, so a prefill does not project every position onto the vocabulary);
-- the graph's inputs and outputs are rebuilt from `manifest.graph_interface(spec, OPTIMUM)`, so the
+- the graph's inputs and outputs are rebuilt from `interface.graph_interface(spec, OPTIMUM)`, so the
   graph and the manifest's description cannot disagree; nodes nothing reads any more are dropped.
 
 Anything that does not have this shape (no Concat appending to a past, a missing input) is a
@@ -35,7 +35,7 @@ from onnx import helper
 from edgeinfer.arch import ArchSpec
 from edgeinfer.errors import ConvertError
 from edgeinfer.kv_mode import ATTENTION_MASK, OPTIMUM
-from edgeinfer.manifest import graph_interface, io_names
+from edgeinfer.interface import graph_interface, io_names
 
 SWAP_S_N = [0, 2, 1, 3]  # BNSH <-> BSNH (its own inverse)
 OPTIMUM_INPUTS = ("input_ids", ATTENTION_MASK, "position_ids")

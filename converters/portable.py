@@ -36,7 +36,7 @@ from edgeinfer.converters import graph as G
 from edgeinfer.converters.decoder import TensorSource, tied_head
 from edgeinfer.converters.safetensors_io import Checkpoint
 from edgeinfer.errors import ConvertError
-from edgeinfer.manifest import io_names
+from edgeinfer.interface import io_names
 from edgeinfer.portable import MAX_DIM, PortableInfo, logit_chunks
 
 OPSET = 17

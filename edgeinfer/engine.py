@@ -33,7 +33,7 @@ from edgeinfer import fork_safety
 from edgeinfer.chunked import ChunkedSteps, prefill_chunks  # noqa: F401 (prefill_chunks: re-exported)
 from edgeinfer.kv_cache import BatchedKV, RingKVCache, binding_window
 from edgeinfer.kv_mode import ATTENTION_MASK, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
-from edgeinfer.manifest import ROPE_COS, ROPE_SIN, host_rope
+from edgeinfer.interface import ROPE_COS, ROPE_SIN, host_rope
 from edgeinfer.session import DecoderSession
 
 

@@ -16,7 +16,8 @@ import onnxruntime as ort
 
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
 from edgeinfer.integrity import verify
-from edgeinfer.manifest import MODEL_FILE, Manifest, io_names, read_manifest
+from edgeinfer.interface import io_names
+from edgeinfer.manifest import MODEL_FILE, Manifest, read_manifest
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 

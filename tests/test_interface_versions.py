@@ -17,7 +17,8 @@ import edgeinfer
 from conftest import FIXTURES, TINY
 from edgeinfer.converters import convert
 from edgeinfer.kv_cache import BatchedKV
-from edgeinfer.manifest import INTERFACE_VERSION, MANIFEST_FILE, ROPE_COS, ROPE_SIN, graph_interface, read_manifest
+from edgeinfer.interface import INTERFACE_VERSION, ROPE_COS, ROPE_SIN, graph_interface
+from edgeinfer.manifest import MANIFEST_FILE, read_manifest
 
 V1 = FIXTURES / "interface_v1"
 

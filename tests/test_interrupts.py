@@ -22,7 +22,7 @@ import edgeinfer
 import edgeinfer.prefix_cache as prefix_cache
 from conftest import STORIES_SRC
 from edgeinfer.generation import GenerationCancelled
-from edgeinfer.manifest import IONames
+from edgeinfer.interface import IONames
 
 A = "Once upon a time, there was a little girl named Lily. She loved to play outside. The dog ran to the park."
 B = "Once upon a time, there was a little girl named Lily. She loved to play outside. Tom had a red ball and a kite."
