@@ -11,6 +11,12 @@ installed packages (`installed_dirs`: site-packages, where the bundled models li
 a file there that pip did not install outlives an uninstall or a reinstall, and the `edgeinfer/`
 folder it keeps was then imported as an empty namespace package ahead of an editable install
 (`cannot import name '__version__'`: the README's two set-up steps, a few seconds apart).
+
+A load reads a folder's files one by one (manifest, hashes, graph, weights, tokenizer), by path, and
+`convert --force` may rename another conversion into place between two of those reads: the graph of
+one with the weights of the other ran and gave garbage. `folder_identity` tells the conversions
+apart (the folder's inode and its manifest's), so a loader compares it before and after reading and
+reads again when it changed (`LOAD_ATTEMPTS` times), instead of calling the files corrupted.
 """
 
 from __future__ import annotations
@@ -30,9 +36,26 @@ from edgeinfer import small_files
 from edgeinfer.errors import ModelFormatError
 from edgeinfer.manifest import MANIFEST_FILE
 
+LOAD_ATTEMPTS = 3  # a folder replaced while being read is read again, this many times in all
 STAMP_FILE = ".edgeinfer-verified.json"
 STAMP_VERSION = 1
 RACY_NS = 2_000_000_000  # a file modified this recently may change again within the same mtime tick
+
+
+def folder_identity(folder: Path | str) -> tuple | None:
+    """What tells one conversion's folder from the next at the same path (a `convert --force` renames
+    a whole new folder into place): the folder's device and inode and its manifest's inode, mtime and
+    size; None when either cannot be read. (The folder's own mtime is not in it: a load writes its stamp there.)"""
+    try:
+        d, m = os.stat(folder), os.stat(Path(folder) / MANIFEST_FILE)
+    except (OSError, ValueError):
+        return None
+    return d.st_dev, d.st_ino, m.st_ino, m.st_mtime_ns, m.st_size
+
+
+def replaced_while_loading(folder: Path | str) -> str:
+    return (f"{folder} was replaced while it was being loaded (another conversion was renamed into its place: "
+            f"a convert --force?); load it again once that is done")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

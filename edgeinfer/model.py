@@ -27,7 +27,7 @@ import numpy as np
 from edgeinfer.chat import ChatTemplate
 from edgeinfer.engine import Engine
 from edgeinfer.portable_engine import open_engine
-from edgeinfer.errors import EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelFormatError
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.conversation import Conversation
 from edgeinfer.generation import Completion, Generation, Request
@@ -40,6 +40,7 @@ from edgeinfer.power.controller import PowerController, PowerState
 from edgeinfer.power.policy import resolve_policy
 from edgeinfer.power.sensors import Sensors
 from edgeinfer.power.threads import SPIN_DURATION_US
+from edgeinfer.integrity import LOAD_ATTEMPTS, folder_identity, replaced_while_loading
 from edgeinfer.manifest import read_manifest
 from edgeinfer.session import DecoderSession, check_threads
 from edgeinfer.drafting import Draft
@@ -108,26 +109,39 @@ class Model:
         policy = resolve_policy(power)
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise InvalidArgumentError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
-        self.manifest = read_manifest(folder)
-        spec = self.manifest.arch
-        capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec, capacity_tokens)
-        n_sink = resolve_sinks(spec, n_sink)
-        if (note := rebase_warning(capacity, spec.max_position_embeddings)) is not None:
-            warnings.warn(note, stacklevel=3)
-        portable = self.manifest.portable
-        if portable is not None:
-            portable.check_capacity(capacity)  # before the slow loading
-        RingKVCache.check_geometry(spec, capacity, n_sink, min(prefill_chunk, capacity),  # before the slow loading
-                                   rows=portable.ring_rows if portable is not None else None,
-                                   itemsize=2 if self.manifest.interface.kv_dtype == "float16" else 4)
         self.folder = folder
         self.threads = threads
         self.overflow = overflow
         spin = SPIN_DURATION_US if policy is not None else spin_duration_us
-        self.capacity_tokens, self.n_sink = capacity, n_sink
-        self.session = DecoderSession(folder, threads=threads, provider=provider, manifest=self.manifest,
-                                      spin_duration_us=spin)  # checks every listed file first
-        self.tokenizer = Tokenizer(folder, self.manifest.tokenizer)  # so this reads checked files only
+        for attempt in range(1, LOAD_ATTEMPTS + 1):  # one conversion's files (`folder_identity`)
+            seen = folder_identity(folder)
+            try:
+                self.manifest = read_manifest(folder)
+                spec = self.manifest.arch
+                capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec, capacity_tokens)
+                sinks = resolve_sinks(spec, n_sink)
+                if (note := rebase_warning(capacity, spec.max_position_embeddings)) is not None:
+                    warnings.warn(note, stacklevel=3)
+                portable = self.manifest.portable
+                if portable is not None:
+                    portable.check_capacity(capacity)  # before the slow loading
+                RingKVCache.check_geometry(spec, capacity, sinks, min(prefill_chunk, capacity),  # before the slow loading
+                                           rows=portable.ring_rows if portable is not None else None,
+                                           itemsize=2 if self.manifest.interface.kv_dtype == "float16" else 4)
+                self.capacity_tokens, self.n_sink = capacity, sinks
+                self.session = DecoderSession(folder, threads=threads, provider=provider, manifest=self.manifest,
+                                              spin_duration_us=spin)  # checks every listed file first
+                self.tokenizer = Tokenizer(folder, self.manifest.tokenizer)  # so this reads checked files only
+            except (EdgeInferError, OSError):
+                if folder_identity(folder) == seen:
+                    raise
+                if attempt == LOAD_ATTEMPTS:
+                    raise ModelFormatError(replaced_while_loading(folder)) from None
+                continue
+            if folder_identity(folder) == seen:
+                break
+        else:
+            raise ModelFormatError(replaced_while_loading(folder))
         self.engine = open_engine(self.session, min(prefill_chunk, capacity), threads, spin)
         self.cache = self.new_cache()
         self.held: list[int] | None = None  # the ids the default cache holds, in order (None: not known)
@@ -142,7 +156,7 @@ class Model:
         if verbose:
             print(f"edgeinfer: loaded {folder} in {self.load_ms:.0f} ms; KV cache {self.cache.bytes / 2**20:.2f} MiB "
                   f"({spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads x {self.cache.rows} rows x "
-                  f"{spec.head_dim} x {self.cache.dtype.itemsize} bytes; a ring of {capacity}), {n_sink} sinks, "
+                  f"{spec.head_dim} x {self.cache.dtype.itemsize} bytes; a ring of {self.capacity_tokens}), {self.n_sink} sinks, "
                   f"overflow={overflow}, provider {self.session.provider}",
                   file=sys.stderr)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from edgeinfer.errors import InvalidArgumentError, ModelFormatError
-from edgeinfer.integrity import verify
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError
+from edgeinfer.integrity import folder_identity, replaced_while_loading, verify
 from edgeinfer.interface import io_names
 from edgeinfer.manifest import MODEL_FILE, Manifest, read_manifest
 
@@ -108,6 +108,18 @@ class DecoderSession:
         checked again (a folder that cannot be written, so keeps no stamp, paid it twice)."""
         check_threads(threads, warn=False)  # a bad count is the caller's error, said before any hashing
         self.folder = Path(folder)
+        seen = folder_identity(self.folder) if manifest is None else None  # (given one: the caller compares)
+        try:
+            self._open(manifest, threads, provider, spin_duration_us, hashed)
+        except (EdgeInferError, OSError):
+            if manifest is None and folder_identity(self.folder) != seen:
+                raise ModelFormatError(replaced_while_loading(self.folder)) from None
+            raise
+        if manifest is None and folder_identity(self.folder) != seen:
+            raise ModelFormatError(replaced_while_loading(self.folder))
+
+    def _open(self, manifest: Manifest | None, threads: int | None, provider: str, spin_duration_us: int | None,
+              hashed: bool) -> None:
         self.manifest = manifest or read_manifest(self.folder)
         if not hashed:
             verify(self.folder, self.manifest.files, self.manifest.named_files)  # every loader runs checked weights

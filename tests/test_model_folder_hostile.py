@@ -153,3 +153,68 @@ def test_ids_past_the_tokenizers_vocabulary_add_no_text():
     assert t.decode([400, past, 401]) == t.decode([400, 401]) and t.token_text(past) == ""
     d, e = Detokenizer(t, [1]), Detokenizer(t, [1])
     assert "".join(d.add(i) for i in [400, past, 401]) == "".join(e.add(i) for i in [400, 401]) != ""
+
+
+def _swapping(monkeypatch, name, dst, others):
+    """Wrap edgeinfer.model's `name` so that each of its first len(others) calls first renames the next of
+    `others` into `dst`'s place (as `convert --force` does), between two of a load's reads."""
+    import edgeinfer.model as model_module
+
+    real, queue = getattr(model_module, name), list(others)
+
+    def swap_then(*args, **kwargs):
+        if queue:
+            gone = dst.with_name(dst.name + f".old{len(queue)}")
+            os.rename(dst, gone)
+            os.rename(queue.pop(0), dst)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, name, swap_then)
+
+
+@pytest.mark.parametrize("between", ["DecoderSession", "Tokenizer"])
+def test_a_folder_replaced_while_it_loads_is_read_again_whole(tmp_path, converted, monkeypatch, between):
+    """A conversion renamed into the folder's place after its manifest was read (before the graph: the
+    graph and weights of one conversion were checked against the other's hashes, "corrupted; convert
+    again", or paired with them and gave garbage; after it: the tokenizer of the other) is loaded whole."""
+    dst, other = tmp_path / "model", tmp_path / "other"
+    shutil.copytree(converted(STORIES_SRC, "fp32"), dst)
+    shutil.copytree(converted(STORIES_SRC, "int8"), other)
+    want = edgeinfer.load(other, threads=1).generate("Once upon a time", max_new_tokens=16, temperature=0).token_ids
+    _swapping(monkeypatch, between, dst, [other])
+    m = edgeinfer.load(dst, threads=1)
+    assert m.manifest.quantization.weights == "int8"
+    assert m.session.manifest is m.manifest
+    assert m.generate("Once upon a time", max_new_tokens=16, temperature=0).token_ids == want
+
+
+def test_a_folder_replaced_at_every_read_is_one_clear_error(tmp_path, converted, monkeypatch):
+    dst = tmp_path / "model"
+    shutil.copytree(converted(STORIES_SRC, "fp32"), dst)
+    others = []
+    for i in range(3):
+        others.append(tmp_path / f"other{i}")
+        shutil.copytree(converted(STORIES_SRC, ("int8", "fp32")[i % 2]), others[-1])
+    _swapping(monkeypatch, "DecoderSession", dst, others)
+    with pytest.raises(ModelFormatError, match="was replaced while it was being loaded"):
+        edgeinfer.load(dst, threads=1)
+
+
+def test_eval_s_session_says_a_folder_replaced_while_it_opens(tmp_path, converted, monkeypatch):
+    """A session opened on its own (eval, bench) reads the manifest itself: a conversion renamed into
+    place between that and the graph is named as such, not as a corrupted file."""
+    import edgeinfer.session as session_module
+
+    dst, other = tmp_path / "model", tmp_path / "other"
+    shutil.copytree(converted(STORIES_SRC, "fp32"), dst)
+    shutil.copytree(converted(STORIES_SRC, "int8"), other)
+    real = session_module.verify
+
+    def swap_then(*args, **kwargs):
+        os.rename(dst, tmp_path / "old")
+        os.rename(other, dst)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session_module, "verify", swap_then)
+    with pytest.raises(ModelFormatError, match="was replaced while it was being loaded"):
+        session_module.DecoderSession(dst, threads=1)
