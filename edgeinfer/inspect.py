@@ -10,7 +10,7 @@ from pathlib import Path
 from edgeinfer.arch import ArchSpec
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError
 from edgeinfer.integrity import STAMP_FILE, check
-from edgeinfer.manifest import MANIFEST_FILE, Manifest, read_manifest
+from edgeinfer.manifest import CHECKSUM_KEY, MANIFEST_FILE, Manifest, read_manifest
 from edgeinfer.overflow import DEFAULT_PREFILL_CHUNK, resolve_capacity
 
 
@@ -191,6 +191,8 @@ def verify(folder: Path | str, out=print) -> bool:
         raise ModelFormatError(f"{folder / MANIFEST_FILE} lists no file checksums (an older converter wrote it): "
                                "nothing to verify; convert again")
     ok = True
+    out(f"ok        {MANIFEST_FILE} (its {CHECKSUM_KEY})" if manifest.checksum else
+        f"note      {MANIFEST_FILE}: no {CHECKSUM_KEY} (an older converter, or deleted): its fields are not checked")
     for name, problem in check(folder, files, manifest.named_files):
         ok = ok and problem is None
         out(f"ok        {name}" if problem is None else f"MISMATCH  {name}: {problem}")

@@ -23,6 +23,18 @@ def make_tree(root: Path, files: dict) -> Path:
     return root
 
 
+def write_manifest(folder: Path, m: dict) -> None:
+    """Write an edited manifest as a converter would have: its checksum, if it has one, recomputed
+    (so that the edit reaches the checks behind it; the checksum's own test edits without this)."""
+    import json
+
+    from edgeinfer.manifest import CHECKSUM_KEY, MANIFEST_FILE, manifest_checksum
+
+    if CHECKSUM_KEY in m:
+        m = {**m, CHECKSUM_KEY: manifest_checksum(m)}
+    (Path(folder) / MANIFEST_FILE).write_text(json.dumps(m))
+
+
 def write_safetensors(path: Path, tensors: dict) -> None:
     """Write float32 (or float16, bfloat16) numpy arrays as a safetensors file (the documented format:
     u64 header length, JSON header, raw little-endian data)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY
+from conftest import TINY, write_manifest
 from edgeinfer.cli import main
 
 SRC = TINY / "llama2_gqa_tied"
@@ -485,7 +485,7 @@ def test_a_folder_whose_weights_compute_nan_is_a_clear_error(capsys, src, tmp_pa
     data.write_bytes(np.full(data.stat().st_size // 4, np.nan, np.float32).tobytes())
     m = json.loads((out / "edgeinfer.json").read_text())
     m["files"]["model.onnx.data"]["sha256"] = hashlib.sha256(data.read_bytes()).hexdigest()
-    (out / "edgeinfer.json").write_text(json.dumps(m))
+    write_manifest(out, m)
     text = tmp_path / "t.txt"
     text.write_text("Once upon a time there was a dog.\n")
     capsys.readouterr()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from conftest import STORIES_FIX, STORIES_SRC, TINY
+from conftest import STORIES_FIX, STORIES_SRC, TINY, write_manifest
 from edgeinfer import speculative
 from edgeinfer.errors import InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.model import default_model_path
@@ -135,7 +135,7 @@ def test_set_draft_refusals(fp32, converted, tmp_path):
     shutil.copytree(fp32, other, ignore=shutil.ignore_patterns(".edgeinfer-verified*"))
     manifest = json.loads((other / "edgeinfer.json").read_text())
     manifest["tokenizer"]["eos_token_ids"] = [3]
-    (other / "edgeinfer.json").write_text(json.dumps(manifest))
+    write_manifest(other, manifest)
     with pytest.raises(InvalidArgumentError, match="does not have this model's tokenizer"):
         m.set_draft(other)
     m.set_draft(converted(TINY / "llama2_gqa_tied", "fp32"))  # a random model over stories260K's tokenizer: fine

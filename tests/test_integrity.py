@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import edgeinfer
-from conftest import ROOT
+from conftest import ROOT, write_manifest
 from edgeinfer import integrity
 from edgeinfer.cli import main
 
@@ -76,14 +76,15 @@ def test_flipped_bit_in_weights_refused_at_load(capsys, folder):
 
 
 LOADS = "ok        loads (the graph takes the inputs its manifest describes)"
+MANIFEST_OK = "ok        edgeinfer.json (its manifest_sha256)"
 
 
 def test_inspect_verify_reports_each_file(capsys, folder):
     rc, lines = verify_cli(capsys, folder)
-    assert rc == 0 and lines == [f"ok        {n}" for n in listed(folder)] + [LOADS]
+    assert rc == 0 and lines == [MANIFEST_OK] + [f"ok        {n}" for n in listed(folder)] + [LOADS]
     flip_bit(folder / "model.onnx.data", 1234)
     rc, lines = verify_cli(capsys, folder)
-    assert rc == 1 and len(lines) == len(listed(folder))
+    assert rc == 1 and len(lines) == 1 + len(listed(folder))
     assert "MISMATCH  model.onnx.data: sha256 differs" in lines
     assert sum(line.startswith("ok ") for line in lines) == len(lines) - 1
 
@@ -128,7 +129,7 @@ def test_stamp_does_not_vouch_for_a_copy_or_another_manifest(folder, tmp_path, h
     assert sorted(hashes) == sorted(listed(folder))
     m = json.loads((folder / "edgeinfer.json").read_text())
     m["files"]["tokenizer.model"]["sha256"] = "0" * 64  # the manifest now expects other bytes
-    (folder / "edgeinfer.json").write_text(json.dumps(m))
+    write_manifest(folder, m)
     with pytest.raises(edgeinfer.ModelFormatError, match="tokenizer.model does not match its sha256"):
         edgeinfer.load(folder)
 
@@ -187,7 +188,7 @@ def test_site_packages_is_among_the_installed_dirs():
 def test_manifest_without_files_loads_unchecked(capsys, folder, hashes):
     m = json.loads((folder / "edgeinfer.json").read_text())
     del m["files"]
-    (folder / "edgeinfer.json").write_text(json.dumps(m))
+    write_manifest(folder, m)
     flip_bit(folder / "tokenizer_config.json", 3)
     edgeinfer.load(folder)
     assert hashes == []
@@ -199,7 +200,7 @@ def test_manifest_without_files_loads_unchecked(capsys, folder, hashes):
 def test_bundled_model_loads_and_verifies(capsys):
     edgeinfer.load()
     rc = main(["inspect", str(BUNDLED), "--verify"])
-    assert rc == 0 and capsys.readouterr().out.count("ok ") == len(listed(BUNDLED)) + 1  # + "loads"
+    assert rc == 0 and capsys.readouterr().out.count("ok ") == len(listed(BUNDLED)) + 2  # + the manifest, "loads"
 
 
 def test_stamp_file_is_ignored_by_git():
@@ -238,17 +239,17 @@ def test_verify_and_load_refuse_a_manifest_that_leaves_out_a_file_or_mislabels_t
     original = manifest.read_text()
     m = json.loads(original)
     del m["files"]["model.onnx.data"]
-    manifest.write_text(json.dumps(m))
+    write_manifest(folder, m)  # its checksum recomputed: the check behind it
     with pytest.raises(edgeinfer.ModelFormatError, match="holds model.onnx.data, which its edgeinfer.json does not list"):
         edgeinfer.load(folder)
     assert verify_cli(capsys, folder)[0] == 1
     m = json.loads(original)
     m["architecture"]["num_layers"] -= 1
-    manifest.write_text(json.dumps(m))
+    write_manifest(folder, m)
     rc, lines = verify_cli(capsys, folder)
     assert rc == 1 and lines[-1].startswith("MISMATCH  edgeinfer.json:") and "does not take the inputs" in lines[-1]
     manifest.write_text(original)
-    assert verify_cli(capsys, folder) == (0, [f"ok        {n}" for n in listed(folder)] + [LOADS])
+    assert verify_cli(capsys, folder) == (0, [MANIFEST_OK] + [f"ok        {n}" for n in listed(folder)] + [LOADS])
 
 
 def test_a_manifest_that_is_not_a_file_is_a_clear_error(folder):

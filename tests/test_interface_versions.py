@@ -14,7 +14,7 @@ import onnx
 import pytest
 
 import edgeinfer
-from conftest import FIXTURES, TINY
+from conftest import FIXTURES, TINY, write_manifest
 from edgeinfer.converters import convert
 from edgeinfer.kv_cache import BatchedKV
 from edgeinfer.interface import INTERFACE_VERSION, ROPE_COS, ROPE_SIN, graph_interface
@@ -92,7 +92,7 @@ def test_a_manifest_relabelled_to_the_other_version_is_refused_at_load(v2, tmp_p
     other = graph_interface(m.arch, m.interface.kv_mode, m.interface.kv_dtype, 3 - graph_version)
     doc = json.loads((dst / MANIFEST_FILE).read_text())
     doc["interface"] = other.to_json()
-    (dst / MANIFEST_FILE).write_text(json.dumps(doc))
+    write_manifest(dst, doc)
     assert read_manifest(dst).interface.version == 3 - graph_version  # a consistent manifest on its own
     with pytest.raises(edgeinfer.ModelFormatError, match="does not take the inputs its edgeinfer.json names"):
         edgeinfer.load(dst)

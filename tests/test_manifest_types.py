@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from conftest import STORIES_SRC, TINY
+from conftest import STORIES_SRC, TINY, write_manifest
 from edgeinfer.kv_mode import GQA, MODES, STANDARD, kv_mode
 from edgeinfer.manifest import MANIFEST_FILE, read_manifest
 from edgeinfer.model import default_model_path
@@ -23,7 +23,7 @@ def copy_with(src, dst, edit):
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".edgeinfer-verified.json*"))
     m = json.loads((dst / MANIFEST_FILE).read_text())
     edit(m)
-    (dst / MANIFEST_FILE).write_text(json.dumps(m))
+    write_manifest(dst, m)
     return dst
 
 

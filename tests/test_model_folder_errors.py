@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import STORIES_FIX, STORIES_SRC
+from conftest import STORIES_FIX, STORIES_SRC, write_manifest
 from edgeinfer.cli import main
 
 EVAL_TXT = STORIES_FIX / "eval.txt"
@@ -61,7 +61,7 @@ def test_not_an_edgeinfer_folder(capsys):
 def test_newer_format_version(capsys, folder):
     m = json.loads((folder / "edgeinfer.json").read_text())
     m["format_version"] = 99
-    (folder / "edgeinfer.json").write_text(json.dumps(m))
+    write_manifest(folder, m)
     one_line_error(capsys, ["inspect", str(folder)], "format version 99", "upgrade edgeinfer")
 
 
@@ -73,7 +73,7 @@ def test_corrupted_manifest(capsys, folder):
 def test_manifest_missing_field(capsys, folder):
     m = json.loads((folder / "edgeinfer.json").read_text())
     del m["architecture"]["num_layers"]
-    (folder / "edgeinfer.json").write_text(json.dumps(m))
+    write_manifest(folder, m)
     one_line_error(capsys, ["inspect", str(folder)], "corrupted")
 
 
@@ -105,7 +105,7 @@ def _forget_hashes(folder):
     """An older folder whose manifest lists no files: load cannot verify, the loaders' own checks run."""
     m = json.loads((folder / "edgeinfer.json").read_text())
     del m["files"]
-    (folder / "edgeinfer.json").write_text(json.dumps(m))
+    write_manifest(folder, m)
 
 
 def test_truncated_external_data(capsys, folder):

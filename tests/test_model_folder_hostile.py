@@ -18,7 +18,7 @@ import threading
 import pytest
 
 import edgeinfer
-from conftest import STORIES_SRC
+from conftest import STORIES_SRC, write_manifest
 from edgeinfer.cli import main
 from edgeinfer.errors import ModelFormatError
 from edgeinfer.integrity import STAMP_FILE
@@ -34,7 +34,7 @@ def folder(tmp_path, converted):
 def _edit(folder, change):
     m = json.loads((folder / "edgeinfer.json").read_text())
     change(m)
-    (folder / "edgeinfer.json").write_text(json.dumps(m))
+    write_manifest(folder, m)
 
 
 def _load_within(folder, seconds=60):
@@ -113,7 +113,7 @@ def test_a_bad_manifest_field_is_one_error_naming_it(capsys, folder, change, nee
 
 
 def test_a_manifest_whose_layer_count_disagrees_with_its_graph_is_one_short_error(capsys, folder):
-    """num_layers edited to the most allowed (every hash still matches: the manifest is not hashed):
+    """num_layers edited to the most allowed (every hash still matches, the manifest's own recomputed):
     `inspect --verify` and load say the graph's inputs disagree in a line of a few names (hostile
     round: 3,000,000 layers printed a 190 MB line after 14 s at 1.4 GB; 10**12 ran out of memory)."""
     _edit(folder, lambda m: m["architecture"].update(num_layers=4096))
@@ -218,3 +218,33 @@ def test_eval_s_session_says_a_folder_replaced_while_it_opens(tmp_path, converte
     monkeypatch.setattr(session_module, "verify", swap_then)
     with pytest.raises(ModelFormatError, match="was replaced while it was being loaded"):
         session_module.DecoderSession(dst, threads=1)
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m["architecture"]["rope"].update(theta=90000.0),  # one flipped bit in "10000": perplexity 6.08 -> 7.13
+    lambda m: m["architecture"].update(max_position_embeddings=712),  # a longer ring accepted
+    lambda m: m["files"]["model.onnx"].update(sha256="0" * 64),
+    lambda m: m.pop("origin"),  # an optional section gone
+])
+def test_a_manifest_changed_after_conversion_is_refused_by_its_checksum(capsys, folder, change):
+    """Hostile round: the files' hashes covered the graph, weights and tokenizer but not the manifest,
+    so a flipped bit in a field changed what loaded, with `inspect --verify` saying "ok" to every file."""
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    change(m)
+    (folder / "edgeinfer.json").write_text(json.dumps(m))  # the checksum as converted
+    for cmd in (["inspect", "--verify", str(folder)], ["generate", "-m", str(folder), "Hi"]):
+        assert main(cmd) == 1
+        err = capsys.readouterr().err
+        assert "was changed after conversion" in err and "manifest_sha256" in err, err
+    assert isinstance(_load_within(folder).get("error"), ModelFormatError)
+
+
+def test_a_manifest_edited_by_hand_loads_once_its_checksum_is_deleted(capsys, folder):
+    """The escape the refusal names: without the field the manifest reads as an older converter's."""
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    assert m.pop("manifest_sha256")
+    m["default_capacity_tokens"] = 100
+    (folder / "edgeinfer.json").write_text(json.dumps(m))
+    assert edgeinfer.load(folder, threads=1).capacity_tokens == 100
+    assert main(["inspect", "--verify", str(folder)]) == 0
+    assert "no manifest_sha256" in capsys.readouterr().out

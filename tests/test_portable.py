@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from conftest import STORIES_FIX, STORIES_SRC, TINY
+from conftest import STORIES_FIX, STORIES_SRC, TINY, write_manifest
 from edgeinfer.converters import convert, default_scheme
 from edgeinfer.converters.mobile_check import mobile_usability
 from edgeinfer.errors import ConvertError, InvalidArgumentError
@@ -176,7 +176,7 @@ def test_manifest_records_the_flavour_and_both_graphs(portable, tmp_path):
     assert {"model.onnx", "prefill.onnx", "embeddings.npy", "model.onnx.data"} <= set(m.files)
     raw = json.loads((folder / "edgeinfer.json").read_text())
     raw["interface"]["inputs"]["attention_mask"]["shape"][3] += 1  # a graph of another ring
-    (folder / "edgeinfer.json").write_text(json.dumps(raw))
+    write_manifest(folder, raw)
     with pytest.raises(Exception, match="attention_mask"):
         read_manifest(folder)
 
@@ -250,7 +250,7 @@ def test_a_file_the_manifest_names_must_be_listed_for_its_check(portable, tmp_pa
     (folder / "embeddings.npy").unlink()
     del raw["files"]["embeddings.npy"]
     raw["portable"]["embeddings_file"] = "emb.dat"
-    (folder / "edgeinfer.json").write_text(json.dumps(raw))
+    write_manifest(folder, raw)
     with pytest.raises(edgeinfer.ModelFormatError, match="names emb.dat but does not list it"):
         edgeinfer.load(folder)
 
