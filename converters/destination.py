@@ -35,11 +35,19 @@ def _check_destination(src: Path, dst: Path, force: bool, log=lambda msg: None) 
     or an empty folder; never if it is, or contains, the source folder or the current folder
     (compared both as resolved paths, through symlinks, and as written).
     """
+    try:  # a name in another encoding (Latin-1's "mod\xe8le") converted, and then nothing could load it
+        os.fspath(dst).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConvertError(f"destination {os.fspath(dst)!r} is not valid UTF-8: ONNX Runtime opens only UTF-8 paths, "
+                           "so no edgeinfer could load it; choose another name") from None
     _restore_stranded(dst, log)
     if dst.exists() and not dst.is_dir():
         raise ConvertError(f"destination is a file, not a folder: {dst}")
     if dst.parent == dst:  # "/": no folder to build it beside, and never one to replace
         raise ConvertError(f"the destination cannot be the root folder {dst}")
+    dangling = next((p for p in Path(os.path.abspath(dst)).parents if p.is_symlink() and not p.exists()), None)
+    if dangling is not None:  # it was "File exists" (making the folders above through it)
+        raise ConvertError(f"cannot create {dst}: {dangling} is a link to nothing ({os.readlink(dangling)})")
     above = next(p for p in Path(os.path.abspath(dst)).parents if p.exists())
     if not above.is_dir():
         raise ConvertError(f"cannot create {dst}: {above} is a file, not a folder")

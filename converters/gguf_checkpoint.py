@@ -17,6 +17,7 @@ Llama files hold q and k rows in llama.cpp's rotary order; both methods undo it 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -90,7 +91,7 @@ class GGUFCheckpoint:
             except (ValueError, KeyError):
                 raise ConvertError(f"{self.path.name}: tensor {t.name!r} has type number {t.type_id}, which this "
                                    "converter cannot read") from None
-            elements = int(np.prod(t.dims, dtype=np.int64))
+            elements = math.prod(int(d) for d in t.dims)  # exact (an int64 product wrapped negative past 2**63)
             if elements % block or (t.dims and t.dims[0] % block):
                 raise ConvertError(f"{self.path.name}: tensor {t.name!r} of {list(t.dims)} does not divide into "
                                    f"{qtype} blocks of {block}")

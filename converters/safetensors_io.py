@@ -10,6 +10,7 @@ every offset against the file size up front, and reads one tensor at a time with
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -57,7 +58,9 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise ConvertError(f"{path.name}: corrupted safetensors header (header length {n}, file {size} bytes)")
         try:
-            header = json.loads(f.read(n))
+            header = json.loads(f.read(n), object_pairs_hook=_no_repeated_keys)
+        except _RepeatedKey as e:  # Python's JSON keeps the last: the first entry's bytes went unread, silently
+            raise ConvertError(f"{path.name}: corrupted safetensors header: {e.args[0]!r} is named twice") from None
         except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested past the recursion limit
             raise ConvertError(f"{path.name}: corrupted safetensors header ({e.__class__.__name__})") from None
     if not isinstance(header, dict):
@@ -76,7 +79,7 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
                                f"integers >= 0, got {list(shape)} and {[begin, end]})")
         if not isinstance(tag, str) or tag not in DTYPES:
             raise ConvertError(f"{path.name}: tensor {name!r} has unsupported dtype {tag}")
-        expected = int(np.prod(shape, dtype=np.int64)) * DTYPES[tag].itemsize
+        expected = math.prod(shape) * DTYPES[tag].itemsize  # exact (numpy's int64 overflowed at 2**63)
         if end - begin != expected or begin < 0:
             raise ConvertError(f"{path.name}: tensor {name!r} offsets do not match its shape {list(shape)}")
         if base + end > size:
@@ -88,7 +91,28 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
         if begin < end:  # the format's rule; two weights read from the same bytes make a wrong model
             raise ConvertError(f"{path.name}: corrupted safetensors header: tensors {a!r} and {b!r} overlap")
+    # the format's other rule: the data is indexed whole, no holes (a second copy of a weight hides in one)
+    ends = [base] + [end for _, end, _ in spans]
+    for (begin, _, name), end in zip(spans, ends):
+        if begin != end:
+            raise ConvertError(f"{path.name}: corrupted safetensors file: bytes {end}-{begin} before tensor {name!r} "
+                               "belong to no tensor (the format indexes every byte of its data)")
+    if ends[-1] != size:
+        raise ConvertError(f"{path.name}: corrupted safetensors file: its last {size - ends[-1]} bytes belong to no "
+                           "tensor (the format indexes every byte of its data)")
     return out
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _no_repeated_keys(pairs: list) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        raise _RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return d
 
 
 def _weight_map(index: Path) -> dict[str, str]:
@@ -107,13 +131,18 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 
 class Checkpoint:
-    """All tensors of a model folder's safetensors files, indexed by name; read one at a time."""
+    """All tensors of a model folder's safetensors files, indexed by name; read one at a time. The files
+    are those transformers' `from_pretrained` reads: model.safetensors where there is one (beside an
+    index too: the index's shards were read, a different model, silently), else the shards of
+    model.safetensors.index.json, else (neither) every *.safetensors file in the folder."""
 
     def __init__(self, folder: Path):
         folder = Path(folder)
         index = folder / "model.safetensors.index.json"
         weight_map = None
-        if index.exists():
+        if (folder / "model.safetensors").exists():
+            files = [folder / "model.safetensors"]
+        elif index.exists():
             weight_map = _weight_map(index)
             files = sorted({folder / f for f in weight_map.values()})
             missing = [f.name for f in files if not f.exists()]

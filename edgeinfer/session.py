@@ -128,6 +128,11 @@ class DecoderSession:
         self.provider = resolve_provider(provider, self.manifest.target)
         self.portable_on_cpu = self.manifest.portable is not None and self.provider == "cpu"  # the device's stand-in
         try:
+            str(self.folder).encode("utf-8")
+        except UnicodeEncodeError:  # ONNX Runtime's binding refused it as "incompatible constructor arguments"
+            raise ModelFormatError(f"cannot load {str(self.folder)!r}: ONNX Runtime opens only paths that are valid "
+                                   "UTF-8; rename the folder") from None
+        try:
             self.session = ort.InferenceSession(str(self.folder / MODEL_FILE),
                                                 session_options(threads, spin_duration_us, portable=self.portable_on_cpu),
                                                 providers=[PROVIDERS[self.provider]])

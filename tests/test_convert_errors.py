@@ -214,13 +214,30 @@ def test_sharded_index_with_missing_shard(capsys, src, tmp_path):
 
 
 def test_a_tensor_in_two_shards_is_refused(capsys, src, tmp_path):
-    """Two copies of one tensor (a stale shard left beside new ones): which is the model's? The later
-    file silently won before."""
+    """Two copies of one tensor (a stale shard left beside new ones, no model.safetensors and no index):
+    which is the model's? The later file silently won before."""
     import shutil as sh
 
-    sh.copyfile(src / "model.safetensors", src / "model-extra.safetensors")
+    (src / "model.safetensors").rename(src / "model-a.safetensors")
+    sh.copyfile(src / "model-a.safetensors", src / "model-extra.safetensors")
     rc, err = run_convert(capsys, src, tmp_path / "out")
-    assert_user_error(rc, err, "is in both model-extra.safetensors and model.safetensors")
+    assert_user_error(rc, err, "is in both model-a.safetensors and model-extra.safetensors")
+
+
+@pytest.mark.parametrize("beside", ["index", "stray"])
+def test_model_safetensors_is_read_as_transformers_reads_it(capsys, src, tmp_path, beside):
+    """transformers loads model.safetensors where there is one, whatever else the folder holds; with an
+    index beside it, the index's shards were converted instead (another model, silently: a hostile round)."""
+    import shutil as sh
+
+    sh.copyfile(src / "model.safetensors", src / "model-00001-of-00001.safetensors")
+    if beside == "index":
+        (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "model.layers.0.self_attn.q_proj.weight": "model-00001-of-00001.safetensors"}}))
+    rc, _ = run_convert(capsys, src, tmp_path / "out")
+    assert rc == 0
+    source = json.loads((tmp_path / "out" / "edgeinfer.json").read_text())["source"]
+    assert "model.safetensors" in source and "model-00001-of-00001.safetensors" not in source
 
 
 def _existing_dst(tmp_path: Path) -> Path:

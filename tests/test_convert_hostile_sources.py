@@ -5,6 +5,7 @@ nothing left behind."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -67,9 +68,11 @@ def test_malformed_folder_files_are_one_line_errors(capsys, src, tmp_path, case)
         e = header["model.embed_tokens.weight"]
         e["data_offsets"] = [str(x) for x in e["data_offsets"]]
         _write_header(st, header, data)
-    elif case == "index map is a list":
-        (src / "model.safetensors.index.json").write_text('{"weight_map": ["model.safetensors"]}')
+    elif case == "index map is a list":  # (an index is read where there is no model.safetensors)
+        st.rename(src / "model-1.safetensors")
+        (src / "model.safetensors.index.json").write_text('{"weight_map": ["model-1.safetensors"]}')
     elif case == "index value not a name":
+        st.rename(src / "model-1.safetensors")
         (src / "model.safetensors.index.json").write_text('{"weight_map": {"a": 5}}')
     else:
         h = deep.encode()
@@ -93,25 +96,72 @@ def test_overlapping_tensors_are_refused(capsys, src, tmp_path):
     assert_user_error(rc, err, "overlap")
 
 
+def test_a_tensor_named_twice_in_a_header_is_refused(capsys, src, tmp_path):
+    """Hostile round: a second entry for k_proj, pointing at bytes appended to the data, converted
+    silently (JSON keeps the last key; perplexity 5.68 -> 7.72), where two shards naming one tensor
+    are refused."""
+    import struct
+
+    st = src / "model.safetensors"
+    header, data = _header(st)
+    name = "model.layers.0.self_attn.k_proj.weight"
+    entry = dict(header[name], data_offsets=[len(data), 2 * len(data) - header[name]["data_offsets"][0]])
+    h = json.dumps(header)[:-1] + f", {json.dumps(name)}: {json.dumps(entry)}}}"
+    extra = b"\0" * (entry["data_offsets"][1] - entry["data_offsets"][0])
+    st.write_bytes(struct.pack("<Q", len(h)) + h.encode() + data + extra)
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, f"{name!r} is named twice")
+
+
+@pytest.mark.parametrize("where", ["trailing", "hole"])
+def test_bytes_no_tensor_indexes_are_refused(capsys, src, tmp_path, where):
+    """The format indexes every byte of its data (the safetensors library refuses holes and trailing
+    bytes): a second copy of a weight could hide there, read by whichever reader looks."""
+    st = src / "model.safetensors"
+    header, data = _header(st)
+    if where == "hole":  # the norm moved to the end, its old bytes left unnamed
+        norm = header["model.norm.weight"]
+        size = norm["data_offsets"][1] - norm["data_offsets"][0]
+        data += data[norm["data_offsets"][0]:norm["data_offsets"][1]]
+        norm["data_offsets"] = [len(data) - size, len(data)]
+    else:
+        data += b"\0" * 64
+    _write_header(st, header, data)
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "belong to no tensor")
+
+
+def test_a_dimension_past_64_bits_is_one_line_error(capsys, src, tmp_path):
+    """Hostile round: a shape of [2**64, 1] was an OverflowError traceback (numpy's int64 product)."""
+    st = src / "model.safetensors"
+    header, data = _header(st)
+    header["model.layers.0.self_attn.q_proj.weight"]["shape"] = [2 ** 64, 1]
+    _write_header(st, header, data)
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert_user_error(rc, err, "offsets do not match its shape")
+
+
 def test_an_index_that_reads_outside_the_folder_or_disagrees_with_its_shards_is_refused(capsys, src, tmp_path):
     """Hostile convert test: weight_map values such as ../x or /abs were followed, and a tensor the
     index placed in a shard that lacks it was taken from wherever it was."""
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     shutil.copy(src / "model.safetensors", outside / "model.safetensors")
-    header, _ = _header(src / "model.safetensors")
-    for shard, needle in ((str(outside / "model.safetensors"), "is not a file name in the model folder"),
-                          ("../elsewhere/model.safetensors", "is not a file name in the model folder")):
-        (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shard for n in header}}))
+    shard = "model-00001-of-00001.safetensors"  # (an index is read where there is no model.safetensors)
+    (src / "model.safetensors").rename(src / shard)
+    header, _ = _header(src / shard)
+    for path, needle in ((str(outside / "model.safetensors"), "is not a file name in the model folder"),
+                         ("../elsewhere/model.safetensors", "is not a file name in the model folder")):
+        (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: path for n in header}}))
         rc, err = run_convert(capsys, src, tmp_path / "out")
         assert_user_error(rc, err, needle)
     # the index names shards, as transformers reads it: a stale entry for a tensor no shard has (the review
     # found such on the Hub) converts; only a tensor the model needs and the listed shard lacks is refused
-    listed = {n: "model.safetensors" for n in header if n != "__metadata__"} | {"mtp.fc.weight": "model.safetensors"}
+    listed = {n: shard for n in header if n != "__metadata__"} | {"mtp.fc.weight": shard}
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": listed}))
     rc, err = run_convert(capsys, src, tmp_path / "out")
     assert rc == 0, err
-    listed["lm_head.weight"] = "model.safetensors"
+    listed["lm_head.weight"] = shard
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": listed}))
     edit_config(src, tie_word_embeddings=False)
     rc, err = run_convert(capsys, src, tmp_path / "out2")
@@ -210,3 +260,19 @@ def test_an_unsupported_model_type_is_named_not_the_supported_architecture(capsy
     edit_config(src, model_type="gpt2")
     rc, err = run_convert(capsys, src, tmp_path / "out")
     assert_user_error(rc, err, "unsupported architecture 'gpt2'")
+
+
+def test_a_destination_whose_name_is_not_utf8_is_refused(capsys, src, tmp_path):
+    """Hostile round: Latin-1's "modèle" converted (rc 0) into a folder no load could open (ONNX
+    Runtime's binding takes only UTF-8 paths: "incompatible constructor arguments")."""
+    dst = tmp_path / os.fsdecode(b"mod\xe8le")
+    rc, err = run_convert(capsys, src, dst)
+    assert_user_error(rc, err, "not valid UTF-8")
+    assert not dst.exists()
+    assert_no_partial(tmp_path)
+
+
+def test_a_destination_below_a_link_to_nothing_names_the_link(capsys, src, tmp_path):
+    (tmp_path / "gone").symlink_to(tmp_path / "missing")
+    rc, err = run_convert(capsys, src, tmp_path / "gone" / "out")
+    assert_user_error(rc, err, "is a link to nothing")

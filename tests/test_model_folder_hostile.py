@@ -248,3 +248,14 @@ def test_a_manifest_edited_by_hand_loads_once_its_checksum_is_deleted(capsys, fo
     assert edgeinfer.load(folder, threads=1).capacity_tokens == 100
     assert main(["inspect", "--verify", str(folder)]) == 0
     assert "no manifest_sha256" in capsys.readouterr().out
+
+
+def test_a_folder_whose_path_is_not_utf8_is_one_clear_error(capsys, folder):
+    """Such a folder (made by hand, or by an older convert) failed with ONNX Runtime's "incompatible
+    constructor arguments" at load and "MISMATCH edgeinfer.json" from `inspect --verify`."""
+    moved = folder.with_name(os.fsdecode(b"mod\xe8le"))
+    folder.rename(moved)
+    out = _load_within(moved)
+    assert isinstance(out.get("error"), ModelFormatError) and "valid UTF-8" in str(out["error"])
+    assert main(["generate", "-m", str(moved), "Hi"]) == 1
+    assert "valid UTF-8" in capsys.readouterr().err
