@@ -47,9 +47,11 @@ class Tokenizer:
             path = folder / "tokenizer.model"
             if not path.exists():
                 raise ModelFormatError(f"{folder} lacks tokenizer.model")
+            proto = read_bytes(path, MAX_TEXT_BYTES, ModelFormatError)
+            if not proto:  # SentencePiece takes it and is "not initialized": a RuntimeError at the first encode
+                raise ModelFormatError("tokenizer.model is corrupted (empty)")
             try:  # from bytes: a path that is not UTF-8 is a TypeError in its file loader
-                self._sp = spm.SentencePieceProcessor(model_proto=read_bytes(path, MAX_TEXT_BYTES,
-                                                                             ModelFormatError))
+                self._sp = spm.SentencePieceProcessor(model_proto=proto)
             except (RuntimeError, OSError) as e:
                 raise ModelFormatError(f"tokenizer.model is corrupted ({e})") from None
             self._n_vocab = self._sp.get_piece_size()

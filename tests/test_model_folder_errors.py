@@ -115,9 +115,12 @@ def test_truncated_external_data(capsys, folder):
     one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "cannot load")
 
 
-def test_corrupted_tokenizer(capsys, folder):
+@pytest.mark.parametrize("content", [b"not a sentencepiece model", b""])
+def test_corrupted_tokenizer(capsys, folder, content):
+    """An empty one (a hostile round) was taken by SentencePiece as "not initialized": a RuntimeError
+    traceback at the first encode, in convert as in load."""
     _forget_hashes(folder)
-    (folder / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    (folder / "tokenizer.model").write_bytes(content)
     one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "tokenizer.model is corrupted")
 
 
