@@ -15,7 +15,7 @@ import pytest
 import edgeinfer
 from conftest import STORIES_SRC, TINY, write_manifest
 from edgeinfer.kv_mode import GQA, MODES, STANDARD, kv_mode
-from edgeinfer.manifest import MANIFEST_FILE, read_manifest
+from edgeinfer.manifest import CHECKSUM_KEY, MANIFEST_FILE, manifest_checksum, read_manifest
 from edgeinfer.model import default_model_path
 
 
@@ -30,7 +30,9 @@ def copy_with(src, dst, edit):
 def test_manifest_round_trips():
     folder = default_model_path()
     m = read_manifest(folder)
-    assert m.to_json() == json.loads((folder / MANIFEST_FILE).read_text())
+    on_disk = json.loads((folder / MANIFEST_FILE).read_text())
+    assert m.to_json() == {k: v for k, v in on_disk.items() if k != CHECKSUM_KEY}  # write adds the checksum
+    assert m.checksum == on_disk[CHECKSUM_KEY] == manifest_checksum(on_disk)
     assert m.interface.kv_mode is GQA and m.quantization.weights == "int8"  # heads widened 8 -> 16
     assert (m.arch.head_dim, m.arch.source_head_dim) == (16, 8)
     assert m.tokenizer.kind == "sentencepiece" and m.tokenizer.add_bos and m.tokenizer.eos_token_ids == (2,)
