@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeinfer.batching import SoloStepper
-from edgeinfer.context_lock import ContextLock, interrupts_held
+from edgeinfer.context_lock import ContextBusyError, ContextLock, interrupts_held
 from edgeinfer.detokenize import Detokenizer, StopFilter
 from edgeinfer.drafting import ModelDrafter
 from edgeinfer.engine import Engine
@@ -105,13 +105,26 @@ class Generation:
         self._request = Request(engine, tok, cache, options, overflow, **kwargs)
         self._steps = self._request.steps()
         self._error: Exception | None = None  # what ended it (a copy: no traceback), raised again by later next()s
+        self._iterating = threading.Lock()  # held by the one next() running
 
     def __iter__(self) -> "Generation":
         return self
 
     def __next__(self) -> Chunk:
-        """The next chunk. A request that failed (refused as busy, a bad option, a broken model) raises
-        the same error again on each later call, rather than ending as if it had finished."""
+        """The next chunk. A request that failed (refused as busy, a bad option, a broken model), or that
+        an interrupt (Ctrl-C) ended inside its step, raises the same error again on each later call,
+        rather than ending as if it had finished. One call at a time: a next() while another runs (in
+        another thread) is refused with ContextBusyError and leaves the stream as it was (Python's
+        "generator already executing" became the stream's own error, and its context stayed held)."""
+        if not self._iterating.acquire(blocking=False):
+            raise ContextBusyError("this stream is being read by another next() (another thread): read a stream "
+                                   "from one thread at a time")
+        try:
+            return self._next()
+        finally:
+            self._iterating.release()
+
+    def _next(self) -> Chunk:
         if self._error is not None:
             raise copy.copy(self._error)
         try:
@@ -123,6 +136,11 @@ class Generation:
                 self._error = copy.copy(e)
             except Exception:  # a class that cannot be rebuilt from its args: a plain one with its message
                 self._error = EdgeInferError(f"{type(e).__name__}: {e}")
+            raise
+        except BaseException as e:  # a Ctrl-C inside the step ended the request (its steps closed): say so later
+            if self._steps.gi_frame is None and self.completion is None:  # (one in the caller's own code does not)
+                self._error = GenerationCancelled(f"this stream was interrupted ({type(e).__name__}) and ended "
+                                                  "unfinished; start another")
             raise
 
     def run_to_end(self) -> Completion | None:

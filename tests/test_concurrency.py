@@ -293,3 +293,55 @@ def _try(fn):
         return fn()
     except Exception as e:  # noqa: BLE001
         return e
+
+
+def _stalled_step(model, monkeypatch, action):
+    """model.engine.decode_one runs `action()` before its first step (then as usual)."""
+    real, done = model.engine.decode_one, []
+
+    def step(*args, **kwargs):
+        if not done:
+            done.append(True)
+            action()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model.engine, "decode_one", step)
+
+
+def test_a_second_next_while_a_stream_steps_is_refused_and_the_stream_goes_on(model, alone, monkeypatch):
+    """Hostile round: a next() from a second thread got Python's "generator already executing", which
+    became the stream's own error: the thread reading it lost its completion, and the stream, failed
+    but not closed, kept the model's context (every later generate waited for ever)."""
+    inside, tried = threading.Event(), threading.Event()
+    _stalled_step(model, monkeypatch, lambda: (inside.set(), tried.wait(30)))
+    s = model.stream(PROMPTS[0], **GREEDY)
+    read = []
+    t = threading.Thread(target=lambda: read.extend(s), daemon=True)
+    t.start()
+    assert inside.wait(30)
+    with pytest.raises(ContextBusyError, match="another next"):
+        next(s)
+    tried.set()
+    t.join(60)
+    assert not t.is_alive() and s.completion is not None
+    assert s.completion.token_ids == alone[PROMPTS[0]] and "".join(c.text for c in read) == s.completion.text
+    got = {}
+    assert _threads(lambda i: got.setdefault(i, model.generate(PROMPTS[1], **GREEDY).token_ids), 1) == []
+    assert got[0] == alone[PROMPTS[1]]
+
+
+def test_a_stream_an_interrupt_ended_says_so_when_read_again(model, alone, monkeypatch):
+    """Hostile round: a Ctrl-C that landed inside a step ended the request; a caller that caught it and
+    read on saw the stream end as if finished (no chunk, no error, completion None)."""
+    def interrupt():
+        raise KeyboardInterrupt
+
+    _stalled_step(model, monkeypatch, interrupt)
+    s = model.stream(PROMPTS[2], **GREEDY)
+    with pytest.raises(KeyboardInterrupt):
+        list(s)
+    for _ in range(2):
+        with pytest.raises(edgeinfer.EdgeInferError, match="interrupted"):
+            next(s)
+    assert s.completion is None
+    assert model.generate(PROMPTS[3], **GREEDY).token_ids == alone[PROMPTS[3]]
