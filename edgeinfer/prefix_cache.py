@@ -27,6 +27,7 @@ import lzma
 import os
 import secrets
 import time
+import tokenize
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -207,8 +208,9 @@ class PrefixSnapshot:
         except InvalidArgumentError:
             raise
         except (OSError, ValueError, KeyError, TypeError, IndexError, EOFError, zipfile.BadZipFile, RuntimeError,
-                NotImplementedError, OverflowError, MemoryError, zlib.error, lzma.LZMAError) as e:  # zipfile's own
-            # for a flipped flag or method, a broken deflate or LZMA stream
+                NotImplementedError, OverflowError, MemoryError, zlib.error, lzma.LZMAError, SyntaxError,
+                tokenize.TokenError) as e:  # zipfile's own for a flipped flag or method, a broken deflate or LZMA
+            # stream; numpy's .npy header parser (Python's tokenizer, then literal_eval) for a flipped byte there
             raise InvalidArgumentError(f"{path} is not a prefix snapshot edgeinfer can read "
                                        f"({type(e).__name__}: {str(e)[:200]})") from None
 

@@ -264,3 +264,16 @@ def test_a_writer_killed_mid_save_leaves_a_file_the_next_save_removes(model, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other.name, young.name, "sys.npz"])
     assert synced == [stat.S_IFREG, stat.S_IFDIR]  # the file, then the folder that holds the rename
     assert prefix_cache.PrefixSnapshot.load(dest).token_ids == tuple(PROMPT)
+
+
+@pytest.mark.parametrize("before,after", [(b"'shape': (", b"'shape': )"), (b"'descr': '<f4'", b"'descr': ',f4'")])
+def test_a_damaged_array_header_is_an_edgeinfer_error(model, tmp_path, before, after):
+    """Hostile round: one flipped byte in a member's .npy header reached numpy's header parser, whose
+    tokenize.TokenError and SyntaxError came out of restore as themselves (614 of 3,000 random edits)."""
+    p = tmp_path / "s.npz"
+    model.snapshot(PROMPT, path=p)
+    raw = p.read_bytes()
+    assert before in raw  # the members are stored, not compressed: the header is there as written
+    p.write_bytes(raw.replace(before, after, 1))
+    with pytest.raises(edgeinfer.InvalidArgumentError, match="not a prefix snapshot edgeinfer can read"):
+        model.restore(p)
