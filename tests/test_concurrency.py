@@ -256,8 +256,8 @@ def test_a_child_forked_by_the_thread_whose_stream_is_open_keeps_it(model, alone
 
 
 def test_a_thread_refused_by_a_running_stream_does_not_take_its_context(model, alone):
-    """Thread B's next() on a stream that thread A is running fails ("generator already executing"),
-    but it handed the context to B before failing: A's own generate, with its stream still open,
+    """Thread B's next() on a stream that thread A is running is refused (it was Python's "generator
+    already executing"), and it once handed the context to B before failing: A's own generate, with its stream still open,
     then waited for ever on itself instead of being refused."""
     s = model.stream(PROMPTS[0], **GREEDY)
     next(s)
@@ -285,7 +285,7 @@ def test_a_thread_refused_by_a_running_stream_does_not_take_its_context(model, a
         del model.engine.forward
         if not t.is_alive():
             s.close()
-    assert "already executing" in seen[0] and seen[1] == "ContextBusyError"
+    assert "being read by another next()" in seen[0] and seen[1] == "ContextBusyError"
 
 
 def _try(fn):
