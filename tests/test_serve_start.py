@@ -149,6 +149,14 @@ def test_a_grace_period_that_is_not_a_number_of_seconds_is_refused(capsys, value
     _one_error_line(capsys.readouterr().err, "grace-s must be a number of seconds in [0, 86400)")
 
 
+@pytest.mark.parametrize("value", [str(2 ** 20 + 1), "1000000000000000000000"])
+def test_a_max_tokens_limit_past_its_ceiling_is_refused(capsys, value):
+    """Hostile round: 10**21 was taken, and as every request's default let one without max_tokens
+    generate for ever (106,128 tokens in 30 s, holding its slot)."""
+    assert main(["serve", "--max-tokens-limit", value]) == 1
+    _one_error_line(capsys.readouterr().err, f"max-tokens-limit must be at most {2 ** 20}")
+
+
 def test_a_config_file_that_is_not_utf8_is_one_error_line(tmp_path, capsys):
     f = tmp_path / "serve.toml"
     f.write_bytes(b"port = 8080 # caf\xe9\n")

@@ -3,6 +3,7 @@ checked against the in-process API (same model, same options, same tokens)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -520,35 +521,47 @@ def test_config_file_paths_are_relative_to_the_file(tmp_path, monkeypatch):
         load_config(str(conf), {"slots": 1, "power": "off"})
 
 
-def test_chunks_that_pile_up_go_out_as_one_event(srv):
-    """A client that falls behind: the chunks already waiting are sent as one SSE event (fewer
-    events, the same text in order). Driven directly, with the job's events queued in advance."""
-    import asyncio
-
+async def _stream_of_ready_chunks(srv, texts: list[str]) -> list[str]:
+    """The SSE events of a stream whose job's chunks (one per text) all wait before the first is sent."""
     from edgeinfer.generation import Chunk
-    from edgeinfer.server import protocol
+    from edgeinfer.server import protocol, scheduler
     from edgeinfer.server.answer import Reply as _Reply
 
-    class Job:
-        def __init__(self):
-            self.events = asyncio.Queue()
+    class Job(scheduler.Job):
+        def __init__(self):  # the real job's events, without a scheduler or a worker
+            self.events, self.taken, self.taken_at = asyncio.Queue(), 0, 0.0
 
         def cancel(self):
             pass
 
-    async def run():
-        job = Job()
-        texts = ["Once", " upon", " a", " time"]
-        for i, t in enumerate(texts[1:]):
-            job.events.put_nowait(("chunk", Chunk(t, 10 + i)))
-        completion = srv.server.model.generate("Hi", max_new_tokens=4)
-        job.events.put_nowait(("done", completion, 0))
-        req = protocol.parse_completion({"model": "stories260K-int8", "prompt": "x", "stream": True},
-                                        model_id="stories260K-int8", max_tokens_limit=64)
-        reply = _Reply(srv.server, req, False, [1, 2], job, time.perf_counter(), "completions")
-        return [e async for e in reply.stream(("chunk", Chunk(texts[0], 9)))]
+    job = Job()
+    for i, t in enumerate(texts[1:]):
+        job.events.put_nowait(("chunk", Chunk(t, 10 + i % 100)))
+    completion = srv.server.model.generate("Hi", max_new_tokens=4)
+    job.events.put_nowait(("done", completion, 0))
+    req = protocol.parse_completion({"model": "stories260K-int8", "prompt": "x", "stream": True},
+                                    model_id="stories260K-int8", max_tokens_limit=64)
+    reply = _Reply(srv.server, req, False, [1, 2], job, time.perf_counter(), "completions")
+    return [e async for e in reply.stream(("chunk", Chunk(texts[0], 9)))]
 
-    events = asyncio.run(run())
+
+def test_a_long_backlog_goes_out_in_bounded_events(srv):
+    """A client that catches up on thousands of tokens gets them in events of at most
+    MAX_CHUNKS_PER_EVENT (a hostile round: 50,000 merged into one event held the event loop 5.7 s)."""
+    from edgeinfer.server.answer import MAX_CHUNKS_PER_EVENT
+
+    texts = [f" w{i}" for i in range(2 * MAX_CHUNKS_PER_EVENT + 10)]
+    events = asyncio.run(_stream_of_ready_chunks(srv, texts))
+    bodies = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    sent = [b["choices"][0]["text"] for b in bodies if b["choices"][0]["text"]]
+    assert len(sent) == 3 and "".join(sent) == "".join(texts)
+    assert all(t.count(" w") <= MAX_CHUNKS_PER_EVENT for t in sent)
+
+
+def test_chunks_that_pile_up_go_out_as_one_event(srv):
+    """A client that falls behind: the chunks already waiting are sent as one SSE event (fewer
+    events, the same text in order). Driven directly, with the job's events queued in advance."""
+    events = asyncio.run(_stream_of_ready_chunks(srv, ["Once", " upon", " a", " time"]))
     bodies = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
     assert bodies[0]["choices"][0]["text"] == "Once upon a time"  # four ready chunks, one event
     assert [b["choices"][0]["finish_reason"] for b in bodies[1:]] == ["length"]

@@ -1032,3 +1032,65 @@ def test_web_pages_cannot_use_a_keyless_loopback_server(model_for_cap):
         assert ok.status_code == 200
     finally:
         keyed.stop()
+
+
+@pytest.mark.parametrize("rule", ["time", "count"])
+def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(one_slot, monkeypatch, rule):
+    """Hostile round: a client that stopped reading had every token wait in the server (7 MB/s with
+    top logprobs, 81 -> 455 MB for four such clients), its slot held for as long as it kept the
+    connection, and its close merged the backlog into one event on the event loop (/health 5.7 s).
+    Now it is cancelled as a client that left, once its tokens wait STALLED_S or MAX_UNREAD_CHUNKS
+    of them pile up (here made small)."""
+    from edgeinfer.server import scheduler
+
+    if rule == "time":
+        monkeypatch.setattr(scheduler, "STALLED_S", 1.0)
+    else:
+        monkeypatch.setattr(scheduler, "MAX_UNREAD_CHUNKS", 300)
+    body = json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 20_000, "stream": True, "ignore_eos": True,
+                       "logprobs": 5}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.connect(("127.0.0.1", one_slot.port))
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert _wait(lambda: _health(one_slot)["slots_busy"] == 1, 10)
+        assert _wait(lambda: _health(one_slot)["slots_busy"] == 0, 60)  # freed while the client still holds on
+        s.settimeout(30)
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):  # the end of the chunked body
+            more = s.recv(1 << 16)
+            assert more, "the server closed without ending the stream"
+            data += more
+    finally:
+        s.close()
+    assert b"the client stopped reading" in data and data.count(b'"text"') < 20_000
+    ok = httpx.post(one_slot.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_sighup_drains_as_sigterm_does():
+    """Hostile round: closing the terminal (or the ssh session) of a server started by hand sends
+    SIGHUP, which killed it at once: rc -1, no log line, its stream cut with no error and no [DONE]."""
+    proc, port, url = _start_process("--grace-s", "0.5")
+    s = socket.create_connection(("127.0.0.1", port))
+    try:
+        s.sendall(_raw({"model": MODEL, "prompt": "Once", "max_tokens": 20_000, "ignore_eos": True, "stream": True}))
+        s.recv(4096)
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=20) == 0
+        s.settimeout(5)
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):
+            more = s.recv(65536)
+            assert more, data[-300:]
+            data += more
+        assert b"shutting_down" in data and b"data: [DONE]" in data
+        assert "draining" in proc.stderr.read()
+    finally:
+        s.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stderr.close()

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("edgeinfer.server")
 DROPPED_HEADER = "X-Edgeinfer-Dropped-Tokens"
+MAX_CHUNKS_PER_EVENT = 256  # a stream that fell behind catches up in events of at most this many tokens
 
 
 class JSON(JSONResponse):
@@ -124,7 +125,7 @@ class Reply:
             if self.ttft_s is None:
                 self.ttft_s = time.perf_counter() - self.t0
             chunks.append(event[1])
-            event = await self.job.events.get()
+            event = await self.job.next_event()
         if event[0] == "error":
             return self.failed(event[1], sum(c.token_id is not None for c in chunks))
         _, completion, cached = event
@@ -174,9 +175,9 @@ class Reply:
                 if self.ttft_s is None:
                     self.ttft_s = time.perf_counter() - self.t0
                 chunks, event = [event[1]], None
-                while not self.job.events.empty():  # the client fell behind: send what is ready as one event
-                    event = self.job.events.get_nowait()
-                    if event[0] != "chunk":
+                while len(chunks) < MAX_CHUNKS_PER_EVENT:  # the client fell behind: what is ready as one event,
+                    event = self.job.ready_event()  # in bounded pieces (a backlog of 50,000 merged at once held
+                    if event is None or event[0] != "chunk":  # the event loop for 5.7 s)
                         break
                     chunks.append(event[1])
                     event = None
@@ -184,8 +185,10 @@ class Reply:
                 text, entries = "".join(c.text for c in chunks), self._released(chunks)  # leaves there still
                 if text or entries:  # counts them
                     yield self._event(self._chunk_body(text, entries))
+                if event is None and not self.job.events.empty():
+                    await asyncio.sleep(0)  # a turn for the others (a send to a closed client does not wait)
                 if event is None:
-                    event = await self.job.events.get()
+                    event = await self.job.next_event()
             if event[0] == "error":
                 if isinstance(event[1], Cancelled):  # the grace period ended (or the client left: nobody reads)
                     err = APIError(503, str(event[1]), type="server_error", code="shutting_down")

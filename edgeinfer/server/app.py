@@ -320,7 +320,7 @@ class Server:
         reply = Reply(self, req, chat, prompt, job, t0, endpoint, reply_id)
         watch = asyncio.ensure_future(cancel_on_disconnect(request, job))
         try:
-            first = await job.events.get()
+            first = await job.next_event()
             if first[0] == "error":
                 return reply.failed(first[1])
             if req.stream:  # from here Starlette's StreamingResponse watches the client

@@ -33,6 +33,7 @@ API_KEY_ENV = "EDGEINFER_API_KEY"
 PROMPT_RINGS = 8  # max-prompt-tokens' default, in slot rings: a longer prompt would only shift through the
 # ring for minutes, holding its slot (a 1 MiB body of one-letter messages: 195,025 tokens, 10 minutes)
 MAX_GRACE_S = 86400  # a day: the systemd unit's stop timeout is built from it
+MAX_TOKENS_LIMIT = 1 << 20  # max-tokens-limit's ceiling: a day of tokens at 12 a second
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ class ServeConfig:
 
         for name in ("slots", "max_tokens_limit", "max_body_bytes"):
             positive(name)
+        if self.max_tokens_limit > MAX_TOKENS_LIMIT:  # it is also each request's default: 10**21 let a request
+            raise InvalidArgumentError(f"max-tokens-limit must be at most {MAX_TOKENS_LIMIT}, got "  # run for ever
+                                       f"{self.max_tokens_limit}")
         positive("queue", 0)
         if self.max_prompt_tokens is not None:
             positive("max_prompt_tokens")

@@ -1,16 +1,19 @@
 """Starting and stopping the daemon: load the model, build the app, run uvicorn, drain on SIGTERM.
 
-SIGTERM (or a first Ctrl-C): new requests get 503, those in flight may finish for up to `grace_s`,
-then uvicorn closes and the process exits 0. A second signal stops at once.
+SIGTERM (or a first Ctrl-C, or SIGHUP: the terminal closed): new requests get 503, those in flight
+may finish for up to `grace_s`, then uvicorn closes and the process exits 0. A second signal stops
+at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import faulthandler
 import json
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -100,6 +103,22 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         asyncio.get_running_loop().set_exception_handler(_quiet_accept_errors())
         await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's (SIGINT, SIGTERM), and SIGHUP as they are: a server started by hand whose terminal
+        or ssh session closed was killed at once, its streams cut with no error and no [DONE]."""
+        hup = getattr(signal, "SIGHUP", None)
+        if hup is None or threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
+                yield
+            return
+        before = signal.signal(hup, self.handle_exit)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(hup, before)
 
     def handle_exit(self, sig, frame) -> None:  # not recorded, so uvicorn does not re-raise it: exit 0
         if self._draining:  # a second signal: stop every request now (503s go out), then close

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,12 @@ class QueueFull(Exception):
 
 class Closed(Exception):
     """The server is shutting down: `close` was called, and no request is admitted any more."""
+
+
+STALLED_S = 30.0  # a reply that takes none of its waiting chunks for this long is cancelled (its client stopped
+MAX_UNREAD_CHUNKS = 4096  # reading), and so is one with more tokens than this waiting (about 12 MB with 20 top logprobs)
+STALLED_REASON = (f"the client stopped reading: this reply's tokens waited {STALLED_S:.0f} s, or more than "
+                  f"{MAX_UNREAD_CHUNKS} of them at once")
 
 
 class Cancelled(Exception):
@@ -250,6 +257,9 @@ class Job:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.sent = self.taken = 0  # chunks emitted (the worker's count) and taken by the reply (the loop's)
+        self.taken_at = time.monotonic()  # when the reply last took one
+        self.stalled = False  # cancelled because nobody took its chunks for STALLED_S
         with scheduler._cond:
             scheduler.jobs.add(self)
 
@@ -258,6 +268,18 @@ class Job:
 
     def _emit(self, *event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    async def next_event(self) -> tuple:
+        """The next event, for the reply (on the event loop); `ready_event` the same without waiting (None)."""
+        return self._took(await self.events.get())
+
+    def ready_event(self) -> tuple | None:
+        return None if self.events.empty() else self._took(self.events.get_nowait())
+
+    def _took(self, event: tuple) -> tuple:
+        self.taken += event[0] == "chunk"
+        self.taken_at = time.monotonic()
+        return event
 
     def run(self) -> None:
         end = None  # the last event, sent once the slot is free again: a client that sends its next
@@ -270,7 +292,8 @@ class Job:
             try:
                 end = ("done", self._generate(slot, cached), cached)
             except BaseException as e:  # noqa: BLE001 - reported to the request, the server goes on
-                end = ("error", Cancelled(self.scheduler.cancel_reason) if isinstance(e, GenerationCancelled) else e)
+                why = STALLED_REASON if self.stalled else self.scheduler.cancel_reason
+                end = ("error", Cancelled(why) if isinstance(e, GenerationCancelled) else e)
             finally:
                 self.scheduler.give_back(slot)
         finally:
@@ -288,6 +311,11 @@ class Job:
                          cancelled=self.cancelled, power=model.power)
         for chunk in gen:
             self._emit("chunk", chunk)
+            self.sent += 1
+            waiting = self.sent - self.taken
+            if waiting > MAX_UNREAD_CHUNKS or (waiting > 1 and time.monotonic() - self.taken_at > STALLED_S):
+                self.stalled = True  # a client that stopped reading: its chunks piled up here without bound
+                self.cancel()  # (a hostile round: 7 MB/s), and it held its slot; as if it had gone away
         return gen.completion
 
     def _remember(self, slot: Slot, cached: int) -> Callable[[Request], None]:
