@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -419,11 +420,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_process(*extra: str):
+def _start_process(*extra: str, preexec_fn=None):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "serve", "--port", str(port), "--slots", "1",
                              "--queue", "2", "--max-tokens-limit", "20000", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
@@ -1043,10 +1044,13 @@ def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(one_slot, monkeyp
     of them pile up (here made small)."""
     from edgeinfer.server import scheduler
 
-    if rule == "time":
+    if rule == "time":  # (each rule alone)
         monkeypatch.setattr(scheduler, "STALLED_S", 1.0)
+        monkeypatch.setattr(scheduler, "MAX_UNREAD_CHUNKS", 10 ** 9)
     else:
+        monkeypatch.setattr(scheduler, "STALLED_S", 10 ** 9)
         monkeypatch.setattr(scheduler, "MAX_UNREAD_CHUNKS", 300)
+        monkeypatch.setattr(scheduler, "STALLED_COUNT_S", 0.5)
     body = json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 20_000, "stream": True, "ignore_eos": True,
                        "logprobs": 5}).encode()
     s = socket.socket()
@@ -1065,7 +1069,7 @@ def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(one_slot, monkeyp
             data += more
     finally:
         s.close()
-    assert b"the client stopped reading" in data and data.count(b'"text"') < 20_000
+    assert b"the client stopped reading" in data and b"client_stalled" in data and data.count(b'"text"') < 20_000
     ok = httpx.post(one_slot.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200
 
@@ -1093,4 +1097,44 @@ def test_sighup_drains_as_sigterm_does():
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+        proc.stderr.close()
+
+
+def test_a_stream_that_waited_in_the_queue_or_speculated_is_not_taken_for_a_stalled_one(monkeypatch, model):
+    """The review of the rule above: its clock started when the job was made, so a request queued
+    longer than STALLED_S was cancelled as soon as two chunks waited at once, which speculation's
+    several chunks a step made almost certain (2-3 of 4 such requests, streamed or whole)."""
+    from edgeinfer.server import scheduler
+
+    monkeypatch.setattr(scheduler, "STALLED_S", 1.0)
+    r = Running(ServeConfig(slots=1, queue=3, max_tokens_limit=6000, speculative="ngram"), model=model)
+    try:
+        client = r.client()
+        blocker = threading.Thread(target=lambda: client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=6000, extra_body={"ignore_eos": True}), daemon=True)
+        blocker.start()
+        assert _wait(lambda: _health(r)["slots_busy"] == 1, 10)
+        t0 = time.monotonic()
+        stream = client.completions.create(model=MODEL, prompt="Once upon a time, Lily", max_tokens=300, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        whole = client.completions.create(model=MODEL, prompt="Tom had a red ball", max_tokens=300,
+                                          extra_body={"ignore_eos": True})
+        blocker.join(60)
+    finally:
+        r.stop()
+    assert time.monotonic() - t0 > 1.0  # the stream did wait past STALLED_S for the blocker
+    assert chunks[-1].choices[0].finish_reason == "length" and whole.choices[0].finish_reason == "length"
+
+
+def test_sighup_ignored_at_start_stays_ignored():
+    """Under `nohup` SIGHUP is ignored: the server must not take it over and stop at logout."""
+    proc, port, url = _start_process(preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert proc.poll() is None and httpx.get(url + "/health").status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
         proc.stderr.close()

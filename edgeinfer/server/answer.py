@@ -190,9 +190,11 @@ class Reply:
                 if event is None:
                     event = await self.job.next_event()
             if event[0] == "error":
-                if isinstance(event[1], Cancelled):  # the grace period ended (or the client left: nobody reads)
-                    err = APIError(503, str(event[1]), type="server_error", code="shutting_down")
-                    status = 503 if self.server.draining else 499
+                if isinstance(event[1], Cancelled):  # the grace period ended, the client left (nobody reads) or
+                    stalled = self.job.stalled  # stopped reading (`Job._stalled`: it may read this later)
+                    err = APIError(503, str(event[1]), type="server_error",
+                                   code="client_stalled" if stalled else "shutting_down")
+                    status = 503 if self.server.draining and not stalled else 499
                 else:
                     status = 400 if isinstance(event[1], EdgeInferError) and \
                         not isinstance(event[1], ModelFormatError) else 500

@@ -312,7 +312,8 @@ class Server:
             options = req.options
             if self.config.speculative != "off":
                 options = dataclasses.replace(options, speculative=self.config.speculative)
-            job = Job(self.scheduler, ticket, prompt, options, logprobs, asyncio.get_running_loop())
+            job = Job(self.scheduler, ticket, prompt, options, logprobs, asyncio.get_running_loop(),
+                      streamed=req.stream)
             self.pool.submit(job.run)
         except BaseException:  # never queued (the pool shut down, a failure): its place is given up
             self.scheduler.withdraw(ticket)

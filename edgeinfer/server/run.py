@@ -107,9 +107,11 @@ class DrainingServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         """uvicorn's (SIGINT, SIGTERM), and SIGHUP as they are: a server started by hand whose terminal
-        or ssh session closed was killed at once, its streams cut with no error and no [DONE]."""
+        or ssh session closed was killed at once, its streams cut with no error and no [DONE]. Only where
+        SIGHUP has its default action: under `nohup` (ignored) it stays ignored, and the server runs on."""
         hup = getattr(signal, "SIGHUP", None)
-        if hup is None or threading.current_thread() is not threading.main_thread():
+        if (hup is None or threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(hup) is not signal.SIG_DFL):
             with super().capture_signals():
                 yield
             return

@@ -42,10 +42,10 @@ class Closed(Exception):
     """The server is shutting down: `close` was called, and no request is admitted any more."""
 
 
-STALLED_S = 30.0  # a reply that takes none of its waiting chunks for this long is cancelled (its client stopped
-MAX_UNREAD_CHUNKS = 4096  # reading), and so is one with more tokens than this waiting (about 12 MB with 20 top logprobs)
-STALLED_REASON = (f"the client stopped reading: this reply's tokens waited {STALLED_S:.0f} s, or more than "
-                  f"{MAX_UNREAD_CHUNKS} of them at once")
+STALLED_S = 30.0  # a stream whose waiting tokens none were taken for this long is cancelled (its client stopped
+MAX_UNREAD_CHUNKS = 4096  # reading); so is one with more than this many waiting (about 12 MB with 20 top logprobs)
+STALLED_COUNT_S = 2.0  # and none taken for this long: a client that reads steadily, if slowly, is not cut
+STALLED_REASON = "the client stopped reading this stream, so it was cancelled"
 
 
 class Cancelled(Exception):
@@ -251,15 +251,18 @@ class Job:
     """
 
     def __init__(self, scheduler: Scheduler, ticket: int, prompt: list[int], options: GenerationOptions,
-                 logprobs: int | None, loop: asyncio.AbstractEventLoop):
-        """ticket: the request's place in line (`Scheduler.admit`)."""
+                 logprobs: int | None, loop: asyncio.AbstractEventLoop, streamed: bool = False):
+        """ticket: the request's place in line (`Scheduler.admit`); streamed: its reply is a stream, whose
+        client may stop reading (`_stalled`; a whole reply's events are taken as they come)."""
         self.scheduler, self.ticket, self.prompt, self.options, self.logprobs = scheduler, ticket, prompt, options, logprobs
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.streamed = streamed
         self.sent = self.taken = 0  # chunks emitted (the worker's count) and taken by the reply (the loop's)
-        self.taken_at = time.monotonic()  # when the reply last took one
-        self.stalled = False  # cancelled because nobody took its chunks for STALLED_S
+        self.taken_at = 0.0  # when the reply last took an event (the loop's clock reading)
+        self.waiting_since = 0.0  # when the oldest chunk not yet taken was emitted (the worker's)
+        self.stalled = False  # cancelled as `_stalled`
         with scheduler._cond:
             scheduler.jobs.add(self)
 
@@ -310,13 +313,22 @@ class Job:
                          load_ms=model.load_ms, stepper=self.scheduler.stepper, prefix=prompt[:cached],
                          cancelled=self.cancelled, power=model.power)
         for chunk in gen:
+            if self.sent == self.taken:  # nothing waits: this chunk starts the wait
+                self.waiting_since = time.monotonic()
             self._emit("chunk", chunk)
             self.sent += 1
-            waiting = self.sent - self.taken
-            if waiting > MAX_UNREAD_CHUNKS or (waiting > 1 and time.monotonic() - self.taken_at > STALLED_S):
-                self.stalled = True  # a client that stopped reading: its chunks piled up here without bound
-                self.cancel()  # (a hostile round: 7 MB/s), and it held its slot; as if it had gone away
+            if self.streamed and self._stalled():
+                self.stalled = True  # its chunks piled up here without bound (a hostile round: 7 MB/s), and
+                self.cancel()  # it held its slot: cancelled as if its client had gone away
         return gen.completion
+
+    def _stalled(self) -> bool:
+        """Whether the stream's client stopped reading: none of the chunks waiting for it were taken for
+        STALLED_S, or more than MAX_UNREAD_CHUNKS wait and none were taken for STALLED_COUNT_S. Time in
+        the queue or a prefill does not count (the wait starts with the oldest chunk not taken)."""
+        waiting = self.sent - self.taken
+        idle_s = time.monotonic() - max(self.taken_at, self.waiting_since)
+        return waiting > 0 and (idle_s > STALLED_S or (waiting > MAX_UNREAD_CHUNKS and idle_s > STALLED_COUNT_S))
 
     def _remember(self, slot: Slot, cached: int) -> Callable[[Request], None]:
         """After the request: which tokens the slot's ring now holds, if that is known exactly."""
