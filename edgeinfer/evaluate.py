@@ -152,6 +152,7 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
         raise EdgeInferError(f"--window {window} is over the {built} tokens this portable model holds: "
                              f"use --window {built} or less")
     tok = Tokenizer(session.folder, session.manifest.tokenizer)
+    session.check_not_replaced()  # the tokenizer of the folder the graph came from
     engine = open_engine(session, max_chunk=window, threads=threads)
     if built is not None:  # a portable graph gives one position's logits per call: it scores token by token
         path = "decode"
@@ -195,6 +196,7 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
         raise EdgeInferError(f"--capacity must be >= 2 and --sinks in [0, capacity), got {capacity} and {sinks}")
     stories = _read_stories(Path(text_path))
     tok = Tokenizer(session.folder, session.manifest.tokenizer)
+    session.check_not_replaced()  # the tokenizer of the folder the graph came from
     engine = open_engine(session, max_chunk=min(chunk, capacity), threads=threads)
     cache = engine.new_cache(capacity, sinks)
     t0 = time.perf_counter()

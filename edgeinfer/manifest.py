@@ -126,7 +126,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     portable: PortableInfo | None = None  # the portable flavour's geometry and files
     origin: Origin | None = None  # where the weights came from (folders converted before it have none)
-    checksum: str = ""  # the manifest's own sha256 as read (`manifest_checksum`; "" for folders converted before it)
+    checksum: str = field(default="", compare=False)  # its own sha256 as read ("" when it has none, or not read)
 
     @property
     def named_files(self) -> tuple[str, ...]:

@@ -115,6 +115,7 @@ class Model:
         spin = SPIN_DURATION_US if policy is not None else spin_duration_us
         for attempt in range(1, LOAD_ATTEMPTS + 1):  # one conversion's files (`folder_identity`)
             seen = folder_identity(folder)
+            self.session = self.tokenizer = None  # a replaced folder's session freed before the next is made
             try:
                 self.manifest = read_manifest(folder)
                 spec = self.manifest.arch

@@ -115,7 +115,13 @@ class DecoderSession:
             if manifest is None and folder_identity(self.folder) != seen:
                 raise ModelFormatError(replaced_while_loading(self.folder)) from None
             raise
-        if manifest is None and folder_identity(self.folder) != seen:
+        self.identity = seen
+        self.check_not_replaced()
+
+    def check_not_replaced(self) -> None:
+        """A session that read its own manifest: ModelFormatError if its folder was replaced since (a
+        caller that reads more of the folder afterwards, its tokenizer, calls this once it has)."""
+        if self.identity is not None and folder_identity(self.folder) != self.identity:
             raise ModelFormatError(replaced_while_loading(self.folder))
 
     def _open(self, manifest: Manifest | None, threads: int | None, provider: str, spin_duration_us: int | None,
@@ -143,7 +149,7 @@ class DecoderSession:
         if self.manifest.target == "cuda" and self.manifest.interface.version == 1:
             warnings.warn(f"{self.folder}: a cuda-target folder of graph interface version 1 rounds RoPE's angles "
                           "to float16 (wrong rotations past about 1,000 positions); re-convert it with this "
-                          "edgeinfer", stacklevel=3)
+                          "edgeinfer", stacklevel=4)
 
     def _check_inputs(self) -> None:
         """The graph takes exactly the inputs its manifest's interface names (a manifest edited to
@@ -171,7 +177,7 @@ def _provider_in_use(session, chosen: str, asked) -> str:
            "its libraries installed (CUDA and cuDNN for onnxruntime-gpu)? ONNX Runtime's log says more")
     if asked != "auto":
         raise InvalidArgumentError(why)
-    warnings.warn(f"{why}; running on the CPU", stacklevel=4)
+    warnings.warn(f"{why}; running on the CPU", stacklevel=5)
     return "cpu"
 
 
