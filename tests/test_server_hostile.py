@@ -420,6 +420,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop(proc) -> None:
+    """A server process started by `_start_process` gone, whatever a test left it doing."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    proc.stderr.close()
+
+
+def _body_to_end(s: socket.socket, timeout_s: float) -> bytes:
+    """What the server sends on `s` until its chunked body ends (failing if it closes before)."""
+    s.settimeout(timeout_s)
+    data = b""
+    while not data.endswith(b"0\r\n\r\n"):
+        more = s.recv(1 << 16)
+        assert more, f"the server closed without ending the body: {data[-300:]!r}"
+        data += more
+    return data
+
+
 def _start_process(*extra: str, preexec_fn=None):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "serve", "--port", str(port), "--slots", "1",
@@ -460,10 +479,7 @@ def test_second_sigterm_exits_promptly_even_during_a_long_prefill():
         assert proc.poll() is not None, f"still running {time.monotonic() - t0:.1f} s after the second SIGTERM"
     finally:
         s.close()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stderr.close()
+        _stop(proc)
 
 
 def test_second_sigterm_answers_queued_requests_openai_shaped():
@@ -504,10 +520,7 @@ def test_second_sigterm_answers_queued_requests_openai_shaped():
     finally:
         a.close()
         b.close()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stderr.close()
+        _stop(proc)
 
 
 def test_a_freed_slot_goes_to_the_waiting_request_admitted_first():
@@ -653,10 +666,7 @@ def test_a_stalled_reader_holds_a_stop_for_the_grace_period_once_not_twice():
         assert time.monotonic() - t0 < 8 + AFTER_DRAIN_S + 2, time.monotonic() - t0  # (was 2 x 8 s + 0.2)
     finally:
         s.close()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stderr.close()
+        _stop(proc)
 
 
 def test_a_client_that_leaves_while_sending_its_body_is_counted_as_gone_not_as_a_bad_request(one_slot):
@@ -1061,12 +1071,7 @@ def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(one_slot, monkeyp
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
         assert _wait(lambda: _health(one_slot)["slots_busy"] == 1, 10)
         assert _wait(lambda: _health(one_slot)["slots_busy"] == 0, 60)  # freed while the client still holds on
-        s.settimeout(30)
-        data = b""
-        while not data.endswith(b"0\r\n\r\n"):  # the end of the chunked body
-            more = s.recv(1 << 16)
-            assert more, "the server closed without ending the stream"
-            data += more
+        data = _body_to_end(s, 30)
     finally:
         s.close()
     assert b"the client stopped reading" in data and b"client_stalled" in data and data.count(b'"text"') < 20_000
@@ -1084,20 +1089,12 @@ def test_sighup_drains_as_sigterm_does():
         s.recv(4096)
         proc.send_signal(signal.SIGHUP)
         assert proc.wait(timeout=20) == 0
-        s.settimeout(5)
-        data = b""
-        while not data.endswith(b"0\r\n\r\n"):
-            more = s.recv(65536)
-            assert more, data[-300:]
-            data += more
+        data = _body_to_end(s, 5)
         assert b"shutting_down" in data and b"data: [DONE]" in data
         assert "draining" in proc.stderr.read()
     finally:
         s.close()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stderr.close()
+        _stop(proc)
 
 
 def test_a_stream_that_waited_in_the_queue_or_speculated_is_not_taken_for_a_stalled_one(monkeypatch, model):
@@ -1135,6 +1132,4 @@ def test_sighup_ignored_at_start_stays_ignored():
         time.sleep(1.0)
         assert proc.poll() is None and httpx.get(url + "/health").status_code == 200
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        proc.stderr.close()
+        _stop(proc)
