@@ -108,10 +108,12 @@ class _RepeatedKey(ValueError):
 
 
 def _no_repeated_keys(pairs: list) -> dict:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen = set()
-        raise _RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    """json.loads' object_pairs_hook: the object, or _RepeatedKey naming the first key given twice."""
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _RepeatedKey(k)
+        d[k] = v
     return d
 
 

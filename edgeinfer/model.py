@@ -126,7 +126,7 @@ class Model:
                 portable = self.manifest.portable
                 if portable is not None:
                     portable.check_capacity(capacity)  # before the slow loading
-                RingKVCache.check_geometry(spec, capacity, sinks, min(prefill_chunk, capacity),  # before the slow loading
+                RingKVCache.check_geometry(spec, capacity, sinks, min(prefill_chunk, capacity),  # before the slow part
                                            rows=portable.ring_rows if portable is not None else None,
                                            itemsize=2 if self.manifest.interface.kv_dtype == "float16" else 4)
                 self.capacity_tokens, self.n_sink = capacity, sinks
@@ -157,8 +157,8 @@ class Model:
         if verbose:
             print(f"edgeinfer: loaded {folder} in {self.load_ms:.0f} ms; KV cache {self.cache.bytes / 2**20:.2f} MiB "
                   f"({spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads x {self.cache.rows} rows x "
-                  f"{spec.head_dim} x {self.cache.dtype.itemsize} bytes; a ring of {self.capacity_tokens}), {self.n_sink} sinks, "
-                  f"overflow={overflow}, provider {self.session.provider}",
+                  f"{spec.head_dim} x {self.cache.dtype.itemsize} bytes; a ring of {self.capacity_tokens}), "
+                  f"{self.n_sink} sinks, overflow={overflow}, provider {self.session.provider}",
                   file=sys.stderr)
 
     def _piece(self, token_id) -> str:

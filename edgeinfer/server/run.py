@@ -110,17 +110,15 @@ class DrainingServer(uvicorn.Server):
         or ssh session closed was killed at once, its streams cut with no error and no [DONE]. Only where
         SIGHUP has its default action: under `nohup` (ignored) it stays ignored, and the server runs on."""
         hup = getattr(signal, "SIGHUP", None)
-        if (hup is None or threading.current_thread() is not threading.main_thread()
-                or signal.getsignal(hup) is not signal.SIG_DFL):
-            with super().capture_signals():
-                yield
-            return
-        before = signal.signal(hup, self.handle_exit)
+        take = (hup is not None and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(hup) is signal.SIG_DFL)
+        before = signal.signal(hup, self.handle_exit) if take else None
         try:
             with super().capture_signals():
                 yield
         finally:
-            signal.signal(hup, before)
+            if take:
+                signal.signal(hup, before)
 
     def handle_exit(self, sig, frame) -> None:  # not recorded, so uvicorn does not re-raise it: exit 0
         if self._draining:  # a second signal: stop every request now (503s go out), then close
