@@ -493,6 +493,31 @@ def test_a_unit_for_a_public_host_is_not_printed_without_a_key(tmp_path, capsys,
     assert main(["serve", "--print-systemd-unit", "--port", "9000"]) == 0  # loopback: no key needed
 
 
+def test_a_unit_prints_for_a_public_host_set_in_the_config_file(tmp_path, capsys, monkeypatch):
+    """docs/daemon.md's config (`host = "0.0.0.0"` in the file) with the key in the environment was
+    refused "without an API key": the second reading, which drops the key, kept the file's host."""
+    import shlex
+
+    from edgeinfer.cli import main
+
+    conf = tmp_path / "serve.toml"
+    conf.write_text('host = "0.0.0.0"\nslots = 1\n')
+    monkeypatch.setenv("EDGEINFER_API_KEY", "a-key-of-some-length")
+    assert main(["serve", "--config", str(conf), "--port", "9000", "--print-systemd-unit"]) == 0
+    printed = capsys.readouterr()
+    assert "a-key-of-some-length" not in printed.out
+    line = next(x for x in printed.out.splitlines() if x.startswith("ExecStart="))
+    argv = shlex.split(line[len("ExecStart="):])
+    assert argv[argv.index("--config") + 1] == str(conf.resolve()) and "--host" not in argv  # the file's host
+    key_file = tmp_path / "key"
+    key_file.write_text("a-key-of-some-length\n")
+    monkeypatch.delenv("EDGEINFER_API_KEY")
+    assert main(["serve", "--config", str(conf), "--port", "9000", "--print-systemd-unit"]) == 1  # still refused
+    assert "without an API key" in capsys.readouterr().err
+    assert main(["serve", "--config", str(conf), "--port", "9000", "--api-key-file", str(key_file),
+                 "--print-systemd-unit"]) == 0
+
+
 def test_config_file_paths_are_relative_to_the_file(tmp_path, monkeypatch):
     """A relative path in the TOML file names a file beside it, wherever the daemon starts (systemd
     runs it from /); one on the command line stays relative to the working directory."""
