@@ -40,7 +40,14 @@ __all__ = ["load", "Model", "Conversation", "Generation", "GenerationOptions", "
            "ModelFormatError", "InvalidArgumentError", "InvalidArgumentTypeError", "ForkedBusyError", "__version__"]
 
 
+_SUBMODULES = ("power",)  # documented as `edgeinfer.power.Policy(...)` right after `import edgeinfer`
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"edgeinfer.{name}")  # the import binds it as an attribute
     if name in _LAZY:
         import importlib
 
@@ -51,4 +58,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

@@ -517,3 +517,15 @@ def test_performance_does_not_say_it_reduced_load_for_under_voltage():
     perf = decide(r, Policy("performance"), Load(max_threads=4))
     assert "load reduced" not in perf.reason and perf.threads == 4
     assert "load reduced" in decide(r, Policy("balanced"), Load(max_threads=4)).reason
+
+
+def test_edgeinfer_power_is_reachable_right_after_import():
+    """README and docs/power.md write `edgeinfer.power.Policy(...)` after a plain `import edgeinfer`; it
+    was an AttributeError unless something had imported edgeinfer.power first (a docs audit)."""
+    import subprocess
+    import sys
+
+    code = "import edgeinfer; print(edgeinfer.power.Policy('balanced', max_temp_c=75).max_temp_c)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "75.0"
