@@ -37,9 +37,11 @@ class Detokenizer:
     invalid bytes before it as U+FFFD that a later byte does not change. Past FORCE_TOKENS (no such
     split: a safety net), what is held is let out as it decodes now.
 
-    Where the contract does not hold: Hugging Face's ByteFallback decoder (Llama-style
-    tokenizer.json) shows a whole run of byte tokens as U+FFFD once any byte in it is invalid, so a
-    character already let out (its bytes complete) can show as U+FFFD in a later whole decode.
+    Where the contract does not hold: Hugging Face's ByteFallback decoder shows a whole run of byte
+    tokens as U+FFFD once any byte in it is invalid, so a character already let out (its bytes
+    complete) can show as U+FFFD in a later whole decode. `Tokenizer` decodes the Llama-style
+    tokenizer.json (ours from a GGUF, Hugging Face's Llama ones) by bytes instead, as SentencePiece
+    does; only a decoder of another shape around ByteFallback is left to the library.
     """
 
     CONTEXT = 8  # prompt ids kept as left context: enough for a leading space or a split character

@@ -76,11 +76,12 @@ class Tokenizer:
             self._encode_all = lambda text: self._hf.encode_batch([text], add_special_tokens=False)[0].ids
             self._raw, self._hf_text = raw, None  # a second instance that matches no special token, made when
             # a defused text first needs it (`_encode_text`)
-            self._decode = lambda ids: self._hf.decode(ids, skip_special_tokens=True)
             self._n_vocab = self._hf.get_vocab_size(with_added_tokens=True)
             self._token_string = lambda i: self._hf.id_to_token(i)
             self._specials = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items()
                               if t.special and t.content}
+            self._decode = (_byte_fallback_decode(raw, self._hf, self._n_vocab, set(self._specials.values()))
+                            or (lambda ids: self._hf.decode(ids, skip_special_tokens=True)))
         controls = sorted(self._specials, key=len, reverse=True)  # the longest first, as the split matches
         self._control_re = re.compile("(" + "|".join(map(re.escape, controls)) + ")") if controls else None
         nonce = "".join(secrets.choice("0123456789") for _ in range(16))  # digits: a template's upper() keeps them
@@ -215,6 +216,40 @@ class Tokenizer:
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SPM_DECODER = [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Fuse"}]  # a Llama-style tokenizer.json's decoder, less its optional last step:
+_SPM_STRIP = {"type": "Strip", "content": " ", "start": 1, "stop": 0}  # the dummy prefix's space dropped
+
+
+def _byte_fallback_decode(raw: bytes, hf, n_vocab: int, specials: set[int]):
+    """A decode for a SentencePiece-style tokenizer.json (the decoder `_SPM_DECODER`, as our GGUF
+    import and Hugging Face's Llama tokenizers write it) that joins the tokens' bytes and decodes
+    them once, invalid bytes as U+FFFD, as SentencePiece and llama.cpp do; None for any other decoder.
+    The ByteFallback decoder turns a whole run of byte tokens into U+FFFD once one byte in it is
+    invalid, so a finished character in that run (and an ASCII byte before it) was lost from the text
+    for good, streamed or whole. Otherwise the same text: special tokens give nothing, "\u2581" is a space."""
+    import json
+
+    try:
+        decoder = json.loads(raw).get("decoder") or {}
+    except ValueError:
+        return None
+    steps = decoder.get("decoders") if decoder.get("type") == "Sequence" else None
+    if not isinstance(steps, list) or steps[:3] != _SPM_DECODER or steps[3:] not in ([], [_SPM_STRIP]):
+        return None
+    strip = bool(steps[3:])
+    table = []
+    for i in range(n_vocab):
+        piece = None if i in specials else hf.id_to_token(i)
+        byte = _BYTE_PIECE.fullmatch(piece) if piece else None
+        table.append(b"" if piece is None else bytes([int(byte.group(1), 16)]) if byte
+                     else piece.replace("\u2581", " ").encode("utf-8"))
+
+    def decode(ids: list[int]) -> str:
+        text = b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+        return text[1:] if strip and text.startswith(" ") else text
+
+    return decode
 
 
 def _byte_level_table() -> dict[str, int]:

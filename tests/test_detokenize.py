@@ -238,3 +238,51 @@ def test_remembered_short_decodes_are_the_library_decodes(bundled, tmp_path, bac
         assert len(tok._short) <= tok.SHORT_DECODES
     assert tok.decode([]) == ""
     assert tok.decode(iter(pairs[0])) == _library_decode(tok, pairs[0])  # any iterable, as before
+
+
+def test_a_llama_style_tokenizer_json_decodes_broken_bytes_as_sentencepiece_does(tmp_path):
+    """A hostile round: the tokenizer.json a SentencePiece GGUF's metadata becomes (Hugging Face's
+    Llama-style decoder: Replace, ByteFallback, Fuse, Strip) showed a whole run of byte tokens as
+    U+FFFD once one byte in it was invalid: "0", a lone 0xC3, then the three bytes of "中" decoded to
+    five U+FFFD, streamed or whole, where SentencePiece and llama.cpp give "0\\ufffd中". Against
+    SentencePiece on the same ids (runs of U+FFFD counted as one; SentencePiece keeps the leading
+    space of a <0x20> byte where the decoder's Strip drops any), and the library's own decode wherever
+    that has no U+FFFD. (Neither <unk>, which SentencePiece writes " \u2047 " and the decoder "<unk>",
+    nor BOS and EOS, which end a run of bytes in SentencePiece and are dropped before decoding in
+    the library, are among the ids compared with SentencePiece.)"""
+    import re
+    from pathlib import Path
+
+    import sentencepiece as spm
+
+    from converters.gguf_header import read_header
+    from converters.gguf_tokenizer import tokenizer_json
+    from edgeinfer.manifest import TokenizerInfo
+    from edgeinfer.tokenizer import Tokenizer
+
+    fixtures = Path(__file__).parent / "fixtures"
+    meta, _ = read_header(fixtures / "gguf" / "stories260K-F32.gguf")
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json(meta, "stories260K-F32.gguf"))
+    tok = Tokenizer(tmp_path, TokenizerInfo(kind="hf_tokenizers", bos_token_id=1, eos_token_ids=(2,)))
+    sp = spm.SentencePieceProcessor(model_file=str(Path(edgeinfer.__file__).parent.parent / "models" / "stories260K"
+                                                   / "tokenizer.model"))
+    ids = [3 + ord("0"), 3 + 0xC3] + [3 + b for b in "中".encode()]
+    assert tok.decode(ids) == "0\ufffd中"
+    d = Detokenizer(tok)
+    assert "".join(d.add(t) for t in ids) + d.flush() == "0\ufffd中"
+
+    def one(t: str) -> str:
+        return re.sub("\ufffd+", "\ufffd", t)
+
+    rng = random.Random(3)
+    n = sp.get_piece_size()
+    for _ in range(3000):
+        ids = [3 + rng.randrange(256) if rng.random() < 0.5 else rng.randrange(3, n)
+               for _ in range(rng.randrange(1, 12))]
+        got, want = one(tok.decode(ids)), one(sp.decode(ids))
+        assert got in (want, want[1:] if want.startswith(" ") else want), ids
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice([1, 2]))  # dropped before decoding, as the library does
+        library = tok._hf.decode(ids, skip_special_tokens=True)
+        if "\ufffd" not in library:
+            assert tok.decode(ids) == library, ids
+        _check(tok, ids, [], 0)
