@@ -133,6 +133,28 @@ def test_a_trailing_slash_is_a_404_naming_the_route_not_an_empty_307(srv, method
     assert f"without the trailing slash: {path.rstrip('/')}" in resp.json()["error"]["message"]
 
 
+def test_a_request_target_in_absolute_form_is_served_as_its_path(srv):
+    """`POST http://127.0.0.1:PORT/v1/completions HTTP/1.1` (the absolute form, which a server must
+    accept: RFC 9112 3.2.2; some proxies forward it) was a 404: uvicorn's h11 gives the whole URL as
+    the path. Now it is the route its path names; the key is still asked for."""
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 2, "temperature": 0}
+    for target, key, want in [(f"http://127.0.0.1:{srv.port}/v1/completions", True, 200),
+                              (f"HTTP://127.0.0.1:{srv.port}/v1/completions", False, 401),
+                              (f"http://127.0.0.1:{srv.port}/v1/nothing", True, 404)]:
+        head, _, payload = _raw(body, target).partition(b"\r\n\r\n")
+        extra = f"Authorization: Bearer {KEY}\r\n" if key else ""
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+            s.sendall(head + f"\r\n{extra}Connection: close\r\n\r\n".encode() + payload)
+            reply = b""
+            while more := s.recv(1 << 16):
+                reply += more
+        status = int(reply.split(b" ", 2)[1])
+        assert status == want, reply[:300]
+        if want == 200:
+            assert json.loads(reply.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] == 2
+    assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+
+
 def test_405_carries_an_allow_header(srv):
     """GET /v1/chat/completions. Expected: 405 with `Allow: POST` (RFC 9110 15.5.6: a 405 MUST carry
     Allow; Starlette's own 405 does). Actual: the app's HTTPException handler rebuilds the response

@@ -354,6 +354,9 @@ class _Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
+        if path[:8].lower().startswith(("http://", "https://")):  # the absolute form, which a server must accept
+            path = _origin_form(path)  # (RFC 9112 3.2.2; a proxy's form): uvicorn's h11 gives the whole URL as the
+            scope = {**scope, "path": path, "raw_path": _origin_form(scope.get("raw_path") or path.encode())}  # path
         err = None
         if self.server.draining and path != "/health":
             err = APIError(503, "the server is shutting down; retry on another instance or later",
@@ -368,3 +371,10 @@ class _Gate:
         self.server.metrics.request("other", err.status)
         self.server.log_refusal(scope.get("method", "-"), path, err.status, err.code)
         return await error_response(err)(scope, receive, send)
+
+
+def _origin_form(target):
+    """"/v1/models" of "http://host:port/v1/models" (str or bytes); "/" when it names no path."""
+    sep = "/" if isinstance(target, str) else b"/"
+    parts = target.split(sep, 3)
+    return sep + (parts[3] if len(parts) == 4 else sep[:0])
