@@ -4,8 +4,14 @@ Every error a user can cause (bad path, bad model folder, bad argument, a prompt
 fit) derives from `EdgeInferError`; the CLI prints its message on one line and exits non-zero
 without a traceback. Anything else is a bug and keeps its traceback. Bad arguments are also the
 builtin type Python code expects (`InvalidArgumentError` is a ValueError, `InvalidArgumentTypeError`
-a TypeError, `ContextOverflowError` a ValueError).
+a TypeError, `ContextOverflowError` a ValueError). `warn_user` gives a warning the caller's line.
 """
+
+import os
+import sys
+import warnings
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class EdgeInferError(Exception):
@@ -33,3 +39,13 @@ class InvalidArgumentTypeError(EdgeInferError, TypeError):
 class ForkedBusyError(EdgeInferError, RuntimeError):
     """In a process made by fork(): the parent's Model (or one of its contexts) was in use by another
     thread at the fork, and that thread does not exist here (`fork_safety`)."""
+
+
+def warn_user(message: str) -> None:
+    """`warnings.warn(message)` attributed to the first frame outside edgeinfer: the user's line that
+    called into it (`load(threads=64)`), whichever of our functions led there. A fixed stacklevel
+    pointed into edgeinfer from some of them (`Model(...)` against `load(...)`)."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)

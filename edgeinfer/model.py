@@ -17,7 +17,6 @@ import hashlib
 import os
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -27,7 +26,7 @@ import numpy as np
 from edgeinfer.chat import ChatTemplate
 from edgeinfer.engine import Engine
 from edgeinfer.portable_engine import open_engine
-from edgeinfer.errors import EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelFormatError
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelFormatError, warn_user
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.conversation import Conversation
 from edgeinfer.generation import Completion, Generation, Request
@@ -122,7 +121,7 @@ class Model:
                 capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec, capacity_tokens)
                 sinks = resolve_sinks(spec, n_sink)
                 if (note := rebase_warning(capacity, spec.max_position_embeddings)) is not None:
-                    warnings.warn(note, stacklevel=3)
+                    warn_user(note)
                 portable = self.manifest.portable
                 if portable is not None:
                     portable.check_capacity(capacity)  # before the slow loading
@@ -151,7 +150,7 @@ class Model:
         self.template = ChatTemplate(tk.chat_template, self._piece(tk.bos_token_id),
                                      self._piece((tk.eos_token_ids or (None,))[0]))
         if self.template.error is not None:  # completions work; chat will refuse (said now, not first in a request)
-            warnings.warn(f"{folder}: {self.template.error}; chat and conversations will refuse it", stacklevel=2)
+            warn_user(f"{folder}: {self.template.error}; chat and conversations will refuse it")
         self.power = PowerController(policy, Sensors()).start() if policy is not None else None
         self.load_ms = (time.perf_counter() - t0) * 1e3
         if verbose:

@@ -8,13 +8,12 @@ the tests alike.
 from __future__ import annotations
 
 import os
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import onnxruntime as ort
 
-from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError, warn_user
 from edgeinfer.integrity import folder_identity, replaced_while_loading, verify
 from edgeinfer.interface import io_names
 from edgeinfer.manifest import MODEL_FILE, Manifest, read_manifest
@@ -71,8 +70,8 @@ def check_threads(threads: int | None, warn: bool = True) -> None:
         raise InvalidArgumentError(f"threads must be at most {MAX_THREADS}, got {threads}")
     cores = usable_cores()
     if warn and threads is not None and threads > cores:
-        warnings.warn(f"threads={threads} is more than the {cores} cores this process may use: the threads wait "
-                      "for each other and decoding slows down many times over", stacklevel=4)
+        warn_user(f"threads={threads} is more than the {cores} cores this process may use: the threads wait "
+                  "for each other and decoding slows down many times over")
 
 
 def session_options(threads: int | None, spin_duration_us: int | None = None, portable: bool = False
@@ -147,9 +146,8 @@ class DecoderSession:
         self.provider = _provider_in_use(self.session, self.provider, asked=provider)
         self._check_inputs()
         if self.manifest.target == "cuda" and self.manifest.interface.version == 1:
-            warnings.warn(f"{self.folder}: a cuda-target folder of graph interface version 1 rounds RoPE's angles "
-                          "to float16 (wrong rotations past about 1,000 positions); re-convert it with this "
-                          "edgeinfer", stacklevel=4)
+            warn_user(f"{self.folder}: a cuda-target folder of graph interface version 1 rounds RoPE's angles "
+                      "to float16 (wrong rotations past about 1,000 positions); re-convert it with this edgeinfer")
 
     def _check_inputs(self) -> None:
         """The graph takes exactly the inputs its manifest's interface names (a manifest edited to
@@ -177,7 +175,7 @@ def _provider_in_use(session, chosen: str, asked) -> str:
            "its libraries installed (CUDA and cuDNN for onnxruntime-gpu)? ONNX Runtime's log says more")
     if asked != "auto":
         raise InvalidArgumentError(why)
-    warnings.warn(f"{why}; running on the CPU", stacklevel=5)
+    warn_user(f"{why}; running on the CPU")
     return "cpu"
 
 

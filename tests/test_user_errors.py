@@ -285,6 +285,20 @@ def test_threads_past_the_cores_warn_and_past_the_limit_are_refused():
         edgeinfer.load(threads=cores + 1)
 
 
+def test_load_warnings_point_at_the_callers_line():
+    """A load's warnings name the caller's line: the threads warning pointed into edgeinfer/session.py,
+    a fixed stacklevel one frame short of `load`; each is now the first frame outside edgeinfer."""
+    import os
+    import warnings
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for make in (lambda: edgeinfer.load(threads=cores + 1), lambda: edgeinfer.load(capacity_tokens=508)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make()
+        assert [w.filename for w in caught] == [__file__], [(w.filename, str(w.message)[:60]) for w in caught]
+
+
 def test_good_threads_load():
     assert edgeinfer.load(threads=1).generate("Once", max_new_tokens=2, seed=0).usage.completion_tokens == 2
 
