@@ -2,6 +2,9 @@
 
 The fallback, for models that ship no template (stories260K), renders each message on its own
 line as "System: ...", "User: ...", "Assistant: ..." and ends with "Assistant:" when a reply is wanted.
+A content that begins with a space follows the colon directly: a reply generated after "Assistant:"
+(" Anna said") renders as the text the model saw, so a conversation continued turn by turn and one
+started afresh from its messages feed the same tokens.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class ChatTemplate:
         if self.error is not None:
             raise self.error
         if self._tpl is None:
-            lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+            lines = [f"{m['role'].capitalize()}:{'' if m['content'][:1] == ' ' else ' '}{m['content']}"
+                     for m in messages]
             if add_generation_prompt:
                 lines.append("Assistant:")
             return "\n".join(lines)

@@ -198,7 +198,7 @@ class Conversation:
         m, cache = self.model, self.cache
         new_text = self._new_text(full)
         if new_text is not None:
-            ids = self._unfed + m.tokenizer.encode(new_text, add_bos=False)
+            ids = self._unfed + m.tokenizer.encode_continuation(new_text)
             if fits_beside(cache.n_valid, len(ids), cache.capacity, m.overflow, opts.max_new_tokens):
                 return ids, ids, False
         ids = m.encode_rendered(full)

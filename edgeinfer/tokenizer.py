@@ -116,6 +116,16 @@ class Tokenizer:
             ids.insert(0, int(self.bos_id))
         return ids
 
+    def encode_continuation(self, text: str) -> list[int]:
+        """Ids of `text` where it follows other text in one rendering (a conversation's new turn after
+        the reply its cache holds), as `encode` of the whole gives them: without the word-start marker
+        SentencePiece puts before a text's first piece ("\nUser:" alone is "\u2581", "\n", ...; after a
+        reply, "\n", ...). Encoded after a newline whose ids are then dropped; where the two merge,
+        `text` is encoded on its own."""
+        head = self._encode("\n")
+        ids = self._encode("\n" + text)
+        return ids[len(head):] if ids[:len(head)] == head else self._encode(text)
+
     def defuse(self, text: str) -> str:
         """`text` (a chat message's content) with each control token's string replaced by a placeholder
         that `encode` turns into that string's plain-text tokens (the module doc)."""

@@ -51,7 +51,7 @@ def test_a_turn_s_penalties_and_usage_see_the_whole_conversation(fp32, penalty):
     c = m.conversation()
     p1 = m.encode_chat([{"role": "user", "content": "Lily had a red ball."}])
     r1 = c.say("Lily had a red ball.", **opts)
-    new = m.tokenizer.encode("\nUser: What did Lily do?\nAssistant:", add_bos=False)
+    new = m.tokenizer.encode_continuation("\nUser: What did Lily do?\nAssistant:")  # no "\u2581" before "\n"
     r2 = c.say("What did Lily do?", **opts)
     ids = p1 + list(r1.token_ids) + new
     plain = m.generate(ids, **opts)
@@ -208,3 +208,26 @@ def test_drafts_in_a_long_conversation_come_from_what_the_ring_can_hold(fp32, mo
         r = c.say(f"Turn {i}: and then?", max_new_tokens=16, speculative="ngram", **GREEDY)
     new_ids = r.usage.prompt_tokens - r.usage.cached_tokens  # the last turn's own ids (about 27 each turn)
     assert r.usage.cached_tokens > 400 and max(seen) <= 64 + new_ids + 2
+
+
+def test_a_continued_conversation_feeds_what_a_fresh_one_renders_from_its_messages(fp32):
+    """A hostile round: under the fallback template a reply generated after the cue "Assistant:"
+    begins with a space (" Anna"), and the history rendered it "Assistant:  Anna" (two spaces),
+    which the continued conversation's cache never held: its next turn gave other tokens than a
+    fresh conversation given the same messages, in 5 of 10 dialogs. Now the two feed the same ids."""
+    import random
+
+    m = edgeinfer.load(fp32)
+    rng = random.Random(4)
+    asks = ["Tell me a story.", "And then?", "Who was there?", "What did Lily say?", "Why?", "The end."]
+    for dialog in range(6):
+        c = m.conversation()
+        for turn in range(3):
+            c.say(rng.choice(asks), max_new_tokens=rng.randrange(4, 16), temperature=0)
+        assert c.messages[1]["content"][:1] == " " or dialog  # the case: a reply that begins with a space
+        msgs = c.messages + [{"role": "user", "content": rng.choice(asks)}]
+        held = list(c._held) + list(c._unfed)
+        assert m.encode_chat(msgs)[:len(held)] == held
+        a = c.say(msgs[-1]["content"], max_new_tokens=40, temperature=0)
+        b = m.conversation().reply(msgs, max_new_tokens=40, temperature=0)
+        assert a.token_ids == b.token_ids, dialog
