@@ -26,7 +26,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from edgeinfer.evaluate import perplexity, stream_perplexity
 
     if args.stream:
-        if args.path != "prefill":
+        if args.path is not None:
             raise EdgeInferError("--stream scores each story through the ring (chunks, then one token at a time): "
                                  "--path applies to window scoring")
         if args.capacity is None:
@@ -127,9 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--window", type=int, default=None, help="tokens per scored window (default 512, or the "
                    "model's context or a portable model's ring if shorter)")
     e.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: the device profile's)")
-    e.add_argument("--path", choices=("prefill", "decode"), default="prefill",
-                   help="prefill: each window in one forward call (as a prompt); decode: one call per token (as "
-                   "generation feeds tokens back; what generation computes at accuracy level 4)")
+    e.add_argument("--path", choices=("prefill", "decode"), default=None,
+                   help="prefill (default): each window in one forward call (as a prompt); decode: one call per "
+                   "token (as generation feeds tokens back; what generation computes at accuracy level 4; a "
+                   "portable model's only path)")
     e.add_argument("--stream", action="store_true", help="each story as one stream through the KV ring")
     e.add_argument("--capacity", type=int, default=None, help="ring capacity in tokens (with --stream)")
     e.add_argument("--sinks", type=int, default=None, help="attention sinks kept by the ring (with --stream; default 4, or 0 "

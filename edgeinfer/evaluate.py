@@ -9,7 +9,8 @@
    the same function but not the same arithmetic: MatMulNBits at accuracy level 4 quantizes a
    single row's activations differently from a block of rows, so a decode-path figure is the one
    that scores what generation computes. A portable model (one position's logits per call) is
-   always scored on its decode graph, token by token, and the result says "decode".
+   always scored on its decode graph, token by token (its default; "prefill" asked of it is refused),
+   and the result says "decode".
 4. Within a window every token but the first is scored: NLL = -log_softmax(logits[t-1])[ids[t]] (float32).
 5. perplexity = exp(sum NLL / number of scored tokens) (infinity past float's range: a broken model's
    mean NLL over ~709.8 nats; its JSON says null there, beside the finite mean NLL).
@@ -126,14 +127,15 @@ def window_nll(engine: Engine, cache: RingKVCache, ids: list[int], path: str = "
 
 
 def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | None = None, threads: int | None = None,
-               session: DecoderSession | None = None, path: str = "prefill", progress=None) -> PerplexityResult:
+               session: DecoderSession | None = None, path: str | None = None, progress=None) -> PerplexityResult:
     """window: tokens scored per window (None: 512, or the model's context or a portable model's ring
-    if shorter). progress: called (windows done, windows in all, "windows") after each window."""
+    if shorter). path: PATHS, None for the model's own ("prefill"; "decode" for a portable model, the
+    only one it has). progress: called (windows done, windows in all, "windows") after each window."""
     _check_args(model_dir, text_path, window=window)
     window = None if window is None else int(window)
     if window is not None and window < 2:
         raise EdgeInferError(f"--window must be at least 2, got {window}")
-    if path not in PATHS:
+    if path is not None and path not in PATHS:
         raise EdgeInferError(f"unknown --path {path!r} (choose from {', '.join(PATHS)})")
     stories = _read_stories(Path(text_path))
     session = session or DecoderSession(model_dir, threads=threads)
@@ -148,14 +150,16 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
     if sliding is not None and window > sliding:
         raise EdgeInferError(f"--window {window} is over the model's sliding window of {sliding} tokens: use "
                              f"--window {sliding} or less")
+    if built is not None and path == "prefill":  # it was run as decode, and said so only in the result's line
+        raise EdgeInferError("a portable model gives one position's logits per call, so it scores token by token: "
+                             "--path decode (its default)")
     if built is not None and window > built:
         raise EdgeInferError(f"--window {window} is over the {built} tokens this portable model holds: "
                              f"use --window {built} or less")
     tok = Tokenizer(session.folder, session.manifest.tokenizer)
     session.check_not_replaced()  # the tokenizer of the folder the graph came from
     engine = open_engine(session, max_chunk=window, threads=threads)
-    if built is not None:  # a portable graph gives one position's logits per call: it scores token by token
-        path = "decode"
+    path = path or ("decode" if built is not None else "prefill")
     cache = engine.new_cache(min(window, sliding - 1) if sliding else window, 0)
     t0 = time.perf_counter()
     # the count for progress encodes the text twice (each story's ids held one at a time, as before)

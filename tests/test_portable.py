@@ -85,6 +85,20 @@ def test_perplexity_within_1pct_of_the_fused_graph(portable, converted, target, 
     assert abs(mine / fused - 1) < 0.01, (mine, fused)
 
 
+def test_a_portable_model_is_scored_on_its_decode_path_and_prefill_is_refused(portable):
+    """A hostile round: `edgeinfer eval --path prefill` on a portable folder ran the decode path, the
+    flag overridden with no word but the result line's "decode path"."""
+    from edgeinfer.cli import main
+    from edgeinfer.errors import EdgeInferError
+
+    folder = portable(STORIES_SRC, "coreml", "fp32")
+    r = perplexity(folder, EVAL_TXT, window=64)
+    assert r.path == "decode" and r.perplexity == perplexity(folder, EVAL_TXT, window=64, path="decode").perplexity
+    with pytest.raises(EdgeInferError, match="one position's logits per call.*--path decode"):
+        perplexity(folder, EVAL_TXT, path="prefill")
+    assert main(["eval", "-m", str(folder), "--text", str(EVAL_TXT), "--path", "prefill"]) == 1
+
+
 def test_streamed_perplexity_through_the_ring(portable):
     r = stream_perplexity(portable(STORIES_SRC, "coreml", "fp32"), EVAL_TXT, capacity=128, sinks=4)
     assert abs(r.perplexity / FUSED_STREAM_REF - 1) < 0.01, r.perplexity
