@@ -196,11 +196,14 @@ def verify(folder: Path | str, out=print) -> bool:
     for name, problem in check(folder, files, manifest.named_files):
         ok = ok and problem is None
         out(f"ok        {name}" if problem is None else f"MISMATCH  {name}: {problem}")
-    if ok and manifest.flavour == "fused":  # is the manifest what the graph says? (load's own checks)
+    if ok:  # is the manifest what the graphs say? (load's own checks; a portable folder's both graphs and its
+        from edgeinfer.portable_engine import PortableEngine  # host embeddings, as its engine opens them)
         from edgeinfer.session import DecoderSession
 
         try:
-            DecoderSession(folder, threads=1, provider="cpu", manifest=manifest, hashed=True)
+            session = DecoderSession(folder, threads=1, provider="cpu", manifest=manifest, hashed=True)
+            if manifest.portable is not None:
+                PortableEngine(session, threads=1)
             out("ok        loads (the graph takes the inputs its manifest describes)")
         except EdgeInferError as e:
             ok = False

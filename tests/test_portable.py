@@ -99,6 +99,32 @@ def test_a_portable_model_is_scored_on_its_decode_path_and_prefill_is_refused(po
     assert main(["eval", "-m", str(folder), "--text", str(EVAL_TXT), "--path", "prefill"]) == 1
 
 
+def test_verify_opens_a_portable_folder_s_graphs_as_load_does(portable, tmp_path):
+    """A hostile round: `inspect --verify` opened only a fused folder's graph, so a portable folder
+    whose prefill graph is its decode graph (hashes and manifest made to match) was "ok" there and
+    refused by load. Now verify runs the portable engine's checks too, and agrees with load."""
+    import hashlib
+    import shutil
+
+    from edgeinfer.errors import ModelFormatError
+    from edgeinfer.inspect import verify
+
+    good = portable(STORIES_SRC, "coreml", "fp32")
+    assert verify(good, out=lambda line: None)
+    bad = tmp_path / "swapped"
+    shutil.copytree(good, bad)
+    shutil.copy(bad / "model.onnx", bad / "prefill.onnx")  # both graphs read model.onnx.data
+    m = json.loads((bad / "edgeinfer.json").read_text())
+    data = (bad / "prefill.onnx").read_bytes()
+    m["files"]["prefill.onnx"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    write_manifest(bad, m)
+    lines = []
+    assert not verify(bad, out=lines.append)
+    assert "prefill.onnx: input inputs_embeds is [1, 1, " in lines[-1], lines[-1]
+    with pytest.raises(ModelFormatError, match="prefill.onnx: input inputs_embeds"):
+        edgeinfer.load(bad)
+
+
 def test_streamed_perplexity_through_the_ring(portable):
     r = stream_perplexity(portable(STORIES_SRC, "coreml", "fp32"), EVAL_TXT, capacity=128, sinks=4)
     assert abs(r.perplexity / FUSED_STREAM_REF - 1) < 0.01, r.perplexity
