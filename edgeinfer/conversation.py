@@ -11,6 +11,12 @@ penalties count them all and its usage says so (prompt_tokens: all of them, as a
 would count them; cached_tokens: those earlier turns fed), so a turn gives the tokens that plain
 decoding of the same ids gives.
 
+A turn's new text is encoded as the whole rendering encodes it (`Tokenizer.encode_continuation`), so a
+conversation continued turn by turn feeds the ids that a fresh one renders from its messages, except
+where the template writes a reply with whitespace other than the model generated around it (the
+fallback template puts a space after "Assistant:" before a reply that began without one, "'s"): the
+cache keeps what was generated, and the turns after it may differ from a fresh conversation's.
+
 A turn commits (history and bookkeeping updated) only when its generation finishes. A turn that is
 refused (ContextOverflowError under overflow="error", a bad option), fails, or is abandoned (its
 stream closed or dropped half-way, Ctrl-C) is rolled back: `messages` is left as it was, and the

@@ -155,6 +155,28 @@ def test_a_request_target_in_absolute_form_is_served_as_its_path(srv):
     assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
 
 
+def test_an_absolute_target_without_raw_path_keeps_its_path():
+    """A review: with no raw_path in the scope (an ASGI server other than uvicorn, a direct call), the
+    fallback cut the already cut path again: "http://h/v1/chat/completions" gave raw_path b"/completions"."""
+    import asyncio
+
+    from edgeinfer.server.app import _Gate, _origin_form
+
+    seen = {}
+
+    async def app(scope, receive, send):
+        seen.update(path=scope["path"], raw=scope["raw_path"])
+
+    server = type("S", (), {"draining": False, "authorized": lambda self, r: True,
+                            "config": type("C", (), {"api_key": KEY})()})()
+    for scope in ({"path": "http://h/v1/chat/completions"},
+                  {"path": "http://h/v1/chat/completions", "raw_path": b"http://h/v1/chat/completions"}):
+        asyncio.run(_Gate(app, server)({"type": "http", "headers": [], **scope}, None, None))
+        assert seen == {"path": "/v1/chat/completions", "raw": b"/v1/chat/completions"}
+    assert [_origin_form(t) for t in ("http://h", "http://h/", "https://h:1/v1//x", b"http://h/a%20b")] == \
+        ["/", "/", "/v1//x", b"/a%20b"]
+
+
 def test_405_carries_an_allow_header(srv):
     """GET /v1/chat/completions. Expected: 405 with `Allow: POST` (RFC 9110 15.5.6: a 405 MUST carry
     Allow; Starlette's own 405 does). Actual: the app's HTTPException handler rebuilds the response

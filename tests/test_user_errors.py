@@ -110,9 +110,20 @@ def test_conversation_reply_keeps_space_and_turn_two_prefills_only_new_text(bund
     r2 = conv.say("Then what?", max_new_tokens=12, **GREEDY)
     # `_new_text` still finds reply 1 in the re-rendered history: turn 2 feeds the last sampled
     # token of reply 1 and the new text only, and the cache grows instead of starting over
-    new_ids = tok.encode("\nUser: Then what?\nAssistant:", add_bos=False)
+    new_ids = tok.encode_continuation("\nUser: Then what?\nAssistant:")  # as the whole rendering encodes it
     assert r2.usage.prompt_tokens - r2.usage.cached_tokens == 1 + len(new_ids)
     assert conv.cache.n_valid == after_first + 1 + len(new_ids) + 11
+
+
+def test_a_later_turn_with_a_lone_surrogate_is_refused_like_the_first(bundled):
+    """A review: the continuation encoding skipped `encode`'s UTF-8 check, so a second turn holding
+    an undecodable byte of a command line was a RuntimeError from SentencePiece (a traceback in
+    `edgeinfer chat`), where the first turn was refused with the reason."""
+    conv = bundled.conversation()
+    conv.say("Hello", max_new_tokens=3, **GREEDY)
+    with pytest.raises(InvalidArgumentError, match="not valid UTF-8"):
+        conv.say("\udcff there", max_new_tokens=3, **GREEDY)
+    assert len(conv.messages) == 2 and conv.say("Again", max_new_tokens=3, **GREEDY).usage.completion_tokens == 3
 
 
 # 2. chat templates get the special tokens' strings ---------------------------------------------

@@ -355,8 +355,9 @@ class _Gate:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         if path[:8].lower().startswith(("http://", "https://")):  # the absolute form, which a server must accept
-            path = _origin_form(path)  # (RFC 9112 3.2.2; a proxy's form): uvicorn's h11 gives the whole URL as the
-            scope = {**scope, "path": path, "raw_path": _origin_form(scope.get("raw_path") or path.encode())}  # path
+            raw = _origin_form(scope.get("raw_path") or path.encode())  # (RFC 9112 3.2.2; a proxy's form):
+            path = _origin_form(path)  # uvicorn's h11 gives the whole URL as the path
+            scope = {**scope, "path": path, "raw_path": raw}
         err = None
         if self.server.draining and path != "/health":
             err = APIError(503, "the server is shutting down; retry on another instance or later",
