@@ -164,7 +164,7 @@ def test_conversation_keeps_kv_across_turns(bundled):
     new_tokens = conv.cache.next_position - after_first
     # turn 2 fed only its new text (+ the last sampled token of reply 1), not the whole history again
     new_text = "\nUser: Then what?\nAssistant:"
-    expected = 1 + len(bundled.tokenizer.encode(new_text, add_bos=False))
+    expected = 1 + len(bundled.tokenizer.encode_continuation(new_text))  # as the whole rendering encodes it
     whole = len(bundled.tokenizer.encode(bundled.template.render(conv.messages[:-1])))
     assert r2.usage.prompt_tokens - r2.usage.cached_tokens == expected < whole
     assert r2.usage.cached_tokens == after_first  # turn 1's prompt and reply (its last token is fed by turn 2)
