@@ -20,13 +20,19 @@ MAX_RENDER_CHARS = 16 << 20  # a rendered prompt (the daemon reads bodies of 1 M
 
 def check_messages(messages: Sequence[dict]) -> list[dict]:
     """The messages as plain {"role", "content"} dicts; InvalidArgumentError (a ValueError) unless
-    `messages` is a non-empty list of dicts with a role in ROLES and string content."""
+    `messages` is a non-empty list of dicts with a role in ROLES and string content (valid UTF-8)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidArgumentError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise InvalidArgumentError(f"message {i} must be a dict with role in {ROLES} and string content")
+        try:  # here, where the position is the message's own (the rendering's encode would name its own)
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidArgumentError(
+                f"message {i} ({m['role']}) is not valid UTF-8: character {e.start} is {m['content'][e.start]!r} "
+                "(an undecodable byte or a lone surrogate)") from None
         out.append({"role": m["role"], "content": m["content"]})
     return out
 

@@ -182,6 +182,13 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             print("\n(reply stopped; that turn is forgotten)", file=sys.stderr)
             continue
         except EdgeInferError as e:  # e.g. the reply does not fit (--overflow error): say so, keep chatting
-            print(f"edgeinfer: error: {e}", file=sys.stderr)
+            from edgeinfer.overflow import ContextOverflowError
+
+            full = isinstance(e, ContextOverflowError)
+            hint = " (/reset clears the context; --capacity sets its size)" if full else ""
+            print(f"edgeinfer: error: {e}{hint}", file=sys.stderr)
             continue
         print()
+        for note in _context_notes(reply.completion, opts.max_new_tokens, model.capacity_tokens, args.overflow):
+            print(f"edgeinfer: note: {note}", file=sys.stderr)  # as generate says them: a turn's dropped tokens, a
+            # reply cut by a full context

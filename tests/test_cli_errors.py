@@ -68,6 +68,27 @@ def test_chat_reports_bad_input_and_goes_on(capsys, monkeypatch):
     assert len(err) == 2 and "not valid UTF-8" in err[0] and "does not fit" in err[1]
 
 
+def test_chat_says_what_a_full_context_did_as_generate_does():
+    """A hostile round: `chat --capacity 64` forgot earlier turns (shift) or cut a reply (error) with no
+    word, where `generate` prints a note; a turn refused under --overflow error named the Python
+    argument capacity_tokens and not /reset, which recovers. A bad byte's position was its place in
+    the rendered template (105), not in the line typed (2)."""
+    def chat(*flags: str, text: bytes) -> list[str]:
+        r = subprocess.run([sys.executable, "-m", "edgeinfer", "chat", "--capacity", "64", "--temperature", "0",
+                            *flags], input=text, capture_output=True, timeout=120, env={**os.environ, "LC_ALL": "C"})
+        err = r.stderr.decode("utf-8", "replace")
+        assert r.returncode == 0 and "Traceback" not in err, err
+        return [x for x in err.splitlines() if x.startswith("edgeinfer: ")]
+
+    story = b"Tell me a long story about a dog.\n"
+    shift = chat("--max-tokens", "40", text=story + b"And then what happened next?\n")
+    assert len(shift) == 2 and all("tokens were dropped from the 64-token context" in x for x in shift[1:]), shift
+    full = chat("--max-tokens", "60", "--overflow", "error", text=story + b"And then?\nab\xff\xfe hi\n")
+    assert "the reply stopped after" in full[0] and "64-token context is full" in full[0], full
+    assert "does not fit" in full[1] and full[1].endswith("(/reset clears the context; --capacity sets its size)")
+    assert "message 2 (user) is not valid UTF-8: character 2 is" in full[2], full  # the refused turn is not kept
+
+
 def test_chat_stdin_that_is_not_utf8():
     """Under a strict UTF-8 stdin, a bad byte skips that input with one error line."""
     r = subprocess.run([sys.executable, "-m", "edgeinfer", "chat", "--max-tokens", "3"], input=b"hi\xff\n",

@@ -59,11 +59,18 @@ def test_chat_reset_and_ctrl_c(capsys, monkeypatch):
             finally:
                 gen.close()
 
-        def watched():
-            yield from gen
-            seen["history_after"] = list(self.messages)
+        class Watched:  # the Generation, its history recorded once it ends
+            completion = property(lambda _: gen.completion)
 
-        return cut() if calls["n"] == 2 else watched()
+            def __iter__(self):
+                yield from gen
+                seen["history_after"] = list(self_conv.messages)
+
+            def close(self):
+                gen.close()
+
+        self_conv = self
+        return cut() if calls["n"] == 2 else Watched()
 
     monkeypatch.setattr(builtins, "input", fake_input)
     monkeypatch.setattr(Conversation, "_turn", turn)
