@@ -58,10 +58,19 @@ def _context(cfg: dict) -> int:
 
 
 def _positive(v, key: str) -> float:
-    """A finite positive number (a float field: eps, rope theta, a scaling factor), or ConvertError."""
+    """A finite positive number (a float field: eps, rope theta, a scaling factor) that stays so in
+    float32, where the graph and the RoPE tables hold it, or ConvertError (1e-300 became 0 there: NaN
+    logits at every prompt, from a conversion that had said nothing)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise ConvertError(f"config.json: field {key!r} must be a finite positive number, got {v!r}")
+    if not FLOAT32_TINY <= v <= FLOAT32_MAX:
+        raise ConvertError(f"config.json: field {key!r} is {v!r}, which float32 (the graph's) holds as "
+                           f"{'0' if v < FLOAT32_TINY else 'infinity'}: it must lie in [{FLOAT32_TINY:.3g}, "
+                           f"{FLOAT32_MAX:.3g}]")
     return float(v)
+
+
+FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e+38  # float32's smallest normal, largest
 
 
 def parse_rope(cfg: dict) -> RopeSpec:

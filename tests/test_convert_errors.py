@@ -148,6 +148,11 @@ def test_unsupported_architecture_lists_supported(capsys, src, tmp_path):
     ({"rope_scaling": {"type": "linear", "rope_type": "default", "factor": 2.0}}, "both type 'linear' and rope_type"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 64}}, "high_freq_factor above low_freq_factor"),
+    # positive, but 0 or infinity in float32, where the graph holds them: NaN logits at every prompt (a hostile round)
+    ({"rope_theta": 1e-300}, "'rope_theta' is 1e-300, which float32 (the graph's) holds as 0"),
+    ({"rms_norm_eps": 1e-50}, "'rms_norm_eps' is 1e-50, which float32 (the graph's) holds as 0"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 1e-300}}, "'rope_scaling.factor' is 1e-300"),
+    ({"rope_theta": 1e308}, "holds as infinity"),
 ])
 def test_unsupported_config_field(capsys, src, tmp_path, changes, needle):
     edit_config(src, **changes)
