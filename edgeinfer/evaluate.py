@@ -110,6 +110,18 @@ def _nll(logits: np.ndarray, targets: list[int]) -> float:
     return float(np.sum((lse - picked).astype(np.float64)))
 
 
+def _story_ids(tok: Tokenizer, story: str, vocab: int, text_path) -> list[int]:
+    """The story's ids, BOS first; EdgeInferError naming an id past the embedding's rows (a tokenizer
+    that knows more tokens than the model has rows for: the graph's quantized Gather reads past its
+    table, with no error, and the score was an IndexError traceback)."""
+    ids = tok.encode(story, add_bos=True)
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise EdgeInferError(f"{text_path}: its text encodes to token id {bad}, outside the model's vocabulary "
+                             f"[0, {vocab}) (its tokenizer knows tokens the model has no rows for)")
+    return ids
+
+
 def window_nll(engine: Engine, cache: RingKVCache, ids: list[int], path: str = "prefill") -> tuple[float, int]:
     """Sum of NLL over ids[1:] given the prefix, from position 0 (the cache is reset): one forward
     pass ("prefill") or one call per token ("decode")."""
@@ -166,7 +178,7 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
     in_all = sum(-(-len(tok.encode(s, add_bos=True)) // window) for s in stories) if progress else 0
     total, count, windows = 0.0, 0, 0
     for story in stories:
-        ids = tok.encode(story, add_bos=True)
+        ids = _story_ids(tok, story, session.manifest.arch.vocab_size, text_path)
         for start in range(0, len(ids), window):
             nll, n = window_nll(engine, cache, ids[start:start + window], path)
             total, count, windows = total + nll, count + n, windows + 1
@@ -207,7 +219,7 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
     in_all = sum(max(len(tok.encode(s, add_bos=True)) - 1, 0) for s in stories) if progress else 0
     total, count = 0.0, 0
     for story in stories:
-        ids = tok.encode(story, add_bos=True)
+        ids = _story_ids(tok, story, session.manifest.arch.vocab_size, text_path)
         cache.reset()
         pos = 0
         while pos < len(ids) - 1:

@@ -218,6 +218,15 @@ def test_a_tokenizer_with_more_ids_than_embedding_rows_converts_with_a_note(tmp_
     assert m.generate("Once upon a time", max_new_tokens=3, seed=1).token_ids
     with pytest.raises(edgeinfer.EdgeInferError, match=str(vocab)):
         m.generate("Once <|extra|>", max_new_tokens=3)
+    # and eval, which scored it: an IndexError traceback (int4's Gather read past its table first)
+    from edgeinfer.evaluate import perplexity, stream_perplexity
+
+    text = tmp_path / "eval.txt"
+    text.write_text("Once upon a time\nOnce <|extra|> there was\n")
+    for score in (lambda: perplexity(tmp_path / "out", text), lambda: stream_perplexity(tmp_path / "out", text,
+                                                                                          capacity=64)):
+        with pytest.raises(edgeinfer.EdgeInferError, match=f"token id {vocab}, outside the model's vocabulary"):
+            score()
 
 
 def test_a_failed_conversion_leaves_no_empty_parent_folders(capsys, src, tmp_path):
