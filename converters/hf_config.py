@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
+
 from edgeinfer.arch import SUPPORTED_ROPE_TYPES, ArchSpec, RopeSpec
 from edgeinfer.converters.source_files import read_json
 from edgeinfer.errors import ConvertError
@@ -63,14 +65,25 @@ def _positive(v, key: str) -> float:
     logits at every prompt, from a conversion that had said nothing)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise ConvertError(f"config.json: field {key!r} must be a finite positive number, got {v!r}")
-    if not FLOAT32_TINY <= v <= FLOAT32_MAX:
+    with np.errstate(over="ignore"):
+        held = np.float32(v)
+    if not 0 < held < np.inf:
         raise ConvertError(f"config.json: field {key!r} is {v!r}, which float32 (the graph's) holds as "
-                           f"{'0' if v < FLOAT32_TINY else 'infinity'}: it must lie in [{FLOAT32_TINY:.3g}, "
-                           f"{FLOAT32_MAX:.3g}]")
+                           f"{'0' if held == 0 else 'infinity'}")
     return float(v)
 
 
-FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e+38  # float32's smallest normal, largest
+def check_rope_range(spec: ArchSpec) -> None:
+    """ConvertError unless RoPE's angles stay finite in float32 up to the last trained position: a tiny
+    theta or scaling factor (1e-37) passes `_positive`, but inv_freq, or position times inv_freq, is
+    infinite there, and from that position on every logit was NaN."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        inv = spec.rope.inv_freq(spec.head_dim)
+        last = np.float32(spec.max_position_embeddings - 1) * inv
+    if not (np.isfinite(inv).all() and np.isfinite(last).all()):
+        raise ConvertError(f"config.json: RoPE's angles (theta {spec.rope.theta:g}, type {spec.rope.type}) are "
+                           f"not finite in float32 by position {spec.max_position_embeddings - 1}: the rope "
+                           "theta or scaling factor is too small")
 
 
 def parse_rope(cfg: dict) -> RopeSpec:
@@ -169,7 +182,7 @@ def common_spec(cfg: dict, family: str, *, qkv_bias: bool, o_bias: bool = False,
         raise ConvertError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     if head_dim % 2:
         raise ConvertError(f"config.json: head_dim {head_dim} must be even for RoPE")
-    return ArchSpec(
+    spec = ArchSpec(
         family=family,
         hidden_size=hidden,
         intermediate_size=_int(cfg, "intermediate_size"),
@@ -189,3 +202,5 @@ def common_spec(cfg: dict, family: str, *, qkv_bias: bool, o_bias: bool = False,
         bos_token_id=_token_id(cfg, "bos_token_id"),
         eos_token_ids=_eos_ids(cfg),
     )
+    check_rope_range(spec)
+    return spec

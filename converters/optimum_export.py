@@ -37,7 +37,7 @@ from edgeinfer.converters.convert import MAX_DEFAULT_CAPACITY, _check_source, ch
 from edgeinfer.converters.hf_tokenizer import TOKENIZER_FILES, tokenizer_info
 from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
 from edgeinfer.converters.source_files import regular_file
-from edgeinfer.converters.hf_config import _eos_ids, _int, flag, parse_rope, read_config
+from edgeinfer.converters.hf_config import _eos_ids, _int, check_rope_range, flag, parse_rope, read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE
 from edgeinfer.errors import ConvertError
 from edgeinfer.integrity import sha256_file
@@ -103,7 +103,7 @@ def spec_from_hf_config(cfg: dict) -> ArchSpec:
         raise ConvertError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads "
                            f"{kv_heads}")
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) is not False else None
-    return ArchSpec(
+    spec = ArchSpec(
         family=str(cfg["model_type"]), hidden_size=hidden,
         intermediate_size=_int(cfg, "intermediate_size", 4 * hidden), num_layers=_int(cfg, "num_hidden_layers"),
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=_int(cfg, "vocab_size"),
@@ -113,6 +113,8 @@ def spec_from_hf_config(cfg: dict) -> ArchSpec:
         qkv_bias=flag(cfg, "attention_bias"), o_bias=flag(cfg, "attention_bias"),
         sliding_window=window if isinstance(window, int) and window > 0 else None,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_eos_ids(cfg))
+    check_rope_range(spec)
+    return spec
 
 
 def convert_via_optimum(src: Path | str, dst: Path | str, *, quant: str = "int4", block_size: int = 32,

@@ -153,6 +153,9 @@ def test_unsupported_architecture_lists_supported(capsys, src, tmp_path):
     ({"rms_norm_eps": 1e-50}, "'rms_norm_eps' is 1e-50, which float32 (the graph's) holds as 0"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 1e-300}}, "'rope_scaling.factor' is 1e-300"),
     ({"rope_theta": 1e308}, "holds as infinity"),
+    # held in float32, but RoPE's angles are not finite there by the last position: NaN logits from it on
+    ({"rope_scaling": {"rope_type": "linear", "factor": 1e-37}}, "RoPE's angles (theta 10000, type linear) are not"),
+    ({"rope_theta": 1e-45, "max_position_embeddings": 131072}, "not finite in float32 by position 131071"),
 ])
 def test_unsupported_config_field(capsys, src, tmp_path, changes, needle):
     edit_config(src, **changes)
