@@ -184,8 +184,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         except EdgeInferError as e:  # e.g. the reply does not fit (--overflow error): say so, keep chatting
             from edgeinfer.overflow import ContextOverflowError
 
-            full = isinstance(e, ContextOverflowError)
-            hint = " (/reset clears the context; --capacity sets its size)" if full else ""
+            hint = ""
+            if isinstance(e, ContextOverflowError):  # the library's words name its own arguments
+                held = "; /reset clears the context" if conv.cache.n_valid else ""
+                hint = f" (here: --overflow, --capacity{held})"
             print(f"edgeinfer: error: {e}{hint}", file=sys.stderr)
             continue
         print()

@@ -82,10 +82,10 @@ def test_chat_says_what_a_full_context_did_as_generate_does():
 
     story = b"Tell me a long story about a dog.\n"
     shift = chat("--max-tokens", "40", text=story + b"And then what happened next?\n")
-    assert len(shift) == 2 and all("tokens were dropped from the 64-token context" in x for x in shift[1:]), shift
+    assert len(shift) == 2 and all("tokens were dropped from the 64-token context" in x for x in shift), shift
     full = chat("--max-tokens", "60", "--overflow", "error", text=story + b"And then?\nab\xff\xfe hi\n")
     assert "the reply stopped after" in full[0] and "64-token context is full" in full[0], full
-    assert "does not fit" in full[1] and full[1].endswith("(/reset clears the context; --capacity sets its size)")
+    assert "does not fit" in full[1] and full[1].endswith("(here: --overflow, --capacity; /reset clears the context)")
     assert "message 2 (user) is not valid UTF-8: character 2 is" in full[2], full  # the refused turn is not kept
 
 
