@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
+from edgeinfer.tokenizer import check_utf8
 from edgeinfer.template_sandbox import MAX_TEMPLATE_CHARS, budget, compile_template  # noqa: F401 (re-exported)
 
 ROLES = ("system", "user", "assistant")
@@ -27,12 +28,8 @@ def check_messages(messages: Sequence[dict]) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise InvalidArgumentError(f"message {i} must be a dict with role in {ROLES} and string content")
-        try:  # here, where the position is the message's own (the rendering's encode would name its own)
-            m["content"].encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidArgumentError(
-                f"message {i} ({m['role']}) is not valid UTF-8: character {e.start} is {m['content'][e.start]!r} "
-                "(an undecodable byte or a lone surrogate)") from None
+        check_utf8(m["content"], f"message {i} ({m['role']})")  # here, the position the message's own (the
+        # rendering's encode would name its place in the rendering)
         out.append({"role": m["role"], "content": m["content"]})
     return out
 

@@ -105,7 +105,7 @@ class Tokenizer:
         """Token ids of `text` (valid Unicode: a lone surrogate, e.g. an undecodable byte of a
         command line, raises InvalidArgumentError), with BOS first when `add_bos` (default: the
         model's config)."""
-        _check_utf8(text)
+        check_utf8(text)
         ids = self._encode(text)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, int(self.bos_id))
@@ -117,7 +117,7 @@ class Tokenizer:
         without the word-start marker SentencePiece puts before a text's first piece ("\nUser:" alone
         is "\u2581", "\n", ...; after a reply, "\n", ...). Encoded after a newline whose ids are then
         dropped; where the two merge, `text` is encoded on its own. Text as `encode` takes it."""
-        _check_utf8(text)
+        check_utf8(text)
         head = self._encode("\n")
         ids = self._encode("\n" + text)
         return ids[len(head):] if ids[:len(head)] == head else self._encode(text)
@@ -221,14 +221,14 @@ class Tokenizer:
         return all(self._token_string(i) == other._token_string(i) for i in range(self._n_vocab))
 
 
-def _check_utf8(text: str) -> None:
+def check_utf8(text: str, what: str = "the text") -> None:
     """InvalidArgumentError unless `text` is valid Unicode (a lone surrogate, e.g. an undecodable byte
-    of a command line, is not)."""
+    of a command line, is not), naming it as `what` and the character's position in it."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidArgumentError(
-            f"the text is not valid UTF-8: character {e.start} is {text[e.start]!r} (an undecodable byte "
+            f"{what} is not valid UTF-8: character {e.start} is {text[e.start]!r} (an undecodable byte "
             f"or a lone surrogate)") from None
 
 
