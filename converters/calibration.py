@@ -18,7 +18,7 @@ it; numpy built on Apple's Accelerate (macOS arm64 wheels) is not held, and ther
 still depend on the core count.
 
 `plan` decides whether a conversion calibrates (the gptq recipe with some weight at int4, a text
-the tokenizer reads as enough tokens) and says so. `Calibration` runs the model on those rows in
+the tokenizer reads as enough tokens; or, for `--target cuda`, one row to check the range) and says so. `Calibration` runs the model on those rows in
 numpy, one layer at a time, in the order `decoder.build_decoder` reads the layer's weights, and
 returns each projection's input X [tokens, K] (float32; the recipe takes what it needs: its Gram
 matrix X^T X, or each input's sum of squares), just before that projection is quantized:
@@ -33,11 +33,16 @@ matrix X^T X, or each input's sum of squares), just before that projection is qu
 Each step takes the float weights (the source's, not the quantized ones: every layer sees what the
 float model computes). The arithmetic is the graph's in float32, so the logits it implies match
 transformers' (`tests/test_gptq.py`), widened heads included (`widen.py`: the same function).
+
+Along the way `peak` keeps the largest magnitude of any activation the graph holds (the residual
+stream, each projection's output, the norms' and the MLP's products). A `--target cuda` graph holds
+them in float16, where one past 65504 becomes infinity and the logits NaN: `convert` refuses such a
+model for that target (`cuda_graph.check_range`).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -86,30 +91,40 @@ def too_thin(ids: np.ndarray) -> str | None:
     return None
 
 
-def plan(scheme: QuantScheme, folder: Path, info: TokenizerInfo, spec: ArchSpec, log=lambda msg: None):
+def plan(scheme: QuantScheme, folder: Path, info: TokenizerInfo, spec: ArchSpec, log=lambda msg: None,
+         check_fp16: bool = False):
     """(calibration ids [n, T] or None, the scheme as it will be done) for a conversion by `scheme`,
-    its tokenizer in `folder`: ids only for the gptq recipe with some weight at int4 (else nothing to
-    fit, and the label says asym), and asym instead when the text reads `too_thin`, with a note.
+    its tokenizer in `folder`: ids for the gptq recipe with some weight at int4 (else nothing to fit,
+    and the label says asym), and asym instead when the text reads `too_thin`, with a note. With
+    `check_fp16` (`--target cuda`) and nothing to fit, one row of ids still, for `Calibration.peak`
+    alone (a row is enough to see the activations' scale, and costs a quarter of the fit's forward).
     ConvertError when the tokenizer cannot be used."""
     from edgeinfer.errors import ConvertError, EdgeInferError
     from edgeinfer.tokenizer import Tokenizer
 
-    if scheme.recipe != "gptq":
+    fit = scheme.recipe == "gptq" and scheme.weights == "int4" and (
+        bool(set(PROJECTIONS) - set(scheme.int8_tensors)) or scheme.embedding == "int4" or scheme.lm_head == "int4")
+    if scheme.recipe == "gptq" and not fit:
+        scheme = replace(scheme, recipe="asym")  # nothing at int4 to fit: the label says what was done
+    if not fit and not check_fp16:
         return None, scheme
-    int4 = scheme.weights == "int4" and (bool(set(PROJECTIONS) - set(scheme.int8_tensors))
-                                         or scheme.embedding == "int4" or scheme.lm_head == "int4")
-    if not int4:
-        return None, replace(scheme, recipe="asym")  # nothing at int4 to fit: the label says what was done
     try:
         ids = calibration_ids(Tokenizer(folder, info), spec)
     except (EdgeInferError, ValueError) as e:
         raise ConvertError(f"the source's tokenizer cannot be used: {e}") from None
-    thin = too_thin(ids)
-    if thin:  # fitting to so little is worse than not fitting
+    if fit:
+        thin = too_thin(ids)
+        if not thin:
+            log(f"calibration: {ids.size} tokens of the shipped text (the gptq recipe)")
+            return ids, scheme
+        # fitting to so little is worse than not fitting
         log(f"note: the model's tokenizer reads the calibration text as {thin}: int4 takes the asym recipe, "
             "which needs none")
-        return None, replace(scheme, recipe="asym")
-    log(f"calibration: {ids.size} tokens of the shipped text (the gptq recipe)")
+        scheme = replace(scheme, recipe="asym")
+    if not check_fp16 or ids.size == 0:
+        return None, scheme
+    ids = ids[:1]
+    log(f"calibration: {ids.size} tokens of the shipped text, to check that the activations fit float16")
     return ids, scheme
 
 
@@ -143,6 +158,13 @@ def project(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
+@dataclass(frozen=True)
+class Peak:
+    """The largest magnitude an activation reached on the calibration rows, and where."""
+    abs_value: float
+    where: str
+
+
 class Calibration:
     """The float model's forward on calibration rows, a layer at a time (steps in the module doc)."""
 
@@ -162,9 +184,20 @@ class Calibration:
             allowed &= pos[None, :] > pos[:, None] - spec.sliding_window
         self.mask = np.where(allowed, np.float32(0), np.float32(-np.inf))
         self.tokens = n * t
+        self.layer = 0
+        self.peak = Peak(0.0, "")
+        self._watch("the embedding", self.x, in_layer=False)
+
+    def _watch(self, what: str, a: np.ndarray, in_layer: bool = True) -> None:
+        """Keep `peak` (a NaN or infinity counts as infinitely large)."""
+        m = float(np.max(np.abs(a))) if a.size else 0.0
+        m = m if np.isfinite(m) else float("inf")
+        if m > self.peak.abs_value:
+            self.peak = Peak(m, f"layer {self.layer}'s {what}" if in_layer else what)
 
     def attention_input(self, ln: np.ndarray) -> np.ndarray:
         self.h = rms_norm(self.x, ln, self.spec.rms_norm_eps)
+        self._watch("input norm", self.h)
         return tokens(self.h)
 
     def attention(self, w_qkv: np.ndarray, b_qkv: np.ndarray | None, q_norm: np.ndarray | None,
@@ -174,6 +207,7 @@ class Calibration:
         qkv = project(self.h, w_qkv)
         if b_qkv is not None:
             qkv += b_qkv.astype(np.float32)
+        self._watch("q|k|v projection", qkv)
         n, t, _ = qkv.shape
         q = qkv[..., :H * Dh].reshape(n, t, H, Dh)
         k = qkv[..., H * Dh:(H + Hkv) * Dh].reshape(n, t, Hkv, Dh)
@@ -188,27 +222,38 @@ class Calibration:
         scores = np.exp(scores - scores.max(-1, keepdims=True))
         scores /= scores.sum(-1, keepdims=True)
         self.ctx = (scores @ v).transpose(0, 2, 1, 3).reshape(n, t, H * Dh)
+        self._watch("attention", self.ctx)
         return tokens(self.ctx)
 
     def mlp_input(self, w_o: np.ndarray, b_o: np.ndarray | None, post_ln: np.ndarray) -> np.ndarray:
         out = project(self.ctx, w_o)
         if b_o is not None:
             out += b_o.astype(np.float32)
+        self._watch("o_proj", out)
         self.x = self.x + out
+        self._watch("residual stream after attention", self.x)
         self.ctx = None
         self.h = rms_norm(self.x, post_ln, self.spec.rms_norm_eps)
+        self._watch("post-attention norm", self.h)
         return tokens(self.h)
 
     def mlp_act(self, w_gate_up: np.ndarray) -> np.ndarray:
         gu = project(self.h, w_gate_up)
+        self._watch("gate|up projection", gu)
         gate, up = gu[..., :self.spec.intermediate_size], gu[..., self.spec.intermediate_size:]
         self.act = gate * (np.float32(0.5) * (np.float32(1) + np.tanh(gate * np.float32(0.5)))) * up  # silu(gate) * up
+        self._watch("silu(gate) * up", self.act)
         return tokens(self.act)
 
     def end_layer(self, w_down: np.ndarray) -> None:
-        self.x = self.x + project(self.act, w_down)
+        out = project(self.act, w_down)
+        self._watch("down_proj", out)
+        self.x = self.x + out
+        self._watch("residual stream after the MLP", self.x)
         self.act = self.h = None
+        self.layer += 1
 
     def head_input(self, norm: np.ndarray) -> np.ndarray:
         self.h = rms_norm(self.x, norm, self.spec.rms_norm_eps)
+        self._watch("the final norm", self.h, in_layer=False)
         return tokens(self.h)

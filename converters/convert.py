@@ -304,15 +304,18 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
             tokenizer = tokenizer_info(src, spec, log)
         calibration = None
         if portable is None and not keep:
-            calibration, scheme = plan(scheme, tmp if gguf else src, tokenizer, spec, log)
+            calibration, scheme = plan(scheme, tmp if gguf else src, tokenizer, spec, log,
+                                       check_fp16=target == "cuda")
         t0 = time.perf_counter()
         writer = WeightWriter(tmp)
         graphs = [MODEL_FILE]
         kv_dtype = "float16" if target == "cuda" else "float32"
         if portable is None:
-            model = build_decoder(spec, src_tensors, scheme, writer, mode, calibration)
+            model, peak = build_decoder(spec, src_tensors, scheme, writer, mode, calibration)
             writer.close()
             if target == "cuda":  # fp16 activations and KV (converters/cuda_graph.py)
+                if peak is not None:
+                    cuda_graph.check_range(peak, log)
                 model = cuda_graph.to_fp16(model, tmp, DATA_FILE)
                 cuda_graph.save(model, tmp / MODEL_FILE, DATA_FILE)
                 scheme = _as_stored_on_cuda(scheme, log)

@@ -13,6 +13,11 @@ becomes float16 (MatMulNBits' scales too; its packed weights are not floats), ex
 
 The KV inputs and outputs are float16 (`interface.kv_dtype`), half the ring's memory. ONNX
 Runtime's CPU EP runs this graph too (slowly), which is how its numbers are checked without a GPU.
+
+float16's largest finite value is 65504: an activation past it is infinity, and the logits NaN on
+every prompt. `check_range` refuses a model whose activations on the calibration text
+(`calibration.Calibration.peak`) reach it, and notes one within a factor `MARGIN` of it (other text,
+and float16's own rounding on the way, may go further than the calibration rows did).
 """
 
 from __future__ import annotations
@@ -24,6 +29,23 @@ import onnx
 from onnx.external_data_helper import load_external_data_for_model
 
 KEEP_FP32_NODES = ("/model/attn_mask",)
+FP16_MAX = 65504.0
+MARGIN = 4.0
+
+
+def check_range(peak, log) -> None:
+    """ConvertError when `peak` (a `calibration.Peak`) reaches FP16_MAX; a note past FP16_MAX / MARGIN."""
+    from edgeinfer.errors import ConvertError
+
+    if peak.abs_value >= FP16_MAX:
+        raise ConvertError(f"--target cuda computes in float16, whose largest value is {FP16_MAX:g}: on the shipped "
+                           f"calibration text this model's activations reach {peak.abs_value:.4g} ({peak.where}), "
+                           "which float16 holds as infinity, so every prompt would give NaN logits; convert for "
+                           "--target cpu (float32 activations) instead")
+    if peak.abs_value >= FP16_MAX / MARGIN:
+        log(f"note: on the shipped calibration text this model's activations reach {peak.abs_value:.4g} "
+            f"({peak.where}), within {MARGIN:g}x of float16's largest value ({FP16_MAX:g}): other text may "
+            "overflow --target cuda's float16 and give NaN logits; --target cpu computes in float32")
 
 
 def to_fp16(model: onnx.ModelProto, folder: Path, data_file: str) -> onnx.ModelProto:

@@ -30,7 +30,7 @@ from threadpoolctl import threadpool_limits
 
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import graph as G
-from edgeinfer.converters.calibration import Calibration
+from edgeinfer.converters.calibration import Calibration, Peak
 from edgeinfer.converters.gguf_blocks import Blocks, q4_1_blocks, stack
 from edgeinfer.converters.gguf_checkpoint import FLOAT_TYPES
 from edgeinfer.converters.kept_graph import kept_gather, kept_linear, kept_matmul, kept_weight
@@ -282,17 +282,19 @@ def _linear(g: G.Graph, prefix: str, x: str, w: np.ndarray | Blocks, bias, kind:
 ATTENTION_CHOICES = ("auto", *NAMES)  # `convert --attention`: a KV mode's name, or auto
 
 
-def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer,
-                  mode: KVMode, calibration_ids: np.ndarray | None = None) -> "onnx.ModelProto":  # noqa: F821
-    """The decoder graph. calibration_ids [n, T] (the gptq recipe: `calibration.calibration_ids`): the
-    float model runs on them alongside (`calibration.Calibration`), and each int4 projection is
-    quantized with its input there (`gptq.gptq_int4`), BLAS on one thread (the work is spread over
-    the cores by rows instead: the same sums, and so the same bytes, whatever the core count)."""
+def build_decoder(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer, mode: KVMode,
+                  calibration_ids: np.ndarray | None = None) -> tuple["onnx.ModelProto", Peak | None]:  # noqa: F821
+    """The decoder graph, and the largest activation on the calibration rows (None without them).
+    calibration_ids [n, T] (`calibration.plan`): the float model runs on them alongside
+    (`calibration.Calibration`), and under the gptq recipe each int4 projection is quantized with its
+    input there (`gptq.gptq_int4`), BLAS on one thread (the work is spread over the cores by rows
+    instead: the same sums, and so the same bytes, whatever the core count)."""
     if calibration_ids is None:
-        return _build(spec, src, scheme, writer, mode, None)
+        return _build(spec, src, scheme, writer, mode, None), None
     with threadpool_limits(1, "blas"):
         rows = src.rows("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size)).take(calibration_ids)
-        return _build(spec, src, scheme, writer, mode, Calibration(spec, calibration_ids, rows))
+        cal = Calibration(spec, calibration_ids, rows)
+        return _build(spec, src, scheme, writer, mode, cal), cal.peak
 
 
 def _build(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer, mode: KVMode,
@@ -302,7 +304,8 @@ def _build(spec: ArchSpec, src: TensorSource, scheme: QuantScheme, writer, mode:
     D, H, Hkv, Dh, I = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     eps = spec.rms_norm_eps
 
-    h, head = embedding_and_head(g, spec, src, scheme, "input_ids", calibrated=cal is not None)
+    fitted = cal is not None and scheme.recipe == "gptq"  # (rows there only for `Calibration.peak`: not fitted)
+    h, head = embedding_and_head(g, spec, src, scheme, "input_ids", calibrated=fitted)
     cos, sin, positions = ROPE_COS, ROPE_SIN, "position_ids"  # graph inputs: the host's table, row = position
     gqa = mode.in_place  # GroupQueryAttention reads the past and appends the new rows in the one buffer
     packed = gqa and not spec.qk_norm  # q/k norms sit between the projection and RoPE: those need them apart

@@ -49,3 +49,13 @@ def warn_user(message: str) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, UserWarning, stacklevel=level)
+
+
+def broken_logits_cause(kv_dtype) -> str:
+    """What logits that are NaN or infinite say about a model: broken weights, or, in a graph that
+    computes in float16 (`kv_dtype` float16: `convert --target cuda`), activations past its range."""
+    why = "its weights are broken (`edgeinfer inspect --verify` checks the files against the conversion)"
+    if str(kv_dtype) == "float16":
+        why += (", or its activations overflow float16, which this --target cuda model computes in (convert it "
+                "for --target cpu)")
+    return why

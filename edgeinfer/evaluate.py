@@ -29,7 +29,7 @@ import numpy as np
 from edgeinfer import small_files
 from edgeinfer.engine import Engine
 from edgeinfer.portable_engine import open_engine
-from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError, ModelFormatError
+from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError, ModelFormatError, broken_logits_cause
 from edgeinfer.kv_cache import RingKVCache, binding_window
 from edgeinfer.overflow import resolve_sinks
 from edgeinfer.sampling.params import is_integer
@@ -77,10 +77,10 @@ def _read_stories(text_path: Path) -> list[str]:
 DEFAULT_WINDOW = 512
 
 
-def _finite(mean_nll: float, model_dir) -> float:
+def _finite(mean_nll: float, model_dir, kv_dtype) -> float:
     if not math.isfinite(mean_nll):
-        raise ModelFormatError(f"{model_dir} computed logits that are not finite (NaN or infinity): its weights "
-                               "are broken (`edgeinfer inspect --verify` checks the files against the conversion)")
+        raise ModelFormatError(f"{model_dir} computed logits that are not finite (NaN or infinity): "
+                               f"{broken_logits_cause(kv_dtype)}")
     return mean_nll
 
 
@@ -186,7 +186,7 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
                 progress(windows, in_all, "windows")
     if count == 0:
         raise EdgeInferError(f"{text_path}: no token to score")
-    mean = _finite(total / count, model_dir)
+    mean = _finite(total / count, model_dir, cache.dtype)
     return PerplexityResult(_exp(mean), mean, count, len(stories), windows, time.perf_counter() - t0, path, window)
 
 
@@ -233,6 +233,6 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
                 progress(count, in_all, "tokens")
     if count == 0:
         raise EdgeInferError(f"{text_path}: no token to score")
-    mean = _finite(total / count, model_dir)
+    mean = _finite(total / count, model_dir, cache.dtype)
     return PerplexityResult(_exp(mean), mean, count, len(stories), len(stories), time.perf_counter() - t0,
                             "stream")

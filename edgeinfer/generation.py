@@ -35,7 +35,7 @@ from edgeinfer.context_lock import ContextBusyError, ContextLock, interrupts_hel
 from edgeinfer.detokenize import Detokenizer, StopFilter
 from edgeinfer.drafting import ModelDrafter
 from edgeinfer.engine import Engine
-from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError
+from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError, broken_logits_cause
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.options import GenerationOptions
 from edgeinfer.overflow import fit_prompt
@@ -353,8 +353,7 @@ class Request:
                     raise InvalidArgumentError("logit_bias bans every token the model could give next (-inf "
                                                f"on each), at generated token {len(generated) + 1}") from None
                 raise ModelFormatError(f"the model computed logits the sampler cannot use ({e}) at generated token "
-                                       f"{len(generated) + 1}: its weights are broken (`edgeinfer inspect --verify` "
-                                       "checks the files against the conversion)") from None
+                                       f"{len(generated) + 1}: {broken_logits_cause(cache.dtype)}") from None
             if t_first is None:
                 t_first = time.perf_counter()
             if token in eos:
