@@ -23,7 +23,8 @@ def add_generate_parser(sub) -> None:
 
 
 def add_chat_parser(sub) -> None:
-    ch = sub.add_parser("chat", help="interactive chat (/reset clears the context, Ctrl-C stops a reply)")
+    ch = sub.add_parser("chat", help='interactive chat (/reset clears the context, Ctrl-C stops a reply, '
+                                     '""" begins and ends a message of several lines)')
     _model_args(ch)
     _sampling_args(ch)
     ch.set_defaults(func=_cmd_chat)
@@ -133,6 +134,34 @@ def _context_notes(c, max_new_tokens: int, capacity: int, overflow: str) -> list
     return notes
 
 
+BLOCK = '"""'
+HELP = ('/reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply; a line starting with """ '
+        'begins a message of several lines, ended by a line of """.')
+
+
+def _block(line: str, read_line) -> str:
+    """The message a line begins: the line itself; for a line starting with \"\"\", the rest of it
+    and the lines after it up to one that is \"\"\" alone (`read_line()` gives the next; the end of
+    the input ends the message too), or just the rest if it ends with \"\"\" (`\"\"\"Hi\"\"\"`).
+    A text pasted into `chat` is then one turn, not one per line. Only an unindented \"\"\" line
+    closes, so pasted Python keeps its docstrings."""
+    if not line.lstrip().startswith(BLOCK):
+        return line
+    rest = line.lstrip()[len(BLOCK):]
+    if rest.rstrip().endswith(BLOCK):
+        return rest.rstrip()[:-len(BLOCK)]
+    lines = [rest] if rest.strip() else []
+    while True:
+        try:
+            text = read_line()
+        except EOFError:
+            break
+        if text.rstrip() == BLOCK:
+            break
+        lines.append(text)
+    return "\n".join(lines)
+
+
 def _cmd_chat(args: argparse.Namespace) -> int:
     opts = _options(args)
     if sys.stdin is None:
@@ -145,7 +174,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             import readline  # noqa: F401
         except ImportError:  # Windows, or a Python built without it
             pass
-    print("edgeinfer chat: /reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
+    print(f"edgeinfer chat: {HELP}", file=sys.stderr)
     while True:
         try:
             line = input("> " if interactive else "")  # piped: no prompts mixed into the replies
@@ -167,13 +196,21 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             print("(context cleared)", file=sys.stderr)
             continue
         if command in ("/help", "/?"):  # not a message to the model
-            print("/reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply.", file=sys.stderr)
+            print(HELP, file=sys.stderr)
             continue
-        if not line.strip():
+        try:
+            message = _block(line, lambda: input("... " if interactive else ""))
+        except KeyboardInterrupt:
+            print("\n(message dropped)", file=sys.stderr)
+            continue
+        except UnicodeDecodeError as e:
+            print(f"edgeinfer: error: the input is not valid UTF-8 ({e.reason}); message dropped", file=sys.stderr)
+            continue
+        if not message.strip():
             continue
         reply = None
         try:
-            reply = conv.stream_say(line, opts)
+            reply = conv.stream_say(message, opts)
             for chunk in reply:
                 print(chunk.text, end="", flush=True)
         except KeyboardInterrupt:

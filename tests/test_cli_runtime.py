@@ -80,3 +80,39 @@ def test_chat_reset_and_ctrl_c(capsys, monkeypatch):
     # /reset emptied the history and the cut turn left no trace in it: the last turn's history is its own
     assert [m["content"] for m in seen["history_after"] if m["role"] == "user"] == ["Again"]
     assert calls["n"] == 3  # the program went on after the interrupted reply
+
+
+def test_chat_takes_a_block_between_triple_quotes_as_one_message(capsys, monkeypatch):
+    """A text of several lines pasted into `chat` was one turn per line (a hostile round). Between a
+    line starting with \"\"\" and a line of \"\"\" alone it is one message, pasted Python's indented
+    docstrings included; `\"\"\"Hi\"\"\"` is one line's message; the end of input ends a block; Ctrl-C
+    inside one drops it and chat goes on."""
+    from edgeinfer.conversation import Conversation
+
+    script = ['"""', "def f():", '    """Doc."""', '    """', "", "    return 1", '"""',
+              '"""One line."""', "plain", '""" starts here', "and goes on", KeyboardInterrupt(), "after",
+              '"""', "cut by the end of input"]
+    lines = iter(script)
+
+    def fake_input(prompt=""):
+        try:
+            item = next(lines)
+        except StopIteration:
+            raise EOFError from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    said = []
+    real = Conversation.stream_say
+
+    def stream_say(self, content, opts=None):
+        said.append(content)
+        return real(self, content, opts)
+
+    monkeypatch.setattr(builtins, "input", fake_input)
+    monkeypatch.setattr(Conversation, "stream_say", stream_say)
+    assert main(["chat", "--max-tokens", "2", "--seed", "1"]) == 0
+    assert said == ['def f():\n    """Doc."""\n    """\n\n    return 1', "One line.", "plain", "after",
+                    "cut by the end of input"]
+    assert "(message dropped)" in capsys.readouterr().err
