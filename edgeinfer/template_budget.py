@@ -292,8 +292,8 @@ def check_args(what: str, value, args: tuple, kwargs: dict) -> None:
         _refuse("sum with a start that is not a number")
     if what == "int" and isinstance(value, str) and len(value) > MAX_INT_TEXT:
         _refuse(f"int of a {len(value)}-character string is past the {MAX_INT_TEXT} read")
-    if what == "tojson":
-        indent = arg(0, "indent")
+    if what == "tojson":  # transformers' signature: (value, ensure_ascii, indent, separators, sort_keys)
+        indent = arg(1, "indent")
         if isinstance(indent, int) and not isinstance(indent, bool) and indent > MAX_JSON_INDENT:
             _refuse(f"tojson(indent={indent}) is past {MAX_JSON_INDENT}")
     if not isinstance(value, str):

@@ -44,6 +44,30 @@ def _raise(message: str):
     raise InvalidArgumentError(f"chat template: {message}")
 
 
+def _strftime_now(format: str) -> str:
+    """The templates' `strftime_now`: the local time now in `format`, as transformers gives it (Llama
+    3.2's template writes today's date with it; without it, it wrote a fixed date of 2024)."""
+    import datetime
+
+    if not isinstance(format, str):
+        raise InvalidArgumentError(f"chat template: strftime_now takes a format string, got {type(format).__name__}")
+    return datetime.datetime.now().strftime(format)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """The templates' `tojson` as transformers defines it (`json.dumps`, keys in their order, non-ASCII
+    and `<>&'` as they are), not Jinja's HTML-safe one, which escaped them and sorted the keys."""
+    import json
+
+    if separators is not None and (not isinstance(separators, (list, tuple)) or len(separators) != 2
+                                   or not all(isinstance(x, str) and len(x) <= 8 for x in separators)):
+        raise InvalidArgumentError("chat template: tojson's separators must be two strings of at most 8 characters")
+    if isinstance(indent, str) and len(indent) > 8:  # repeated at every level of every item
+        raise InvalidArgumentError("chat template: tojson's indent string is longer than 8 characters")
+    return json.dumps(value, ensure_ascii=bool(ensure_ascii), indent=indent, separators=separators,
+                      sort_keys=bool(sort_keys))
+
+
 def _loop(iterable):
     """The items of a template's `{% for %}`, each counted."""
     return current().loop(iterable)
@@ -84,8 +108,9 @@ def _nesting(node, limit: int) -> int:
 
 
 def compile_template(template: str):
-    """The Jinja template object for `template`, in the sandbox Hugging Face templates expect (with
-    `raise_exception`, and `{% generation %}` blocks rendered as their body: transformers' tag that
+    """The Jinja template object for `template`, in the sandbox Hugging Face templates expect (as
+    transformers sets it up: `raise_exception`, `strftime_now`, its own `tojson`, `{% break %}` and
+    `{% continue %}`, and `{% generation %}` blocks rendered as their body: transformers' tag that
     marks the assistant's tokens for training), with the module doc's hooks; ModelFormatError when
     it does not parse (the model's fault, not the caller's: the daemon answers 500)."""
     import jinja2  # only models with a template pay for importing it (about 30 ms)
@@ -183,10 +208,12 @@ def compile_template(template: str):
     if len(template) > MAX_TEMPLATE_CHARS:
         raise ModelFormatError(f"the model's chat template is {len(template)} characters, more than the "
                                f"{MAX_TEMPLATE_CHARS} read")
-    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation], optimized=False)  # no constant
-    # folding: it tried to fold every node of a chain at every level (a 256 KB template of 30-deep chains
-    # compiled in 20 s), and it ran filters on constants while compiling
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"],
+                  optimized=False)  # no constant folding: it tried to fold every node of a chain at every level
+    # (a 256 KB template of 30-deep chains compiled in 20 s), and it ran filters on constants while compiling
     env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
     del env.globals["lipsum"]  # lipsum(n=10**6) writes a million paragraphs; no chat template uses it
     env.concat = _joined
     env.filters = {name: _counted(name, f) for name, f in env.filters.items() if name not in BLOCKED_FILTERS} | {
