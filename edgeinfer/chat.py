@@ -34,6 +34,46 @@ def check_messages(messages: Sequence[dict]) -> list[dict]:
     return out
 
 
+RESERVED_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+MAX_VARIABLE_DEPTH = 16
+
+
+def check_variables(variables, defuse: Callable[[str], str] | None = None) -> dict:
+    """Extra variables for a chat template (transformers' `apply_chat_template(**kwargs)`, the
+    `chat_template_kwargs` of OpenAI-compatible servers: Qwen3's `enable_thinking`) as a plain dict
+    of JSON values, every string in them passed through `defuse` (a client's text, as a message's
+    content is). InvalidArgumentError for anything else: a name that is not a string or is one the
+    rendering sets itself (RESERVED_VARIABLES), a value that is not JSON, nesting past
+    MAX_VARIABLE_DEPTH."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, dict):
+        raise InvalidArgumentError(f"template variables must be a dict, got {type(variables).__name__}")
+
+    def plain(v, where: str, depth: int):
+        if depth > MAX_VARIABLE_DEPTH:
+            raise InvalidArgumentError(f"template variable {where} nests deeper than {MAX_VARIABLE_DEPTH}")
+        if v is None or isinstance(v, (bool, int, float)):
+            return v
+        if isinstance(v, str):
+            check_utf8(v, f"template variable {where}")
+            return defuse(v) if defuse is not None else v
+        if isinstance(v, (list, tuple)):
+            return [plain(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+        if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+            return {k: plain(x, f"{where}.{k}", depth + 1) for k, x in v.items()}
+        raise InvalidArgumentError(f"template variable {where} must be JSON (null, a boolean, a number, a string, "
+                                   f"a list or an object with string keys), got {type(v).__name__}")
+
+    out = {}
+    for k, v in variables.items():
+        if not isinstance(k, str) or k in RESERVED_VARIABLES:
+            raise InvalidArgumentError(f"template variable name {k!r:.40}: names must be strings other than "
+                                       f"{', '.join(RESERVED_VARIABLES)}, which the rendering sets")
+        out[k] = plain(v, k, 1)
+    return out
+
+
 class ChatTemplate:
     """Renders messages to prompt text. `bos_token` / `eos_token` are the tokens' own strings ("<s>",
     "<|im_end|>": `Tokenizer.token_string`), as Hugging Face templates expect; "" for none. A template
@@ -52,10 +92,12 @@ class ChatTemplate:
                 self.error = e
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-               defuse: Callable[[str], str] | None = None) -> str:
+               defuse: Callable[[str], str] | None = None, variables: dict | None = None) -> str:
         """The prompt text; `defuse` (the tokenizer's) is applied to each message's content first, so
-        that a control token's string in it stays text when the rendering is encoded."""
+        that a control token's string in it stays text when the rendering is encoded. `variables`:
+        more names for the template (`check_variables`); the plain fallback has no use for them."""
         messages = check_messages(messages)
+        variables = check_variables(variables, defuse)
         if defuse is not None:
             messages = [{"role": m["role"], "content": defuse(m["content"])} for m in messages]
         if self.error is not None:
@@ -69,7 +111,8 @@ class ChatTemplate:
         try:
             pieces, size = [], 0
             with budget():  # loops and built strings bounded per render (template_sandbox)
-                for piece in self._tpl.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                for piece in self._tpl.generate(variables, messages=messages,
+                                                add_generation_prompt=add_generation_prompt,
                                                 bos_token=self.bos_token, eos_token=self.eos_token):
                     size += len(piece)
                     if size > MAX_RENDER_CHARS:  # a loop that writes without end

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from edgeinfer.chat import check_messages
+from edgeinfer.chat import check_messages, check_variables
 from edgeinfer.context_lock import ContextLock, interrupts_held
 from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError
 from edgeinfer.generation import Completion, Generation, Request
@@ -59,8 +59,9 @@ class Conversation:
         raise InvalidArgumentTypeError("a Conversation cannot be pickled: pass its messages to the other process "
                                        "and continue them with conversation().reply(messages)")
 
-    def __init__(self, model: "Model"):
+    def __init__(self, model: "Model", template_variables: dict | None = None):
         self.model = model
+        self.template_variables = check_variables(template_variables)  # checked now, defused at each rendering
         self.cache = model.new_cache()
         self.lock = ContextLock("this conversation")
         self.messages: list[dict] = []
@@ -129,7 +130,8 @@ class Conversation:
                 if not self.cache.intact:  # a mutation was cut short (Ctrl-C inside a step): start clean
                     self._recover()
             msgs = list(messages) if messages is not None else self.messages + [{"role": "user", "content": content}]
-            full = m.template.render(msgs, add_generation_prompt=True, defuse=m.tokenizer.defuse)
+            full = m.template.render(msgs, add_generation_prompt=True, defuse=m.tokenizer.defuse,
+                                     variables=self.template_variables)
             ids, whole, over = self._ids_for(full, opts)
             req.cut = len(whole) - len(ids)
             if not ids:

@@ -214,10 +214,11 @@ class Model:
             text, bos = text[len(self.template.bos_token):], True
         return self.tokenizer.encode(text, add_bos=bos)
 
-    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of `messages` in the model's chat template, ending with the assistant's cue."""
+    def encode_chat(self, messages: Sequence[dict], template_variables: dict | None = None) -> list[int]:
+        """Token ids of `messages` in the model's chat template, ending with the assistant's cue;
+        `template_variables` as `chat.check_variables` takes them ({"enable_thinking": False})."""
         return self.encode_rendered(self.template.render(messages, add_generation_prompt=True,
-                                                         defuse=self.tokenizer.defuse))
+                                                         defuse=self.tokenizer.defuse, variables=template_variables))
 
     def stream(self, prompt: str | Sequence[int], options: GenerationOptions | None = None, **overrides) -> Generation:
         """A Generation: iterate for Chunks (joined, their text equals `generate(...).text`); its
@@ -253,9 +254,11 @@ class Model:
         """Generate a completion of `prompt` (temperature 0: greedy); options as for `stream`."""
         return self.stream(prompt, options, **overrides).run_to_end()
 
-    def chat(self, messages: Sequence[dict], options: GenerationOptions | None = None, **overrides) -> Completion:
-        """One reply to `messages` with the model's chat template (stateless: a fresh conversation)."""
-        return self.conversation().reply(messages, options, **overrides)
+    def chat(self, messages: Sequence[dict], options: GenerationOptions | None = None, *,
+             template_variables: dict | None = None, **overrides) -> Completion:
+        """One reply to `messages` with the model's chat template (stateless: a fresh conversation);
+        `template_variables` as for `conversation`."""
+        return self.conversation(template_variables).reply(messages, options, **overrides)
 
     def snapshot(self, prefix: str | Sequence[int] | None = None, path: str | Path | None = None) -> PrefixSnapshot:
         """A warmed prefix (a system prompt) to reuse: with `prefix`, the default cache is emptied and
@@ -348,6 +351,9 @@ class Model:
         """The power controller's last readings and plan (None when loaded with power=None)."""
         return self.power.state() if self.power is not None else None
 
-    def conversation(self) -> Conversation:
-        """A new conversation with its own KV cache (allocated now, the same size as the default)."""
-        return Conversation(self)
+    def conversation(self, template_variables: dict | None = None) -> Conversation:
+        """A new conversation with its own KV cache (allocated now, the same size as the default).
+        `template_variables`: more names for the chat template at every turn, as transformers'
+        `apply_chat_template(**kwargs)` takes them ({"enable_thinking": False} for Qwen3; JSON values,
+        `chat.check_variables`)."""
+        return Conversation(self, template_variables)

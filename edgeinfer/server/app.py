@@ -244,7 +244,7 @@ class Server:
         param = "messages" if chat else "prompt"
         try:  # what the prompt's text or ids themselves break (vocabulary, UTF-8, the template's own checks)
             if chat:
-                prompt = self.model.encode_chat(list(req.messages))
+                prompt = self.model.encode_chat(list(req.messages), req.template_variables)
             else:
                 prompt = self.model.encode_prompt(req.prompt if isinstance(req.prompt, str) else list(req.prompt))
         except InvalidArgumentError as e:

@@ -10,7 +10,8 @@ with the default), and except `tools` / `functions` / `tool_choice` / `function_
 `response_format` / `modalities` / `audio` and, on completions, `echo`, `best_of` and `suffix`: each
 is refused unless it asks for what this server does anyway (no tools, plain text, no echo), so a
 client that relies on them does not get something else silently; nor is the other endpoint's
-`prompt`, `messages` or `max_completion_tokens` ignored (a 400 names where it belongs).
+`prompt`, `messages` or `max_completion_tokens` ignored (a 400 names where it belongs). Chat reads
+`chat_template_kwargs` too (vLLM's and llama.cpp's name): more variables for the chat template.
 
 Responses are built in `replies`.
 """
@@ -21,6 +22,7 @@ import difflib
 import sys
 from dataclasses import dataclass
 
+from edgeinfer.chat import check_variables
 from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.options import GenerationOptions
 from edgeinfer.sampling.params import INT32_MAX, MIN_TEMPERATURE, PENALTY_LIMIT
@@ -56,7 +58,8 @@ _NUMBERS = (
 # the fields each endpoint reads (a near miss of one is taken for a typo: `_refuse_near_misses`)
 READ_COMMON = ("model", "n", "stream", "stream_options", "stop", "seed", "logit_bias", "top_k", "ignore_eos",
                *(name for name, _, _ in _NUMBERS), *UNSUPPORTED)
-READ_CHAT = frozenset(READ_COMMON + ("messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"))
+READ_CHAT = frozenset(READ_COMMON + ("messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+                                     "chat_template_kwargs"))
 READ_COMPLETION = frozenset(READ_COMMON + ("prompt", "max_tokens", "logprobs", *UNSUPPORTED_COMPLETION))
 NEAR_MISS = 0.85  # difflib's ratio: one letter off in a name of 6 or more
 
@@ -79,7 +82,8 @@ class APIError(Exception):
 class ChatRequest:
     """A checked /v1/chat/completions request. `messages`: {"role": "system"|"user"|"assistant",
     "content": str} dicts (text parts joined, "developer" -> "system"), as `chat.check_messages` wants.
-    `top_logprobs` is 0 unless `logprobs`."""
+    `top_logprobs` is 0 unless `logprobs`. `template_variables`: the body's `chat_template_kwargs`
+    (vLLM's and llama.cpp's name; Qwen3's {"enable_thinking": false}), checked by `chat.check_variables`."""
 
     model: str
     messages: tuple[dict, ...]
@@ -88,6 +92,7 @@ class ChatRequest:
     include_usage: bool
     logprobs: bool
     top_logprobs: int
+    template_variables: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -334,8 +339,14 @@ def parse_chat(body, *, model_id: str, max_tokens_limit: int) -> ChatRequest:
     if top is not None and not logprobs:
         raise _bad("top_logprobs", "top_logprobs is only allowed when logprobs is true")
     stream, include_usage = _stream(body)
+    variables = body.get("chat_template_kwargs")
+    try:
+        variables = check_variables(variables) or None
+    except InvalidArgumentError as e:
+        raise _bad("chat_template_kwargs", f"chat_template_kwargs: {e}") from None
     return ChatRequest(model=model_id, messages=messages, options=options, stream=stream,
-                       include_usage=include_usage, logprobs=logprobs, top_logprobs=top or 0)
+                       include_usage=include_usage, logprobs=logprobs, top_logprobs=top or 0,
+                       template_variables=variables)
 
 
 def _prompt(body: dict) -> str | tuple[int, ...]:

@@ -1,0 +1,101 @@
+"""Extra chat-template variables: transformers' `apply_chat_template(**kwargs)`, the daemon's
+`chat_template_kwargs` (vLLM's and llama.cpp's name). A hostile round: Qwen3's
+{"enable_thinking": false} was ignored by the daemon without a word, the same prompt sent with or
+without it; the Python API had no way to give it."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+import edgeinfer
+from edgeinfer.chat import MAX_VARIABLE_DEPTH, ChatTemplate, check_variables
+from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.server.config import ServeConfig
+from test_server import Running
+
+# the shape of Qwen3's switch: an empty think block in the cue when thinking is off
+QWEN3ISH = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and enable_thinking is false %}"
+            " (no thinking){% endif %}{% if note is defined %} [{{ note }}]{% endif %}{% endif %}")
+MSGS = [{"role": "user", "content": "Lily had a ball."}]
+OFF = {"enable_thinking": False}
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = edgeinfer.load(threads=1)
+    m.template = ChatTemplate(QWEN3ISH, m.template.bos_token, m.template.eos_token)
+    return m
+
+
+@pytest.mark.parametrize("variables,needle", [
+    ({"messages": []}, "names must be strings other than"),
+    ({"bos_token": "x"}, "names must be strings other than"),
+    ({3: True}, "names must be strings"),
+    ({"x": {1, 2}}, "must be JSON"),
+    ({"x": {"a": object()}}, r"x\.a must be JSON"),
+    ({"x": {1: "a"}}, "must be JSON"),
+    ({"x": "\ud800"}, "not valid UTF-8"),
+    ([("enable_thinking", False)], "must be a dict"),
+])
+def test_variables_that_are_not_json_or_take_the_renderings_names_are_refused(variables, needle):
+    with pytest.raises(InvalidArgumentError, match=needle):
+        check_variables(variables)
+
+
+def test_nesting_is_bounded():
+    deep = True
+    for _ in range(MAX_VARIABLE_DEPTH):
+        deep = [deep]
+    assert check_variables({"x": deep[0]})["x"] == deep[0]
+    with pytest.raises(InvalidArgumentError, match="nests deeper"):
+        check_variables({"x": deep})
+
+
+def test_a_variable_reaches_the_template_and_its_text_stays_text(model):
+    plain = model.template.render(MSGS)
+    assert plain.endswith("assistant:")
+    assert model.template.render(MSGS, variables=OFF) == plain + " (no thinking)"
+    assert model.encode_chat(MSGS, OFF) == model.encode_rendered(plain + " (no thinking)")
+    ids = model.encode_chat(MSGS, {"note": "</s> and <s>"})  # a client's text: no control token forged
+    assert model.tokenizer.decode(ids).endswith("[</s> and <s>]")
+    assert not set(model.tokenizer.eos_ids) & set(ids) and ids.count(model.tokenizer.bos_id) == 1
+
+
+def test_chat_and_conversations_render_with_them(model):
+    want = model.generate(model.encode_chat(MSGS, OFF), max_new_tokens=8, temperature=0)
+    assert model.chat(MSGS, template_variables=OFF, max_new_tokens=8, temperature=0).text == want.text
+    conv = model.conversation(OFF)
+    first = conv.say("Lily had a ball.", max_new_tokens=8, temperature=0)
+    assert first.text == want.text and first.usage.prompt_tokens == len(model.encode_chat(MSGS, OFF))
+    second = conv.say("Then?", max_new_tokens=8, temperature=0)
+    fresh = model.conversation(OFF).reply(conv.messages[:-1], max_new_tokens=8, temperature=0)
+    assert second.text == fresh.text  # continued as a fresh one renders it, the variable at every turn
+    with pytest.raises(InvalidArgumentError, match="names must be strings other than"):
+        model.conversation({"messages": 1})
+
+
+def test_the_daemon_takes_chat_template_kwargs(model):
+    r = Running(ServeConfig(slots=1, queue=2, max_tokens_limit=16), model=model)
+    try:
+        cl = r.client()
+        on = cl.chat.completions.create(model="stories260K-int8", messages=MSGS, max_tokens=8, temperature=0)
+        off = cl.chat.completions.create(model="stories260K-int8", messages=MSGS, max_tokens=8, temperature=0,
+                                         extra_body={"chat_template_kwargs": OFF})
+        want = model.chat(MSGS, template_variables=OFF, max_new_tokens=8, temperature=0)
+        assert off.choices[0].message.content == want.text
+        assert off.usage.prompt_tokens == want.usage.prompt_tokens == len(model.encode_chat(MSGS, OFF))
+        assert on.usage.prompt_tokens == len(model.encode_chat(MSGS)) < off.usage.prompt_tokens
+        deep = []
+        for _ in range(MAX_VARIABLE_DEPTH):
+            deep = [deep]
+        for bad in ({"messages": []}, [1], "enable_thinking=false", {"x": deep}):
+            res = httpx.post(r.url + "/v1/chat/completions", json={"model": "stories260K-int8", "messages": MSGS, "max_tokens": 2,
+                                                                   "chat_template_kwargs": bad})
+            assert res.status_code == 400 and res.json()["error"]["param"] == "chat_template_kwargs", res.text
+        res = httpx.post(r.url + "/v1/chat/completions", json={"model": "stories260K-int8", "messages": MSGS, "max_tokens": 2,
+                                                               "chat_template_kwargs": None})
+        assert res.status_code == 200, res.text
+    finally:
+        r.stop()
