@@ -60,7 +60,11 @@ def tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
     if (src / "chat_template.jinja").exists():
         template, where = read_text(src / "chat_template.jinja"), src / "chat_template.jinja"
     template = chat_template(template, where, log)
-    kind = "sentencepiece" if (src / "tokenizer.model").exists() else "hf_tokenizers"
+    # tokenizer.json first, as transformers loads a folder: a fine-tune's added tokens (ChatML's markers on
+    # a Llama or Mistral) and the rule for the space marker after a control token (Mistral v0.3's Metaspace
+    # "first") are there, not in tokenizer.model
+    kind = "hf_tokenizers" if (src / "tokenizer.json").exists() or not (src / "tokenizer.model").exists() \
+        else "sentencepiece"
     eos = gen.get("eos_token_id", list(spec.eos_token_ids))
     eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
     bos = gen.get("bos_token_id", spec.bos_token_id)
@@ -73,11 +77,34 @@ def tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
                            f"{eos!r} must be token ids in [0, {spec.vocab_size})")
     add_bos = cfg.get("add_bos_token")
     if add_bos is None:
-        add_bos = kind == "sentencepiece"
+        add_bos = kind == "sentencepiece" or _post_processor_adds(src / "tokenizer.json", bos)
     if not isinstance(add_bos, bool):  # "false" read as true (any non-empty string did)
         raise ConvertError(f"{cfg_path}: add_bos_token must be true or false, got {add_bos!r:.40}")
     return TokenizerInfo(kind=kind, add_bos=add_bos, bos_token_id=bos, eos_token_ids=tuple(eos),
                          chat_template=template)
+
+
+def _post_processor_adds(path: Path, bos: int | None) -> bool:
+    """Whether tokenizer.json's post-processor puts BOS (`bos`, an id) before a text, as transformers
+    then encodes a prompt (Llama 3's tokenizer_config has no add_bos_token: its TemplateProcessing,
+    inside a Sequence, adds <|begin_of_text|>)."""
+    if bos is None or not path.exists():
+        return False
+    tj = json_object(path)
+    added = {t.get("content"): t.get("id") for t in tj.get("added_tokens") or () if isinstance(t, dict)}
+    procs = [tj.get("post_processor")]
+    while procs:
+        p = procs.pop()
+        if not isinstance(p, dict):
+            continue
+        if p.get("type") == "Sequence":
+            procs += list(p.get("processors") or ())
+        elif p.get("type") == "TemplateProcessing":
+            first = (p.get("single") or [None])[0]
+            name = first.get("SpecialToken", {}).get("id") if isinstance(first, dict) else None
+            special = (p.get("special_tokens") or {}).get(name) or {}
+            return bos in (special.get("ids") or []) or added.get(name) == bos
+    return False
 
 
 def check_tokenizer(folder: Path, manifest: Manifest, log=lambda msg: None) -> None:

@@ -217,7 +217,7 @@ def test_a_tokenizer_that_cannot_encode_is_refused_before_any_work(tmp_path, mon
 
     src = tmp_path / "src"
     shutil.copytree(STORIES_SRC, src)
-    (src / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    (src / "tokenizer.json").write_bytes(b"not a tokenizer")  # (the one a folder with both is read by)
 
     def no_graph(*args, **kwargs):
         raise AssertionError("the graph was built before the tokenizer was refused")

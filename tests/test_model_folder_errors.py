@@ -115,13 +115,18 @@ def test_truncated_external_data(capsys, folder):
     one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "cannot load")
 
 
-@pytest.mark.parametrize("content", [b"not a sentencepiece model", b""])
-def test_corrupted_tokenizer(capsys, folder, content):
-    """An empty one (a hostile round) was taken by SentencePiece as "not initialized": a RuntimeError
-    traceback at the first encode, in convert as in load."""
+@pytest.mark.parametrize("name,kind", [("tokenizer.model", "sentencepiece"), ("tokenizer.json", "hf_tokenizers")])
+@pytest.mark.parametrize("content", [b"not a tokenizer", b""])
+def test_corrupted_tokenizer(capsys, folder, content, name, kind):
+    """An empty tokenizer.model (a hostile round) was taken by SentencePiece as "not initialized": a
+    RuntimeError traceback at the first encode, in convert as in load. The folder has both files (its
+    source had): each back end, as the manifest names it, reads its own."""
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    m["tokenizer"]["kind"] = kind
+    write_manifest(folder, m)
     _forget_hashes(folder)
-    (folder / "tokenizer.model").write_bytes(content)
-    one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "tokenizer.model is corrupted")
+    (folder / name).write_bytes(content)
+    one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], f"{name} is corrupted")
 
 
 def test_missing_text(capsys, folder, tmp_path):
