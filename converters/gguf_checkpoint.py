@@ -26,10 +26,13 @@ import numpy as np
 from edgeinfer.converters import gguf_blocks
 from edgeinfer.converters.gguf_header import HeaderError, read_header
 from edgeinfer.converters.gguf_tokenizer import SPM_DEFAULT_IDS
-from edgeinfer.converters.quantize import check_magnitude
+from edgeinfer.converters.quantize import MAX_WEIGHT_ABS, check_magnitude
 from edgeinfer.errors import ConvertError
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # general.architecture -> family
+REQUIRED = {"context_length": "trained length", "attention.layer_norm_rms_epsilon": "norm epsilon",
+            "embedding_length": "hidden size", "block_count": "layer count", "attention.head_count": "head count",
+            "feed_forward_length": "MLP size"}  # a GGUF's own keys, under its architecture's name
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # stored as float by keep, never re-quantized
 PIP_HINT = "pip install 'edgeinfer[gguf]'"
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -49,8 +52,11 @@ def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _TOP:
         return _TOP[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
-        return f"model.layers.{int(parts[1])}.{_LAYER[parts[2]]}"
+    n = parts[1] if len(parts) == 3 else ""
+    # a layer number as llama.cpp writes it: ASCII digits, no leading zero ("blk.01", "blk.١" would
+    # name layer 1 a second time: a hostile file held both, and the later one was used)
+    if parts[0] == "blk" and n.isascii() and n.isdigit() and (n == "0" or n[0] != "0") and parts[2] in _LAYER:
+        return f"model.layers.{int(n)}.{_LAYER[parts[2]]}"
     return None
 
 
@@ -80,45 +86,48 @@ class GGUFCheckpoint:
         align = self.metadata.get("general.alignment", 32)
         for t in entries:
             if t.name in seen:
-                raise ConvertError(f"{self.path.name}: tensor {t.name!r} appears twice in the tensor table")
+                raise ConvertError(f"{self.path.name}: tensor {t.name!r:.80} appears twice in the tensor table")
             seen.add(t.name)
             if t.offset % align:
-                raise ConvertError(f"{self.path.name}: tensor {t.name!r} starts at byte {t.offset}, not aligned to "
+                raise ConvertError(f"{self.path.name}: tensor {t.name!r:.80} starts at byte {t.offset}, not aligned to "
                                    f"{align} as the format requires (a damaged tensor table)")
             try:
                 qtype = gguf.GGMLQuantizationType(t.type_id).name
                 block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.type_id)]
             except (ValueError, KeyError):
-                raise ConvertError(f"{self.path.name}: tensor {t.name!r} has type number {t.type_id}, which this "
+                raise ConvertError(f"{self.path.name}: tensor {t.name!r:.80} has type number {t.type_id}, which this "
                                    "converter cannot read") from None
             elements = math.prod(int(d) for d in t.dims)  # exact (an int64 product wrapped negative past 2**63)
             if elements % block or (t.dims and t.dims[0] % block):
-                raise ConvertError(f"{self.path.name}: tensor {t.name!r} of {list(t.dims)} does not divide into "
+                raise ConvertError(f"{self.path.name}: tensor {t.name!r:.80} of {list(t.dims)} does not divide into "
                                    f"{qtype} blocks of {block}")
             end = t.offset + elements // block * type_bytes
             if end > size:
-                raise ConvertError(f"{self.path.name}: truncated GGUF file: tensor {t.name!r} ends at byte {end}, "
+                raise ConvertError(f"{self.path.name}: truncated GGUF file: tensor {t.name!r:.80} ends at byte {end}, "
                                    f"the file has {size}")
             name = hf_name(t.name)
             if name is None:
                 unknown.append(t.name)
                 continue
+            if name in self._infos:  # (the table's own names differ: `hf_name` maps one name per tensor)
+                raise ConvertError(f"{self.path.name}: tensors {self._infos[name][0]!r:.80} and {t.name!r:.80} are both "
+                                   f"{name}")
             shape = tuple(reversed(t.dims))  # GGUF lists ne0 (the row length) first
             self._infos[name] = (t.name, qtype, shape, t.offset, end - t.offset)
         extents = sorted((i[3], i[3] + i[4], i[0]) for i in self._infos.values())
         for (_, end, a), (start, _, b) in zip(extents, extents[1:]):
             if start < end:
-                raise ConvertError(f"{self.path.name}: tensors {a!r} and {b!r} overlap in the file (a damaged tensor "
+                raise ConvertError(f"{self.path.name}: tensors {a!r:.80} and {b!r:.80} overlap in the file (a damaged tensor "
                                    "table)")
             if start - end >= align:  # writers pad each tensor to the alignment only: a type or a shape in the
                 # table was changed (an F32 norm retyped F16 converted into a model of garbage; a hostile review)
-                raise ConvertError(f"{self.path.name}: tensor {a!r} ends at byte {end} but the next, {b!r}, starts at "
+                raise ConvertError(f"{self.path.name}: tensor {a!r:.80} ends at byte {end} but the next, {b!r:.80}, starts at "
                                    f"{start}: {start - end} bytes belong to no tensor (a damaged tensor table)")
         if unknown:
             more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
             why = " (Llama 3.1-style rope scaling is not supported from GGUF)" if "rope_freqs.weight" in unknown else ""
             raise ConvertError(f"{self.path.name}: tensors this converter does not know: "
-                               f"{', '.join(unknown[:3])}{more}{why}")
+                               f"{', '.join(f'{n!r:.60}' for n in unknown[:3])}{more}{why}")
         self.tensors = self._infos  # the checkpoint protocol's name -> entry map
         self._order: dict[str, np.ndarray] = {}
 
@@ -165,6 +174,17 @@ class GGUFCheckpoint:
                 row, block = (int(x) for x in bad[0])
                 raise ConvertError(f"{self.path.name}: tensor {self._info(name)[0]!r} has a non-finite {what} in "
                                    f"block {block} of row {row} (a damaged file)")
+        # the most a block's weights can reach, as `read` checks the weights themselves (a flipped exponent bit
+        # in one Q8_0 scale, 0.0146 -> 955.5, made weights of 1.2e5 that --quant keep converted silently)
+        reach = np.abs(b.scales.astype(np.float32)) * ((1 << b.bits) - 1 if b.mins is not None else 1 << (b.bits - 1))
+        if b.mins is not None:
+            reach += np.abs(b.mins.astype(np.float32))
+        if reach.size and float(reach.max()) > MAX_WEIGHT_ABS:
+            row, block = (int(x) for x in np.unravel_index(int(np.argmax(reach)), reach.shape))
+            raise ConvertError(f"{self.path.name}: tensor {self._info(name)[0]!r} has a block (row {row}, block "
+                               f"{block}) whose scale makes weights of magnitude up to {float(reach.max()):.3g}, past "
+                               f"any trained model's (at most {MAX_WEIGHT_ABS:g} here): a damaged file (a flipped "
+                               "exponent bit, say)")
         order = self._row_order(name, have)
         return b.rows(order) if order is not None else b
 
@@ -184,9 +204,17 @@ class GGUFCheckpoint:
     def config(self) -> dict:
         """The architecture metadata as a Hugging Face config.json dict (what families/ read)."""
         m, arch = self.metadata, self.arch
-        if arch not in ARCHITECTURES:
-            raise ConvertError(f"{self.path.name}: GGUF architecture {arch!r} is not supported "
+        if not isinstance(arch, str) or arch not in ARCHITECTURES:
+            raise ConvertError(f"{self.path.name}: GGUF architecture {arch!r:.60} is not supported "
                                f"(supported: {', '.join(ARCHITECTURES)})")
+        for k, v in m.items():  # one value each (an array where a number belongs was a TypeError traceback)
+            if k.startswith(f"{arch}.") and not isinstance(v, (int, float, str)):
+                raise ConvertError(f"{self.path.name} metadata: {k!r:.80} must be a single value, got an array of "
+                                   f"{len(v)}")
+        for k in REQUIRED:  # llama.cpp refuses a file without them too (they were guessed: 2048, 1e-6)
+            if f"{arch}.{k}" not in m:
+                raise ConvertError(f"{self.path.name} metadata: {arch}.{k} is missing (the model's "
+                                   f"{REQUIRED[k]})")
 
         def key(k: str, default=None):
             return m.get(f"{arch}.{k}", default)
@@ -196,14 +224,14 @@ class GGUFCheckpoint:
         tokens = m.get("tokenizer.ggml.tokens")
         dims = key("rope.dimension_count")
         if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool)):
-            raise ConvertError(f"{self.path.name} metadata: {arch}.rope.dimension_count must be an integer, got {dims!r}")
+            raise ConvertError(f"{self.path.name} metadata: {arch}.rope.dimension_count must be an integer, got {dims!r:.40}")
         cfg = {"model_type": ARCHITECTURES[arch], "hidden_size": hidden, "intermediate_size": key("feed_forward_length"),
                "num_hidden_layers": key("block_count"), "num_attention_heads": heads,
                "num_key_value_heads": key("attention.head_count_kv", heads),
-               "vocab_size": key("vocab_size", len(tokens) if tokens else None),
-               "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+               "vocab_size": key("vocab_size", len(tokens) if isinstance(tokens, list) and tokens else None),
+               "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
                "rope_theta": key("rope.freq_base", 10000.0),
-               "max_position_embeddings": key("context_length", 2048),
+               "max_position_embeddings": key("context_length"),
                "tie_word_embeddings": "lm_head.weight" not in self,
                "bos_token_id": self._special("tokenizer.ggml.bos_token_id"),
                "eos_token_id": self._special("tokenizer.ggml.eos_token_id"),
@@ -287,7 +315,7 @@ class GGUFCheckpoint:
         if ".k_proj." in name:
             heads = self.metadata.get("llama.attention.head_count_kv", heads)
         if not isinstance(heads, int) or heads <= 0:
-            raise ConvertError(f"{self.path.name} metadata: bad head count {heads!r}")
+            raise ConvertError(f"{self.path.name} metadata: bad head count {heads!r:.40}")
         key = (shape[0], heads)
         if key not in self._order:
             self._order[key] = gguf_blocks.unpermute_rows(shape[0], heads)

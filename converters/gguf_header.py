@@ -35,7 +35,8 @@ SCALARS = {0: ("<B", "u1"), 1: ("<b", "i1"), 2: ("<H", "<u2"), 3: ("<h", "<i2"),
 STRING, ARRAY = 8, 9
 MAX_TENSORS = 1 << 16  # real models: a few hundred to a few thousand
 MAX_METADATA = 1 << 16  # real models: a few dozen entries (the vocabulary is one array)
-MAX_ARRAY_STRINGS = 1 << 21  # the largest vocabularies are 262,144 tokens; merges up to about a million
+MAX_ARRAY_STRINGS = 1 << 21  # in all arrays: the largest vocabularies are 262,144 tokens; merges up to about a
+# million
 
 
 class HeaderError(ValueError):
@@ -53,6 +54,7 @@ class TensorEntry:
 class _Reader:
     def __init__(self, f, size: int):
         self.f, self.size = f, size
+        self.strings = 0  # in string arrays so far
 
     def take(self, n: int, what: str) -> bytes:
         if n < 0 or self.f.tell() + n > self.size:
@@ -85,6 +87,10 @@ class _Reader:
                 raise HeaderError(f"{what} claims {count} strings (truncated or corrupted)")
             if count > MAX_ARRAY_STRINGS:
                 raise HeaderError(f"{what} holds {count} strings, more than the {MAX_ARRAY_STRINGS} read")
+            self.strings += count  # ~60 bytes of Python each: unused arrays of one-letter strings took 9x the file
+            if self.strings > MAX_ARRAY_STRINGS:
+                raise HeaderError(f"the metadata holds more than {MAX_ARRAY_STRINGS} strings in arrays, more "
+                                  "than any model's vocabulary and merges together")
             return [self.string(what) for _ in range(count)]
         raise HeaderError(f"{what} is an array of unsupported type {item}")
 
@@ -113,17 +119,17 @@ def read_header(path: Path) -> tuple[dict, list[TensorEntry]]:
             key = r.string("a metadata key")
             if key in meta:  # which one is meant? (llama.cpp refuses such a file too)
                 raise HeaderError(f"metadata key {key!r:.80} appears twice")
-            meta[key] = r.value(r.unpack("<I", f"metadata {key!r}"), f"metadata {key!r}")
+            meta[key] = r.value(r.unpack("<I", f"metadata {key!r:.80}"), f"metadata {key!r:.80}")
         entries = []
         for _ in range(n_tensors):
             name = r.string("a tensor name")
-            n_dims = r.unpack("<I", f"tensor {name!r}")
+            n_dims = r.unpack("<I", f"tensor {name!r:.80}")
             if n_dims > 8:
-                raise HeaderError(f"tensor {name!r} has {n_dims} dimensions")
-            dims = tuple(r.unpack("<Q", f"tensor {name!r}") for _ in range(n_dims))
-            entries.append((name, dims, r.unpack("<I", f"tensor {name!r}"), r.unpack("<Q", f"tensor {name!r}")))
+                raise HeaderError(f"tensor {name!r:.80} has {n_dims} dimensions")
+            dims = tuple(r.unpack("<Q", f"tensor {name!r:.80}") for _ in range(n_dims))
+            entries.append((name, dims, r.unpack("<I", f"tensor {name!r:.80}"), r.unpack("<Q", f"tensor {name!r:.80}")))
         align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
-            raise HeaderError(f"general.alignment {align!r} is not a power of two")
+            raise HeaderError(f"general.alignment {align!r:.40} is not a power of two")
         start = -(-f.tell() // align) * align
     return meta, [TensorEntry(n, d, t, start + o) for n, d, t, o in entries]

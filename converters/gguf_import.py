@@ -48,13 +48,14 @@ _GGUF_KEYS = {"hidden_size": "{arch}.embedding_length", "intermediate_size": "{a
 
 def spec_from_gguf(ckpt: GGUFCheckpoint) -> ArchSpec:
     """The ArchSpec of a GGUF's metadata, checked as a config.json is; messages name the GGUF keys."""
+    cfg = ckpt.config()  # (its own messages name the GGUF keys)
     try:
-        return spec_from_config(ckpt.config())
-    except ConvertError as e:
-        msg = str(e).replace("config.json", f"{ckpt.path.name} metadata")
+        return spec_from_config(cfg)
+    except ConvertError as e:  # the file's name put in last: "my_vocab_size.gguf" was renamed by the keys
+        msg = str(e)
         for hf, key in _GGUF_KEYS.items():
             msg = msg.replace(hf, key.format(arch=ckpt.arch))
-        raise ConvertError(msg) from None
+        raise ConvertError(msg.replace("config.json", f"{ckpt.path.name} metadata")) from None
 
 
 def kind_of(ckpt: GGUFCheckpoint, name: str) -> str:

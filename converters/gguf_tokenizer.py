@@ -46,17 +46,24 @@ def tokenizer_json(meta: dict, name: str) -> str:
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, Regex
 
     kind = meta.get("tokenizer.ggml.model")
+    for k in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
+        if k in meta and not isinstance(meta[k], str):
+            raise ConvertError(f"{name} metadata: {k} must be a string, got {type(meta[k]).__name__}")
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise ConvertError(f"{name}: no tokenizer in the GGUF metadata (tokenizer.ggml.tokens)")
     types = _numbers(meta, "tokenizer.ggml.token_type", len(tokens), name, integer=True)
     types = [1] * len(tokens) if types is None else [int(t) for t in types]
+    bad = next((i for i, t in enumerate(types) if not 0 <= t <= 6), None)
+    if bad is not None:  # llama.cpp's LLAMA_TOKEN_TYPE_* (0 undefined ... 6 byte); -1 for all made no merges at all
+        raise ConvertError(f"{name} metadata: tokenizer.ggml.token_type of token {bad} is {types[bad]}, not a token "
+                           "type (0 undefined, 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)")
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):  # a normal token twice: a text would encode to one id, the other decode to ""
         first: dict[str, int] = {}
         for i, (t, ty) in enumerate(zip(tokens, types)):
             if ty == 1 and t in first:
-                raise ConvertError(f"{name} metadata: the token {t!r} is both id {first[t]} and id {i}")
+                raise ConvertError(f"{name} metadata: the token {t!r:.60} is both id {first[t]} and id {i}")
             first.setdefault(t, i) if ty == 1 else None
     if kind == "llama":
         scores = _numbers(meta, "tokenizer.ggml.scores", len(tokens), name)
@@ -76,7 +83,7 @@ def tokenizer_json(meta: dict, name: str) -> str:
         pre = meta.get("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZERS:
             why = (" (llama.cpp's fallback split, which we do not reproduce exactly)" if pre == "default" else "")
-            raise ConvertError(f"{name}: GGUF pre-tokenizer {pre!r}{why} is not supported (supported: "
+            raise ConvertError(f"{name}: GGUF pre-tokenizer {pre!r:.60}{why} is not supported (supported: "
                                f"{', '.join(sorted(PRE_TOKENIZERS))})")
         regex, digits, nfc, ignore_merges = PRE_TOKENIZERS[pre]
         pairs = _merges(meta.get("tokenizer.ggml.merges"), vocab, name)

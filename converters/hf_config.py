@@ -34,7 +34,7 @@ def _int(cfg: dict, key: str, default: int | None = None) -> int:
     if v is None:
         raise ConvertError(f"config.json: missing required field {key!r}")
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ConvertError(f"config.json: field {key!r} must be a positive integer, got {v!r}")
+        raise ConvertError(f"config.json: field {key!r} must be a positive integer, got {v!r:.40}")
     return v
 
 
@@ -44,7 +44,7 @@ def flag(cfg: dict, key: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ConvertError(f"config.json: field {key!r} must be true or false, got {v!r}")
+        raise ConvertError(f"config.json: field {key!r} must be true or false, got {v!r:.40}")
     return v
 
 
@@ -64,11 +64,11 @@ def _positive(v, key: str) -> float:
     float32, where the graph and the RoPE tables hold it, or ConvertError (1e-300 became 0 there: NaN
     logits at every prompt, from a conversion that had said nothing)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ConvertError(f"config.json: field {key!r} must be a finite positive number, got {v!r}")
+        raise ConvertError(f"config.json: field {key!r} must be a finite positive number, got {v!r:.40}")
     with np.errstate(over="ignore"):
         held = np.float32(v)
     if not 0 < held < np.inf:
-        raise ConvertError(f"config.json: field {key!r} is {v!r}, which float32 (the graph's) holds as "
+        raise ConvertError(f"config.json: field {key!r} is {v!r:.40}, which float32 (the graph's) holds as "
                            f"{'0' if held == 0 else 'infinity'}")
     return float(v)
 
@@ -113,7 +113,7 @@ def parse_rope(cfg: dict) -> RopeSpec:
     rtype = merged.get("rope_type", "default")
     if rtype not in SUPPORTED_ROPE_TYPES:
         raise ConvertError(
-            f"config.json: rope type {rtype!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            f"config.json: rope type {rtype!r:.40} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConvertError("config.json: partial_rotary_factor other than 1.0 is not supported")
@@ -155,14 +155,14 @@ def _eos_ids(cfg: dict) -> tuple[int, ...]:
         return ()
     ids = tuple(eos) if isinstance(eos, list) else (eos,)
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ConvertError(f"config.json: field 'eos_token_id' must be a token id or a list of them, got {eos!r}")
+        raise ConvertError(f"config.json: field 'eos_token_id' must be a token id or a list of them, got {eos!r:.60}")
     return ids
 
 
 def _token_id(cfg: dict, key: str) -> int | None:
     v = cfg.get(key)
     if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-        raise ConvertError(f"config.json: field {key!r} must be a token id, got {v!r}")
+        raise ConvertError(f"config.json: field {key!r} must be a token id, got {v!r:.40}")
     return v
 
 

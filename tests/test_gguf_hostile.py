@@ -448,3 +448,92 @@ def test_a_tensor_retyped_smaller_is_refused_by_the_gap_it_leaves(tmp_path):
     src.write_bytes(bytes(raw))
     with pytest.raises(ConvertError, match="belong to no tensor"):
         convert(src, tmp_path / "out")
+
+
+# --- a hostile round, 2026-12-02 (third) ----------------------------------------------------------
+
+def _scale_of(ts, name: str, value: float, block_bytes: int, block: int):
+    return _poison(ts, name, value, block_bytes, block)
+
+
+@pytest.mark.parametrize("quant", [None, "int8"], ids=["keep", "int8"])
+def test_a_flipped_scale_bit_is_refused_when_the_blocks_are_kept_too(tmp_path, quant):
+    """One Q8_0 scale 0.0146 -> 955.5 (an exponent bit): weights of 1.2e5. --quant int8 refused the file
+    as damaged; the default --quant keep, which takes the blocks over, converted it with rc 0 and the
+    text changed."""
+    bad = _mutate(Q8, tmp_path / "flip.gguf", tensors=lambda ts: _scale_of(ts, "blk.3.attn_q.weight", 955.5, 34, 109))
+    with pytest.raises(ConvertError, match=r"(blk.3.attn_q|layers.3.self_attn.q_proj).weight.*magnitude"):
+        convert(bad, tmp_path / "out", **({"quant": quant} if quant else {}))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("alias", ["blk.01.attn_q.weight", "blk.\u0661.attn_q.weight"], ids=["leading_zero", "arabic"])
+def test_a_tensor_name_that_names_a_layer_a_second_way_is_refused(tmp_path, alias):
+    """"blk.01" (or an Arabic-Indic one) was read as layer 1 beside "blk.1": the later of the two was
+    used, and a crafted file changed the model's text with rc 0 (llama.cpp does not read such a name)."""
+    def add(ts):
+        q2 = next(t for t in ts if t[0] == "blk.2.attn_q.weight")
+        return ts + [[alias, q2[1], q2[2], q2[3].copy()]]
+    with pytest.raises(ConvertError, match="does not know"):
+        convert(_mutate(Q8, tmp_path / "alias.gguf", tensors=add), tmp_path / "out")
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"llama.rope.scaling.factor": ([2.0, 3.0], V.ARRAY, V.FLOAT32)}, "must be a single value"),
+    ({"llama.attention.sliding_window": ([8, 8], V.ARRAY, V.UINT32)}, "must be a single value"),
+    ({"llama.rope.scaling.attn_factor": ([1.0, 1.0], V.ARRAY, V.FLOAT32)}, "must be a single value"),
+    ({"tokenizer.ggml.tokens": (list(range(512)), V.ARRAY, V.UINT32)}, "tokenizer.ggml.tokens"),
+    ({"tokenizer.ggml.model": (["llama"], V.ARRAY, V.STRING)}, "tokenizer.ggml.model must be a string"),
+    ({"llama.context_length": DROP}, "llama.context_length is missing"),
+    ({"llama.attention.layer_norm_rms_epsilon": DROP}, "layer_norm_rms_epsilon is missing"),
+    ({"tokenizer.ggml.token_type": ([-1] * 512, V.ARRAY, V.INT32)}, "not a token type"),
+], ids=["factor_array", "window_array", "attn_factor_array", "tokens_ints", "model_array", "no_context",
+        "no_eps", "token_type_neg"])
+def test_metadata_of_the_wrong_shape_or_missing_is_one_line_not_a_guess(tmp_path, fields, needle):
+    """Arrays where one value belongs were TypeError / ValueError tracebacks; a missing trained length
+    or norm epsilon was guessed (2048: a 512-token model got a 1920-token ring; 1e-6 for 1e-5), where
+    llama.cpp refuses the file; token types outside llama.cpp's 0-6 built no merges (18 ids for a
+    5-token prompt)."""
+    with pytest.raises(ConvertError, match=needle):
+        convert(_mutate(Q8, tmp_path / "bad.gguf", fields), tmp_path / "out")
+
+
+def test_a_string_array_architecture_is_refused_in_one_line(tmp_path):
+    """A TypeError traceback (an unhashable list looked up among the architectures)."""
+    src = tmp_path / "arch.gguf"
+    data = bytearray(Q8.read_bytes())
+    key = b"general.architecture"
+    at = data.index(key) + len(key)  # its value: type 8 (string), then the string
+    assert struct.unpack_from("<I", data, at)[0] == 8
+    n = struct.unpack_from("<Q", data, at + 4)[0]
+    value = bytes(data[at + 12:at + 12 + n])
+    data[at:at + 12 + n] = struct.pack("<IIQQ", 9, 8, 1, n) + value  # an array of one string
+    src.write_bytes(bytes(data))
+    with pytest.raises(ConvertError, match="architecture .* is not supported"):
+        convert(src, tmp_path / "out")
+
+
+def test_string_arrays_are_bounded_in_all_not_each(tmp_path):
+    """Unused arrays of one-letter strings under the per-array bound took 958 MB for a 110 MB file."""
+    k, n = b"junk.a", (1 << 20) + 1
+    one = struct.pack("<Q", len(k)) + k + struct.pack("<IIQ", 9, 8, n) + (struct.pack("<Q", 1) + b"x") * n
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + one + one.replace(b"junk.a", b"junk.b"))
+    with pytest.raises(ValueError, match="strings in arrays"):
+        read_header(path)
+
+
+def test_names_from_the_file_are_shown_escaped_and_short(tmp_path):
+    """An unknown tensor named with terminal escapes cleared the screen and printed a fake line; a
+    10 MB name made a 10 MB error line. A file named my_vocab_size.gguf was reported by the keys'
+    rewriting as my_llama.vocab_size.gguf."""
+    def add(ts):
+        t = ts[-1]
+        return ts + [["x\x1b[2J\nconverted OK" + "y" * 100_000, t[1], t[2], t[3].copy()]]
+    with pytest.raises(ConvertError) as e:
+        convert(_mutate(Q8, tmp_path / "esc.gguf", tensors=add), tmp_path / "out")
+    msg = str(e.value)
+    assert "\x1b" not in msg and "\n" not in msg and len(msg) < 400 and "\\x1b[2J" in msg
+    src = _mutate(Q8, tmp_path / "my_vocab_size_test.gguf", {"llama.vocab_size": (500, V.UINT32)})
+    with pytest.raises(ConvertError, match="^my_vocab_size_test.gguf metadata"):
+        convert(src, tmp_path / "out")
