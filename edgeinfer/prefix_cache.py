@@ -26,6 +26,7 @@ import json
 import lzma
 import os
 import secrets
+import stat
 import time
 import tokenize
 import zipfile
@@ -123,7 +124,9 @@ class PrefixSnapshot:
             stem = f".edgeinfer-snapshot-{hashlib.sha256(os.fsencode(path.name)).hexdigest()[:12]}"  # this destination's
             tmp = path.parent / f"{stem}.{secrets.token_hex(8)}.partial"  # a new file of its own:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)  # a name
-            with os.fdopen(fd, "wb") as f:  # planted there is not followed; the mode is the umask's, as open()'s
+            if path.exists() and hasattr(os, "fchmod"):  # the file replaced keeps its mode (a 0600 one became the
+                os.fchmod(fd, stat.S_IMODE(path.stat().st_mode))  # umask's 0644: its prompt readable by all)
+            with os.fdopen(fd, "wb") as f:  # planted there is not followed; a new file's mode is the umask's
                 np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), positions=kv.positions, **arrays)
                 f.flush()
                 os.fsync(f.fileno())
@@ -152,6 +155,9 @@ class PrefixSnapshot:
         unread."""
         try:
             small_files.regular_file(Path(path), InvalidArgumentError)  # a FIFO would block for ever
+            with open(path, "rb") as f:  # numpy takes another file for a pickle and says to load it unsafely
+                if f.read(4) != b"PK\x03\x04":
+                    raise ValueError("not a .npz archive")
             with np.load(Path(path), allow_pickle=False) as z:
                 names = set(z.files)
                 n_layers = sum(1 for name in names if name.startswith("k"))

@@ -194,6 +194,31 @@ def test_a_snapshot_file_has_the_mode_the_umask_gives(model, tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "s.npz").st_mode) == 0o600
 
 
+@pytest.mark.skipif(not hasattr(os, "fchmod"), reason="POSIX modes")
+def test_a_snapshot_saved_over_another_keeps_its_mode(model, tmp_path):
+    """A hostile round: a file set to 0600 became 0644 when saved again (a new file under the umask,
+    renamed over it), its prompt readable by all."""
+    p = tmp_path / "s.npz"
+    model.snapshot(PROMPT, path=p)
+    os.chmod(p, 0o600)
+    model.snapshot(PROMPT, path=p)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+    os.chmod(p, 0o640)
+    model.snapshot(path=p)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o640
+
+
+@pytest.mark.parametrize("content", [b"hello", b"\x93NUMPY" + b"\0" * 100, b"\x80\x04K\x01."], ids=["text", "npy", "pickle"])
+def test_a_file_that_is_not_an_npz_archive_is_refused_without_numpys_pickle_advice(model, tmp_path, content):
+    """numpy took such a file for a pickle and said to load it "unsafely" with allow_pickle: advice to
+    unpickle an untrusted file, passed on in our message."""
+    p = tmp_path / "t.npz"
+    p.write_bytes(content)
+    with pytest.raises(EdgeInferError, match="not a .npz archive") as e:
+        model.restore(p)
+    assert "pickle" not in str(e.value)
+
+
 def test_a_snapshot_of_another_model_says_so(model, tmp_path):
     """Restoring stories260K's snapshot into SmolLM2 said it was "not a prefix snapshot edgeinfer can read
     (ValueError: it holds 5 layers, the model 30)": it is one, of another model (a fresh user's walkthrough).
