@@ -9,9 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
-
-from edgeinfer.arch import SUPPORTED_ROPE_TYPES, ArchSpec, RopeSpec
+from edgeinfer.arch import SUPPORTED_ROPE_TYPES, ArchSpec, RopeSpec, positive_in_float32, rope_angles_finite
 from edgeinfer.converters.source_files import read_json
 from edgeinfer.errors import ConvertError
 
@@ -65,11 +63,9 @@ def _positive(v, key: str) -> float:
     logits at every prompt, from a conversion that had said nothing)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise ConvertError(f"config.json: field {key!r} must be a finite positive number, got {v!r:.40}")
-    with np.errstate(over="ignore"):
-        held = np.float32(v)
-    if not 0 < held < np.inf:
+    if not positive_in_float32(v):
         raise ConvertError(f"config.json: field {key!r} is {v!r:.40}, which float32 (the graph's) holds as "
-                           f"{'0' if held == 0 else 'infinity'}")
+                           f"{'0' if abs(v) < 1 else 'infinity'}")
     return float(v)
 
 
@@ -77,10 +73,7 @@ def check_rope_range(spec: ArchSpec) -> None:
     """ConvertError unless RoPE's angles stay finite in float32 up to the last trained position: a tiny
     theta or scaling factor (1e-37) passes `_positive`, but inv_freq, or position times inv_freq, is
     infinite there, and from that position on every logit was NaN."""
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        inv = spec.rope.inv_freq(spec.head_dim)
-        last = np.float32(spec.max_position_embeddings - 1) * inv
-    if not (np.isfinite(inv).all() and np.isfinite(last).all()):
+    if not rope_angles_finite(spec):
         raise ConvertError(f"config.json: RoPE's angles (theta {spec.rope.theta:g}, type {spec.rope.type}) are "
                            f"not finite in float32 by position {spec.max_position_embeddings - 1}: the rope "
                            "theta or scaling factor is too small")

@@ -109,7 +109,32 @@ class ArchSpec:
         for name in ("theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if getattr(r, name) <= 0:
                 raise FieldError(f"{where}.rope.{name}", f"must be positive, got {getattr(r, name)}")
+        for name, v in (("rope.theta", r.theta), ("rope.factor", r.factor), ("rms_norm_eps", spec.rms_norm_eps)):
+            if not positive_in_float32(v):  # as convert refuses them (a hand-edited 1e308: numpy's overflow
+                raise FieldError(f"{where}.{name}", f"{v!r:.40} is 0 or infinite in float32, where the graph "
+                                 "holds it")  # warning at load, then other text)
+        if not rope_angles_finite(spec):
+            raise FieldError(f"{where}.rope", f"RoPE's angles are not finite in float32 by position "
+                             f"{spec.max_position_embeddings - 1}")
         if r.type == "llama3" and r.high_freq_factor <= r.low_freq_factor:  # the smoothing divides by their gap
             raise FieldError(f"{where}.rope.high_freq_factor", f"{r.high_freq_factor} must exceed low_freq_factor "
                              f"{r.low_freq_factor}")
         return spec
+
+
+def positive_in_float32(v: float) -> bool:
+    """Whether `v` is finite and positive and stays so in float32 (1e-300 is 0 there, 1e308 infinity)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        return False
+    with np.errstate(over="ignore", under="ignore"):
+        held = np.float32(v)
+    return bool(0 < held < np.inf)
+
+
+def rope_angles_finite(spec: ArchSpec) -> bool:
+    """Whether RoPE's inverse frequencies, and the angles at the last trained position, are finite in
+    float32 (a theta or scaling factor of 1e-37 passes `positive_in_float32` but not this)."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        inv = spec.rope.inv_freq(spec.head_dim)
+        last = np.float32(spec.max_position_embeddings - 1) * inv
+    return bool(np.isfinite(inv).all() and np.isfinite(last).all())

@@ -81,6 +81,11 @@ def _set(path, value):
     (("architecture", "head_dim"), "8", "architecture.head_dim: expected int"),
     (("architecture", "num_layers"), KeyError, "architecture.num_layers: missing"),
     (("architecture", "rope", "type"), "yarn", "architecture.rope.type"),
+    # values convert refuses, read back from a hand-edited manifest (a hostile round: theta 1e308 loaded, with
+    # numpy's overflow warning, and the text went astray after ~12 tokens)
+    (("architecture", "rope", "theta"), 1e308, "architecture.rope.theta: 1e+308 is 0 or infinite in float32"),
+    (("architecture", "rms_norm_eps"), 1e-300, "architecture.rms_norm_eps: 1e-300 is 0 or infinite in float32"),
+    (("architecture", "rope", "theta"), 1e-44, "architecture.rope: RoPE's angles are not finite"),
     (("interface", "kv_mode"), "flash", "interface.kv_mode: unknown KV mode 'flash'"),
     (("interface", "kv_mode"), "standard", "source_head_dim: widened heads are for GroupQueryAttention"),
     (("interface", "kv_dtype"), "bfloat16", "interface.kv_dtype"),
