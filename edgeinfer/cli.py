@@ -205,9 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edgeinfer: error: {e}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, ImportError) as e:  # a Ctrl-C inside a compiled module's import (ONNX
-        if not _caused_by_interrupt(e):  # Runtime's) comes out as "ImportError: initialization failed"
+        cause = _interrupt_cause(e)  # Runtime's) comes out as "ImportError: initialization failed"
+        if cause is None:
             raise
         progress.clear()
+        if isinstance(cause, SystemExit):  # convert's SIGTERM / SIGHUP, met inside that import
+            return cause.code if isinstance(cause.code, int) else 1
         print("edgeinfer: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
@@ -226,16 +229,17 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = show
 
 
-def _caused_by_interrupt(e: BaseException) -> bool:
-    """Whether `e` is a KeyboardInterrupt or was raised from one (`raise ... from`, as pybind11 turns a
-    Ctrl-C inside a compiled module's initialisation into "ImportError: initialization failed")."""
+def _interrupt_cause(e: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or SystemExit (convert's SIGTERM handler) that `e` is or was raised from
+    (`raise ... from`, as pybind11 turns one inside a compiled module's initialisation into
+    "ImportError: initialization failed"); None when neither."""
     seen = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, KeyboardInterrupt):
-            return True
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            return e
         seen.add(id(e))
         e = e.__cause__
-    return False
+    return None
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -308,3 +308,21 @@ def test_every_public_name_resolves_when_first_used():
     assert all(getattr(edgeinfer, name) is not None for name in edgeinfer.__all__) and "load" in dir(edgeinfer)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         edgeinfer.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("cause,rc,says", [(KeyboardInterrupt(), 130, "edgeinfer: interrupted"),
+                                          (SystemExit(143), 143, "")], ids=["ctrl_c", "sigterm"])
+def test_an_interrupt_inside_a_compiled_import_is_a_quiet_exit(capsys, monkeypatch, cause, rc, says):
+    """pybind11 turns an exception raised inside a compiled module's initialisation (ONNX Runtime's)
+    into "ImportError: initialization failed" raised from it. A Ctrl-C was recognised; convert's SIGTERM
+    handler's SystemExit was not (a hostile round): a 30-line traceback and rc 1, not 143."""
+    import edgeinfer.cli_convert as cc
+
+    def run(args):
+        raise ImportError("initialization failed") from cause
+    monkeypatch.setattr(cc, "run", run)
+    assert main(["convert", "x", "-o", "y"]) == rc
+    assert capsys.readouterr().err.strip() == says
+    monkeypatch.setattr(cc, "run", lambda args: (_ for _ in ()).throw(ImportError("no module named x")))
+    with pytest.raises(ImportError):
+        main(["convert", "x", "-o", "y"])
