@@ -699,6 +699,24 @@ def test_run_command():
     assert time.monotonic() - t0 < 10
 
 
+def test_a_command_that_prints_without_end_is_cut_off_at_once():
+    """A hostile round: `yes` standing in for vcgencmd (1 s timeout) took 5.4 s and 1.9 GB, and for
+    nvpmodel (5 s) 26 s and 5.7 GB, all of its output held; under the systemd unit's MemoryMax the
+    daemon was killed at each retry. Now at most MAX_OUTPUT_BYTES are read."""
+    import resource
+
+    from edgeinfer.power.commands import MAX_OUTPUT_BYTES
+
+    py = sys.executable
+    endless = [py, "-c", "import sys\nwhile True: sys.stdout.write('y\\n' * 4096)"]
+    t0 = time.monotonic()
+    assert run_command(endless, 5.0) is None
+    assert time.monotonic() - t0 < 3  # not the timeout: the cap
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 1_000_000  # KB: nothing like gigabytes
+    assert run_command([py, "-c", f"print('x' * {MAX_OUTPUT_BYTES - 1})"], 10) == "x" * (MAX_OUTPUT_BYTES - 1) + "\n"
+    assert run_command([py, "-c", f"print('x' * {MAX_OUTPUT_BYTES})"], 10) is None
+
+
 def test_recorded_commands_and_gate():
     run = RecordedCommands({"a": "out\n", "b": None, "c": "<hang>"})
     assert (run(["a"], 1), run(["b"], 1), run(["c"], 2), run(["d"], 1)) == ("out\n", None, None, None)

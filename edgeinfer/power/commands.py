@@ -31,17 +31,24 @@ def command_line(argv: Sequence[str]) -> str:
 
 def run_command(argv: Sequence[str], timeout_s: float) -> str | None:
     """Run `argv` (no shell, stdin closed) and return its stdout, or None when the program is
-    missing or not executable, exits nonzero, runs past `timeout_s` (the child is killed), or prints
-    non-UTF-8. Never raises."""
+    missing or not executable, exits nonzero, runs past `timeout_s` or prints more than
+    MAX_OUTPUT_BYTES (the child is killed), or prints non-UTF-8. Never raises."""
     try:  # a session of its own: on timeout its whole process group is killed (a wrapper script's children
         # outlived it: termux-* commands are shell scripts)
         child = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL, start_new_session=True)
     except (OSError, ValueError, subprocess.SubprocessError):
         return None
+    deadline = time.monotonic() + timeout_s
     try:
-        out, _ = child.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+        out = _read_bounded(child, deadline)
+        if out is not None:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except (subprocess.TimeoutExpired, OSError, ValueError):
+        out = None
+    finally:
+        child.stdout.close()
+    if out is None:
         _kill_group(child)
         return None
     if child.returncode != 0:
@@ -52,6 +59,36 @@ def run_command(argv: Sequence[str], timeout_s: float) -> str | None:
         return None
 
 
+MAX_OUTPUT_BYTES = 64 * 1024  # a status line is a few bytes, `dumpsys battery` about 1 KB; as sysfs reads are bounded
+
+
+def _read_bounded(child: subprocess.Popen, deadline: float) -> bytes | None:
+    """The child's stdout to its end, or None once it passes `deadline` or MAX_OUTPUT_BYTES (a command
+    that printed without end held it all: `yes` as vcgencmd took 1.9 GB and 5 s past its 1 s timeout)."""
+    if os.name == "nt":  # no select() on pipes: bounded in time only
+        try:
+            out, _ = child.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return None
+        return out if len(out) <= MAX_OUTPUT_BYTES else None
+    import selectors
+
+    fd, chunks, size = child.stdout.fileno(), [], 0
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                return None
+            data = os.read(fd, 65536)
+            if not data:
+                return b"".join(chunks)
+            size += len(data)
+            if size > MAX_OUTPUT_BYTES:
+                return None
+            chunks.append(data)
+
+
 def _kill_group(child: subprocess.Popen) -> None:
     """SIGKILL `child`'s process group (it leads one), then reap the child."""
     try:
@@ -59,7 +96,7 @@ def _kill_group(child: subprocess.Popen) -> None:
     except (OSError, AttributeError):  # gone already; or no process groups (Windows)
         child.kill()
     try:
-        child.communicate(timeout=1)
+        child.wait(timeout=1)  # (its stdout is closed: nothing to drain)
     except (subprocess.TimeoutExpired, OSError):
         pass
 
