@@ -745,6 +745,65 @@ class Stuck:
         return self.first
 
 
+class StuckFirst(Stuck):
+    """Sensors whose first read blocks until released (a hung file at start-up)."""
+
+    def read(self) -> Readings:
+        self.reads += 1
+        if self.reads == 1:
+            self.release.wait()
+        return self.first
+
+
+def test_a_first_read_that_blocks_starts_on_the_safe_plan_not_for_ever(caplog, monkeypatch):
+    """A hostile round: a sensor file whose read blocked at start-up hung `load(power=...)` and `serve`
+    for good (the first reading was taken on the caller's thread): the port listened, /health never
+    answered. Now start waits FIRST_READ_S, then runs the safe plan, says so, and takes the real
+    plan when the read returns."""
+    from edgeinfer.power import controller as ctl
+
+    monkeypatch.setattr(ctl, "FIRST_READ_S", 0.2)
+    sensors = StuckFirst(Readings(temp_c=40.0))
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING"):
+        c = PowerController(Policy("balanced"), sensors, fake_cores(), interval_s=0.01).start()
+    try:
+        assert time.monotonic() - t0 < 5
+        assert c.plan is not None and c.plan.threads == 1 and not c.plan.admit_background
+        assert c.plan.reason == "no sensor reading yet"
+        assert [r for r in caplog.records if "has not returned" in r.getMessage()]
+        sensors.release.set()
+        deadline = time.monotonic() + 10
+        while c.plan.reason == "no sensor reading yet" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.plan.threads == 2 and c.plan.admit_background  # the reading's plan: cool, both cores
+    finally:
+        sensors.release.set()
+        c.stop()
+
+
+def test_a_warning_is_said_once_per_kind_so_later_ones_still_show(caplog):
+    """A hostile round: a sensor reading 151.000, 151.001, ... °C (absurd, dropped) logged each value as
+    a new warning, up to the 100 kept; after that the "power control failed" warning was never said."""
+    class Flaky:
+        def __init__(self):
+            self.n = 0
+
+        def read(self) -> Readings:
+            self.n += 1
+            if self.n > 150:
+                raise OSError("the bus is gone")
+            return Readings(warnings=(f"cpu-thermal: {151 + self.n / 1000:.3f} °C is not a temperature; dropped",))
+
+    c = PowerController(Policy("balanced"), Flaky(), fake_cores(), clock=Clock())
+    with caplog.at_level("WARNING"):
+        for _ in range(152):
+            c.tick()
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "is not a temperature" in m]) == 1
+    assert len([m for m in said if "power control failed (OSError: the bus is gone)" in m]) == 1
+
+
 def test_a_stuck_sensor_read_is_said_and_the_plans_age_shown(caplog):
     """A Jetson review: a temperature file whose read blocked froze the plan (a hot 1 tok/s cap) for
     good, and power_state() and /health served it with no age and no warning. The plan in force stays

@@ -25,6 +25,7 @@ import gc
 import logging
 import math
 import os
+import re
 import threading
 import time
 import weakref
@@ -42,6 +43,8 @@ TEMP_MEDIAN_OF = 5  # readings a temperature is the median of (2 s at the defaul
 UNENFORCED_AFTER = 3  # readings without a field before its limit is said to be unenforced
 MAX_SLEEP_S = 1.0 / MIN_TOKENS_PER_S
 MIN_SLEEP_S = 0.001  # the pacer sleeps only when this far ahead of its schedule (sleeps wake ~0.1-0.3 ms late)
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+FIRST_READ_S = 10.0  # `start` waits this long for the first plan (a Jetson's nvpmodel may take its 5 s timeout)
 STALE_PLAN_S = 60.0  # a plan this old while sampling runs: a sensor read is stuck (`PowerController.state`)
 LATE_S = 0.005  # a step later than this (or a period, if longer) restarts the schedule instead of catching up
 
@@ -175,15 +178,30 @@ class PowerController:
         return self.tick()
 
     def _warn(self, message: str) -> None:
-        if message not in self._warned and len(self._warned) < 100:
-            self._warned.add(message)
+        """Log `message` once per kind: its numbers do not make another (a sensor reading 151.000, 151.001,
+        ... °C filled the 100 kinds kept with one warning each, and a later "power control failed" was
+        never said: a hostile round)."""
+        kind = _NUMBER.sub("#", message)
+        if kind not in self._warned and len(self._warned) < 100:
+            self._warned.add(kind)
             log.warning("edgeinfer power: %s", message)
 
     def start(self) -> "PowerController":
-        """Take a first reading now, then sample every interval_s on a daemon thread (started again in
-        a forked child when a generation there first uses it: `_own_process`)."""
-        self.tick()
-        self._spawn(first_wait=True)
+        """Sample now and every interval_s on a daemon thread (started again in a forked child when a
+        generation there first uses it: `_own_process`), waiting for the first plan up to FIRST_READ_S:
+        a read that blocks longer (a hung sensor file) leaves the safe plan in force until it returns,
+        said once (it hung `load` and `serve` for good: a hostile round)."""
+        first = threading.Event()
+        self._spawn(first_wait=False, first_done=first)
+        if not first.wait(FIRST_READ_S):
+            self._warn(f"the first sensor reading has not returned in {FIRST_READ_S:g} s: running the safe plan "
+                       "until it does")
+            load = Load(max_threads=self.cores.max_threads, tokens_per_s=None, unpaced_tokens_per_s=None)
+            plan = safe_plan(load, "no sensor reading yet", self.policy, None)
+            with self._lock:
+                if self.plan is None:  # (the reading may have come meanwhile)
+                    self.plan, self._planned_at = plan, self.clock()
+                    self.cores.apply(plan.threads)
         return self
 
     def _own_process(self) -> None:
@@ -203,7 +221,7 @@ class PowerController:
                     self._spawn(first_wait=False)
                 self._forks_seen = _FORKS[0]
 
-    def _spawn(self, first_wait: bool) -> None:
+    def _spawn(self, first_wait: bool, first_done: threading.Event | None = None) -> None:
         ref, stop, interval = weakref.ref(self), self._stop, self.interval_s
 
         def loop() -> None:  # holds the controller only while ticking, so a dropped Model ends it
@@ -215,6 +233,8 @@ class PowerController:
                     return
                 c.tick()
                 del c
+                if first_done is not None:
+                    first_done.set()
 
         self._thread = threading.Thread(target=loop, name="edgeinfer-power", daemon=True)
         self._thread.start()
