@@ -105,3 +105,46 @@ def test_power_settings_from_toml(tmp_path):
     f.write_text('power = "battery"\nmin-battery-pct = 40\nmax-tokens-per-s = 12.5\n')
     c = load_config(str(f), {})
     assert c.power_policy() == Policy("battery", min_battery_pct=40, max_tokens_per_s=12.5)
+
+
+def test_a_background_request_queued_while_cool_is_refused_at_its_slot_once_hot():
+    """A hostile round: one admitted while cool waited in the queue, the device turned hot, and it ran
+    anyway when its turn came, paced, holding the slot 18.7 s while a new background request got 503.
+    The refusal now also applies when it reaches its slot: the same 503, Retry-After and code."""
+    import threading
+    import time
+
+    model = edgeinfer.load(power=Policy("balanced", hold_s=0.0, max_tokens_per_s=20.0))
+    sensors = Switch(COOL)
+    model.power.sensors = sensors
+    model.power.tick()
+    r = Running(ServeConfig(slots=1, queue=2, max_tokens_limit=64), model)
+    r.sensors = sensors
+    try:
+        got = {}
+
+        def post(name, headers, n):
+            got[name] = httpx.post(r.url + "/v1/completions", headers=headers, timeout=120,
+                                   json={"model": "stories260K-int8", "prompt": "Once", "max_tokens": n,
+                                         "ignore_eos": True})
+
+        first = threading.Thread(target=post, args=("interactive", {}, 40))  # ~2 s at 20 tok/s: holds the slot
+        first.start()
+        deadline = time.monotonic() + 30
+        while not r.server.scheduler.jobs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        queued = threading.Thread(target=post, args=("background", BG, 4))
+        queued.start()
+        while len(r.server.scheduler.jobs) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(r.server.scheduler.jobs) == 2  # admitted while cool, now waiting for the slot
+        _set(r, HOT)
+        first.join()
+        queued.join()
+        assert got["interactive"].status_code == 200
+        bg = got["background"]
+        assert bg.status_code == 503 and bg.json()["error"]["code"] == "power_background_refused", bg.text
+        assert int(bg.headers["retry-after"]) >= 1
+    finally:
+        r.stop()
+        model.power.stop()

@@ -71,7 +71,9 @@ class Reply:
 
     def failed(self, exc: BaseException, tokens: int = 0) -> Response:
         """The error answer to a request that did not finish, after generating `tokens`."""
-        if isinstance(exc, Cancelled):  # the client left (nobody reads this) or the server is stopping
+        if isinstance(exc, APIError):  # the job's own refusal (`Job.refusal`), as it would have been at once
+            err = exc
+        elif isinstance(exc, Cancelled):  # the client left (nobody reads this) or the server is stopping
             err = APIError(503, "the server is shutting down", type="server_error", code="shutting_down") \
                 if self.server.draining else APIError(499, "the client closed the request", code="client_closed")
         elif isinstance(exc, ContextOverflowError):
@@ -87,7 +89,7 @@ class Reply:
         self.server.metrics.request(self.endpoint, err.status)
         self.server.metrics.cut(tokens)
         self._log(err.status, tokens)
-        return error_response(err)
+        return error_response(err, {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else None)
 
     def _usage(self, completion, cached: int) -> dict:
         u = completion.usage

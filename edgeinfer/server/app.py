@@ -161,19 +161,27 @@ class Server:
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's digit limit
             raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
 
-    def _check_priority(self, request: Request) -> None:
-        """A request marked background (PRIORITY_HEADER) is refused with 503 and Retry-After while the
-        power plan admits no background work; interactive requests (the default) always run, paced."""
+    def _check_priority(self, request: Request) -> bool:
+        """Whether the request is marked background (PRIORITY_HEADER); such a one is refused with 503 and
+        Retry-After while the power plan admits no background work, here and again when it reaches its
+        slot (`_background_refused`); interactive requests (the default) always run, paced."""
         value = request.headers.get(PRIORITY_HEADER, "interactive").strip().lower()
         if value not in ("interactive", "background"):
             raise APIError(400, f"{PRIORITY_HEADER} must be interactive or background, got {value[:40]!r}",
                            param=PRIORITY_HEADER)
+        refused = self._background_refused() if value == "background" else None
+        if refused is not None:
+            raise refused
+        return value == "background"
+
+    def _background_refused(self) -> APIError | None:
+        """The 503 for background work while the power plan refuses it; None while it admits it."""
         power = self.model.power
-        if value == "background" and power is not None and not power.admits_background():
-            plan = power.plan
-            raise APIError(503, f"background work is refused now by the power plan: {plan.reason}; retry later",
-                           type="server_error", code="power_background_refused",
-                           retry_after_s=max(5, int(power.policy.hold_s * 2)))
+        if power is None or power.admits_background():
+            return None
+        return APIError(503, f"background work is refused now by the power plan: {power.plan.reason}; retry later",
+                        type="server_error", code="power_background_refused",
+                        retry_after_s=max(5, int(power.policy.hold_s * 2)))
 
     # ---- routes -------------------------------------------------------------------------------
 
@@ -288,7 +296,7 @@ class Server:
         t0 = time.perf_counter()
         endpoint = "chat" if chat else "completions"
         try:
-            self._check_priority(request)
+            background = self._check_priority(request)
             body = await self.read_json(request)
             req, prompt, logprobs = await self._prepared(request, body, chat)
             try:
@@ -313,7 +321,7 @@ class Server:
             if self.config.speculative != "off":
                 options = dataclasses.replace(options, speculative=self.config.speculative)
             job = Job(self.scheduler, ticket, prompt, options, logprobs, asyncio.get_running_loop(),
-                      streamed=req.stream)
+                      streamed=req.stream, refusal=self._background_refused if background else None)
             self.pool.submit(job.run)
         except BaseException:  # never queued (the pool shut down, a failure): its place is given up
             self.scheduler.withdraw(ticket)

@@ -251,9 +251,13 @@ class Job:
     """
 
     def __init__(self, scheduler: Scheduler, ticket: int, prompt: list[int], options: GenerationOptions,
-                 logprobs: int | None, loop: asyncio.AbstractEventLoop, streamed: bool = False):
+                 logprobs: int | None, loop: asyncio.AbstractEventLoop, streamed: bool = False,
+                 refusal: Callable[[], Exception | None] | None = None):
         """ticket: the request's place in line (`Scheduler.admit`); streamed: its reply is a stream, whose
-        client may stop reading (`_stalled`; a whole reply's events are taken as they come)."""
+        client may stop reading (`_stalled`; a whole reply's events are taken as they come); refusal: asked
+        once the job has its slot, an exception to end with instead of generating (a background request
+        the power plan now refuses: admitted while cool, it ran hot after its wait; a hostile round)."""
+        self.refusal = refusal
         self.scheduler, self.ticket, self.prompt, self.options, self.logprobs = scheduler, ticket, prompt, options, logprobs
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
@@ -293,6 +297,10 @@ class Job:
                 end = ("error", Cancelled(self.scheduler.cancel_reason) if isinstance(e, Cancelled) else e)
                 return
             try:
+                refused = self.refusal() if self.refusal is not None else None
+                if refused is not None:
+                    end = ("error", refused)
+                    return
                 end = ("done", self._generate(slot, cached), cached)
             except BaseException as e:  # noqa: BLE001 - reported to the request, the server goes on
                 why = STALLED_REASON if self.stalled else self.scheduler.cancel_reason
