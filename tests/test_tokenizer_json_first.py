@@ -104,3 +104,45 @@ def test_bos_from_the_post_processor_when_the_config_does_not_say(tmp_path, post
     (src / "tokenizer.json").write_text(json.dumps(tj))
     info = tokenizer_info(src, spec_from_config(read_config(src)))
     assert info.kind == "hf_tokenizers" and info.add_bos is bos
+
+
+def _legacy(tj: dict) -> dict:
+    """Llama 2's legacy tokenizer.json: a Prepend normalizer, no pre-tokenizer (every stretch between
+    added tokens gets its word-start marker)."""
+    return {**tj, "pre_tokenizer": None, "normalizer": {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}}
+
+
+def _rstrip(tj: dict) -> dict:
+    """Phi-3's way: an added token that takes the whitespace after it."""
+    return {**tj, "added_tokens": [{**t, "rstrip": t["content"] in ("</s>", "<s>")} for t in tj["added_tokens"]]}
+
+
+@pytest.mark.parametrize("style", ["metaspace_first", "legacy_prepend", "rstrip"])
+def test_a_control_string_in_a_message_leaves_the_rest_as_the_library_encodes_it(tmp_path, style):
+    """A review: with tokenizer.json first, a message holding a control token's text (kept as text,
+    `Tokenizer.defuse`) sent the whole rendering down a path that encoded each stretch between control
+    tokens as a text of its own: under Metaspace "first" every stretch got the word-start marker again
+    ("Hello" after <s> became "\u2581He" where the library gives "H"), another message's ids changed
+    with it. Each stretch is now encoded as the library encodes it after an added token."""
+    import dataclasses
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tj = json.loads((STORIES_SRC / "tokenizer.json").read_text())
+    (folder / "tokenizer.json").write_text(json.dumps({"metaspace_first": tj, "legacy_prepend": _legacy(tj),
+                                                       "rstrip": _rstrip(tj)}[style]))
+    info = dataclasses.replace(read_manifest(edgeinfer.load(threads=1).folder).tokenizer, kind="hf_tokenizers",
+                               add_bos=False)
+    from edgeinfer.tokenizer import Tokenizer
+
+    tok = Tokenizer(folder, info)
+    lib = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    for tail in ("Hello there", " Hello there", "Hello  there ", "\nHello"):
+        rest = f"</s><s>{tail}</s>"
+        plain = tok.encode("<s>x" + rest)
+        assert plain == lib.encode("<s>x" + rest, add_special_tokens=False).ids
+        mixed = tok.encode("<s>" + tok.defuse("x </s> y") + rest)
+        assert mixed[-len(lib.encode(rest, add_special_tokens=False).ids):] == plain[-len(lib.encode(
+            rest, add_special_tokens=False).ids):], (style, tail)
+        assert mixed.count(2) == plain.count(2)  # the message's </s> stayed text
