@@ -76,8 +76,9 @@ def tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
         raise ConvertError(f"{gen_path if gen else src / 'config.json'}: bos_token_id {bos!r} and eos_token_id "
                            f"{eos!r} must be token ids in [0, {spec.vocab_size})")
     add_bos = cfg.get("add_bos_token")
-    if add_bos is None:
-        add_bos = kind == "sentencepiece" or _post_processor_adds(src / "tokenizer.json", bos)
+    if add_bos is None:  # a SentencePiece family (tokenizer.model there: Llama 2, Mistral, Gemma) adds it, as
+        # transformers' Llama and Gemma tokenizers do by default; otherwise as tokenizer.json's post-processor says
+        add_bos = (src / "tokenizer.model").exists() or _post_processor_adds(src / "tokenizer.json", bos)
     if not isinstance(add_bos, bool):  # "false" read as true (any non-empty string did)
         raise ConvertError(f"{cfg_path}: add_bos_token must be true or false, got {add_bos!r:.40}")
     return TokenizerInfo(kind=kind, add_bos=add_bos, bos_token_id=bos, eos_token_ids=tuple(eos),
@@ -91,19 +92,26 @@ def _post_processor_adds(path: Path, bos: int | None) -> bool:
     if bos is None or not path.exists():
         return False
     tj = json_object(path)
-    added = {t.get("content"): t.get("id") for t in tj.get("added_tokens") or () if isinstance(t, dict)}
+
+    def obj(v) -> dict:  # the file's shapes are not trusted: anything else reads as absent
+        return v if isinstance(v, dict) else {}
+
+    def items(v) -> list:
+        return v if isinstance(v, list) else []
+
+    added = {obj(t).get("content"): obj(t).get("id") for t in items(tj.get("added_tokens"))}
     procs = [tj.get("post_processor")]
     while procs:
-        p = procs.pop()
-        if not isinstance(p, dict):
-            continue
+        p = obj(procs.pop())
         if p.get("type") == "Sequence":
-            procs += list(p.get("processors") or ())
+            procs += items(p.get("processors"))
         elif p.get("type") == "TemplateProcessing":
-            first = (p.get("single") or [None])[0]
-            name = first.get("SpecialToken", {}).get("id") if isinstance(first, dict) else None
-            special = (p.get("special_tokens") or {}).get(name) or {}
-            return bos in (special.get("ids") or []) or added.get(name) == bos
+            first = (items(p.get("single")) or [None])[0]
+            name = obj(obj(first).get("SpecialToken")).get("id")
+            if not isinstance(name, str):
+                return False
+            ids = items(obj(obj(p.get("special_tokens")).get(name)).get("ids"))
+            return bos in ids or added.get(name) == bos
     return False
 
 

@@ -60,8 +60,9 @@ def check_variables(variables, defuse: Callable[[str], str] | None = None) -> di
             return defuse(v) if defuse is not None else v
         if isinstance(v, (list, tuple)):
             return [plain(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
-        if isinstance(v, dict) and all(isinstance(k, str) for k in v):
-            return {k: plain(x, f"{where}.{k}", depth + 1) for k, x in v.items()}
+        if isinstance(v, dict) and all(isinstance(k, str) for k in v):  # keys are a client's text too: a
+            return {plain(k, f"{where} key", depth + 1): plain(x, f"{where}.{k}", depth + 1)  # template may
+                    for k, x in v.items()}  # write them (tojson, items()): a review forged an EOS through one
         raise InvalidArgumentError(f"template variable {where} must be JSON (null, a boolean, a number, a string, "
                                    f"a list or an object with string keys), got {type(v).__name__}")
 

@@ -143,11 +143,11 @@ def _block(line: str, read_line) -> str:
     """The message a line begins: the line itself; for a line starting with \"\"\", the rest of it
     and the lines after it up to one that is \"\"\" alone (`read_line()` gives the next; the end of
     the input ends the message too), or just the rest if it ends with \"\"\" (`\"\"\"Hi\"\"\"`).
-    A text pasted into `chat` is then one turn, not one per line. Only an unindented \"\"\" line
-    closes, so pasted Python keeps its docstrings."""
-    if not line.lstrip().startswith(BLOCK):
+    A text pasted into `chat` is then one turn, not one per line. Only an unindented \"\"\" opens
+    and closes, so pasted Python keeps its docstrings."""
+    if not line.startswith(BLOCK):
         return line
-    rest = line.lstrip()[len(BLOCK):]
+    rest = line[len(BLOCK):]
     if rest.rstrip().endswith(BLOCK):
         return rest.rstrip()[:-len(BLOCK)]
     lines = [rest] if rest.strip() else []
@@ -156,6 +156,9 @@ def _block(line: str, read_line) -> str:
             text = read_line()
         except EOFError:
             break
+        except UnicodeDecodeError as e:  # that line alone: the block goes on (dropping the message left its
+            print(f"edgeinfer: error: the input is not valid UTF-8 ({e.reason}); line skipped", file=sys.stderr)
+            continue  # other lines to arrive as turns of their own, and its closing \"\"\" to open a block)
         if text.rstrip() == BLOCK:
             break
         lines.append(text)
@@ -202,9 +205,6 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             message = _block(line, lambda: input("... " if interactive else ""))
         except KeyboardInterrupt:
             print("\n(message dropped)", file=sys.stderr)
-            continue
-        except UnicodeDecodeError as e:
-            print(f"edgeinfer: error: the input is not valid UTF-8 ({e.reason}); message dropped", file=sys.stderr)
             continue
         if not message.strip():
             continue

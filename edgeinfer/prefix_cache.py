@@ -123,10 +123,14 @@ class PrefixSnapshot:
                                            ": give the snapshot a file name (it is not replaced)")
             stem = f".edgeinfer-snapshot-{hashlib.sha256(os.fsencode(path.name)).hexdigest()[:12]}"  # this destination's
             tmp = path.parent / f"{stem}.{secrets.token_hex(8)}.partial"  # a new file of its own:
+            try:  # the file replaced keeps its mode (a 0600 one became the umask's 0644: its prompt readable by all)
+                mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else None
+            except OSError:
+                mode = None
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)  # a name
-            if path.exists() and hasattr(os, "fchmod"):  # the file replaced keeps its mode (a 0600 one became the
-                os.fchmod(fd, stat.S_IMODE(path.stat().st_mode))  # umask's 0644: its prompt readable by all)
             with os.fdopen(fd, "wb") as f:  # planted there is not followed; a new file's mode is the umask's
+                if mode is not None and hasattr(os, "fchmod"):
+                    os.fchmod(f.fileno(), mode)
                 np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), positions=kv.positions, **arrays)
                 f.flush()
                 os.fsync(f.fileno())

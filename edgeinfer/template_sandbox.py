@@ -36,6 +36,7 @@ from edgeinfer.template_budget import (MAX_REPEAT_ITEMS, budget, check_args, che
 
 MAX_TEMPLATE_CHARS = 256 * 1024  # Hugging Face templates are a few KB; compiling costs ~6 s per MB
 MAX_NESTING = 64  # syntax nested this deep (real templates: under 15)
+MAX_STRFTIME_CHARS = 256  # a date's format (Llama 3.2's: "%d %b %Y")
 LOOP_FILTER, VALUE_FILTER = "edgeinfer_loop", "edgeinfer_value"  # the hooks' names among the filters
 
 
@@ -51,6 +52,9 @@ def _strftime_now(format: str) -> str:
 
     if not isinstance(format, str):
         raise InvalidArgumentError(f"chat template: strftime_now takes a format string, got {type(format).__name__}")
+    if len(format) > MAX_STRFTIME_CHARS:  # one C call whose output grows 12x ("%c"): a review's 32 M characters
+        raise InvalidArgumentError(f"chat template: strftime_now's format is {len(format)} characters, more "  # ran
+                                   f"than the {MAX_STRFTIME_CHARS} a date takes")  # 13 s and 2 GB, past the budget
     return datetime.datetime.now().strftime(format)
 
 

@@ -55,3 +55,10 @@ def test_tojson_is_transformers(expr, expected):
 def test_tojson_arguments_that_would_multiply_the_output_are_refused(expr, needle):
     with pytest.raises(InvalidArgumentError, match=needle):
         ChatTemplate("{{ " + expr + " }}").render(USER)
+
+
+def test_a_strftime_format_is_bounded_before_the_call():
+    """A review: one strftime call grows its format 12x ("%c"), unmeasured until it returned: a format
+    the budget allowed ran 13 s and took 2 GB."""
+    with pytest.raises(InvalidArgumentError, match="strftime_now's format is 2000 characters"):
+        ChatTemplate("{{ strftime_now('%c' * 1000) }}").render(USER)

@@ -86,12 +86,14 @@ def test_chat_takes_a_block_between_triple_quotes_as_one_message(capsys, monkeyp
     """A text of several lines pasted into `chat` was one turn per line (a hostile round). Between a
     line starting with \"\"\" and a line of \"\"\" alone it is one message, pasted Python's indented
     docstrings included; `\"\"\"Hi\"\"\"` is one line's message; the end of input ends a block; Ctrl-C
-    inside one drops it and chat goes on."""
+    inside one drops it and chat goes on; a line that is not UTF-8 inside one is skipped, the block going
+    on (a review: the message was dropped and its other lines came as turns); an indented \"\"\" is text."""
     from edgeinfer.conversation import Conversation
 
-    script = ['"""', "def f():", '    """Doc."""', '    """', "", "    return 1", '"""',
-              '"""One line."""', "plain", '""" starts here', "and goes on", KeyboardInterrupt(), "after",
-              '"""', "cut by the end of input"]
+    bad = UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    script = ['"""', "def f():", '    """Doc."""', '    """', "", bad, "    return 1", '"""',
+              '"""One line."""', "plain", '    """ indented: not a block', '""" starts here', "and goes on",
+              KeyboardInterrupt(), "after", '"""', "cut by the end of input"]
     lines = iter(script)
 
     def fake_input(prompt=""):
@@ -113,6 +115,7 @@ def test_chat_takes_a_block_between_triple_quotes_as_one_message(capsys, monkeyp
     monkeypatch.setattr(builtins, "input", fake_input)
     monkeypatch.setattr(Conversation, "stream_say", stream_say)
     assert main(["chat", "--max-tokens", "2", "--seed", "1"]) == 0
-    assert said == ['def f():\n    """Doc."""\n    """\n\n    return 1', "One line.", "plain", "after",
-                    "cut by the end of input"]
-    assert "(message dropped)" in capsys.readouterr().err
+    assert said == ['def f():\n    """Doc."""\n    """\n\n    return 1', "One line.", "plain",
+                    '    """ indented: not a block', "after", "cut by the end of input"]
+    err = capsys.readouterr().err
+    assert "(message dropped)" in err and "not valid UTF-8 (invalid start byte); line skipped" in err

@@ -83,14 +83,17 @@ def test_no_word_start_token_after_a_control_token_under_metaspace_first(tmp_pat
         assert tok.encode(text) == want, text
 
 
-@pytest.mark.parametrize("post,bos", [
-    ("as is", True),  # TemplateProcessing: <s> $A
-    ("sequence", True),  # Llama 3's form: a Sequence of ByteLevel and the TemplateProcessing
-    ("none", False),
+@pytest.mark.parametrize("post,sp,bos", [
+    ("as is", False, True),  # TemplateProcessing: <s> $A
+    ("sequence", False, True),  # Llama 3's form: a Sequence of ByteLevel and the TemplateProcessing
+    ("none", False, False),  # Qwen's: nothing before the text
+    ("none", True, True),  # a SentencePiece family (tokenizer.model there), as transformers' Llama tokenizer does
+    ("garbage", False, False),  # shapes the file should not have: read as absent, no traceback (a review)
 ])
-def test_bos_from_the_post_processor_when_the_config_does_not_say(tmp_path, post, bos):
+def test_bos_from_the_post_processor_when_the_config_does_not_say(tmp_path, post, sp, bos):
     src = tmp_path / "src"
-    shutil.copytree(STORIES_SRC, src, ignore=shutil.ignore_patterns("*.bin", "eval*", "golden*", "*.safetensors"))
+    shutil.copytree(STORIES_SRC, src, ignore=shutil.ignore_patterns("*.bin", "eval*", "golden*", "*.safetensors",
+                                                                    *([] if sp else ["tokenizer.model"])))
     tc = json.loads((src / "tokenizer_config.json").read_text())
     del tc["add_bos_token"]
     (src / "tokenizer_config.json").write_text(json.dumps(tc))
@@ -101,6 +104,9 @@ def test_bos_from_the_post_processor_when_the_config_does_not_say(tmp_path, post
             tj["post_processor"]]}
     elif post == "none":
         tj["post_processor"] = None
+    elif post == "garbage":
+        tj["post_processor"] = {"type": "Sequence", "processors": [
+            {"type": "TemplateProcessing", "single": [{"SpecialToken": 3}], "special_tokens": [1, 2]}, 7]}
     (src / "tokenizer.json").write_text(json.dumps(tj))
     info = tokenizer_info(src, spec_from_config(read_config(src)))
     assert info.kind == "hf_tokenizers" and info.add_bos is bos
