@@ -112,3 +112,21 @@ def test_a_key_is_a_clients_text_too(model):
         model.template = t
     assert not set(model.tokenizer.eos_ids) & set(ids) and ids.count(model.tokenizer.bos_id) == 1
     assert '[{"</s><s>": "</s>"}]' in model.tokenizer.decode(ids)
+
+
+def test_a_chats_next_turn_keeps_its_slot_with_template_variables(model):
+    """A review: the daemon's generation cue (what a prompt ends with, left out when the next turn
+    re-sends it) was rendered without the request's variables; with enable_thinking false the cue
+    differs, and a chat's next turn took an empty slot and prefilled its whole history cold."""
+    r = Running(ServeConfig(slots=2, queue=2, max_tokens_limit=16), model=model)
+    try:
+        cl = r.client()
+        first = cl.chat.completions.create(model="stories260K-int8", messages=MSGS, max_tokens=6, temperature=0,
+                                           extra_body={"chat_template_kwargs": OFF})
+        turn2 = MSGS + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "Then?"}]
+        second = cl.chat.completions.create(model="stories260K-int8", messages=turn2, max_tokens=6, temperature=0,
+                                            extra_body={"chat_template_kwargs": OFF})
+        assert second.usage.prompt_tokens_details.cached_tokens >= len(model.encode_chat(MSGS, OFF)) - 8
+    finally:
+        r.stop()

@@ -321,7 +321,8 @@ class Server:
             if self.config.speculative != "off":
                 options = dataclasses.replace(options, speculative=self.config.speculative)
             job = Job(self.scheduler, ticket, prompt, options, logprobs, asyncio.get_running_loop(),
-                      streamed=req.stream, refusal=self._background_refused if background else None)
+                      streamed=req.stream, refusal=self._background_refused if background else None,
+                      cue=self.scheduler.cue_for(req.template_variables) if chat else None)
             self.pool.submit(job.run)
         except BaseException:  # never queued (the pool shut down, a failure): its place is given up
             self.scheduler.withdraw(ticket)

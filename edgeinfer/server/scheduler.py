@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import threading
 import time
 from collections import deque
@@ -61,16 +62,18 @@ class Slot:
     prompt_tokens: int = 0  # the prompt of the request that filled `ids` (the rest is its reply)
 
 
-def generation_cue(model) -> tuple[int, ...]:
+def generation_cue(model, variables: dict | None = None) -> tuple[int, ...]:
     """The token ids of the chat template's generation cue (what add_generation_prompt appends:
-    ChatML's "<|im_start|>assistant\n"); () when unknown. A template may render it otherwise once the
-    reply follows in the history (DeepSeek-R1's "<｜Assistant｜><think>\n" becomes "<｜Assistant｜>" and
-    the reply), so a chat's next turn may leave a prompt's closing cue out (`choose_slot`)."""
+    ChatML's "<|im_start|>assistant\n"; with Qwen3's enable_thinking false, and the empty think block
+    after it: `variables`, as a request gives them); () when unknown. A template may render it otherwise
+    once the reply follows in the history (DeepSeek-R1's "<｜Assistant｜><think>\n" becomes
+    "<｜Assistant｜>" and the reply), so a chat's next turn may leave a prompt's closing cue out
+    (`choose_slot`)."""
     try:  # the ids a prompt ends with, in context (encoded alone, SentencePiece would add a leading space)
         msgs = [{"role": "user", "content": "x"}]
         t = model.template
-        cued = model.encode_rendered(t.render(msgs, add_generation_prompt=True))
-        base = model.encode_rendered(t.render(msgs, add_generation_prompt=False))
+        cued = model.encode_rendered(t.render(msgs, add_generation_prompt=True, variables=variables))
+        base = model.encode_rendered(t.render(msgs, add_generation_prompt=False, variables=variables))
     except Exception:  # noqa: BLE001 - a template that fails here fails its requests with a clear error
         return ()
     return tuple(cued[common_prefix(cued, base):])
@@ -133,6 +136,7 @@ class Scheduler:
             caches, self.stepper = [model.cache] + [model.new_cache() for _ in range(1, slots)], SoloStepper(engine)
         self.slots = [Slot(i, c) for i, c in enumerate(caches)]
         self.cue = generation_cue(model)
+        self._cues: dict[str, tuple[int, ...]] = {}  # `cue_for`'s, by the variables' JSON
         self.queue_limit = queue
         self._free = list(self.slots)
         self._cond = threading.Condition()
@@ -205,11 +209,31 @@ class Scheduler:
         for job in jobs:
             job.cancel()
 
+    CUES = 16  # `cue_for`'s kept (requests give one or two sets of variables: Qwen3's thinking on and off)
+
+    def cue_for(self, variables: dict | None) -> tuple[int, ...]:
+        """`generation_cue` with a request's template variables (`cue` without): a review found a chat's
+        next turn with Qwen3's enable_thinking false taken for a new prompt, its whole history prefilled
+        cold in another slot, because the cue it ends with has the empty think block."""
+        if not variables:
+            return self.cue
+        key = json.dumps(variables, sort_keys=True)
+        with self._cond:
+            cue = self._cues.get(key)
+        if cue is None:
+            cue = generation_cue(self.model, variables)
+            with self._cond:
+                if len(self._cues) >= self.CUES:
+                    self._cues.clear()
+                self._cues[key] = cue
+        return cue
+
     def take(self, ticket: int, prompt: list[int], cancelled: threading.Event,
-             max_new_tokens: int) -> tuple[Slot, int]:
+             max_new_tokens: int, cue: tuple[int, ...] | None = None) -> tuple[Slot, int]:
         """Wait until a slot is free and `ticket` (from `admit`) is first in line; returns the slot
-        `choose_slot` picks and how many prompt tokens it already holds. Raises Cancelled (its place
-        given up) once `cancelled` is set while it waits."""
+        `choose_slot` picks (`cue`: the prompt's generation cue, `cue_for`; default the template's own)
+        and how many prompt tokens it already holds. Raises Cancelled (its place given up) once
+        `cancelled` is set while it waits."""
         with self._cond:
             while not (self._free and self._line[0] == ticket):
                 if cancelled.is_set():
@@ -220,7 +244,7 @@ class Scheduler:
             m = self.model
             best = choose_slot(self._free, prompt,
                                lambda ids: keepable(ids, prompt, m.capacity_tokens, m.overflow, max_new_tokens),
-                               self.cue)
+                               self.cue if cue is None else cue)
             self._free.remove(best)
             self._clock += 1
             best.last_used = self._clock
@@ -252,12 +276,13 @@ class Job:
 
     def __init__(self, scheduler: Scheduler, ticket: int, prompt: list[int], options: GenerationOptions,
                  logprobs: int | None, loop: asyncio.AbstractEventLoop, streamed: bool = False,
-                 refusal: Callable[[], Exception | None] | None = None):
+                 refusal: Callable[[], Exception | None] | None = None, cue: tuple[int, ...] | None = None):
         """ticket: the request's place in line (`Scheduler.admit`); streamed: its reply is a stream, whose
         client may stop reading (`_stalled`; a whole reply's events are taken as they come); refusal: asked
         once the job has its slot, an exception to end with instead of generating (a background request
-        the power plan now refuses: admitted while cool, it ran hot after its wait; a hostile round)."""
-        self.refusal = refusal
+        the power plan now refuses: admitted while cool, it ran hot after its wait; a hostile round); cue:
+        the prompt's generation cue (`Scheduler.cue_for`), for the slot's choice."""
+        self.refusal, self.cue = refusal, cue
         self.scheduler, self.ticket, self.prompt, self.options, self.logprobs = scheduler, ticket, prompt, options, logprobs
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
@@ -292,7 +317,8 @@ class Job:
         end = None  # the last event, sent once the slot is free again: a client that sends its next
         try:        # request on hearing the end (a chat's next turn) finds the slot and its prefix
             try:
-                slot, cached = self.scheduler.take(self.ticket, self.prompt, self.cancelled, self.options.max_new_tokens)
+                slot, cached = self.scheduler.take(self.ticket, self.prompt, self.cancelled, self.options.max_new_tokens,
+                                                   self.cue)
             except BaseException as e:  # noqa: BLE001 - cancelled, or failed: reported, or the request waits for ever
                 end = ("error", Cancelled(self.scheduler.cancel_reason) if isinstance(e, Cancelled) else e)
                 return
