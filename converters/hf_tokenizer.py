@@ -76,8 +76,9 @@ def tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
         raise ConvertError(f"{gen_path if gen else src / 'config.json'}: bos_token_id {bos!r} and eos_token_id "
                            f"{eos!r} must be token ids in [0, {spec.vocab_size})")
     add_bos = cfg.get("add_bos_token")
-    if add_bos is None:  # a SentencePiece family (tokenizer.model there: Llama 2, Mistral, Gemma) adds it, as
-        # transformers' Llama and Gemma tokenizers do by default; otherwise as tokenizer.json's post-processor says
+    if add_bos is None:  # a SentencePiece family (tokenizer.model there: Llama 2, Mistral, Gemma) adds it, as it
+        # was trained and as llama.cpp runs it (transformers 5.24 adds none there); otherwise as tokenizer.json's
+        # post-processor says
         add_bos = (src / "tokenizer.model").exists() or _post_processor_adds(src / "tokenizer.json", bos)
     if not isinstance(add_bos, bool):  # "false" read as true (any non-empty string did)
         raise ConvertError(f"{cfg_path}: add_bos_token must be true or false, got {add_bos!r:.40}")

@@ -34,6 +34,11 @@ from edgeinfer.small_files import MAX_TEXT_BYTES, read_bytes
 from edgeinfer.manifest import TokenizerInfo
 
 
+# Unicode's White_Space, which the tokenizers library's lstrip/rstrip take (Python's strip also takes
+# U+001C-U+001F: a hostile round found '\x1f' dropped next to such a token)
+WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+
+
 class Tokenizer:
     def __init__(self, folder: Path, info: TokenizerInfo):
         folder = Path(folder)
@@ -153,9 +158,9 @@ class Tokenizer:
             # library encodes it between its added tokens (whitespace they strip, no word-start marker after one
             # under Metaspace "first": a review found stretches encoded as texts of their own)
             if i > 0 and self._strips[pieces[i - 1]][1]:
-                part = part.lstrip()
+                part = part.lstrip(WHITE_SPACE)
             if i + 1 < len(pieces) and self._strips[pieces[i + 1]][0]:
-                part = part.rstrip()
+                part = part.rstrip(WHITE_SPACE)
             if part:
                 ids.extend(self._encode_text(part) if i == 0 else self._after_control(part))
         return ids

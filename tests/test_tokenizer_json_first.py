@@ -144,7 +144,7 @@ def test_a_control_string_in_a_message_leaves_the_rest_as_the_library_encodes_it
 
     tok = Tokenizer(folder, info)
     lib = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-    for tail in ("Hello there", " Hello there", "Hello  there ", "\nHello"):
+    for tail in ("Hello there", " Hello there", "Hello  there ", "\nHello", "\x1f Hello\u2003"):
         rest = f"</s><s>{tail}</s>"
         plain = tok.encode("<s>x" + rest)
         assert plain == lib.encode("<s>x" + rest, add_special_tokens=False).ids
