@@ -100,7 +100,8 @@ def _post_processor_adds(path: Path, bos: int | None) -> bool:
     def items(v) -> list:
         return v if isinstance(v, list) else []
 
-    added = {obj(t).get("content"): obj(t).get("id") for t in items(tj.get("added_tokens"))}
+    added = {t["content"]: t.get("id") for t in map(obj, items(tj.get("added_tokens")))
+             if isinstance(t.get("content"), str)}
     procs = [tj.get("post_processor")]
     while procs:
         p = obj(procs.pop())

@@ -17,7 +17,10 @@ number drawn per Tokenizer) that the template carries through. `encode` splits t
 the template's own control strings only, puts each placeholder's string back as text, and encodes
 each stretch between them in one call that matches no control token (SentencePiece never matches
 them in text; the `tokenizers` library is asked not to), so the string's plain-text tokens sit in
-their context as any other text would. Text without control strings is tokenized as before.
+their context as any other text would. With the `tokenizers` library, a stretch is encoded as the
+library encodes one after an added token: the whitespace an lstrip/rstrip token takes is taken, and
+under Metaspace "first" it gets no word-start marker (encoded after ANCHOR, whose ids are dropped;
+`_after_control`). Text without control strings is tokenized as before.
 Controls are SentencePiece's control pieces and the `tokenizers` library's special added tokens; a
 SentencePiece user-defined piece or a non-special added token in a message is still matched (not a
 role marker in the families converted here; Gemma's turn markers are user-defined pieces).
@@ -171,9 +174,12 @@ class Tokenizer:
         word-start marker for Metaspace "first" (Mistral v0.3's, stories260K's); found once by probing
         the library, and encoded after ANCHOR (its ids then dropped) where it differs."""
         if self._fresh_after_control is None:
-            c = self._controls[0]
-            after = list(self._encode_all(c + "a"))
-            after = after[1:] if after[:1] == [self._specials[c]] else None
+            after = None
+            for c in self._controls:  # the first the library splits "c" + "a" at (a single_word one it does not)
+                got = list(self._encode_all(c + "a"))
+                if got[:1] == [self._specials[c]]:
+                    after = got[1:]
+                    break
             self._fresh_after_control = after is None or after == self._encode_text("a") or \
                 after != self._anchored("a")
         return self._encode_text(text) if self._fresh_after_control else self._anchored(text)

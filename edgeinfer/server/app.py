@@ -234,7 +234,8 @@ class Server:
         return await self._generate(request, chat=False)
 
     def _prepare(self, body: dict, chat: bool) -> tuple:
-        """The parsed request, its prompt's token ids and its logprobs setting. Runs in `tokenize_pool`,
+        """The parsed request, its prompt's token ids, its logprobs setting and a chat's generation cue
+        (`Scheduler.cue_for`: a template rendered twice, here rather than on the loop). Runs in `tokenize_pool`,
         off the event loop. Safe from several threads at once: `Model.encode_*`, the tokenizer wrapper
         and both back ends only read what loading set (SentencePiece's encoder is const; `tokenizers`'
         is Sync), and a compiled Jinja template renders each call in a fresh context. Both back ends
@@ -261,7 +262,8 @@ class Server:
             raise APIError(400, f"the prompt is {len(prompt)} tokens; this server takes at most "
                                 f"{self.max_prompt_tokens} (max-prompt-tokens)", param=param,
                            code="context_length_exceeded")
-        return req, prompt, (req.top_logprobs if req.logprobs else None) if chat else req.logprobs
+        cue = self.scheduler.cue_for(req.template_variables) if chat else None
+        return req, prompt, (req.top_logprobs if req.logprobs else None) if chat else req.logprobs, cue
 
     async def _prepared(self, request: Request, body: dict, chat: bool) -> tuple:
         """`_prepare` in the tokenizing thread, for a request that could be admitted now (else 429 at
@@ -298,7 +300,7 @@ class Server:
         try:
             background = self._check_priority(request)
             body = await self.read_json(request)
-            req, prompt, logprobs = await self._prepared(request, body, chat)
+            req, prompt, logprobs, cue = await self._prepared(request, body, chat)
             try:
                 ticket = self.scheduler.admit()
             except Closed:
@@ -322,7 +324,7 @@ class Server:
                 options = dataclasses.replace(options, speculative=self.config.speculative)
             job = Job(self.scheduler, ticket, prompt, options, logprobs, asyncio.get_running_loop(),
                       streamed=req.stream, refusal=self._background_refused if background else None,
-                      cue=self.scheduler.cue_for(req.template_variables) if chat else None)
+                      cue=cue)
             self.pool.submit(job.run)
         except BaseException:  # never queued (the pool shut down, a failure): its place is given up
             self.scheduler.withdraw(ticket)
