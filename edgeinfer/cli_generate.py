@@ -37,8 +37,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=OVERFLOW_POLICIES[0],
                    help="when the context is full: shift (forget the oldest, go on), truncate, error")
     p.add_argument("-v", "--verbose", action="store_true", help="print load details (KV memory) to stderr")
-    p.add_argument("--power", choices=("performance", "balanced", "battery", "thermal-guard"), default=None,
-                   help="pace decoding by this device's sensors (default: off)")
+    p.add_argument("--power", choices=("off", "performance", "balanced", "battery", "thermal-guard"), default=None,
+                   help="pace decoding by this device's sensors (default: off, as `serve --power off` says it)")
 
 
 # generation flags: (flag, option name, type, help); defaults come from edgeinfer.options, declared once

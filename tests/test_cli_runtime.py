@@ -119,3 +119,9 @@ def test_chat_takes_a_block_between_triple_quotes_as_one_message(capsys, monkeyp
                     '    """ indented: not a block', "after", "cut by the end of input"]
     err = capsys.readouterr().err
     assert "(message dropped)" in err and "not valid UTF-8 (invalid start byte); line skipped" in err
+
+
+def test_generate_takes_power_off_as_serve_and_load_do(capsys):
+    """A hostile round: `serve --power off` and `load(power="off")` were taken, `generate --power off` refused."""
+    assert main(["generate", "Once upon a time", "--max-tokens", "3", "--temperature", "0", "--power", "off"]) == 0
+    assert capsys.readouterr().out.strip()
