@@ -332,9 +332,14 @@ def test_controller_thread_stops_and_model_drop_ends_it():
 
 
 def test_set_policy_checks_its_argument():
+    """A TypeError that is also an EdgeInferError (a hostile round: a bare TypeError, which the CLI and
+    the daemon do not turn into one line)."""
+    from edgeinfer.errors import EdgeInferError
+
     ctl = PowerController(Policy("balanced"), Script(Readings()), cores())
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError) as e:
         ctl.set_policy("battery")
+    assert isinstance(e.value, EdgeInferError)
     assert ctl.set_policy(Policy("battery")).reason is not None and ctl.policy.name == "battery"
 
 

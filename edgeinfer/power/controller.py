@@ -32,6 +32,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, replace
 
+from edgeinfer.errors import InvalidArgumentTypeError
 from edgeinfer.power.policy import MIN_TOKENS_PER_S, Load, Plan, Policy, decide, safe_plan
 from edgeinfer.power.readings import Readings
 from edgeinfer.power.threads import CoreLimit
@@ -173,7 +174,7 @@ class PowerController:
         """Switch policy now (e.g. the user changed a limit); the next plan is decided at once."""
         self._own_process()
         if not isinstance(policy, Policy):
-            raise TypeError(f"set_policy takes a Policy, got {type(policy).__name__}")
+            raise InvalidArgumentTypeError(f"set_policy takes a Policy, got {type(policy).__name__}")  # (a TypeError)
         self.policy, self.plan = policy, None
         return self.tick()
 
