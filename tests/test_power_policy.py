@@ -166,6 +166,10 @@ def test_battery_policy_halves_cores_and_guards_the_charge():
     assert not decide(Readings(battery_pct=15.0, on_ac=False), Policy("balanced"), LOAD).admit_background
     assert decide(Readings(battery_pct=15.0, on_ac=True), pol, LOAD).admit_background  # charging: fine
     assert decide(Readings(battery_pct=60.0, on_ac=True), pol, LOAD).threads == 4
+    # a battery whose level cannot be read (capacity 255, "Unknown") while discharging: still on battery (a
+    # hostile round: every core kept)
+    assert Readings(on_ac=False).on_battery and decide(Readings(on_ac=False), pol, LOAD).threads == 2
+    assert not Readings().on_battery  # nothing known: not on battery
 
 
 def test_thermal_guard_refuses_background_already_when_warm():

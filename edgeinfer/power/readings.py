@@ -65,8 +65,10 @@ class Readings:
 
     @property
     def on_battery(self) -> bool:
-        """Running from a battery now: a battery is present and no external power is (unknown: False)."""
-        return self.battery_pct is not None and self.on_ac is False
+        """Running from a battery now: no external power is (unknown: False). A battery whose level cannot
+        be read still counts (a hostile round: capacity 255 or "Unknown" while discharging kept every
+        core under the battery policy)."""
+        return self.on_ac is False
 
     def as_dict(self) -> dict:
         """A JSON-ready dict (for `edgeinfer power --json`, /health and the simulation's log)."""
