@@ -18,10 +18,11 @@ it; numpy built on Apple's Accelerate (macOS arm64 wheels) is not held, and ther
 still depend on the core count.
 
 `plan` decides whether a conversion calibrates (the gptq recipe with some weight at int4, a text
-the tokenizer reads as enough tokens; or, for `--target cuda`, one row to check the range) and says so. `Calibration` runs the model on those rows in
-numpy, one layer at a time, in the order `decoder.build_decoder` reads the layer's weights, and
-returns each projection's input X [tokens, K] (float32; the recipe takes what it needs: its Gram
-matrix X^T X, or each input's sum of squares), just before that projection is quantized:
+the tokenizer reads as enough tokens; or, for `--target cuda`, one row to check the range) and says
+so. `Calibration` runs the model on those rows in numpy, one layer at a time, in the order
+`decoder.build_decoder` reads the layer's weights, and returns each projection's input X [tokens, K]
+(float32; the recipe takes what it needs: its Gram matrix X^T X, or each input's sum of squares),
+just before that projection is quantized:
 1. `attention_input(ln)`: RMSNorm of the residual stream (q|k|v's input).
 2. `attention(w_qkv, b_qkv, q_norm, k_norm)`: q, k, v (biases, per-head norms, RoPE as the graph's
    host tables compute it), causal attention (within the sliding window, if any) with grouped

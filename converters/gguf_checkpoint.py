@@ -109,9 +109,6 @@ class GGUFCheckpoint:
             if name is None:
                 unknown.append(t.name)
                 continue
-            if name in self._infos:  # (the table's own names differ: `hf_name` maps one name per tensor)
-                raise ConvertError(f"{self.path.name}: tensors {self._infos[name][0]!r:.80} and {t.name!r:.80} are both "
-                                   f"{name}")
             shape = tuple(reversed(t.dims))  # GGUF lists ne0 (the row length) first
             self._infos[name] = (t.name, qtype, shape, t.offset, end - t.offset)
         extents = sorted((i[3], i[3] + i[4], i[0]) for i in self._infos.values())
