@@ -109,10 +109,11 @@ class ArchSpec:
         for name in ("theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if getattr(r, name) <= 0:
                 raise FieldError(f"{where}.rope.{name}", f"must be positive, got {getattr(r, name)}")
+        # as convert refuses them (a hand-edited theta of 1e308 loaded, with numpy's overflow warning and other text)
         for name, v in (("rope.theta", r.theta), ("rope.factor", r.factor), ("rms_norm_eps", spec.rms_norm_eps)):
-            if not positive_in_float32(v):  # as convert refuses them (a hand-edited 1e308: numpy's overflow
+            if not positive_in_float32(v):
                 raise FieldError(f"{where}.{name}", f"{v!r:.40} is 0 or infinite in float32, where the graph "
-                                 "holds it")  # warning at load, then other text)
+                                 "holds it")
         if not rope_angles_finite(spec):
             raise FieldError(f"{where}.rope", f"RoPE's angles are not finite in float32 by position "
                              f"{spec.max_position_embeddings - 1}")
