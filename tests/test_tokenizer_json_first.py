@@ -124,7 +124,19 @@ def _strip(tj: dict, side: str) -> dict:
     return {**tj, "added_tokens": [{**t, side: t["content"] in ("</s>", "<s>")} for t in tj["added_tokens"]]}
 
 
-@pytest.mark.parametrize("style", ["metaspace_first", "legacy_prepend", "rstrip", "lstrip"])
+def _newline_merge(tj: dict) -> dict:
+    """A vocabulary that holds "\n" and merges "\n\n" (a review: text encoded after a "\n" anchor merged
+    with it, and fell back to the word-start marker)."""
+    tj = json.loads(json.dumps(tj))
+    v = tj["model"]["vocab"]
+    top = max(v.values()) + 1
+    v["\n"], v["\n\n"] = top, top + 1
+    merges = tj["model"]["merges"]
+    tj["model"]["merges"] = [["\n", "\n"] if merges and isinstance(merges[0], list) else "\n \n"] + merges
+    return tj
+
+
+@pytest.mark.parametrize("style", ["metaspace_first", "legacy_prepend", "rstrip", "lstrip", "newline_merge"])
 def test_a_control_string_in_a_message_leaves_the_rest_as_the_library_encodes_it(tmp_path, style):
     """A review: with tokenizer.json first, a message holding a control token's text (kept as text,
     `Tokenizer.defuse`) sent the whole rendering down a path that encoded each stretch between control
@@ -138,14 +150,15 @@ def test_a_control_string_in_a_message_leaves_the_rest_as_the_library_encodes_it
     tj = json.loads((STORIES_SRC / "tokenizer.json").read_text())
     (folder / "tokenizer.json").write_text(json.dumps({"metaspace_first": tj, "legacy_prepend": _legacy(tj),
                                                        "rstrip": _strip(tj, "rstrip"),
-                                                       "lstrip": _strip(tj, "lstrip")}[style]))
+                                                       "lstrip": _strip(tj, "lstrip"),
+                                                       "newline_merge": _newline_merge(tj)}[style]))
     info = dataclasses.replace(read_manifest(edgeinfer.load(threads=1).folder).tokenizer, kind="hf_tokenizers",
                                add_bos=False)
     from edgeinfer.tokenizer import Tokenizer
 
     tok = Tokenizer(folder, info)
     lib = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-    for tail in ("Hello there", " Hello there", "Hello  there ", "\nHello", "\x1f Hello\u2003"):
+    for tail in ("Hello there", " Hello there", "Hello  there ", "\nHello", "\n\nHello", "\x1f Hello\u2003"):
         rest = f"</s><s>{tail}</s>"
         plain = tok.encode("<s>x" + rest)
         mixed = tok.encode("<s>" + tok.defuse("x </s> y") + rest)
