@@ -72,9 +72,9 @@ def generation_cue(model, variables: dict | None = None) -> tuple[int, ...]:
     try:  # the ids a prompt ends with, in context (encoded alone, SentencePiece would add a leading space)
         msgs = [{"role": "user", "content": "x"}]
         t = model.template
-        defuse = model.tokenizer.defuse  # as the prompt holds them (a variable's control string stays text)
-        cued = model.encode_rendered(t.render(msgs, add_generation_prompt=True, defuse=defuse, variables=variables))
-        base = model.encode_rendered(t.render(msgs, add_generation_prompt=False, defuse=defuse, variables=variables))
+        cued = model.encode_chat(msgs, variables)  # as a prompt is encoded (a variable's control string: text)
+        base = model.encode_rendered(t.render(msgs, add_generation_prompt=False, defuse=model.tokenizer.defuse,
+                                              variables=variables))
     except Exception:  # noqa: BLE001 - a template that fails here fails its requests with a clear error
         return ()
     return tuple(cued[common_prefix(cued, base):])
