@@ -4,8 +4,9 @@
    it dropped) is one story; ids = [BOS] + encode(story) (no EOS).
 2. The ids are cut into consecutive non-overlapping windows of at most `window` tokens.
 3. Each window runs from position 0 with an empty cache, on one of the runtime's two paths
-   (`PATHS`): "prefill" (the default), one forward call over the whole window, as a prompt is
-   prefilled; or "decode", one call per token, as generated tokens are fed back. The two compute
+   (`PATHS`): "prefill" (the default), forward calls of up to `PREFILL_CHUNK` tokens over the window
+   (each with every logit), as `load`'s prompts are prefilled; or "decode", one call per token, as
+   generated tokens are fed back. The two compute
    the same function but not the same arithmetic: MatMulNBits at accuracy level 4 quantizes a
    single row's activations differently from a block of rows, so a decode-path figure is the one
    that scores what generation computes. A portable model (one position's logits per call) is
@@ -31,13 +32,15 @@ from edgeinfer.engine import Engine
 from edgeinfer.portable_engine import open_engine
 from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError, ModelFormatError, broken_logits_cause
 from edgeinfer.kv_cache import RingKVCache, binding_window
-from edgeinfer.overflow import resolve_sinks
+from edgeinfer.overflow import DEFAULT_PREFILL_CHUNK, resolve_sinks
 from edgeinfer.sampling.params import is_integer
 from edgeinfer.session import DecoderSession
 from edgeinfer.tokenizer import Tokenizer
 
 
 PATHS = ("prefill", "decode")  # `edgeinfer eval --path`
+PREFILL_CHUNK = DEFAULT_PREFILL_CHUNK  # tokens per prefill call, as `load`'s prompts are prefilled: a window of
+# 8192 in one call held 13 GB (SmolLM2's logits and activations for every row at once; about 2 MB a row)
 
 
 @dataclass(frozen=True)
@@ -123,19 +126,21 @@ def _story_ids(tok: Tokenizer, story: str, vocab: int, text_path) -> list[int]:
 
 
 def window_nll(engine: Engine, cache: RingKVCache, ids: list[int], path: str = "prefill") -> tuple[float, int]:
-    """Sum of NLL over ids[1:] given the prefix, from position 0 (the cache is reset): one forward
-    pass ("prefill") or one call per token ("decode")."""
+    """Sum of NLL over ids[1:] given the prefix, from position 0 (the cache is reset): forward calls
+    of up to `engine.max_chunk` tokens, each scored before the next ("prefill"), or one call per
+    token ("decode")."""
     n = len(ids)
     if n < 2:
         return 0.0, 0
     cache.reset()
-    if path == "decode":
-        total = 0.0
-        for t in range(n - 1):
-            total += _nll(engine.forward(cache, ids[t:t + 1]), ids[t + 1:t + 2])  # [1, V]: the next token's
-        return total, n - 1
-    logits = engine.forward(cache, ids, all_logits=True)  # [n, V]
-    return _nll(logits[:n - 1], ids[1:]), n - 1
+    step = 1 if path == "decode" else engine.max_chunk
+    total = 0.0
+    for start in range(0, n - 1, step):  # the last token is only a target
+        chunk = ids[start:min(start + step, n)]
+        logits = engine.forward(cache, chunk, all_logits=True)  # [len(chunk), V] ([1, V] for one token)
+        targets = ids[start + 1:start + 1 + len(chunk)]  # the next token of each row, the window's end aside
+        total += _nll(logits[:len(targets)], targets)
+    return total, n - 1
 
 
 def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | None = None, threads: int | None = None,
@@ -170,7 +175,7 @@ def perplexity(model_dir: Path | str, text_path: Path | str, *, window: int | No
                              f"use --window {built} or less")
     tok = Tokenizer(session.folder, session.manifest.tokenizer)
     session.check_not_replaced()  # the tokenizer of the folder the graph came from
-    engine = open_engine(session, max_chunk=window, threads=threads)
+    engine = open_engine(session, max_chunk=min(window, PREFILL_CHUNK), threads=threads)
     path = path or ("decode" if built is not None else "prefill")
     cache = engine.new_cache(min(window, sliding - 1) if sliding else window, 0)
     t0 = time.perf_counter()

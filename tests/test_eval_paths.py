@@ -42,6 +42,25 @@ def test_decode_path_is_single_token_calls(converted):
     assert n == len(ids) - 1 and math.isclose(got, want, rel_tol=1e-5)
 
 
+def test_a_long_window_is_scored_in_calls_of_at_most_prefill_chunk(converted, monkeypatch):
+    """A window longer than PREFILL_CHUNK goes through calls of that many rows with the cache kept
+    (a window of 8192 in one call held 13 GB on SmolLM2), scoring what one call over it scores
+    (fp32: to float rounding)."""
+    import edgeinfer.evaluate as ev
+    folder = converted(STORIES_SRC, "fp32")
+    monkeypatch.setattr(ev, "PREFILL_CHUNK", 512)
+    whole = perplexity(folder, EVAL, window=300)  # one call per window
+    rows = []
+    forward = Engine.forward
+    monkeypatch.setattr(Engine, "forward", lambda self, cache, ids, *a, **k: rows.append(len(ids)) or
+                        forward(self, cache, ids, *a, **k))
+    monkeypatch.setattr(ev, "PREFILL_CHUNK", 64)
+    chunked = perplexity(folder, EVAL, window=300)
+    assert max(rows) == 64 and rows.count(64) > rows.count(300 % 64)  # full calls, and each window's rest
+    assert chunked.scored_tokens == whole.scored_tokens and chunked.n_windows == whole.n_windows
+    assert abs(chunked.perplexity / whole.perplexity - 1) < 1e-5
+
+
 def test_cli_path_flag_and_its_refusals():
     base = [sys.executable, "-m", "edgeinfer", "eval", "-m", str(STORIES_SRC.parent / "stories260K-int8"),
             "--text", str(EVAL)]
