@@ -34,16 +34,10 @@ import json
 import os
 import platform as _platform
 import sys
-import stat
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Mapping
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10 (JetPack 6): the same parser, from PyPI
-    import tomli as tomllib
 
 from edgeinfer import small_files
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError
@@ -66,6 +60,7 @@ SENSORS = ("thermal_zone", "hwmon", "cpufreq", "power_supply", "vcgencmd", "ina3
 MAX_CAPACITY_TOKENS = 1 << 20
 MAX_SLOTS = 256
 MAX_THREADS = 1024
+MAX_PROFILE_BYTES = 64 * 1024  # a profile is a dozen lines (a 200 MB comment was read whole)
 
 
 class ProfileError(EdgeInferError, ValueError):
@@ -146,12 +141,7 @@ def load_profile(path: Path | str) -> Profile:
     """The profile in one TOML file, checked; the file's stem must be its `name`. Raises
     ProfileError naming the file and the field."""
     path = Path(path)
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read
-            raise ProfileError(f"{path}: not a regular file")
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ProfileError(f"{path}: not a readable TOML profile: {str(e)[:200]}") from None
+    data = small_files.read_toml(path, MAX_PROFILE_BYTES, ProfileError)  # a FIFO, /dev/zero, 600 nested arrays
 
     def bad(field: str, expected: str, value) -> None:
         raise ProfileError(f"{path}: bad field {field}: expected {expected}, got {str(repr(value))[:80]}")

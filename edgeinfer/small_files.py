@@ -2,7 +2,7 @@
 only, of bounded size, parsed with one-line errors.
 
 A file in such a folder may be a link to /dev/zero (read until memory runs out), a FIFO (read for
-ever), text that is not UTF-8, or JSON nested past Python's recursion limit. Each is an error of the
+ever), text that is not UTF-8, or JSON or TOML nested past Python's recursion limit. Each is an error of the
 caller's type (`ModelFormatError` for the runtime, `ConvertError` for the converter) that names
 the file, raised before anything is read from it.
 """
@@ -12,6 +12,11 @@ from __future__ import annotations
 import json
 import stat
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (JetPack 6): the same parser, from PyPI
+    import tomli as tomllib
 
 MAX_TEXT_BYTES = 256 * 1024 * 1024  # settings, tokenizer and eval text files: the largest tokenizer.json is
 # ~20 MB, and a few MB of eval text is hours of scoring on a device
@@ -61,3 +66,15 @@ def parse_json(text: str | bytes, where: Path | str, error: type[Exception]) -> 
         return json.loads(text)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise error(f"{where} is not valid JSON: {str(e)[:200] or type(e).__name__}") from None
+
+
+def read_toml(path: Path, limit: int, error: type[Exception]) -> dict:
+    """Regular file `path` (at most `limit` bytes) as TOML; nesting past the recursion limit is an
+    error too (tomllib raised RecursionError on 600 nested arrays)."""
+    text = read_text(path, limit, error)
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise error(f"{path} is not valid TOML: {str(e)[:200]}") from None
+    except RecursionError:
+        raise error(f"{path} is not valid TOML here: nested too deeply") from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -263,10 +264,13 @@ def test_portable_int4_and_unparsable_files_are_refused(tmp_path):
     path.write_text(mac.replace('quantization = "fp16"', 'quantization = "int4"'), encoding="utf-8")
     with pytest.raises(ProfileError, match="bad field quantization: .*portable"):
         load_profile(path)
-    for content in (b"name = ", b"\xff\xfe", b"[[[["):
-        path.write_bytes(content)
-        with pytest.raises(ProfileError, match=f"^{path}: not a readable TOML profile"):
+    for content in (b"name = ", b"\xff\xfe", b"[[[[", b"name = " + b"[" * 600 + b"]" * 600):
+        path.write_bytes(content)  # (the last: tomllib's RecursionError, a traceback before)
+        with pytest.raises(ProfileError, match=f"^{re.escape(str(path))} is not (valid TOML|UTF-8 text)"):
             load_profile(path)
+    path.write_bytes(mac.encode() + b"#" * (64 * 1024))
+    with pytest.raises(ProfileError, match="a file of at most 65536 bytes"):  # (a 200 MB comment was read whole)
+        load_profile(path)
 
 
 def test_profile_folder_needs_the_fallback(tmp_path):

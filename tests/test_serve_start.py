@@ -161,7 +161,14 @@ def test_a_config_file_that_is_not_utf8_is_one_error_line(tmp_path, capsys):
     f = tmp_path / "serve.toml"
     f.write_bytes(b"port = 8080 # caf\xe9\n")
     assert main(["serve", "--config", str(f)]) == 1
-    _one_error_line(capsys.readouterr().err, "is not valid TOML: not UTF-8")
+    _one_error_line(capsys.readouterr().err, "serve.toml is not UTF-8 text (byte 17)")
+
+
+def test_a_config_file_nested_past_the_recursion_limit_is_one_error_line(tmp_path, capsys):
+    f = tmp_path / "serve.toml"  # tomllib's RecursionError was a traceback
+    f.write_bytes(b"slots = " + b"[" * 600 + b"]" * 600 + b"\n")
+    assert main(["serve", "--config", str(f)]) == 1
+    _one_error_line(capsys.readouterr().err, "serve.toml is not valid TOML here: nested too deeply")
 
 
 def test_a_service_unit_needs_a_fixed_port(capsys):

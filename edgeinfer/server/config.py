@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10 (JetPack 6): the same parser, from PyPI
-    import tomli as tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -149,12 +145,8 @@ MAX_KEY_FILE_BYTES = 64 * 1024
 
 
 def _from_toml(path: str) -> dict:
-    try:  # bounded, and a regular file only (a FIFO or /dev/zero was read for ever)
-        raw = tomllib.loads(small_files.read_bytes(Path(path), MAX_CONFIG_BYTES, InvalidArgumentError).decode("utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise InvalidArgumentError(f"the config file {path} is not valid TOML: {e}") from None
-    except UnicodeDecodeError as e:  # TOML is UTF-8 (a file saved as Latin-1, say)
-        raise InvalidArgumentError(f"the config file {path} is not valid TOML: not UTF-8 at byte {e.start}") from None
+    # bounded, and a regular file only (a FIFO or /dev/zero was read for ever); UTF-8 (a file saved as Latin-1)
+    raw = small_files.read_toml(Path(path), MAX_CONFIG_BYTES, InvalidArgumentError)
     known = {f.name: f for f in fields(ServeConfig)}
     out = {}
     for key, value in raw.items():
