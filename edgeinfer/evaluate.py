@@ -1,7 +1,7 @@
 """Perplexity, by the method of the stories260K `eval_ppl.json`.
 
 1. Every non-empty line of the text (UTF-8, a byte-order mark ignored; lines end at "\n", a "\r" before
-   it dropped) is one story; ids = [BOS] + encode(story) (no EOS).
+   it dropped; at most `MAX_STORY_CHARS` characters) is one story; ids = [BOS] + encode(story) (no EOS).
 2. The ids are cut into consecutive non-overlapping windows of at most `window` tokens.
 3. Each window runs from position 0 with an empty cache, on one of the runtime's two paths
    (`PATHS`): "prefill" (the default), forward calls of up to `PREFILL_CHUNK` tokens over the window
@@ -61,6 +61,10 @@ class PerplexityResult:
                 "eval_s": round(self.eval_s, 3), "path": self.path, "window": self.window}
 
 
+MAX_STORY_CHARS = 1 << 20  # a story is encoded in one call: 8 MB took the tokenizer 1.1 GB (135 bytes a byte)
+# and 11 s that Ctrl-C waited for; 1 MiB is a book's chapter
+
+
 def _read_stories(text_path: Path) -> list[str]:
     try:
         if not text_path.exists():
@@ -70,8 +74,13 @@ def _read_stories(text_path: Path) -> list[str]:
     except OSError as e:  # a name the system refuses (too long)
         raise EdgeInferError(f"cannot read {text_path}: {e.strerror or e}") from None
     text = small_files.read_text(text_path, small_files.MAX_TEXT_BYTES, EdgeInferError).removeprefix("\ufeff")
-    lines = (line.removesuffix("\r") for line in text.split("\n"))  # not splitlines: U+2028, \x0c... are text
+    lines = [line.removesuffix("\r") for line in text.split("\n")]  # not splitlines: U+2028, \x0c... are text
+    long = next((n for n, line in enumerate(lines, 1) if len(line) > MAX_STORY_CHARS), None)
+    if long is not None:
+        raise EdgeInferError(f"{text_path}: line {long} is {len(lines[long - 1]):,} characters: a story (a line) "
+                             f"of at most {MAX_STORY_CHARS:,} is scored; split it into lines")
     stories = [line for line in lines if line.strip()]
+    del lines
     if not stories:
         raise EdgeInferError(f"{text_path} has no non-empty line to score")
     return stories

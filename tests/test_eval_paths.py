@@ -73,6 +73,17 @@ def test_cli_path_flag_and_its_refusals():
         perplexity(STORIES_SRC.parent / "stories260K-int8", EVAL, path="sideways")
 
 
+def test_a_line_too_long_to_encode_at_once_is_refused_by_number(tmp_path):
+    """A story is encoded in one call: an 8 MB line took the tokenizer 1.1 GB and 11 s that Ctrl-C
+    waited for. Refused before the model loads, naming the line."""
+    import edgeinfer.evaluate as ev
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time.\n" + "a " * (ev.MAX_STORY_CHARS // 2) + "b\n", encoding="utf-8")
+    with pytest.raises(EdgeInferError, match=f"line 2 is {ev.MAX_STORY_CHARS + 1:,} characters: .* at most "
+                                             f"{ev.MAX_STORY_CHARS:,}.*split it into lines"):
+        perplexity(tmp_path / "no-model-needed", text)
+
+
 def test_a_byte_order_mark_and_line_ends_are_not_text(tmp_path):
     """A UTF-8 BOM is not scored (it was: +4.8 % and 3 more tokens), CRLF ends a line as LF does,
     and only "\\n" separates stories: U+2028, a form feed or a lone CR inside a line are its text
