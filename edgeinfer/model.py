@@ -61,8 +61,8 @@ def load(path: str | Path | None = None, *, provider: str = "auto", threads: int
     provider: "auto" (the detected device profile's, `platforms.detect`) | "cpu" | "cuda"; threads: None
     (the device profile's count, or onnxruntime's default where the profile says "auto") or a positive int;
     capacity_tokens: the KV ring's size, an int in [2, the model's trained length T] (default: the
-    manifest's, capped at T less a sixteenth, the room a full ring re-bases in; a larger one re-bases
-    more often, with a warning); n_sink: first tokens the ring never overwrites, in [0, capacity_tokens)
+    manifest's, capped at the device profile's and at T less a sixteenth, the room a full ring re-bases
+    in; a larger one re-bases more often, with a warning); n_sink: first tokens the ring never overwrites, in [0, capacity_tokens)
     (default 4). A model with a sliding window W < T attends to its last W tokens only, exactly as
     transformers masks it: its ring holds at most W - 1 (the default) and, by default, no sinks
     (`kv_cache.binding_window`);
@@ -102,9 +102,12 @@ class Model:
         if not isinstance(verbose, bool):
             raise InvalidArgumentError(f"verbose must be True or False, got {verbose!r}")
         check_threads(threads, warn=False)  # early, before any work; the session warns
-        if threads is None:  # the device profile's thread count ("auto" leaves ONNX Runtime's choice)
+        profile = None
+        if threads is None or capacity_tokens is None:  # the device profile's defaults (`platforms.Profile`)
             from edgeinfer.platforms import detect
-            threads = detect().profile.session_threads
+            profile = detect().profile
+        if threads is None:  # ("auto" leaves ONNX Runtime's choice)
+            threads = profile.session_threads
         policy = resolve_policy(power)
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise InvalidArgumentError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
@@ -118,7 +121,10 @@ class Model:
             try:
                 self.manifest = read_manifest(folder)
                 spec = self.manifest.arch
-                capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec, capacity_tokens)
+                default = self.manifest.default_capacity_tokens
+                if capacity_tokens is None:  # a Pi 4's 1024, not the model's 4096 (its ring was 4x the KV memory)
+                    default = min(default, profile.capacity_tokens)
+                capacity = resolve_capacity(default, spec, capacity_tokens)
                 sinks = resolve_sinks(spec, n_sink)
                 if (note := rebase_warning(capacity, spec.max_position_embeddings)) is not None:
                     warn_user(note)

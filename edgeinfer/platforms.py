@@ -57,6 +57,7 @@ QUANTIZATIONS = ("fp32", "fp16", "int8", "int4")  # edgeinfer convert --quant
 # the Jetson power rails under hwmon, "termux" termux-battery-status, "dumpsys" its thermal status
 SENSORS = ("thermal_zone", "hwmon", "cpufreq", "power_supply", "vcgencmd", "ina3221", "nvpmodel",
            "devfreq", "pmset", "termux", "dumpsys")
+MIN_CAPACITY_TOKENS = 16  # the default ring's 4 sinks and a few tokens beside them
 MAX_CAPACITY_TOKENS = 1 << 20
 MAX_SLOTS = 256
 MAX_THREADS = 1024
@@ -129,8 +130,8 @@ def _check_values(p: Profile, bad) -> None:
     one_of("quantization", QUANTIZATIONS)
     if p.flavour == "portable" and p.quantization == "int4":
         bad("quantization", "fp32, fp16 or int8 (the portable graph has no int4 ops)", p.quantization)
-    if not 1 <= p.capacity_tokens <= MAX_CAPACITY_TOKENS:
-        bad("capacity_tokens", f"an integer in 1..{MAX_CAPACITY_TOKENS}", p.capacity_tokens)
+    if not MIN_CAPACITY_TOKENS <= p.capacity_tokens <= MAX_CAPACITY_TOKENS:  # (1: every load without one refused)
+        bad("capacity_tokens", f"an integer in {MIN_CAPACITY_TOKENS}..{MAX_CAPACITY_TOKENS}", p.capacity_tokens)
     if not 1 <= p.daemon_slots <= MAX_SLOTS:
         bad("daemon_slots", f"an integer in 1..{MAX_SLOTS}", p.daemon_slots)
     one_of("power_policy", POLICY_NAMES)

@@ -384,6 +384,21 @@ def test_serve_takes_slots_and_power_from_the_profile_unless_set(tmp_path, monke
     assert (c.slots, c.power) == (3, "off")
 
 
+def test_load_takes_the_profiles_capacity_unless_given_capped_by_the_models(monkeypatch):
+    """The profile's capacity_tokens is the ring a load without one gets, capped by the model's own
+    default (a Pi 4's 1024 was shown by `inspect --platform` but never applied: SmolLM2 got 4096)."""
+    import dataclasses
+    import edgeinfer
+    import edgeinfer.platforms as P
+
+    pi = P.load_profiles()["raspberry-pi-4"]
+    for cap, want in ((64, 64), (4096, 480)):  # the bundled model's own default is 480
+        profile = dataclasses.replace(pi, capacity_tokens=cap, threads=1)
+        monkeypatch.setattr(P, "detect", lambda *a, **k: P.Detection(profile=profile, evidence=("t",), note=None))
+        assert edgeinfer.load().capacity_tokens == want
+        assert edgeinfer.load(capacity_tokens=200).capacity_tokens == 200
+
+
 def test_load_takes_the_profiles_thread_count_unless_given(monkeypatch):
     import edgeinfer
     import edgeinfer.platforms as P
