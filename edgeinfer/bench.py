@@ -87,17 +87,18 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
                                    f"beside the tokens it holds, got {cfg.capacity}")
     capacity = cfg.capacity or cfg.prompt_tokens + cfg.gen_tokens + 8
     if cfg.capacity is None:
+        window = binding_window(manifest.arch)  # the largest ring that re-bases seldom, or a sliding window's W - 1
+        limit = min(max_capacity(manifest.arch.max_position_embeddings), window - 1 if window else 1 << 62)
         portable = manifest.portable
         if portable is not None and capacity > portable.capacity_tokens:  # fixed at convert: say which sizes fit
-            n = portable.capacity_tokens
-            fit = f"--prompt-tokens + --gen-tokens up to {n - 8}, or " if n - 8 >= 3 else ""
+            n, limit = portable.capacity_tokens, min(limit, portable.capacity_tokens)
+            fit = f"--prompt-tokens + --gen-tokens up to {limit - 8}, or " if limit - 8 >= 3 else ""
             raise InvalidArgumentError(f"this portable model holds {n} tokens, and the benchmark's ring would be "
                                        f"--prompt-tokens {cfg.prompt_tokens} + --gen-tokens {cfg.gen_tokens} + 8 = "
-                                       f"{capacity}: give {fit}--capacity {n} (the prompt then shifts through the ring)")
-        window = binding_window(manifest.arch)
-        if capacity > max_capacity(manifest.arch.max_position_embeddings) or window and capacity >= window:
-            capacity = None  # past the room to re-base in, or a sliding window's W - 1: the model's own ring,
-            # through which the prompt shifts (the report says its capacity)
+                                       f"{capacity}: give {fit}--capacity {limit} (the prompt then shifts through "
+                                       f"the ring)")
+        if capacity > limit:
+            capacity = None  # the model's own ring, through which the prompt shifts (the report says its capacity)
     t0 = time.perf_counter()
     model = edgeinfer.load(cfg.model, threads=cfg.threads, capacity_tokens=capacity)
     capacity = model.capacity_tokens

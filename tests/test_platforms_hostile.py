@@ -41,13 +41,15 @@ PROMPT = "Once upon a time, there was a little girl named Lily. She loved to pla
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """folders(name) -> a converted folder, each made once per module:
-    p32 / p16: stories260K portable (coreml) fp32 / fp16 weights, capacity 64, prefill 16;
+    p32 / p16: stories260K portable (coreml) fp32 / fp16 weights, capacity 64, prefill 16; p512: fp32, capacity
+    512 (the trained length);
     f32 / f16 / cpu4: the fused cpu graph at fp32 / fp16 / int4; cuda: the cuda target (int4, fp16 KV);
     gqa-cuda / gqa-p: the tiny GQA llama as cuda (GroupQueryAttention, in place) and nnapi portable."""
     base = tmp_path_factory.mktemp("hostile")
     recipes = {
         "p32": (STORIES_SRC, dict(target="coreml", quant="fp32", capacity_tokens=C, prefill_tokens=P)),
         "p16": (STORIES_SRC, dict(target="coreml", capacity_tokens=C, prefill_tokens=P)),
+        "p512": (STORIES_SRC, dict(target="coreml", quant="fp32", capacity_tokens=512, prefill_tokens=P)),
         "f32": (STORIES_SRC, dict(quant="fp32")),
         "f16": (STORIES_SRC, dict(quant="fp16")),
         "cpu4": (STORIES_SRC, dict()),
@@ -664,6 +666,24 @@ def test_bench_defaults_on_a_small_portable_folder(folders, capsys):
     assert main(["bench", "-m", str(folders("p32")), "--runs", "1", "--prompt-tokens", "40", "--gen-tokens", "16",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["capacity_tokens"] == 64
+
+
+def test_bench_advice_on_a_portable_ring_of_the_trained_length_is_advice_that_works(folders, capsys):
+    """A ring built at the trained length (512): bench's advice was --capacity 512 (a ring that
+    re-bases every token, 4x slower) or 504 tokens in all (which still shifted through the 480-token
+    default ring). Now it names the 480 a ring holds without re-basing often, and following it keeps
+    the job whole; a fused model's note no longer says the job is longer than its training."""
+    rc = main(["bench", "-m", str(folders("p512")), "--runs", "1"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--capacity 480 " in err and "--prompt-tokens + --gen-tokens up to 472" in err, err
+    assert main(["bench", "-m", str(folders("p512")), "--runs", "1", "--prompt-tokens", "400", "--gen-tokens", "72",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["capacity_tokens"] == 480
+    assert main(["bench", "-m", str(folders("f32")), "--runs", "1", "--prompt-tokens", "400", "--gen-tokens",
+                 "100"]) == 0
+    out = capsys.readouterr().out
+    assert "the KV ring holds 480 tokens, fewer than the job's 500" in out and "the model's default ring" in out
+    assert "trained" not in out, out
 
 
 def test_a_portable_ring_past_the_trained_length_is_refused_at_convert(tmp_path):
