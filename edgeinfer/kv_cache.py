@@ -190,7 +190,7 @@ class RingKVCache:
             raise InvalidArgumentError(
                 f"capacity_tokens={capacity_tokens} needs {need:,} bytes of KV cache ({times}{per_row} "
                 f"bytes per token x {rows} rows) but only {free:,} bytes of memory are available: use a smaller "
-                f"capacity")
+                f"capacity" + (" or fewer slots" if rings > 1 else ""))
 
     def reset(self) -> None:
         self.intact = True

@@ -285,3 +285,21 @@ def test_no_log_prompts_overrides_the_config_file(tmp_path, capsys):
     assert main(["serve", "--config", str(conf), "--no-log-prompts", "--print-systemd-unit"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("ExecStart="))
     assert "--no-log-prompts" in shlex.split(line[len("ExecStart="):])
+
+
+def test_a_long_bad_value_is_shown_cut(tmp_path, capsys):
+    """A bad setting's value is shown in at most 80 characters (a 900 KB string was echoed whole)."""
+    f = tmp_path / "serve.toml"
+    f.write_text('slots = "' + "x" * 100_000 + '"\n' + "port = 0\n", encoding="utf-8")
+    assert main(["serve", "--config", str(f)]) == 1
+    err = capsys.readouterr().err
+    _one_error_line(err, "slots must be an integer >= 1, got 'xxxx")
+    assert len(err) < 200 and err.rstrip().endswith("..."), err
+
+
+def test_too_many_slots_for_the_memory_says_fewer_slots():
+    """100,000 slots of the bundled model need 188 GB of KV: the advice was only "a smaller capacity"."""
+    r = subprocess.run([sys.executable, "-m", "edgeinfer", "serve", "--slots", "100000", "--port", "0", "--power",
+                        "off"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    _one_error_line(r.stderr, "use a smaller capacity or fewer slots")
