@@ -86,6 +86,7 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
     from edgeinfer.manifest import read_manifest
     from edgeinfer.model import default_model_path
     from edgeinfer.overflow import resolve_capacity
+    from edgeinfer.platforms import device_capacity_tokens
     from edgeinfer.server.systemd import hidden_paths, systemd_unit
 
     def footprint(folder: Path, capacity: int | None) -> int:
@@ -96,7 +97,7 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
 
         manifest = read_manifest(folder)
         spec = manifest.arch
-        cap = resolve_capacity(manifest.default_capacity_tokens, spec, capacity)
+        cap = resolve_capacity(manifest.default_capacity_tokens, spec, capacity, device_capacity_tokens())
         weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         if manifest.portable is not None:
             weights = max(weights, 2 * 4 * parameter_count(spec))

@@ -79,7 +79,8 @@ def _file_sizes(folder: Path, m: Manifest) -> tuple[int, int, list[str]]:
     problems, sizes = [], {}
     for name, want in m.files.items():
         size = want.get("bytes") if isinstance(want, dict) else None
-        if not isinstance(name, str) or Path(name).name != name or "\0" in name or type(size) is not int:
+        if not isinstance(name, str) or Path(name).name != name or "\0" in name or type(size) is not int or \
+                not 0 <= size < 1 << 50:  # (10**30 bytes was added up and shown)
             problems.append(f"the manifest's entry {name!r:.60} is malformed")
             continue
         sizes[name] = size
@@ -98,7 +99,9 @@ def _file_sizes(folder: Path, m: Manifest) -> tuple[int, int, list[str]]:
 def _summary(folder: Path, m: Manifest) -> dict:
     a = m.arch
     disk, weight_bytes, problems = _file_sizes(folder, m)
-    load_capacity = resolve_capacity(m.default_capacity_tokens, a, None)
+    from edgeinfer.platforms import detect
+    profile = detect().profile
+    load_capacity = resolve_capacity(m.default_capacity_tokens, a, None, profile.capacity_tokens)
     kv_per_token = kv_bytes_per_token(m)
     rows, kv_bytes = kv_at_load(m, load_capacity)
     return {
@@ -109,7 +112,8 @@ def _summary(folder: Path, m: Manifest) -> dict:
         "flavour": m.flavour, "kv_mode": m.interface.kv_mode.name, "attention": m.interface.kv_mode.description,
         "size_on_disk_bytes": disk, "kv_bytes_per_token": kv_per_token,
         "default_capacity_tokens": m.default_capacity_tokens,
-        "load_capacity_tokens": load_capacity,  # what `load` allocates without capacity_tokens (`resolve_capacity`)
+        "load_capacity_tokens": load_capacity,  # what `load` allocates without capacity_tokens here (`resolve_capacity`)
+        "device_profile": profile.name, "device_capacity_tokens": profile.capacity_tokens,
         "kv_rows_at_load": rows, "kv_bytes_at_default_capacity": kv_bytes,
         "tokenizer": m.tokenizer.kind, "format_version": m.format_version, "converter_version": m.converter_version,
         "kv_dtype": m.interface.kv_dtype, "portable": m.portable.to_json() if m.portable is not None else None,
@@ -149,8 +153,12 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
     blocks = f" (block {q.block_size}, {'symmetric' if q.symmetric else 'asymmetric'}, " \
              f"accuracy_level {q.accuracy_level}{mixed}{recipe}{scales})" if q.weights in ("int4", "int8") else ""
     widened = f" (widened from {s['source_head_dim']} for GroupQueryAttention)" if s["source_head_dim"] else ""
-    cap_why = "the sliding window less one" if s["load_capacity_tokens"] == (m.arch.sliding_window or 0) - 1 else \
+    cap = s["load_capacity_tokens"]
+    cap_why = f"this device's profile, {s['device_profile']}" if cap == s["device_capacity_tokens"] else \
+        "the sliding window less one" if cap == (m.arch.sliding_window or 0) - 1 else \
         "the trained length less a sixteenth, room to re-base"
+    rows = s["kv_rows_at_load"]
+    kv_rows = f"{rows} rows, fixed by the graphs" if m.portable is not None else f"+{rows - cap} overflow rows"
     return "\n".join([
         f"{folder}",
         f"  architecture  {s['family']}: {s['parameters'] / 1e6:.2f} M parameters, {s['layers']} layers, "
@@ -163,7 +171,7 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         f"{' per output channel (DequantizeLinear)' if m.portable.weights == 'int8' else ''}; embedding rows on "
         f"the host ({m.portable.embeddings_file})",
         *([f"  graphs        model.onnx (1 token) and {m.portable.prefill_file} ({m.portable.prefill_tokens} tokens), "
-           f"ring fixed at {m.portable.capacity_tokens} tokens (+{m.portable.prefill_tokens} overflow rows)"]
+           f"ring of {m.portable.capacity_tokens} tokens at most (+{m.portable.prefill_tokens} overflow rows)"]
           if m.portable is not None else []),
         f"  graph         {s['flavour']} flavour for {s['target']}, format v{s['format_version']}; attention: "
         f"{s['attention']} (KV mode {s['kv_mode']})",
@@ -171,10 +179,9 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         *([f"  files         WARNING: {'; '.join(s['file_problems'])} (edgeinfer inspect --verify checks every byte)"]
           if s["file_problems"] else []),
         f"  KV cache      {s['kv_bytes_per_token']} bytes per token ({s['kv_dtype']}); "
-        f"{s['kv_bytes_at_default_capacity'] / 1e6:.2f} MB at the default capacity of {s['load_capacity_tokens']} "
-        f"(+{s['kv_rows_at_load'] - s['load_capacity_tokens']} overflow rows)"
+        f"{s['kv_bytes_at_default_capacity'] / 1e6:.2f} MB at the default capacity of {cap} ({kv_rows})"
         + (f" ({cap_why}; the manifest says {s['default_capacity_tokens']})"
-           if s['load_capacity_tokens'] != s['default_capacity_tokens'] else ""),
+           if cap != s['default_capacity_tokens'] else ""),
         f"  tokenizer     {s['tokenizer']}",
         f"  source        {origin_line(m)}",
     ])

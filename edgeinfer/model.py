@@ -121,10 +121,8 @@ class Model:
             try:
                 self.manifest = read_manifest(folder)
                 spec = self.manifest.arch
-                default = self.manifest.default_capacity_tokens
-                if capacity_tokens is None:  # a Pi 4's 1024, not the model's 4096 (its ring was 4x the KV memory)
-                    default = min(default, profile.capacity_tokens)
-                capacity = resolve_capacity(default, spec, capacity_tokens)
+                capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec, capacity_tokens,
+                                            profile.capacity_tokens if profile is not None else None)
                 sinks = resolve_sinks(spec, n_sink)
                 if (note := rebase_warning(capacity, spec.max_position_embeddings)) is not None:
                     warn_user(note)

@@ -31,12 +31,16 @@ def check_policy(overflow) -> str:
     return overflow
 
 
-def resolve_capacity(default_capacity_tokens: int, spec: ArchSpec, requested: int | None) -> int:
+def resolve_capacity(default_capacity_tokens: int, spec: ArchSpec, requested: int | None,
+                     device_capacity_tokens: int | None = None) -> int:
     """The ring's capacity: what the caller asked for (an int >= 2; more than the trained length T, or
     a binding sliding window's W - 1, is refused by `RingKVCache.check_geometry`), else the manifest's
-    default capped at `kv_cache.max_capacity` (T less a sixteenth, the room a full ring re-bases in)
-    and at W - 1 (a query of such a model attends to W tokens, itself among them: `binding_window`)."""
+    default capped at the device profile's (`platforms.Profile.capacity_tokens`, when given), at
+    `kv_cache.max_capacity` (T less a sixteenth, the room a full ring re-bases in) and at W - 1 (a
+    query of such a model attends to W tokens, itself among them: `binding_window`)."""
     if requested is None:
+        if device_capacity_tokens is not None:  # a Pi 4's 1024, not the model's 4096 (4x the KV memory)
+            default_capacity_tokens = min(default_capacity_tokens, device_capacity_tokens)
         cap = min(default_capacity_tokens, max_capacity(spec.max_position_embeddings))
         window = binding_window(spec)
         return min(cap, window - 1) if window else cap

@@ -242,6 +242,11 @@ def detect(root: Path | str = "/", env: Mapping[str, str] | None = None, platfor
                      tuple(facts.warnings))
 
 
+def device_capacity_tokens() -> int:
+    """The detected device profile's default KV ring (`Profile.capacity_tokens`)."""
+    return detect().profile.capacity_tokens
+
+
 def detect_from_fixture(folder: Path | str, profiles: dict[str, Profile] | None = None) -> Detection:
     """`detect` on a recorded device folder: `root/` (the files), `env.json` (a JSON object of
     strings), `platform.txt` (sys.platform, default "linux"), `machine.txt` (platform.machine(),

@@ -399,6 +399,22 @@ def test_load_takes_the_profiles_capacity_unless_given_capped_by_the_models(monk
         assert edgeinfer.load(capacity_tokens=200).capacity_tokens == 200
 
 
+def test_inspect_says_the_capacity_load_gives_on_this_device(monkeypatch, capsys):
+    """inspect's default capacity is load's: the device profile's where it is smaller than the model's."""
+    import dataclasses
+    import edgeinfer.platforms as P
+
+    profile = dataclasses.replace(P.load_profiles()["raspberry-pi-4"], capacity_tokens=64)
+    monkeypatch.setattr(P, "detect", lambda *a, **k: P.Detection(profile=profile, evidence=("t",), note=None))
+    from edgeinfer.model import default_model_path
+    assert main(["inspect", str(default_model_path()), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert (s["load_capacity_tokens"], s["device_profile"], s["default_capacity_tokens"]) == (64, "raspberry-pi-4", 512)
+    assert main(["inspect", str(default_model_path())]) == 0
+    assert "at the default capacity of 64 (+64 overflow rows) (this device's profile, raspberry-pi-4; the " \
+           "manifest says 512)" in capsys.readouterr().out
+
+
 def test_load_takes_the_profiles_thread_count_unless_given(monkeypatch):
     import edgeinfer
     import edgeinfer.platforms as P
