@@ -210,7 +210,9 @@ def stream_perplexity(model_dir: Path | str, text_path: Path | str, *, capacity:
 
     Every token but the story's first is scored. While the ring has room, tokens go in chunks (each
     sees the whole story so far); once it is full they go one at a time, so each token sees exactly
-    the sinks and the latest tokens the ring holds, at their true positions. sinks: None is `load`'s
+    the sinks and the latest tokens the ring holds, at the positions the ring gives them, as in
+    generation: once full, the ring re-bases them to follow the sinks (`kv_cache`), so they are not
+    the tokens' positions in the story. sinks: None is `load`'s
     default (4, none for a model whose sliding window binds). progress: called (tokens scored, tokens
     to score, "tokens") after each call.
     """

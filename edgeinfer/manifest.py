@@ -255,6 +255,8 @@ def _read_manifest(folder: Path) -> Manifest:
     if not folder.is_dir():
         raise ModelFormatError(_not_a_folder(folder))
     path = folder / MANIFEST_FILE
+    if not path.exists() and path.is_symlink():  # (a loop was reported as no edgeinfer.json)
+        raise ModelFormatError(f"{path} is a symbolic link that leads nowhere (a missing target or a loop)")
     if not path.exists():
         raise ModelFormatError(f"{folder} is not an edgeinfer model folder (no {MANIFEST_FILE}); "
                                "convert a Hugging Face folder with `edgeinfer convert`")
@@ -278,5 +280,8 @@ def _read_manifest(folder: Path) -> Manifest:
         raise ModelFormatError(f"{path} is corrupted (bad field {e})") from None
     _check_checksum(d, path)
     if not (folder / MODEL_FILE).exists():
+        if (folder / MODEL_FILE).is_symlink():
+            raise ModelFormatError(f"{folder / MODEL_FILE} is a symbolic link that leads nowhere (a missing target "
+                                   "or a loop)")
         raise ModelFormatError(f"{folder} lacks {MODEL_FILE}")
     return m

@@ -82,6 +82,15 @@ def test_missing_model_onnx(capsys, folder):
     one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "lacks model.onnx")
 
 
+@pytest.mark.parametrize("name", ["edgeinfer.json", "model.onnx"])
+def test_a_file_linked_in_a_loop_is_said_to_be_one(capsys, folder, name):
+    """It was reported as missing: "no edgeinfer.json", "lacks model.onnx"."""
+    (folder / name).unlink()
+    (folder / name).symlink_to(folder / name)
+    one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)],
+                   f"{folder / name} is a symbolic link that leads nowhere")
+
+
 def test_corrupted_model_onnx(capsys, folder):
     (folder / "model.onnx").write_bytes(b"\x00garbage" * 10)
     one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "model.onnx does not match its size")
