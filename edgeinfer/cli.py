@@ -16,8 +16,8 @@ import os
 import re
 import sys
 import warnings
-from pathlib import Path
 
+from edgeinfer.cli_args import path_arg
 from edgeinfer import progress
 from edgeinfer.errors import EdgeInferError
 
@@ -47,9 +47,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps({"model": os.path.abspath(args.model), "text": os.path.abspath(args.text),
                           "versions": versions(), **r.to_json()}))
     else:
-        windows = f"{r.n_windows} windows of at most {r.window} tokens" if r.window else f"{r.n_windows} windows"
+        how = f"{r.n_windows} windows of at most {r.window} tokens, {r.path} path" if r.window else \
+            "each a stream through the ring"  # stream scoring has no windows
         print(f"perplexity {r.perplexity:.4f} over {r.scored_tokens} tokens "
-              f"({r.n_stories} stories, {windows}, {r.path} path, {r.eval_s:.1f} s)")
+              f"({r.n_stories} stories, {how}, {r.eval_s:.1f} s)")
     return 0
 
 
@@ -123,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_parser(sub)
 
     e = sub.add_parser("eval", help="perplexity of a model on a text file (one story per line)")
-    e.add_argument("-m", "--model", type=Path, required=True, help="edgeinfer model folder")
-    e.add_argument("--text", type=Path, required=True, help="UTF-8 text to score, one story or document per line")
+    e.add_argument("-m", "--model", type=path_arg, required=True, help="edgeinfer model folder")
+    e.add_argument("--text", type=path_arg, required=True, help="UTF-8 text to score, one story or document per line")
     e.add_argument("--window", type=int, default=None, help="tokens per scored window (default 512, or the "
                    "model's context or a portable model's ring if shorter)")
     e.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: the device profile's)")
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
 
     b = sub.add_parser("bench", help="load time, time to first token, tok/s, memory (no -m: bundled model)")
-    b.add_argument("-m", "--model", type=Path, default=None, help="edgeinfer model folder (default: bundled)")
+    b.add_argument("-m", "--model", type=path_arg, default=None, help="edgeinfer model folder (default: bundled)")
     b.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens (default 512)")
     b.add_argument("--gen-tokens", type=int, default=128, help="tokens to generate per run (default 128)")
     b.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (default 2)")
@@ -164,13 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--watch", action="store_true", help="print again every --interval-s until Ctrl-C")
     pw.add_argument("--interval-s", type=float, default=None, help="seconds between readings with --watch (default 1)")
     pw.add_argument("--json", action="store_true", help="one JSON object per reading")
-    pw.add_argument("--root", type=Path, default=None, help="read a recorded device folder instead (tests/fixtures/power/...)")
+    pw.add_argument("--root", type=path_arg, default=None, help="read a recorded device folder instead (tests/fixtures/power/...)")
     pw.set_defaults(func=_cmd_power)
 
     i = sub.add_parser("inspect", help="describe an edgeinfer model folder, or with --platform this device")
-    i.add_argument("model", type=Path, nargs="?", help="the model folder (none with --platform)")
+    i.add_argument("model", type=path_arg, nargs="?", help="the model folder (none with --platform)")
     i.add_argument("--platform", action="store_true", help="the device profile detected here: its fields and why")
-    i.add_argument("--root", type=Path, help="with --platform: a recorded device folder (tests/fixtures/platforms/*)")
+    i.add_argument("--root", type=path_arg, help="with --platform: a recorded device folder (tests/fixtures/platforms/*)")
     mode = i.add_mutually_exclusive_group()
     mode.add_argument("--json", action="store_true", help="print the description as JSON")
     mode.add_argument("--verify", action="store_true", help="hash every file against edgeinfer.json; exit 1 on a mismatch")

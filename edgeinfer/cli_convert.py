@@ -6,7 +6,8 @@ import argparse
 import signal
 import sys
 import threading
-from pathlib import Path
+
+from edgeinfer.cli_args import path_arg
 
 TARGET_HELP = ("cpu (default): the fused graph; cuda: the fused graph with fp16 activations and KV; coreml / "
                "nnapi: the portable decode and prefill graphs with static shapes (docs/platforms.md)")
@@ -16,9 +17,9 @@ def add_convert_parser(sub) -> None:
     from edgeinfer.kv_mode import MODES as KV_MODES
 
     c = sub.add_parser("convert", help="convert a Hugging Face model folder or a GGUF file to an edgeinfer model folder")
-    c.add_argument("src", type=Path, help="Hugging Face folder (config.json, *.safetensors, tokenizer files) or a "
+    c.add_argument("src", type=path_arg, help="Hugging Face folder (config.json, *.safetensors, tokenizer files) or a "
                    "llama.cpp GGUF file (llama, qwen2, qwen3)")
-    c.add_argument("-o", "--output", type=Path, required=True,
+    c.add_argument("-o", "--output", type=path_arg, required=True,
                    help="destination folder (must not exist, or with --force be an edgeinfer model folder)")
     c.add_argument("--target", choices=("cpu", "cuda", "coreml", "nnapi"), default="cpu", help=TARGET_HELP)
     c.add_argument("--quant", choices=("keep", "fp32", "fp16", "int8", "int4"), default=None,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
+from edgeinfer.cli_args import path_arg
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.overflow import OVERFLOW_POLICIES
 
@@ -31,7 +31,7 @@ def add_chat_parser(sub) -> None:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", type=Path, default=None, help="edgeinfer model folder (default: bundled)")
+    p.add_argument("-m", "--model", type=path_arg, default=None, help="edgeinfer model folder (default: bundled)")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: the device profile's)")
     p.add_argument("--capacity", type=int, default=None, help="KV ring capacity in tokens")
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=OVERFLOW_POLICIES[0],

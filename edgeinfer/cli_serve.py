@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from edgeinfer.cli_args import path_text_arg
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.options import SPECULATIVE
 from edgeinfer.overflow import OVERFLOW_POLICIES
@@ -51,7 +52,7 @@ SERVE_FLAGS = (
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", type=str, default=None, help="edgeinfer model folder (default: bundled)")
+    p.add_argument("-m", "--model", type=path_text_arg, default=None, help="edgeinfer model folder (default: bundled)")
     p.add_argument("--config", type=str, default=None, help="TOML file of these settings (flags win)")
     for flag, _, kind, help_text, choices in SERVE_FLAGS:
         p.add_argument(flag, type=kind, default=None, help=help_text, choices=choices)

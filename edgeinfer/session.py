@@ -65,7 +65,7 @@ def check_threads(threads: int | None, warn: bool = True) -> None:
     wait for each other (64 threads on 2 cores decoded about 25x slower; 10,000 held the machine
     for minutes)."""
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise InvalidArgumentError(f"threads must be a positive integer or None (the default), got {threads!r}")
+        raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r:.40}")
     if threads is not None and threads > MAX_THREADS:
         raise InvalidArgumentError(f"threads must be at most {MAX_THREADS}, got {threads}")
     cores = usable_cores()
@@ -96,7 +96,8 @@ def session_options(threads: int | None, spin_duration_us: int | None = None, po
     so.inter_op_num_threads = 1
     if spin_duration_us is not None:
         so.add_session_config_entry("session.intra_op.spin_duration_us", str(int(spin_duration_us)))
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # fatal only: a file it cannot load raises, and that is said in one line (at 3 its
+    # coloured C++ log of the same failure came first)
     return so
 
 

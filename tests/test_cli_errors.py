@@ -326,3 +326,13 @@ def test_an_interrupt_inside_a_compiled_import_is_a_quiet_exit(capsys, monkeypat
     monkeypatch.setattr(cc, "run", lambda args: (_ for _ in ()).throw(ImportError("no module named x")))
     with pytest.raises(ImportError):
         main(["convert", "x", "-o", "y"])
+
+
+@pytest.mark.parametrize("argv", [["eval", "-m", "", "--text", "t.txt"], ["eval", "-m", "m", "--text", ""],
+                                  ["generate", "-m", "", "hi"], ["bench", "-m", ""], ["inspect", ""],
+                                  ["serve", "-m", ""], ["convert", "", "-o", "out"], ["convert", "src", "-o", ""]])
+def test_an_empty_path_is_a_usage_error(argv, capsys):
+    """Path("") is "." (the current folder): `-m ""` was read as it."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "an empty path" in capsys.readouterr().err

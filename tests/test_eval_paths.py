@@ -187,3 +187,12 @@ def test_a_symlink_loop_is_named_as_such(tmp_path):
     loop.symlink_to(loop)
     with pytest.raises(EdgeInferError, match="symbolic link that leads nowhere"):
         perplexity(STORIES_SRC.parent / "stories260K-int8", loop)
+
+
+def test_stream_scoring_is_not_said_to_have_windows(capsys):
+    """It printed "16 stories, 16 windows": stream scoring has none."""
+    from edgeinfer.cli import main
+    assert main(["eval", "-m", str(STORIES_SRC.parent / "stories260K-int8"), "--text", str(EVAL), "--stream",
+                 "--capacity", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "(16 stories, each a stream through the ring, " in out and "window" not in out, out

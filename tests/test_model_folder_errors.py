@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -101,6 +103,10 @@ def test_corrupted_model_onnx_without_recorded_hashes(capsys, folder):
     _forget_hashes(folder)
     (folder / "model.onnx").write_bytes(b"\x00garbage" * 10)
     one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "cannot load")
+    r = subprocess.run([sys.executable, "-m", "edgeinfer", "eval", "-m", str(folder), "--text", str(EVAL_TXT)],
+                       capture_output=True, text=True, timeout=120)  # ONNX Runtime's own log went to fd 2 first
+    assert r.returncode == 1 and r.stderr.startswith("edgeinfer: error: cannot load") and \
+        len(r.stderr.splitlines()) == 1, r.stderr
 
 
 def test_eval_verifies_weights(capsys, folder):
@@ -122,6 +128,10 @@ def test_truncated_external_data(capsys, folder):
     data = folder / "model.onnx.data"
     data.write_bytes(data.read_bytes()[:1000])
     one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "cannot load")
+    r = subprocess.run([sys.executable, "-m", "edgeinfer", "eval", "-m", str(folder), "--text", str(EVAL_TXT)],
+                       capture_output=True, text=True, timeout=120)  # ONNX Runtime's own log went to fd 2 first
+    assert r.returncode == 1 and r.stderr.startswith("edgeinfer: error: cannot load") and \
+        len(r.stderr.splitlines()) == 1, r.stderr
 
 
 @pytest.mark.parametrize("name,kind", [("tokenizer.model", "sentencepiece"), ("tokenizer.json", "hf_tokenizers")])
