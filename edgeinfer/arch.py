@@ -94,6 +94,9 @@ class ArchSpec:
         for name, most in SIZE_LIMITS.items():
             if not 1 <= getattr(spec, name) <= most:
                 raise FieldError(f"{where}.{name}", f"must be in 1..{most:,}, got {getattr(spec, name):,}")
+        if spec.max_position_embeddings < 2:  # the least ring is 2 tokens (1 passed, then every load was refused
+            # with advice to use "a capacity of at most 1")
+            raise FieldError(f"{where}.max_position_embeddings", "must be at least 2, got 1")
         s = spec.source_head_dim
         if s is not None and (s < 2 or s % 2 or s >= spec.head_dim or spec.head_dim % s):
             raise FieldError(f"{where}.source_head_dim", f"{s} is not an even head size that divides head_dim "

@@ -86,6 +86,7 @@ def _set(path, value):
     (("architecture", "rope", "theta"), 1e308, "architecture.rope.theta: 1e+308 is 0 or infinite in float32"),
     (("architecture", "rms_norm_eps"), 1e-300, "architecture.rms_norm_eps: 1e-300 is 0 or infinite in float32"),
     (("architecture", "rope", "theta"), 1e-44, "architecture.rope: RoPE's angles are not finite"),
+    (("architecture", "max_position_embeddings"), 1, "architecture.max_position_embeddings: must be at least 2"),
     (("interface", "kv_mode"), "flash", "interface.kv_mode: unknown KV mode 'flash'"),
     (("interface", "kv_mode"), "standard", "source_head_dim: widened heads are for GroupQueryAttention"),
     (("interface", "kv_dtype"), "bfloat16", "interface.kv_dtype"),
