@@ -103,10 +103,6 @@ def test_corrupted_model_onnx_without_recorded_hashes(capsys, folder):
     _forget_hashes(folder)
     (folder / "model.onnx").write_bytes(b"\x00garbage" * 10)
     one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "cannot load")
-    r = subprocess.run([sys.executable, "-m", "edgeinfer", "eval", "-m", str(folder), "--text", str(EVAL_TXT)],
-                       capture_output=True, text=True, timeout=120)  # ONNX Runtime's own log went to fd 2 first
-    assert r.returncode == 1 and r.stderr.startswith("edgeinfer: error: cannot load") and \
-        len(r.stderr.splitlines()) == 1, r.stderr
 
 
 def test_eval_verifies_weights(capsys, folder):
@@ -128,8 +124,18 @@ def test_truncated_external_data(capsys, folder):
     data = folder / "model.onnx.data"
     data.write_bytes(data.read_bytes()[:1000])
     one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT)], "cannot load")
+
+
+def test_a_graph_onnx_runtime_cannot_load_is_said_in_one_line(tmp_path, converted):
+    """An int4 graph whose weights are cut short fails in ONNX Runtime's optimizer, which logged its
+    coloured C++ error to fd 2 before our line (capsys does not see fd 2: a subprocess does)."""
+    folder = tmp_path / "model"
+    shutil.copytree(converted(STORIES_SRC, "int4"), folder)
+    _forget_hashes(folder)
+    data = folder / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[:1000])
     r = subprocess.run([sys.executable, "-m", "edgeinfer", "eval", "-m", str(folder), "--text", str(EVAL_TXT)],
-                       capture_output=True, text=True, timeout=120)  # ONNX Runtime's own log went to fd 2 first
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("edgeinfer: error: cannot load") and \
         len(r.stderr.splitlines()) == 1, r.stderr
 
