@@ -31,7 +31,7 @@ SERVE_FLAGS = (
     ("--slots", "slots", int, "requests generating at once, each with its own KV ring (default: the device profile's)",
      None),
     ("--queue", "queue", int, "requests waiting for a slot; more get 429 at once (default 8)", None),
-    ("--capacity", "capacity", int, "each slot's KV ring, in tokens (default: the model's)", None),
+    ("--capacity", "capacity", int, "each slot's KV ring, in tokens (default: the model's, capped by the device profile's)", None),
     ("--threads", "threads", int, "ONNX Runtime threads (default: the device profile's)", None),
     ("--overflow", "overflow", str, "when a ring is full (default shift)", OVERFLOW_POLICIES),
     ("--speculative", "speculative", str, "speculative decoding, the same tokens sooner (default off): ngram drafts "
@@ -98,7 +98,8 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
 
         manifest = read_manifest(folder)
         spec = manifest.arch
-        cap = resolve_capacity(manifest.default_capacity_tokens, spec, capacity, device_capacity_tokens())
+        cap = resolve_capacity(manifest.default_capacity_tokens, spec, capacity,
+                               device_capacity_tokens(manifest.portable is not None))
         weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
         if manifest.portable is not None:
             weights = max(weights, 2 * 4 * parameter_count(spec))

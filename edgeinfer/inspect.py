@@ -99,9 +99,10 @@ def _file_sizes(folder: Path, m: Manifest) -> tuple[int, int, list[str]]:
 def _summary(folder: Path, m: Manifest) -> dict:
     a = m.arch
     disk, weight_bytes, problems = _file_sizes(folder, m)
-    from edgeinfer.platforms import detect
+    from edgeinfer.platforms import detect, device_capacity_tokens
     profile = detect().profile
-    load_capacity = resolve_capacity(m.default_capacity_tokens, a, None, profile.capacity_tokens)
+    device = device_capacity_tokens(m.portable is not None, profile)
+    load_capacity = resolve_capacity(m.default_capacity_tokens, a, None, device)
     kv_per_token = kv_bytes_per_token(m)
     rows, kv_bytes = kv_at_load(m, load_capacity)
     return {
@@ -113,7 +114,7 @@ def _summary(folder: Path, m: Manifest) -> dict:
         "size_on_disk_bytes": disk, "kv_bytes_per_token": kv_per_token,
         "default_capacity_tokens": m.default_capacity_tokens,
         "load_capacity_tokens": load_capacity,  # what `load` allocates without capacity_tokens here (`resolve_capacity`)
-        "device_profile": profile.name, "device_capacity_tokens": profile.capacity_tokens,
+        "device_profile": profile.name, "device_capacity_tokens": device,  # (None: a portable model's is its own)
         "kv_rows_at_load": rows, "kv_bytes_at_default_capacity": kv_bytes,
         "tokenizer": m.tokenizer.kind, "format_version": m.format_version, "converter_version": m.converter_version,
         "kv_dtype": m.interface.kv_dtype, "portable": m.portable.to_json() if m.portable is not None else None,

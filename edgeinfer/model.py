@@ -86,9 +86,11 @@ class Model:
                                        "and load it there (in this one, share the Model itself)")
 
     def __init__(self, path, *, provider, threads, capacity_tokens, n_sink, overflow, prefill_chunk, verbose, power,
-                 spin_duration_us: int | None = None):
+                 spin_duration_us: int | None = None, device_capacity: bool = True):
         """`load`'s arguments; spin_duration_us: how long the session's idle workers spin (None: ONNX
-        Runtime's default; power control and draft models spin briefly, `power.threads`)."""
+        Runtime's default; power control and draft models spin briefly, `power.threads`); device_capacity:
+        whether a load without capacity_tokens takes the device profile's (not for a draft model, whose
+        ring is its own default, as the target's is not the device's when given)."""
         t0 = time.perf_counter()
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise InvalidArgumentTypeError(f"path must be a folder path (str or os.PathLike) or None, "
@@ -103,8 +105,8 @@ class Model:
             raise InvalidArgumentError(f"verbose must be True or False, got {verbose!r}")
         check_threads(threads, warn=False)  # early, before any work; the session warns
         profile = None
-        if threads is None or capacity_tokens is None:  # the device profile's defaults (`platforms.Profile`)
-            from edgeinfer.platforms import detect
+        from edgeinfer.platforms import detect, device_capacity_tokens
+        if threads is None or capacity_tokens is None and device_capacity:  # the device profile's defaults
             profile = detect().profile
         if threads is None:  # ("auto" leaves ONNX Runtime's choice)
             threads = profile.session_threads
@@ -121,8 +123,9 @@ class Model:
             try:
                 self.manifest = read_manifest(folder)
                 spec = self.manifest.arch
-                capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec, capacity_tokens,
-                                            profile.capacity_tokens if profile is not None else None)
+                device = device_capacity_tokens(self.manifest.portable is not None, profile) \
+                    if capacity_tokens is None and device_capacity else None
+                capacity = resolve_capacity(self.manifest.default_capacity_tokens, spec, capacity_tokens, device)
                 sinks = resolve_sinks(spec, n_sink)
                 if (note := rebase_warning(capacity, spec.max_position_embeddings)) is not None:
                     warn_user(note)
@@ -333,7 +336,7 @@ class Model:
             try:
                 draft = Model(draft, provider="auto", threads=self.threads, capacity_tokens=None,
                               n_sink=None, overflow="shift", prefill_chunk=self.engine.max_chunk,
-                              verbose=False, power=None, spin_duration_us=SPIN_DURATION_US)
+                              verbose=False, power=None, spin_duration_us=SPIN_DURATION_US, device_capacity=False)
             except EdgeInferError as e:
                 raise type(e)(f"the draft model: {e}") from None
         if not isinstance(draft, Model):

@@ -242,9 +242,13 @@ def detect(root: Path | str = "/", env: Mapping[str, str] | None = None, platfor
                      tuple(facts.warnings))
 
 
-def device_capacity_tokens() -> int:
-    """The detected device profile's default KV ring (`Profile.capacity_tokens`)."""
-    return detect().profile.capacity_tokens
+def device_capacity_tokens(portable: bool, profile: Profile | None = None) -> int | None:
+    """The device profile's default KV ring for a model (`Profile.capacity_tokens`; the detected
+    profile's unless one is given), or None for a portable model: the rows of its ring are fixed by
+    its graphs, so a smaller ring would save no memory, only context."""
+    if portable:
+        return None
+    return (profile or detect().profile).capacity_tokens
 
 
 def detect_from_fixture(folder: Path | str, profiles: dict[str, Profile] | None = None) -> Detection:

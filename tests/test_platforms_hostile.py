@@ -698,3 +698,18 @@ def test_a_portable_ring_past_the_trained_length_is_refused_at_convert(tmp_path)
     assert edgeinfer.load(tmp_path / "tiny").capacity_tokens == 240
     with pytest.raises(ConvertError, match=r"--prefill-tokens 300 is over the model's trained length of 256"):
         convert(tiny, tmp_path / "tiny300", target="nnapi", prefill_tokens=300)  # was cut to 256 without a word
+
+
+def test_the_profiles_capacity_leaves_portable_and_draft_rings_alone(folders, monkeypatch):
+    """A portable model's ring rows are fixed by its graphs: the profile's smaller capacity saved no
+    memory, only context (a review). A draft model's ring is its own default, not the device's."""
+    import dataclasses
+    import edgeinfer.platforms as P
+
+    profile = dataclasses.replace(load_profiles()["raspberry-pi-4"], capacity_tokens=16, threads=1)
+    monkeypatch.setattr(P, "detect", lambda *a, **k: Detection(profile=profile, evidence=("t",), note=None))
+    assert edgeinfer.load(folders("p32")).capacity_tokens == 64
+    target = edgeinfer.load(folders("f32"))
+    assert target.capacity_tokens == 16
+    target.set_draft(folders("f32"))
+    assert target.engine.draft.capacity_tokens == 480
