@@ -88,7 +88,9 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     capacity = cfg.capacity or cfg.prompt_tokens + cfg.gen_tokens + 8
     if cfg.capacity is None:
         window = binding_window(manifest.arch)  # the largest ring that re-bases seldom, or a sliding window's W - 1
-        limit = min(max_capacity(manifest.arch.max_position_embeddings), window - 1 if window else 1 << 62)
+        limit = max_capacity(manifest.arch.max_position_embeddings)
+        if window:
+            limit = min(limit, window - 1)
         portable = manifest.portable
         if portable is not None and capacity > portable.capacity_tokens:  # fixed at convert: say which sizes fit
             n, limit = portable.capacity_tokens, min(limit, portable.capacity_tokens)
@@ -97,8 +99,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
                                        f"--prompt-tokens {cfg.prompt_tokens} + --gen-tokens {cfg.gen_tokens} + 8 = "
                                        f"{capacity}: give {fit}--capacity {limit} (the prompt then shifts through "
                                        f"the ring)")
-        if capacity > limit:
-            capacity = None  # the model's own ring, through which the prompt shifts (the report says its capacity)
+        if capacity > limit:  # the largest ring the model holds without re-basing often (given, not load's default,
+            capacity = limit  # which a device profile may cap further), through which the prompt shifts
     t0 = time.perf_counter()
     model = edgeinfer.load(cfg.model, threads=cfg.threads, capacity_tokens=capacity)
     capacity = model.capacity_tokens

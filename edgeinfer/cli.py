@@ -78,7 +78,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if job > r["capacity_tokens"]:  # the model's own ring: its oldest tokens were shifted out on the way
             why = (f"--capacity {args.capacity}: a larger ring, or fewer --prompt-tokens / --gen-tokens"
                    if args.capacity is not None else
-                   "the model's default ring: a larger one re-bases often; fewer --prompt-tokens / --gen-tokens "
+                   "the most this model holds without re-basing often; fewer --prompt-tokens / --gen-tokens "
                    "to keep them all")
             print(f"  the KV ring holds {r['capacity_tokens']} tokens, fewer than the job's {job}: the oldest were "
                   f"shifted out as it ran ({why})")
@@ -151,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gen-tokens", type=int, default=128, help="tokens to generate per run (default 128)")
     b.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (default 2)")
     b.add_argument("--runs", type=int, default=3, help="timed runs; medians are reported (default 3)")
-    b.add_argument("--capacity", type=int, default=None, help="KV ring capacity (default: prompt + gen + 8, or the model's default ring if that is more than the "
-                   "model holds without re-basing often)")
+    b.add_argument("--capacity", type=int, default=None, help="KV ring capacity (default: prompt + gen + 8, or the most the model holds without re-basing "
+                   "often if that is less)")
     b.add_argument("--json", action="store_true", help="print the result as JSON")
     b.set_defaults(func=_cmd_bench)
 

@@ -27,7 +27,7 @@ SERVE_FLAGS = (
     ("--port", "port", int, "port (default 8080)", None),
     ("--api-key", "api_key", str, "require 'Authorization: Bearer KEY' (prefer --api-key-file or EDGEINFER_API_KEY)",
      None),
-    ("--api-key-file", "api_key_file", str, "read the API key from this file", None),
+    ("--api-key-file", "api_key_file", path_text_arg, "read the API key from this file", None),
     ("--slots", "slots", int, "requests generating at once, each with its own KV ring (default: the device profile's)",
      None),
     ("--queue", "queue", int, "requests waiting for a slot; more get 429 at once (default 8)", None),
@@ -37,7 +37,7 @@ SERVE_FLAGS = (
     ("--speculative", "speculative", str, "speculative decoding, the same tokens sooner (default off): ngram drafts "
                                           "from the text itself (text that repeats its prompt), draft with "
                                           "--draft-model", ("off",) + SPECULATIVE),
-    ("--draft-model", "draft_model", str, "with --speculative draft: a small model folder of the same tokenizer", None),
+    ("--draft-model", "draft_model", path_text_arg, "with --speculative draft: a small model folder of the same tokenizer", None),
     ("--max-tokens-limit", "max_tokens_limit", int, "most tokens one request may generate (default 512)", None),
     ("--max-prompt-tokens", "max_prompt_tokens", int, "longest prompt accepted, in tokens; a longer one is a 400 "
                                                       "(default: 8 times a slot's ring)", None),
@@ -53,7 +53,7 @@ SERVE_FLAGS = (
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=path_text_arg, default=None, help="edgeinfer model folder (default: bundled)")
-    p.add_argument("--config", type=str, default=None, help="TOML file of these settings (flags win)")
+    p.add_argument("--config", type=path_text_arg, default=None, help="TOML file of these settings (flags win)")
     for flag, _, kind, help_text, choices in SERVE_FLAGS:
         p.add_argument(flag, type=kind, default=None, help=help_text, choices=choices)
     p.add_argument("--log-prompts", action=argparse.BooleanOptionalAction, default=None,

@@ -682,7 +682,8 @@ def test_bench_advice_on_a_portable_ring_of_the_trained_length_is_advice_that_wo
     assert main(["bench", "-m", str(folders("f32")), "--runs", "1", "--prompt-tokens", "400", "--gen-tokens",
                  "100"]) == 0
     out = capsys.readouterr().out
-    assert "the KV ring holds 480 tokens, fewer than the job's 500" in out and "the model's default ring" in out
+    assert "the KV ring holds 480 tokens, fewer than the job's 500" in out
+    assert "the most this model holds without re-basing often" in out
     assert "trained" not in out, out
 
 
@@ -713,3 +714,16 @@ def test_the_profiles_capacity_leaves_portable_and_draft_rings_alone(folders, mo
     assert target.capacity_tokens == 16
     target.set_draft(folders("f32"))
     assert target.engine.draft.capacity_tokens == 480
+
+
+def test_bench_past_the_rebase_room_runs_in_the_models_largest_ring_not_the_devices(folders, monkeypatch, capsys):
+    """A job past what the model holds without re-basing often runs in that ring (480 of 512), which
+    bench now gives: left to load's default, a device profile's smaller ring would have run it."""
+    import dataclasses
+    import edgeinfer.platforms as P
+
+    profile = dataclasses.replace(load_profiles()["raspberry-pi-4"], capacity_tokens=64, threads=1)
+    monkeypatch.setattr(P, "detect", lambda *a, **k: Detection(profile=profile, evidence=("t",), note=None))
+    assert main(["bench", "-m", str(folders("f32")), "--runs", "1", "--prompt-tokens", "400", "--gen-tokens", "100",
+                 "--threads", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["capacity_tokens"] == 480

@@ -74,6 +74,8 @@ class ServeConfig:
         for name in ("model", "api_key_file", "draft_model"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise InvalidArgumentError(f"{name.replace('_', '-')} must be a string, got {_shown(getattr(self, name))}")
+            if getattr(self, name) == "":  # ("" was read as not given: model = "" served the bundled model)
+                raise InvalidArgumentError(f"{name.replace('_', '-')} is an empty path")
         if not isinstance(self.log_prompts, bool):
             raise InvalidArgumentError(f"log-prompts must be true or false, got {_shown(self.log_prompts)}")
 
