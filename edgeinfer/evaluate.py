@@ -144,8 +144,8 @@ def window_nll(engine: Engine, cache: RingKVCache, ids: list[int], path: str = "
     cache.reset()
     step = 1 if path == "decode" else engine.max_chunk
     total = 0.0
-    for start in range(0, n - 1, step):  # the last token is only a target
-        chunk = ids[start:min(start + step, n)]
+    for start in range(0, n - 1, step):  # the last token is only a target, but goes in with its chunk (as the one
+        chunk = ids[start:min(start + step, n)]  # call over the window did), so that no call is a lone row
         logits = engine.forward(cache, chunk, all_logits=True)  # [len(chunk), V] ([1, V] for one token)
         targets = ids[start + 1:start + 1 + len(chunk)]  # the next token of each row, the window's end aside
         total += _nll(logits[:len(targets)], targets)

@@ -77,4 +77,4 @@ def read_toml(path: Path, limit: int, error: type[Exception]) -> dict:
     except tomllib.TOMLDecodeError as e:
         raise error(f"{path} is not valid TOML: {str(e)[:200]}") from None
     except RecursionError:
-        raise error(f"{path} is not valid TOML here: nested too deeply") from None
+        raise error(f"{path} is nested too deeply to read as TOML") from None

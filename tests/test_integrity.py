@@ -267,3 +267,13 @@ def test_inspect_verify_hashes_each_file_once_without_a_stamp(capsys, folder, ha
     rc, lines = verify_cli(capsys, folder)
     assert rc == 0 and "ok        loads (the graph takes the inputs its manifest describes)" in lines
     assert sorted(hashes) == sorted(listed(folder))
+
+
+def test_inspect_calls_an_absurd_file_size_in_the_manifest_malformed(capsys, folder):
+    """A hand-edited entry of 10**30 bytes was added up: "size on disk 999999999999999983222784.00 MB"."""
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    m["files"]["model.onnx"]["bytes"] = 10 ** 30
+    write_manifest(folder, m)
+    assert main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "the manifest's entry 'model.onnx' is malformed" in out and "e+" not in out and "9999" not in out, out

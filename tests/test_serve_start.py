@@ -168,7 +168,7 @@ def test_a_config_file_nested_past_the_recursion_limit_is_one_error_line(tmp_pat
     f = tmp_path / "serve.toml"  # tomllib's RecursionError was a traceback
     f.write_bytes(b"slots = " + b"[" * 600 + b"]" * 600 + b"\n")
     assert main(["serve", "--config", str(f)]) == 1
-    _one_error_line(capsys.readouterr().err, "serve.toml is not valid TOML here: nested too deeply")
+    _one_error_line(capsys.readouterr().err, "serve.toml is nested too deeply to read as TOML")
 
 
 def test_a_service_unit_needs_a_fixed_port(capsys):
