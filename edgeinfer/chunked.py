@@ -11,6 +11,7 @@ import numpy as np
 
 from edgeinfer import fork_safety
 from edgeinfer.kv_cache import RingKVCache
+from edgeinfer.ort_lifecycle import hold_at_exit
 
 
 def prefill_chunks(n: int, chunk: int, cache: RingKVCache | None = None) -> list[tuple[int, int]]:
@@ -65,6 +66,7 @@ class ChunkedSteps:
     def _init_turns(self, what: str) -> None:
         self.lock = threading.Lock()
         fork_safety.watch(self, "lock", what)
+        hold_at_exit(self)  # no graph call in flight as the interpreter finalizes (`ort_lifecycle`)
         self.waiting: set[int] = set()  # idents of threads about to take `lock` or waiting for it (a hint)
         self.prefilling: set[int] = set()  # idents of threads inside `prefill`
         self.holder_prefills = False  # whether the call that holds `lock` now is a prefill's (set under it)

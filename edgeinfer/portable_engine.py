@@ -31,6 +31,7 @@ from edgeinfer.errors import ModelFormatError
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.kv_mode import PORTABLE
 from edgeinfer.portable import attention_mask, logit_chunks, rope_inputs
+from edgeinfer.ort_lifecycle import keep_in_forked_child
 from edgeinfer.session import PROVIDERS, DecoderSession, session_options
 
 
@@ -45,10 +46,10 @@ class PortableEngine(ChunkedSteps):
         self.max_chunk = min(int(max_chunk or self.info.prefill_tokens), self.info.prefill_tokens)
         folder = session.folder
         try:
-            self.prefill_session = ort.InferenceSession(str(folder / self.info.prefill_file),
-                                                        session_options(threads, spin_duration_us,
-                                                                        portable=session.portable_on_cpu),
-                                                        providers=[PROVIDERS[session.provider]])
+            self.prefill_session = keep_in_forked_child(ort.InferenceSession(
+                str(folder / self.info.prefill_file),
+                session_options(threads, spin_duration_us, portable=session.portable_on_cpu),
+                providers=[PROVIDERS[session.provider]]))
             self.embeddings = np.load(folder / self.info.embeddings_file, mmap_mode="r")
         except Exception as e:
             raise ModelFormatError(f"cannot load the portable graphs of {folder}: {str(e).splitlines()[0][:300]}"

@@ -239,6 +239,8 @@ def test_draft_settings_refused_with_their_names(fp32, tmp_path):
     with pytest.raises(edgeinfer.ModelFormatError, match="^the draft model: model folder not found"):
         m.set_draft(tmp_path / "nowhere")
     with pytest.raises(InvalidArgumentError, match="needs draft-model"):
+        ServeConfig(speculative="draft")
+    with pytest.raises(InvalidArgumentError, match="draft-model is an empty path"):
         ServeConfig(speculative="draft", draft_model="")
     with pytest.raises(InvalidArgumentError, match="only with speculative = draft, not 'ngram'"):
         ServeConfig(speculative="ngram", draft_model="x")
