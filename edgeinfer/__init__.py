@@ -24,7 +24,7 @@ from edgeinfer.errors import (  # noqa: E402
 # once imported, as with any package.
 if TYPE_CHECKING:  # what type checkers and editors see: the names as they are
     from edgeinfer.context_lock import ContextBusyError
-    from edgeinfer.generation import Chunk, Completion, Generation
+    from edgeinfer.generation import Chunk, Completion, Generation, GenerationCancelled
     from edgeinfer.model import Conversation, Model, load
     from edgeinfer.options import GenerationOptions
     from edgeinfer.overflow import ContextOverflowError
@@ -33,9 +33,10 @@ if TYPE_CHECKING:  # what type checkers and editors see: the names as they are
 _LAZY = {"ContextBusyError": "edgeinfer.context_lock", "ContextOverflowError": "edgeinfer.overflow",
          "GenerationOptions": "edgeinfer.options", "SamplingParams": "edgeinfer.sampling",
          "Chunk": "edgeinfer.generation", "Completion": "edgeinfer.generation", "Generation": "edgeinfer.generation",
+         "GenerationCancelled": "edgeinfer.generation",
          "Conversation": "edgeinfer.model", "Model": "edgeinfer.model", "load": "edgeinfer.model"}
 
-__all__ = ["load", "Model", "Conversation", "Generation", "GenerationOptions", "SamplingParams", "Chunk",
+__all__ = ["load", "Model", "Conversation", "Generation", "GenerationCancelled", "GenerationOptions", "SamplingParams", "Chunk",
            "Completion", "ContextOverflowError", "ContextBusyError", "EdgeInferError", "ConvertError",
            "ModelFormatError", "InvalidArgumentError", "InvalidArgumentTypeError", "ForkedBusyError", "__version__"]
 

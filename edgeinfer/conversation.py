@@ -102,11 +102,14 @@ class Conversation:
         return bool(prompt_text) or rebuild
 
     def reset(self) -> None:
+        """Forget the messages and the cache (`ContextBusyError` while this thread has a turn open)."""
         with self.lock.hold(), interrupts_held():
             self.messages = []
             self._forget()
 
     def say(self, content: str, options: GenerationOptions | None = None, **overrides) -> Completion:
+        """Add a user message `content` and return the reply (`stream_say`, run to its end); the reply is
+        added to the history. A turn that fails or is abandoned is rolled back."""
         return self.stream_say(content, options, **overrides).run_to_end()
 
     def stream_say(self, content: str, options: GenerationOptions | None = None, **overrides) -> Generation:
@@ -114,6 +117,8 @@ class Conversation:
         return self._turn(None, _user_text(content), resolve(options, overrides))
 
     def reply(self, messages: Sequence[dict], options: GenerationOptions | None = None, **overrides) -> Completion:
+        """Continue with a full message list (the history is replaced by it, then the reply added): the
+        prefix it shares with what the cache holds is not prefilled again."""
         return self._turn(check_messages(messages), None, resolve(options, overrides)).run_to_end()
 
     def _turn(self, messages: list[dict] | None, content: str | None, opts: GenerationOptions) -> Generation:

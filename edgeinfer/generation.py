@@ -67,6 +67,9 @@ class Timings:
 
 @dataclass(frozen=True)
 class Completion:
+    """A finished request: its text and ids, why it ended, its token counts and its timings (each
+    field's meaning beside it)."""
+
     text: str  # generated text, without the stop string that ended it
     token_ids: tuple[int, ...]  # generated ids (no EOS; a stop string's tokens are included)
     finish_reason: str  # "eos", "stop" or "length"
@@ -76,6 +79,9 @@ class Completion:
 
 @dataclass(frozen=True)
 class Chunk:
+    """One step of a stream: the text released, the token that made it, and its log-probabilities
+    when asked for (each field's meaning beside it)."""
+
     text: str  # may be "" while a UTF-8 character or a possible stop string is incomplete
     token_id: int | None  # None only for a final chunk that flushes held-back text
     logprob: float | None = None  # with `logprobs`: the token's log-probability (penalised, biased, T=1)

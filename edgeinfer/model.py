@@ -81,6 +81,13 @@ def load(path: str | Path | None = None, *, provider: str = "auto", threads: int
 
 
 class Model:
+    """A loaded model folder (made by `load`, whose docstring gives the arguments): its ONNX Runtime
+    session, tokenizer and chat template, and a default KV context that `generate`, `stream`, `chat`
+    and `encode_chat` share (one caller at a time: `ContextBusyError` for a second stream opened in
+    the same thread); `conversation()` gives a context of its own. Thread-safe: calls from several
+    threads take turns on the engine. Freed when the last reference to it (its streams' and
+    conversations' included) goes; it cannot be pickled."""
+
     def __reduce__(self):  # pickle (multiprocessing's spawn, Pool.map): a session does not travel
         raise InvalidArgumentTypeError("a Model cannot be pickled or copied: pass its folder to the other process "
                                        "and load it there (in this one, share the Model itself)")

@@ -336,3 +336,18 @@ def test_an_empty_path_is_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and "an empty path" in capsys.readouterr().err
+
+
+def test_every_public_name_states_its_contract():
+    """help(edgeinfer.Model) stated nothing (no docstring), nor Conversation.say/reply/reset; the
+    GenerationCancelled that cancel() raises was not exported (a hostile round)."""
+    import inspect
+
+    import edgeinfer
+    assert edgeinfer.GenerationCancelled.__module__ == "edgeinfer.generation"
+    for name in edgeinfer.__all__:
+        obj = getattr(edgeinfer, name)
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            assert (obj.__doc__ or "").strip() and not obj.__doc__.startswith(f"{name}("), name
+    for method in ("say", "stream_say", "reply", "reset"):
+        assert getattr(edgeinfer.Conversation, method).__doc__, method
