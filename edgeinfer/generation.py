@@ -35,7 +35,8 @@ from edgeinfer.context_lock import ContextBusyError, ContextLock, interrupts_hel
 from edgeinfer.detokenize import Detokenizer, StopFilter
 from edgeinfer.drafting import ModelDrafter
 from edgeinfer.engine import Engine
-from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError, broken_logits_cause
+from edgeinfer.errors import (EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelFormatError,
+                              broken_logits_cause)
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.options import GenerationOptions
 from edgeinfer.overflow import fit_prompt
@@ -104,6 +105,9 @@ class Generation:
     back to the Generation, so a Generation dropped half-way is freed at once (reference counting,
     not the cycle collector's next pass): its steps close, `end` runs and the context's lock is
     released (step 6) when the caller lets go, in whichever thread that is."""
+
+    def __reduce__(self):  # pickle, deepcopy: a request runs in this process's Model (it was mappingproxy's TypeError)
+        raise InvalidArgumentTypeError("a Generation cannot be pickled or copied: it runs in this process's Model")
 
     def __init__(self, engine: Engine, tok: Tokenizer, cache: RingKVCache, options: GenerationOptions, overflow: str,
                  **kwargs):

@@ -99,9 +99,9 @@ class Model:
         whether a load without capacity_tokens takes the device profile's (not for a draft model, whose
         ring is its own default, as the target's is not the device's when given)."""
         t0 = time.perf_counter()
-        if path is not None and not isinstance(path, (str, os.PathLike)):
+        if path is not None and (not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str)):
             raise InvalidArgumentTypeError(f"path must be a folder path (str or os.PathLike) or None, "
-                                           f"got {type(path).__name__}")
+                                           f"got {type(path).__name__}")  # (one whose fspath is bytes: a TypeError)
         folder = Path(path) if path is not None else default_model_path()
         # numpy integers as the ints they are (they were refused as "not an integer", where generation's
         # options take them)

@@ -157,6 +157,8 @@ class PrefixSnapshot:
         geometry (`layers`, a row's (kv heads, head size) and the ring's rows), every array's header
         is checked before any data is read: a small file that unpacks into gigabytes is refused
         unread."""
+        if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):  # (bytes was "not a
+            raise InvalidArgumentTypeError(f"path must be a str or a path, got {type(path).__name__}")  # snapshot")
         try:
             small_files.regular_file(Path(path), InvalidArgumentError)  # a FIFO would block for ever
             with open(path, "rb") as f:  # numpy takes another file for a pickle and says to load it unsafely

@@ -470,3 +470,29 @@ def test_a_bad_snapshot_prefix_names_the_prefix():
         m.snapshot(prefix=5)
     with pytest.raises(InvalidArgumentError, match=r"^the prefix is empty"):
         m.snapshot(prefix="")
+
+
+def test_caller_errors_of_the_lifecycle_are_edgeinfer_errors(tmp_path):
+    """Each was a TypeError of Python's own, or misled: pickling or copying a stream (mappingproxy),
+    a path whose __fspath__ gives bytes, and restore(b"...") of a good snapshot ("not a prefix
+    snapshot edgeinfer can read"). A hostile round."""
+    import copy
+    import pickle
+
+    class BytesPath:
+        def __fspath__(self):
+            return b"/tmp"
+
+    m = edgeinfer.load()
+    g = m.stream("Once upon a time", max_new_tokens=2)
+    for f in (pickle.dumps, copy.deepcopy, copy.copy):
+        with pytest.raises(edgeinfer.InvalidArgumentTypeError, match="a Generation cannot be pickled or copied"):
+            f(g)
+    g.close()
+    with pytest.raises(edgeinfer.InvalidArgumentTypeError, match="path must be a folder path"):
+        edgeinfer.load(BytesPath())
+    m.generate("Once upon a time", max_new_tokens=2)
+    m.snapshot().save(tmp_path / "s.npz")
+    with pytest.raises(edgeinfer.InvalidArgumentTypeError, match="path must be a str or a path, got bytes"):
+        m.restore(bytes(tmp_path / "s.npz"))
+    m.restore(tmp_path / "s.npz")
