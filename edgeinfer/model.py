@@ -86,7 +86,8 @@ class Model:
     and `encode_chat` share (one caller at a time: `ContextBusyError` for a second stream opened in
     the same thread); `conversation()` gives a context of its own. Thread-safe: calls from several
     threads take turns on the engine. Freed when the last reference to it (its streams' and
-    conversations' included) goes; it cannot be pickled."""
+    conversations' included) goes, except in a forked child, which keeps it until it exits
+    (`ort_lifecycle`); it cannot be pickled."""
 
     def __reduce__(self):  # pickle (multiprocessing's spawn, Pool.map): a session does not travel
         raise InvalidArgumentTypeError("a Model cannot be pickled or copied: pass its folder to the other process "
@@ -100,7 +101,7 @@ class Model:
         ring is its own default, as the target's is not the device's when given)."""
         t0 = time.perf_counter()
         if path is not None and (not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str)):
-            raise InvalidArgumentTypeError(f"path must be a folder path (str or os.PathLike) or None, "
+            raise InvalidArgumentTypeError(f"path must be a folder path (str or os.PathLike giving str) or None, "
                                            f"got {type(path).__name__}")  # (one whose fspath is bytes: a TypeError)
         folder = Path(path) if path is not None else default_model_path()
         # numpy integers as the ints they are (they were refused as "not an integer", where generation's

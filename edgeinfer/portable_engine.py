@@ -31,7 +31,7 @@ from edgeinfer.errors import ModelFormatError
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.kv_mode import PORTABLE
 from edgeinfer.portable import attention_mask, logit_chunks, rope_inputs
-from edgeinfer.ort_lifecycle import keep_in_forked_child
+from edgeinfer.ort_lifecycle import new_session
 from edgeinfer.session import PROVIDERS, DecoderSession, session_options
 
 
@@ -46,7 +46,7 @@ class PortableEngine(ChunkedSteps):
         self.max_chunk = min(int(max_chunk or self.info.prefill_tokens), self.info.prefill_tokens)
         folder = session.folder
         try:
-            self.prefill_session = keep_in_forked_child(ort.InferenceSession(
+            self.prefill_session = new_session(lambda: ort.InferenceSession(
                 str(folder / self.info.prefill_file),
                 session_options(threads, spin_duration_us, portable=session.portable_on_cpu),
                 providers=[PROVIDERS[session.provider]]))

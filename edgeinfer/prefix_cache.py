@@ -107,7 +107,7 @@ class PrefixSnapshot:
         save to the same destination removes those older than STALE_PARTIAL_S. A link is written
         through to its target; a destination that exists and is not a regular file (a device, a FIFO,
         a folder) is refused, not replaced. InvalidArgumentError when it cannot be written there."""
-        if not isinstance(path, (str, os.PathLike)):
+        if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):  # (bytes: a TypeError)
             raise InvalidArgumentTypeError(f"path must be a str or a path, got {type(path).__name__}")
         given = path = Path(path)
         kv = self.kv

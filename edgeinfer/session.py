@@ -17,7 +17,7 @@ from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatEr
 from edgeinfer.integrity import folder_identity, replaced_while_loading, verify
 from edgeinfer.interface import io_names
 from edgeinfer.manifest import MODEL_FILE, Manifest, read_manifest
-from edgeinfer.ort_lifecycle import keep_in_forked_child
+from edgeinfer.ort_lifecycle import new_session
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -140,7 +140,7 @@ class DecoderSession:
             raise ModelFormatError(f"cannot load {str(self.folder)!r}: ONNX Runtime opens only paths that are valid "
                                    "UTF-8; rename the folder") from None
         try:
-            self.session = keep_in_forked_child(ort.InferenceSession(
+            self.session = new_session(lambda: ort.InferenceSession(
                 str(self.folder / MODEL_FILE), session_options(threads, spin_duration_us, portable=self.portable_on_cpu),
                 providers=[PROVIDERS[self.provider]]))
         except Exception as e:  # onnxruntime raises its own exception types for bad files

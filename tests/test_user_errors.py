@@ -495,4 +495,7 @@ def test_caller_errors_of_the_lifecycle_are_edgeinfer_errors(tmp_path):
     m.snapshot().save(tmp_path / "s.npz")
     with pytest.raises(edgeinfer.InvalidArgumentTypeError, match="path must be a str or a path, got bytes"):
         m.restore(bytes(tmp_path / "s.npz"))
+    for save in (lambda p: m.snapshot().save(p), lambda p: m.snapshot(path=p), m.restore):
+        with pytest.raises(edgeinfer.InvalidArgumentTypeError, match="path must be a str or a path, got BytesPath"):
+            save(BytesPath())
     m.restore(tmp_path / "s.npz")
