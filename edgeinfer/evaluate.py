@@ -6,10 +6,9 @@
 3. Each window runs from position 0 with an empty cache, on one of the runtime's two paths
    (`PATHS`): "prefill" (the default), forward calls of up to `PREFILL_CHUNK` tokens over the window
    (each with every logit), as `load`'s prompts are prefilled; or "decode", one call per token, as
-   generated tokens are fed back. The two compute
-   the same function but not the same arithmetic: MatMulNBits at accuracy level 4 quantizes a
-   single row's activations differently from a block of rows, so a decode-path figure is the one
-   that scores what generation computes. A portable model (one position's logits per call) is
+   generated tokens are fed back. The two compute the same function but not the same arithmetic:
+   MatMulNBits at accuracy level 4 quantizes a single row's activations differently from a block of
+   rows, so a decode-path figure is the one that scores what generation computes. A portable model (one position's logits per call) is
    always scored on its decode graph, token by token (its default; "prefill" asked of it is refused),
    and the result says "decode".
 4. Within a window every token but the first is scored: NLL = -log_softmax(logits[t-1])[ids[t]] (float32).

@@ -61,9 +61,9 @@ def load(path: str | Path | None = None, *, provider: str = "auto", threads: int
     provider: "auto" (the detected device profile's, `platforms.detect`) | "cpu" | "cuda"; threads: None
     (the device profile's count, or onnxruntime's default where the profile says "auto") or a positive int;
     capacity_tokens: the KV ring's size, an int in [2, the model's trained length T] (default: the
-    manifest's, capped at the device profile's and at T less a sixteenth, the room a full ring re-bases
-    in; a larger one re-bases more often, with a warning); n_sink: first tokens the ring never overwrites, in [0, capacity_tokens)
-    (default 4). A model with a sliding window W < T attends to its last W tokens only, exactly as
+    manifest's, capped at the device profile's and at T less a sixteenth, the room a full ring
+    re-bases in; a larger one re-bases more often, with a warning); n_sink: first tokens the ring
+    never overwrites, in [0, capacity_tokens) (default 4). A model with a sliding window W < T attends to its last W tokens only, exactly as
     transformers masks it: its ring holds at most W - 1 (the default) and, by default, no sinks
     (`kv_cache.binding_window`);
 
@@ -112,8 +112,8 @@ class Model:
         if not isinstance(verbose, bool):
             raise InvalidArgumentError(f"verbose must be True or False, got {verbose!r}")
         check_threads(threads, warn=False)  # early, before any work; the session warns
-        profile = None
         from edgeinfer.platforms import detect, device_capacity_tokens
+        profile = None
         if threads is None or capacity_tokens is None and device_capacity:  # the device profile's defaults
             profile = detect().profile
         if threads is None:  # ("auto" leaves ONNX Runtime's choice)
