@@ -41,6 +41,15 @@ class ForkedBusyError(EdgeInferError, RuntimeError):
     thread at the fork, and that thread does not exist here (`fork_safety`)."""
 
 
+def shown(value) -> str:
+    """A value for an error message, cut short (a client's body, a config file: of any size)."""
+    try:
+        r = repr(value)
+    except ValueError:  # an int past Python's digit limit
+        r = f"<a {type(value).__name__}>"
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
 def warn_user(message: str) -> None:
     """`warnings.warn(message)` attributed to the first frame outside edgeinfer: the user's line that
     called into it (`load(threads=64)`), whichever of our functions led there. A fixed stacklevel

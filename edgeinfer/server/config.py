@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from edgeinfer import small_files
-from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.errors import InvalidArgumentError, shown  # (a 900 KB value was echoed whole)
 from edgeinfer.options import SPECULATIVE
 from edgeinfer.overflow import OVERFLOW_POLICIES
 from edgeinfer.power.policy import POLICY_NAMES
@@ -70,19 +70,19 @@ class ServeConfig:
     def __post_init__(self) -> None:
         for name in ("host", "overflow", "log_format", "speculative"):
             if not isinstance(getattr(self, name), str):
-                raise InvalidArgumentError(f"{name.replace('_', '-')} must be a string, got {_shown(getattr(self, name))}")
+                raise InvalidArgumentError(f"{name.replace('_', '-')} must be a string, got {shown(getattr(self, name))}")
         for name in ("model", "api_key_file", "draft_model"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise InvalidArgumentError(f"{name.replace('_', '-')} must be a string, got {_shown(getattr(self, name))}")
+                raise InvalidArgumentError(f"{name.replace('_', '-')} must be a string, got {shown(getattr(self, name))}")
             if getattr(self, name) == "":  # ("" was read as not given: model = "" served the bundled model)
                 raise InvalidArgumentError(f"{name.replace('_', '-')} is an empty path")
         if not isinstance(self.log_prompts, bool):
-            raise InvalidArgumentError(f"log-prompts must be true or false, got {_shown(self.log_prompts)}")
+            raise InvalidArgumentError(f"log-prompts must be true or false, got {shown(self.log_prompts)}")
 
         def positive(name: str, low: int = 1) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise InvalidArgumentError(f"{name.replace('_', '-')} must be an integer >= {low}, got {_shown(v)}")
+                raise InvalidArgumentError(f"{name.replace('_', '-')} must be an integer >= {low}, got {shown(v)}")
 
         for name in ("slots", "max_tokens_limit", "max_body_bytes"):
             positive(name)
@@ -95,22 +95,22 @@ class ServeConfig:
         if self.capacity is not None:
             positive("capacity", 2)  # named as the file and the flag name it (load's check says capacity_tokens)
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise InvalidArgumentError(f"port must be in [0, 65535], got {_shown(self.port)}")
+            raise InvalidArgumentError(f"port must be in [0, 65535], got {shown(self.port)}")
         if self.speculative not in ("off",) + SPECULATIVE:
             raise InvalidArgumentError(f"speculative must be one of off, {', '.join(SPECULATIVE)}, "
-                                       f"got {_shown(self.speculative)}")
+                                       f"got {shown(self.speculative)}")
         if self.speculative == "draft" and not self.draft_model:
             raise InvalidArgumentError("speculative = draft needs draft-model (a model folder of the same tokenizer)")
         if self.draft_model is not None and self.speculative != "draft":
             raise InvalidArgumentError(f"draft-model is used only with speculative = draft, not "
-                                       f"{_shown(self.speculative)}")
+                                       f"{shown(self.speculative)}")
         if self.overflow not in OVERFLOW_POLICIES:
-            raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {_shown(self.overflow)}")
+            raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {shown(self.overflow)}")
         if self.log_format not in ("text", "json"):
-            raise InvalidArgumentError(f"log-format must be text or json, got {_shown(self.log_format)}")
+            raise InvalidArgumentError(f"log-format must be text or json, got {shown(self.log_format)}")
         if (not isinstance(self.grace_s, (int, float)) or isinstance(self.grace_s, bool)
                 or not 0 <= self.grace_s < MAX_GRACE_S):  # NaN fails the comparison too
-            raise InvalidArgumentError(f"grace-s must be a number of seconds in [0, {MAX_GRACE_S}), got {_shown(self.grace_s)}")
+            raise InvalidArgumentError(f"grace-s must be a number of seconds in [0, {MAX_GRACE_S}), got {shown(self.grace_s)}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 8):
             raise InvalidArgumentError("the API key must be a string of at least 8 characters")
         if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
@@ -118,9 +118,9 @@ class ServeConfig:
             raise InvalidArgumentError("the API key must be printable ASCII without spaces or line breaks (clients "
                                        "send it in an HTTP header, where anything else cannot match)")
         if not isinstance(self.power, str):
-            raise InvalidArgumentError(f"power must be a string, got {_shown(self.power)}")
+            raise InvalidArgumentError(f"power must be a string, got {shown(self.power)}")
         if self.power not in POWER_CHOICES:
-            raise InvalidArgumentError(f"power must be one of {', '.join(POWER_CHOICES)}, got {_shown(self.power)}")
+            raise InvalidArgumentError(f"power must be one of {', '.join(POWER_CHOICES)}, got {shown(self.power)}")
         if self.power == "off" and any(v is not None for v in (self.max_temp_c, self.min_battery_pct,
                                                                 self.power_budget_w, self.max_tokens_per_s)):
             raise InvalidArgumentError("power = off contradicts the power limits given (max-temp-c, min-battery-pct, "
@@ -142,12 +142,6 @@ def is_loopback(host: str) -> bool:
         return False  # a name other than localhost: not provably loopback
 
 
-def _shown(value) -> str:
-    """A setting's value as an error shows it: its repr, cut (a 900 KB string was echoed whole)."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes
 MAX_KEY_FILE_BYTES = 64 * 1024
 
@@ -160,10 +154,10 @@ def _from_toml(path: str) -> dict:
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name in out:  # both spellings of one setting (max-tokens-limit and max_tokens_limit): the last won
-            raise InvalidArgumentError(f"{path}: {_shown(key)} is set twice (as {name.replace('_', '-')!r} and "
+            raise InvalidArgumentError(f"{path}: {shown(key)} is set twice (as {name.replace('_', '-')!r} and "
                                        f"{name!r}): keep one")
         if name not in known:
-            raise InvalidArgumentError(f"{path}: unknown setting {_shown(key)} (known: "
+            raise InvalidArgumentError(f"{path}: unknown setting {shown(key)} (known: "
                                        f"{', '.join(n.replace('_', '-') for n in known)})")
         if name == "cors_origins":
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

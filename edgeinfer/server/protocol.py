@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 
 from edgeinfer.chat import check_variables
-from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.errors import InvalidArgumentError, shown
 from edgeinfer.options import GenerationOptions
 from edgeinfer.sampling.params import INT32_MAX, MIN_TEMPERATURE, PENALTY_LIMIT
 
@@ -110,15 +110,6 @@ class CompletionRequest:
 
 # ---- requests -------------------------------------------------------------------------------------
 
-def _show(v) -> str:
-    """A value for an error message, cut short (the body is the client's, of any size)."""
-    try:
-        r = repr(v)
-    except ValueError:  # an int past Python's digit limit
-        r = f"<a {type(v).__name__}>"
-    return r if len(r) <= 80 else r[:77] + "..."
-
-
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
 
@@ -130,9 +121,9 @@ def _number(body: dict, name: str, ok, words: str):
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= sys.float_info.max:
-        raise _bad(name, f"{name} must be a number {words}, got {_show(v)}")
+        raise _bad(name, f"{name} must be a number {words}, got {shown(v)}")
     if not ok(v):
-        raise _bad(name, f"{name} must be {words}, got {_show(v)}")
+        raise _bad(name, f"{name} must be {words}, got {shown(v)}")
     return v
 
 
@@ -143,14 +134,14 @@ def _integer(body: dict, name: str, lo: int | None = None, hi: int | None = None
         return None
     bounds = f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}" if lo is not None else ""
     if type(v) is not int or (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise _bad(name, f"{name} must be an integer{bounds}, got {_show(v)}")
+        raise _bad(name, f"{name} must be an integer{bounds}, got {shown(v)}")
     return v
 
 
 def _bool(body: dict, name: str) -> bool | None:
     v = body.get(name)
     if v is not None and not isinstance(v, bool):
-        raise _bad(name, f"{name} must be true or false, got {_show(v)}")
+        raise _bad(name, f"{name} must be true or false, got {shown(v)}")
     return v
 
 
@@ -160,13 +151,13 @@ def _common(body, model_id: str) -> None:
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
     if not isinstance(model, str):
-        raise _bad("model", f"model is required and must be a string, got {_show(model)}")
+        raise _bad("model", f"model is required and must be a string, got {shown(model)}")
     if model != model_id:
         raise APIError(404, f"The model '{model[:200]}' does not exist", param="model", code="model_not_found")
     _refuse_unsupported(body, UNSUPPORTED)
     n = body.get("n")
     if n is not None and (type(n) is not int or n != 1):
-        raise _bad("n", f"only n=1 is supported, got n={_show(n)}")
+        raise _bad("n", f"only n=1 is supported, got n={shown(n)}")
 
 
 def _refuse_near_misses(body: dict, read: frozenset) -> None:
@@ -191,7 +182,7 @@ def _refuse_unsupported(body: dict, unsupported: dict) -> None:
     for name, harmless in unsupported.items():
         value = body.get(name)
         if not any(value is h or (type(value) is type(h) and value == h) for h in harmless):
-            raise _bad(name, f"{name}={_show(value)} is not supported by this server")
+            raise _bad(name, f"{name}={shown(value)} is not supported by this server")
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -204,7 +195,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
         raise _bad("stream_options", "stream_options is only allowed when stream is true")
     include_usage = so.get("include_usage") if isinstance(so, dict) else "not an object"
     if include_usage is not None and not isinstance(include_usage, bool):
-        raise _bad("stream_options", f"stream_options must be {{'include_usage': true|false}}, got {_show(so)}")
+        raise _bad("stream_options", f"stream_options must be {{'include_usage': true|false}}, got {shown(so)}")
     return True, bool(include_usage)
 
 
@@ -218,7 +209,7 @@ def _max_tokens(body: dict, names: tuple[str, ...], limit: int) -> tuple[int, st
         if v is None:
             continue
         if type(v) is not int or not 1 <= v <= limit:
-            raise _bad(name, f"{name} must be an integer in [1, {limit}] (this server's limit), got {_show(v)}")
+            raise _bad(name, f"{name} must be an integer in [1, {limit}] (this server's limit), got {shown(v)}")
         given[name] = v
     if len(set(given.values())) > 1:
         (a, va), (b, vb) = list(given.items())[:2]
@@ -236,7 +227,7 @@ def _stop(body: dict) -> tuple[str, ...] | None:
         return None
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
-        raise _bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} of them, got {_show(v)}")
+        raise _bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} of them, got {shown(v)}")
     return tuple(stops)
 
 
@@ -247,13 +238,13 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
     if v is None:
         return None
     if not isinstance(v, dict):
-        raise _bad("logit_bias", f"logit_bias must be an object of token id -> bias, got {_show(v)}")
+        raise _bad("logit_bias", f"logit_bias must be an object of token id -> bias, got {shown(v)}")
     out = {}
     for k, b in v.items():
         if not isinstance(k, str) or not (k.isascii() and k.isdecimal()) or len(k) > 10:
-            raise _bad("logit_bias", f"logit_bias keys must be token ids (decimal strings), got {_show(k)}")
+            raise _bad("logit_bias", f"logit_bias keys must be token ids (decimal strings), got {shown(k)}")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
-            raise _bad("logit_bias", f"logit_bias[{k}] must be a number in [-100, 100], got {_show(b)}")
+            raise _bad("logit_bias", f"logit_bias[{k}] must be a number in [-100, 100], got {shown(b)}")
         out[int(k)] = float(b)
     return out
 
@@ -292,14 +283,14 @@ def _content(c, i: int) -> str:
     if isinstance(c, str):
         return c
     if not isinstance(c, list):
-        raise _bad("messages", f"messages[{i}].content must be a string or a list of text parts, got {_show(c)}")
+        raise _bad("messages", f"messages[{i}].content must be a string or a list of text parts, got {shown(c)}")
     texts = []
     for j, part in enumerate(c):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text":
-            raise _bad("messages", f"messages[{i}].content[{j}] has type {_show(kind)}: only text parts are supported")
+            raise _bad("messages", f"messages[{i}].content[{j}] has type {shown(kind)}: only text parts are supported")
         if not isinstance(part.get("text"), str):
-            raise _bad("messages", f"messages[{i}].content[{j}].text must be a string, got {_show(part.get('text'))}")
+            raise _bad("messages", f"messages[{i}].content[{j}].text must be a string, got {shown(part.get('text'))}")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -307,16 +298,16 @@ def _content(c, i: int) -> str:
 def _messages(body: dict) -> tuple[dict, ...]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise _bad("messages", f"messages must be a non-empty list of message objects, got {_show(msgs)}")
+        raise _bad("messages", f"messages must be a non-empty list of message objects, got {shown(msgs)}")
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
-            raise _bad("messages", f"messages[{i}] must be an object, got {_show(m)}")
+            raise _bad("messages", f"messages[{i}] must be an object, got {shown(m)}")
         role = m.get("role")
         if role is None:
             raise _bad("messages", f"messages[{i}] has no role (one of {', '.join(ROLES)})")
         if not isinstance(role, str) or role not in ROLES:
-            raise _bad("messages", f"messages[{i}].role {_show(role)} is not supported "
+            raise _bad("messages", f"messages[{i}].role {shown(role)} is not supported "
                                    f"(supported: {', '.join(ROLES)}; this server has no tool calling)")
         for key in ("tool_calls", "function_call"):  # an assistant turn that called tools: dropped, the history
             if m.get(key) not in (None, []):  # the model sees would lie; with content null, the error blamed it
@@ -358,7 +349,7 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
     if isinstance(p, list) and p and all(type(t) is int and t >= 0 for t in p):
         return tuple(p)
     raise _bad("prompt", "prompt must be a non-empty string, a list of exactly one such string, or a "
-                         f"non-empty list of token ids (integers >= 0), got {_show(p)}")
+                         f"non-empty list of token ids (integers >= 0), got {shown(p)}")
 
 
 def parse_completion(body, *, model_id: str, max_tokens_limit: int) -> CompletionRequest:
