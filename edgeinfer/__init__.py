@@ -36,8 +36,8 @@ _LAZY = {"ContextBusyError": "edgeinfer.context_lock", "ContextOverflowError": "
          "GenerationCancelled": "edgeinfer.generation",
          "Conversation": "edgeinfer.model", "Model": "edgeinfer.model", "load": "edgeinfer.model"}
 
-__all__ = ["load", "Model", "Conversation", "Generation", "GenerationCancelled", "GenerationOptions", "SamplingParams", "Chunk",
-           "Completion", "ContextOverflowError", "ContextBusyError", "EdgeInferError", "ConvertError",
+__all__ = ["load", "Model", "Conversation", "Generation", "GenerationCancelled", "GenerationOptions",
+           "SamplingParams", "Chunk", "Completion", "ContextOverflowError", "ContextBusyError", "EdgeInferError", "ConvertError",
            "ModelFormatError", "InvalidArgumentError", "InvalidArgumentTypeError", "ForkedBusyError", "__version__"]
 
 

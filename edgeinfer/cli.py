@@ -17,8 +17,8 @@ import re
 import sys
 import warnings
 
-from edgeinfer.cli_args import path_arg
 from edgeinfer import progress
+from edgeinfer.cli_args import path_arg
 from edgeinfer.errors import EdgeInferError
 
 
@@ -130,9 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "model's context or a portable model's ring if shorter)")
     e.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads (default: the device profile's)")
     e.add_argument("--path", choices=("prefill", "decode"), default=None,
-                   help="prefill (default): each window in calls of up to 256 tokens (as a prompt is prefilled); decode: "
-                   "one call per "
-                   "token (as generation feeds tokens back; what generation computes at accuracy level 4; a "
+                   help="prefill (default): each window in calls of up to 256 tokens (as a prompt is prefilled); "
+                   "decode: one call per token (as generation feeds tokens back; what generation computes at accuracy level 4; a "
                    "portable model's only path)")
     e.add_argument("--stream", action="store_true", help="each story as one stream through the KV ring")
     e.add_argument("--capacity", type=int, default=None, help="ring capacity in tokens (with --stream)")

@@ -657,28 +657,23 @@ def test_eval_of_a_portable_folder_says_it_scored_the_decode_graph(folders, tmp_
     assert r.perplexity == pytest.approx(fused.perplexity, rel=1e-3)
 
 
-def test_bench_defaults_on_a_small_portable_folder(folders, capsys):
-    """The defaults (512 + 128 tokens) do not fit a 64-token portable ring: the error named
-    capacity_tokens=648, a number the user never gave."""
-    rc = main(["bench", "-m", str(folders("p32")), "--runs", "1"])
+@pytest.mark.parametrize("name,ring,fit,prompt,gen", [("p32", 64, 56, 40, 16), ("p512", 480, 472, 400, 72)])
+def test_bench_advice_on_a_small_portable_ring_is_advice_that_works(folders, capsys, name, ring, fit, prompt, gen):
+    """The defaults (512 + 128 tokens) do not fit a portable ring: the error named capacity_tokens=648,
+    a number the user never gave. On a ring built at the trained length (512), the advice was
+    --capacity 512 (a ring that re-bases every token, 4x slower) or 504 tokens in all (which still
+    shifted through the 480-token default ring); now it names the 480 a ring holds without re-basing
+    often. Following the advice keeps the job whole."""
+    rc = main(["bench", "-m", str(folders(name)), "--runs", "1"])
     err = capsys.readouterr().err
-    assert rc != 0 and "--capacity 64" in err and "--prompt-tokens + --gen-tokens up to 56" in err, err
-    assert main(["bench", "-m", str(folders("p32")), "--runs", "1", "--prompt-tokens", "40", "--gen-tokens", "16",
-                 "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["capacity_tokens"] == 64
+    assert rc != 0 and f"--capacity {ring} " in err and f"--prompt-tokens + --gen-tokens up to {fit}" in err, err
+    assert main(["bench", "-m", str(folders(name)), "--runs", "1", "--prompt-tokens", str(prompt), "--gen-tokens",
+                 str(gen), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["capacity_tokens"] == ring
 
 
-def test_bench_advice_on_a_portable_ring_of_the_trained_length_is_advice_that_works(folders, capsys):
-    """A ring built at the trained length (512): bench's advice was --capacity 512 (a ring that
-    re-bases every token, 4x slower) or 504 tokens in all (which still shifted through the 480-token
-    default ring). Now it names the 480 a ring holds without re-basing often, and following it keeps
-    the job whole; a fused model's note no longer says the job is longer than its training."""
-    rc = main(["bench", "-m", str(folders("p512")), "--runs", "1"])
-    err = capsys.readouterr().err
-    assert rc != 0 and "--capacity 480 " in err and "--prompt-tokens + --gen-tokens up to 472" in err, err
-    assert main(["bench", "-m", str(folders("p512")), "--runs", "1", "--prompt-tokens", "400", "--gen-tokens", "72",
-                 "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["capacity_tokens"] == 480
+def test_bench_note_on_a_job_past_the_rebase_room_does_not_blame_training(folders, capsys):
+    """A 500-token job on a 512-token model was said to be longer than the model was trained on."""
     assert main(["bench", "-m", str(folders("f32")), "--runs", "1", "--prompt-tokens", "400", "--gen-tokens",
                  "100"]) == 0
     out = capsys.readouterr().out
