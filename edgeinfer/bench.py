@@ -75,10 +75,10 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         raise InvalidArgumentError(f"--prompt-tokens and --gen-tokens may be at most {MAX_PROMPT_TOKENS}")
     if cfg.capacity is not None and cfg.capacity < 2:  # 0 read as "not given"
         raise InvalidArgumentError(f"--capacity must be at least 2, got {cfg.capacity}")
-    from edgeinfer.kv_cache import binding_window, max_capacity
+    from edgeinfer.kv_cache import max_capacity
     from edgeinfer.manifest import read_manifest
     from edgeinfer.model import default_model_path
-    from edgeinfer.overflow import resolve_sinks
+    from edgeinfer.overflow import resolve_capacity, resolve_sinks
 
     manifest = read_manifest(Path(cfg.model) if cfg.model is not None else default_model_path())
     sinks = resolve_sinks(manifest.arch, None)
@@ -87,10 +87,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
                                    f"beside the tokens it holds, got {cfg.capacity}")
     capacity = cfg.capacity or cfg.prompt_tokens + cfg.gen_tokens + 8
     if cfg.capacity is None:
-        window = binding_window(manifest.arch)  # the largest ring that re-bases seldom, or a sliding window's W - 1
-        limit = max_capacity(manifest.arch.max_position_embeddings)
-        if window:
-            limit = min(limit, window - 1)
+        # the largest ring that re-bases seldom (or a sliding window's W - 1): load's rule on no smaller default
+        limit = resolve_capacity(max_capacity(manifest.arch.max_position_embeddings), manifest.arch, None)
         portable = manifest.portable
         if portable is not None and capacity > portable.capacity_tokens:  # fixed at convert: say which sizes fit
             n, limit = portable.capacity_tokens, min(limit, portable.capacity_tokens)
