@@ -16,7 +16,8 @@ if not os.environ.get("ORT_DISABLE_TELEMETRY"):
     os.environ["ORT_DISABLE_TELEMETRY"] = "1"
 
 from edgeinfer.errors import (  # noqa: E402
-    ConvertError, EdgeInferError, ForkedBusyError, InvalidArgumentError, InvalidArgumentTypeError, ModelFormatError)
+    ConvertError, EdgeInferError, ForkedBusyError, InvalidArgumentError, InvalidArgumentTypeError, ModelClosedError,
+    ModelFormatError)
 
 # The rest of the public API is imported when first used (PEP 562): numpy and ONNX Runtime take about
 # 0.4 s to import, and the CLI's Ctrl-C handler must be in place before they are (a Ctrl-C at start
@@ -38,7 +39,8 @@ _LAZY = {"ContextBusyError": "edgeinfer.context_lock", "ContextOverflowError": "
 
 __all__ = ["load", "Model", "Conversation", "Generation", "GenerationCancelled", "GenerationOptions",
            "SamplingParams", "Chunk", "Completion", "ContextOverflowError", "ContextBusyError", "EdgeInferError", "ConvertError",
-           "ModelFormatError", "InvalidArgumentError", "InvalidArgumentTypeError", "ForkedBusyError", "__version__"]
+           "ModelFormatError", "ModelClosedError", "InvalidArgumentError", "InvalidArgumentTypeError", "ForkedBusyError",
+           "__version__"]
 
 
 _SUBMODULES = ("power",)  # documented as `edgeinfer.power.Policy(...)` right after `import edgeinfer`

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from edgeinfer import fork_safety
+from edgeinfer.errors import ForkedBusyError, ModelClosedError
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.ort_lifecycle import hold_at_exit
 
@@ -71,6 +72,29 @@ class ChunkedSteps:
         self.prefilling: set[int] = set()  # idents of threads inside `prefill`
         self.holder_prefills = False  # whether the call that holds `lock` now is a prefill's (set under it)
         self.ran = threading.local()  # .s: this thread's last call of several rows, in seconds under the lock
+        self.closed = False
+
+    def close(self) -> None:
+        """Free the graph's sessions and bindings (`_drop`) once the call in flight, if any, has ended
+        (under `lock`): every later call raises ModelClosedError. Idempotent."""
+        try:
+            held = self.lock.acquire()
+        except ForkedBusyError:  # (`fork_safety`) held at the fork by a thread this child lacks: none runs here
+            held = False
+        try:
+            self.closed = True
+            self._drop()
+        finally:
+            if held:
+                self.lock.release()
+
+    def _drop(self) -> None:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        """Under `lock`, before a graph call."""
+        if self.closed:
+            raise ModelClosedError()
 
     def forward(self, cache: RingKVCache, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         raise NotImplementedError

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from edgeinfer.chat import check_messages, check_variables
 from edgeinfer.context_lock import ContextLock, interrupts_held
-from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError
+from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError, ModelClosedError
 from edgeinfer.generation import Completion, Generation, Request
 from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.overflow import fits_beside, sinks_and_tail
@@ -125,6 +125,8 @@ class Conversation:
         """One turn: messages given (reply) or the history plus a user message (say). It commits when
         its Generation completes; otherwise (refused, failed, abandoned) it is rolled back."""
         m, turn = self.model, {}
+        if m.closed:
+            raise ModelClosedError()
 
         def begin(req: Request) -> list[int]:  # under the lock, at the first next()
             with interrupts_held():  # the repairs whole or not at all (a Ctrl-C waits for their end)

@@ -82,7 +82,12 @@ class Engine(ChunkedSteps):
         self._ratios_lock = threading.Lock()
         fork_safety.watch(self, "_ratios_lock", "the model's speculation timing")  # held ~0.5 s while it measures
 
+    def _drop(self) -> None:  # (`ChunkedSteps.close`) the session's last references, and what pointed into it
+        self._bindings.clear()
+        self._io = self.session = self.draft = None
+
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
+        self._check_open()  # (no lock: a ring allocated as the model closes is only freed with its owner)
         return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, self.mode, dtype=self.kv_dtype)
 
     CALIBRATION_ROWS = (1, 2, 3, 4, 6, 9)  # call sizes `verify_ratios` times (the others: interpolated)
@@ -117,6 +122,7 @@ class Engine(ChunkedSteps):
 
             times: dict[int, list[float]] = {s: [] for s in sizes}
             with self.lock:
+                self._check_open()
                 for s in sizes:
                     call(s)
                 deadline = time.perf_counter() + 0.5
@@ -158,6 +164,7 @@ class Engine(ChunkedSteps):
         self.waiting.add(me)  # until it has the lock: a prefill gives way to it (`ChunkedSteps`)
         with self.lock:
             self.waiting.discard(me)
+            self._check_open()
             self.holder_prefills = me in self.prefilling
             if s == 1:
                 return self._forward(cache, ids, s, n, logits, commit)
@@ -276,6 +283,7 @@ class Engine(ChunkedSteps):
         self.waiting.add(me)  # until it has the lock: a prefill gives way to it (`ChunkedSteps`)
         with self.lock:
             self.waiting.discard(me)
+            self._check_open()
             self.holder_prefills = me in self.prefilling
             for b, cache in enumerate(caches):
                 cache.writes += 1  # a stepped row, or a throwaway one just past the valid slots

@@ -36,6 +36,13 @@ class InvalidArgumentTypeError(EdgeInferError, TypeError):
     TypeError."""
 
 
+class ModelClosedError(EdgeInferError, RuntimeError):
+    """The Model was closed (`Model.close`, or the end of its `with` block): load it again to use it."""
+
+    def __init__(self, message: str = "the model was closed (Model.close): load it again to use it"):
+        super().__init__(message)
+
+
 class ForkedBusyError(EdgeInferError, RuntimeError):
     """In a process made by fork(): the parent's Model (or one of its contexts) was in use by another
     thread at the fork, and that thread does not exist here (`fork_safety`)."""

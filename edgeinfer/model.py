@@ -26,7 +26,8 @@ import numpy as np
 from edgeinfer.chat import ChatTemplate
 from edgeinfer.engine import Engine
 from edgeinfer.portable_engine import open_engine
-from edgeinfer.errors import EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelFormatError, warn_user
+from edgeinfer.errors import (EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelClosedError,
+                              ModelFormatError, warn_user)
 from edgeinfer.context_lock import ContextLock
 from edgeinfer.conversation import Conversation
 from edgeinfer.generation import Completion, Generation, Request
@@ -85,9 +86,11 @@ class Model:
     session, tokenizer and chat template, and a default KV context that `generate`, `stream`, `chat`
     and `encode_chat` share (one caller at a time: `ContextBusyError` for a second stream opened in
     the same thread); `conversation()` gives a context of its own. Thread-safe: calls from several
-    threads take turns on the engine. Freed when the last reference to it (its streams' and
-    conversations' included) goes, except in a forked child, which keeps it until it exits
-    (`ort_lifecycle`); it cannot be pickled."""
+    threads take turns on the engine. Freed by `close()` (or at the end of a `with` block), else
+    when the last reference to it (its streams' and conversations' included) goes; a forked child
+    keeps the sessions it inherited until it exits (`ort_lifecycle`). It cannot be pickled."""
+
+    closed = False  # (`close`)
 
     def __reduce__(self):  # pickle (multiprocessing's spawn, Pool.map): a session does not travel
         raise InvalidArgumentTypeError("a Model cannot be pickled or copied: pass its folder to the other process "
@@ -183,6 +186,34 @@ class Model:
         """A ring of this model's capacity (refused before allocating if memory is short)."""
         return self.engine.new_cache(self.capacity_tokens, self.n_sink)
 
+    def close(self) -> None:
+        """Free the model now, rather than when the last reference to it goes: its ONNX Runtime
+        sessions (the weights), its default KV ring and its power control; a draft model is detached
+        (and freed unless the caller holds it). A graph call in flight in another thread ends first;
+        that thread's stream then raises ModelClosedError at its next call, and its ring is freed
+        when the stream is dropped. A conversation's ring is its own, freed when the conversation
+        goes. Afterwards generating, chatting, snapshots and new conversations raise
+        ModelClosedError; tokenizing and the model's description still work. Idempotent; `with
+        edgeinfer.load(...) as model:` closes at the block's end."""
+        self.closed = True
+        if self.power is not None:
+            self.power.stop()
+        self.session = self.cache = self.held = None
+        self.engine.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _open_cache(self) -> RingKVCache:
+        """The default ring, or ModelClosedError."""
+        cache = self.cache
+        if cache is None:
+            raise ModelClosedError()
+        return cache
+
     def encode_prompt(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
         """The prompt's token ids.
 
@@ -246,22 +277,22 @@ class Model:
         context: `generate` or `stream` from another thread waits for it; from the same thread they
         raise ContextBusyError.
         """
-        opts, ids = resolve(options, overrides), self.encode_prompt(prompt)
+        opts, ids, cache = resolve(options, overrides), self.encode_prompt(prompt), self._open_cache()
 
         begun = []
 
         def begin(req: Request) -> list[int]:  # the longest prefix the default cache holds is kept, the rest prefilled
             held, self.held = self.held, None  # unknown while the request runs
-            n = reuse(held, ids, self.cache, self.overflow, opts.max_new_tokens)
+            n = reuse(held, ids, cache, self.overflow, opts.max_new_tokens)
             req.prefix = ids[:n]
             begun.append(n)
             return ids[n:]
 
         def end(req: Request) -> None:  # unknown after a Ctrl-C inside begin (the ring did not hold this prompt's
             # prefix yet)
-            self.held = held_after(req, ids, self.cache) if begun else None
+            self.held = held_after(req, ids, cache) if begun and self.cache is cache else None
 
-        return Generation(self.engine, self.tokenizer, self.cache, opts, self.overflow, begin=begin, end=end,
+        return Generation(self.engine, self.tokenizer, cache, opts, self.overflow, begin=begin, end=end,
                           lock=self.lock, load_ms=self.load_ms, power=self.power)
 
     def generate(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
@@ -281,18 +312,19 @@ class Model:
         Written to `path` too when given. `restore` puts it back; a later prompt that starts with its
         ids then prefills only the rest."""
         with self.lock.hold():
+            cache = self._open_cache()
             if prefix is not None:
                 ids = self._ids(prefix, "prefix")
                 if len(ids) > self.capacity_tokens:  # the ring would shift: it could not hold the prefix whole
                     raise InvalidArgumentError(f"the prefix has {len(ids)} tokens, more than the ring's "
                                                f"{self.capacity_tokens}")
-                self.cache.reset()
+                cache.reset()
                 self.held = None
-                self.engine.prefill(self.cache, ids)
+                self.engine.prefill(cache, ids)
                 self.held = ids
-            if not self.held or len(self.held) != self.cache.n_valid:
+            if not self.held or len(self.held) != cache.n_valid:
                 raise InvalidArgumentError("the default cache holds no prefix known exactly: give `prefix`")
-            snap = PrefixSnapshot(tuple(self.held), self.cache.snapshot(), self.fingerprint())
+            snap = PrefixSnapshot(tuple(self.held), cache.snapshot(), self.fingerprint())
         if path is not None:
             snap.save(path)
         return snap
@@ -300,7 +332,7 @@ class Model:
     def restore(self, snapshot: PrefixSnapshot | str | Path) -> None:
         """Put a `snapshot` (or the file it was saved to) back in the default cache. Refused
         (InvalidArgumentError) when it came from other weights or does not fit this model's ring."""
-        spec = self.manifest.arch
+        spec, dtype = self.manifest.arch, self._open_cache().dtype
         snap = snapshot if isinstance(snapshot, PrefixSnapshot) else \
             PrefixSnapshot.load(snapshot, spec.num_layers, (spec.num_kv_heads, spec.head_dim), self.capacity_tokens)
         if snap.model != self.fingerprint():
@@ -308,7 +340,7 @@ class Model:
         spec, n = self.manifest.arch, len(snap.token_ids)
         want = (n, spec.num_kv_heads, spec.head_dim)
         if n > self.capacity_tokens or len(snap.kv.k) != spec.num_layers or len(snap.kv.v) != spec.num_layers or \
-                any(a.shape != want or a.dtype != self.cache.dtype for a in snap.kv.k + snap.kv.v):
+                any(a.shape != want or a.dtype != dtype for a in snap.kv.k + snap.kv.v):
             raise InvalidArgumentError(f"the snapshot ({n} tokens) does not fit this model's ring "
                                        f"({self.capacity_tokens} tokens of {want[1:]} per layer)")
         if any(not 0 <= t < spec.vocab_size for t in snap.token_ids):
@@ -316,10 +348,11 @@ class Model:
         if not all(np.isfinite(a).all() for a in snap.kv.k + snap.kv.v):  # it would poison every reuse of it
             raise InvalidArgumentError("the snapshot holds values that are not finite (NaN or infinity)")
         # a prefix's bookkeeping, in this ring's terms (its own sinks), whatever the file said
-        kv = Snapshot(snap.kv.k, snap.kv.v, np.arange(n, dtype=self.cache.positions.dtype), n, self.cache.n_sink, n, 0, 0)
         with self.lock.hold():
+            cache = self._open_cache()
+            kv = Snapshot(snap.kv.k, snap.kv.v, np.arange(n, dtype=cache.positions.dtype), n, cache.n_sink, n, 0, 0)
             self.held = None
-            self.cache.restore(kv)
+            cache.restore(kv)
             self.held = list(snap.token_ids)
 
     def fingerprint(self) -> str:
@@ -335,6 +368,7 @@ class Model:
         says; each request gets its own ring of the draft model (the draft's capacity). Refused
         (InvalidArgumentError) unless both map every id to the same token (`Tokenizer.same_as`), and the draft
         runs the fused graph (a portable one cannot feed drafts)."""
+        self._open_cache()
         if draft is None:
             self.engine.draft = None
             return None

@@ -79,7 +79,11 @@ class PortableEngine(ChunkedSteps):
                 raise ModelFormatError(f"{path}: input {name} is {got.get(name)}, the manifest's geometry needs "
                                        f"{shape}: the folder's graphs and edgeinfer.json disagree")
 
+    def _drop(self) -> None:  # (`ChunkedSteps.close`) both graphs' sessions, and the float embedding table
+        self.session = self.prefill_session = self.embeddings = None
+
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
+        self._check_open()
         self.info.check_capacity(capacity_tokens)
         return RingKVCache(self.spec, capacity_tokens, n_sink, self.max_chunk, PORTABLE, rows=self.info.ring_rows)
 
@@ -95,6 +99,7 @@ class PortableEngine(ChunkedSteps):
         self.waiting.add(me)  # until it has the lock: a prefill gives way to it (`ChunkedSteps`)
         with self.lock:
             self.waiting.discard(me)
+            self._check_open()
             self.holder_prefills = me in self.prefilling
             t0 = time.perf_counter()
             try:

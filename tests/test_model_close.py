@@ -1,0 +1,168 @@
+"""`Model.close()` and `with edgeinfer.load(...) as model:`: the model's memory goes at once (its
+sessions, checked by weak references to ONNX Runtime's own objects, and its default ring), a stream
+open at that moment stops at its next call, and everything that would run the model refuses with
+ModelClosedError. References: plain generation's tokens before the close; the objects' lifetimes."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+
+import pytest
+
+import edgeinfer
+from conftest import STORIES_SRC
+from edgeinfer.errors import EdgeInferError, ModelClosedError
+from edgeinfer.model import default_model_path
+
+PROMPT = "Once upon a time"
+
+
+def freed(*refs: weakref.ref) -> bool:
+    gc.collect()
+    return all(r() is None for r in refs)
+
+
+REFUSALS = {
+    "generate": lambda m: m.generate(PROMPT, max_new_tokens=2),
+    "stream": lambda m: m.stream(PROMPT),
+    "chat": lambda m: m.chat([{"role": "user", "content": "Hi"}], max_new_tokens=2),
+    "conversation": lambda m: m.conversation(),
+    "snapshot": lambda m: m.snapshot(PROMPT),
+    "restore": lambda m: m.restore("no-such-file.snapshot"),
+    "set_draft": lambda m: m.set_draft(None),
+}
+
+
+def test_close_frees_the_sessions_and_the_default_ring_and_everything_then_refuses():
+    m = edgeinfer.load()
+    want = m.generate(PROMPT, max_new_tokens=8).text
+    assert want
+    refs = weakref.ref(m.session.session), weakref.ref(m.cache)
+    m.close()
+    m.close()  # idempotent
+    assert m.closed and freed(*refs)
+    for name, call in REFUSALS.items():
+        with pytest.raises(ModelClosedError, match="closed"):
+            call(m)
+    assert m.encode_prompt(PROMPT) == edgeinfer.load().encode_prompt(PROMPT)  # tokenizing needs no session
+    assert issubclass(ModelClosedError, EdgeInferError) and issubclass(ModelClosedError, RuntimeError)
+    assert edgeinfer.ModelClosedError is ModelClosedError
+
+
+def test_a_with_block_closes_the_model_even_when_it_raises():
+    with pytest.raises(KeyError):
+        with edgeinfer.load() as m:
+            ref = weakref.ref(m.session.session)
+            assert m.generate(PROMPT, max_new_tokens=2).usage.completion_tokens == 2
+            raise KeyError("the caller's own error")
+    assert m.closed and freed(ref)
+
+
+def test_a_stream_open_at_close_stops_at_its_next_call_and_its_ring_goes_when_it_does():
+    m = edgeinfer.load()
+    plain = [c.token_id for c in m.stream(PROMPT, max_new_tokens=12)]
+    g = m.stream(PROMPT, max_new_tokens=12)
+    got = [next(g).token_id for _ in range(5)]
+    assert got == plain[:5]
+    ring = weakref.ref(g._request.cache)
+    m.close()
+    for _ in range(2):  # and again: the same error, not StopIteration
+        with pytest.raises(ModelClosedError):
+            next(g)
+    assert ring() is not None  # the stream still holds it
+    del g
+    assert freed(ring)
+
+
+def test_close_from_another_thread_stops_a_generation_in_flight():
+    m = edgeinfer.load()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            m.generate(PROMPT, max_new_tokens=100_000, ignore_eos=True)  # through many ring re-bases
+        except BaseException as e:  # noqa: BLE001 (the test reads it)
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 30
+    while m.engine.calls < 50 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    session = weakref.ref(m.session.session)
+    m.close()
+    t.join(30)
+    assert not t.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], ModelClosedError), errors
+    assert freed(session)
+
+
+def test_a_conversation_refuses_after_close_and_keeps_its_history():
+    m = edgeinfer.load()
+    c = m.conversation()
+    c.say("Hi", max_new_tokens=4)
+    history = [dict(x) for x in c.messages]
+    m.close()
+    with pytest.raises(ModelClosedError):
+        c.say("And then?", max_new_tokens=4)
+    with pytest.raises(ModelClosedError):
+        c.reply(history + [{"role": "user", "content": "More"}], max_new_tokens=4)
+    assert c.messages == history
+    c.reset()  # its own ring: still its own to empty
+    assert c.messages == []
+
+
+def test_close_detaches_a_draft_and_stops_power_control(converted):
+    m = edgeinfer.load(converted(STORIES_SRC, "fp32"), power="balanced")
+    draft = m.set_draft(default_model_path())
+    draft_session = weakref.ref(draft.session.session)
+    del draft  # held by the target's engine alone
+    thread = m.power._thread
+    assert thread.is_alive()
+    m.close()
+    assert freed(draft_session) and not thread.is_alive()
+
+
+def test_close_frees_both_sessions_of_a_portable_model(tmp_path):
+    from edgeinfer.converters import convert
+
+    convert(STORIES_SRC, tmp_path / "p", target="coreml", quant="fp32", capacity_tokens=64, prefill_tokens=16)
+    m = edgeinfer.load(tmp_path / "p")
+    assert m.generate(PROMPT, max_new_tokens=4).usage.completion_tokens == 4
+    refs = weakref.ref(m.engine.session.session), weakref.ref(m.engine.prefill_session), weakref.ref(m.cache)
+    m.close()
+    assert freed(*refs)
+    with pytest.raises(ModelClosedError):
+        m.generate(PROMPT, max_new_tokens=2)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork() here")
+def test_a_forked_child_closes_a_model_whose_engine_was_busy_at_the_fork():
+    """In the child the engine's lock refuses (`fork_safety`: the thread that held it is not there);
+    close() must not refuse with it, and the child must still exit."""
+    script = textwrap.dedent("""
+        import os, sys
+        import edgeinfer
+        m = edgeinfer.load()
+        m.engine.lock.acquire()  # as a graph call in another thread holds it
+        pid = os.fork()
+        if pid == 0:
+            m.close()
+            try:
+                m.generate("Once", max_new_tokens=2)
+            except edgeinfer.ModelClosedError:
+                sys.exit(0)
+            sys.exit(3)
+        m.engine.lock.release()
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), m.generate("Once", max_new_tokens=2).usage.completion_tokens)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0", "2"], (r.stdout, r.stderr)
