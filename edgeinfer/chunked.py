@@ -73,20 +73,32 @@ class ChunkedSteps:
         self.holder_prefills = False  # whether the call that holds `lock` now is a prefill's (set under it)
         self.ran = threading.local()  # .s: this thread's last call of several rows, in seconds under the lock
         self.closed = False
+        self.calling = threading.local()  # .now: this thread is inside `in_call` (taking or holding `lock`)
+        self.in_call = _InCall(self)  # `with self.in_call, self.lock:` around each graph call
 
     def close(self) -> None:
         """Free the graph's sessions and bindings (`_drop`) once the call in flight, if any, has ended
-        (under `lock`): every later call raises ModelClosedError. Idempotent."""
-        try:
-            held = self.lock.acquire()
-        except ForkedBusyError:  # (`fork_safety`) held at the fork by a thread this child lacks: none runs here
-            held = False
-        try:
+        (under `lock`): every later call raises ModelClosedError. Idempotent. Called by a thread that
+        is inside a call itself (a signal handler that ran in the middle of it, a __del__), it cannot
+        wait for that call: it marks the engine closed, and the call's end frees them (`_InCall`); so
+        does a close nested in this one (a second signal's handler)."""
+        if getattr(self.calling, "now", False):
             self.closed = True
-            self._drop()
+            return
+        self.calling.now = True
+        try:
+            try:
+                held = self.lock.acquire()
+            except ForkedBusyError:  # (`fork_safety`) held at the fork by a thread this child lacks: none runs here
+                held = False
+            try:
+                self.closed = True
+                self._drop()
+            finally:
+                if held:
+                    self.lock.release()
         finally:
-            if held:
-                self.lock.release()
+            self.calling.now = False
 
     def _drop(self) -> None:
         raise NotImplementedError
@@ -160,3 +172,24 @@ class ChunkedSteps:
     def decode_one(self, cache: RingKVCache, token: int) -> np.ndarray:
         """Feed one token; return the logits [V] for the next one."""
         return self.forward(cache, (token,))[0]
+
+
+class _InCall:
+    """`with steps.in_call, steps.lock:` marks the thread as inside a graph call from before it takes
+    the lock until after it lets it go (`close` from this thread meanwhile cannot take the lock it
+    holds or is taking), and completes a close made in that time once the lock is free. One per
+    engine, its state per thread."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: ChunkedSteps):
+        self.steps = steps
+
+    def __enter__(self) -> None:
+        self.steps.calling.now = True
+
+    def __exit__(self, *exc) -> None:
+        steps = self.steps
+        steps.calling.now = False
+        if steps.closed:  # (cheap when it was already whole)
+            steps.close()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeinfer.engine import Engine
-from edgeinfer.errors import InvalidArgumentError
+from edgeinfer.errors import InvalidArgumentError, ModelClosedError
 
 
 class NgramDrafter:
@@ -99,7 +99,10 @@ class ModelDrafter:
 
     def __init__(self, draft: Draft, ids: Sequence[int]):
         self.engine = draft.engine
-        self.cache = draft.engine.new_cache(draft.capacity_tokens, draft.n_sink)
+        try:
+            self.cache = draft.engine.new_cache(draft.capacity_tokens, draft.n_sink)
+        except ModelClosedError:
+            raise _draft_closed() from None
         self.history: list[int] = [int(t) for t in ids]
         self.base = 0  # history index of the ring's first token
         self.fed: list[int] = []  # what the ring holds, in order
@@ -110,6 +113,12 @@ class ModelDrafter:
         self.history.append(int(token))
 
     def draft(self, k: int) -> list[int]:
+        try:
+            return self._draft(k)
+        except ModelClosedError:  # the draft's own engine (the target's says so at its own call)
+            raise _draft_closed() from None
+
+    def _draft(self, k: int) -> list[int]:
         k = min(k, self.cache.capacity - 1)
         if k < 1 or not self.history:
             return []
@@ -150,3 +159,26 @@ class ModelDrafter:
         self.fed.clear()
         keep = min(keep or self.cache.capacity // 2, self.cache.capacity - k + 1)
         self.base = max(0, len(self.history) - max(1, keep))
+
+
+def check_pair(target, draft) -> None:
+    """Refuse (InvalidArgumentError) a draft Model that cannot draft for the `target` Model: a closed
+    one, a portable graph on either side (it verifies or feeds no drafts), or another tokenizer (the
+    same tokenizer files and settings, else every id mapped to the same token: `Tokenizer.same_as`)."""
+    if draft.closed:
+        raise InvalidArgumentError("the draft model was closed (Model.close): give an open one")
+    if not isinstance(draft.engine, Engine) or not isinstance(target.engine, Engine):
+        raise InvalidArgumentError("speculative decoding needs fused graphs (a portable one verifies nothing)")
+    a, b = target.manifest, draft.manifest
+    tok_files = [n for n in sorted(set(a.files) | set(b.files)) if n.startswith("tokenizer")]
+    same_files = tok_files and all(a.files.get(n, {}).get("sha256") == b.files.get(n, {}).get("sha256")
+                                   for n in tok_files)
+    if not (same_files and a.tokenizer == b.tokenizer) and not target.tokenizer.same_as(draft.tokenizer):
+        raise InvalidArgumentError(f"the draft model {draft.folder} does not have this model's tokenizer "
+                                   f"(vocabulary {b.arch.vocab_size} vs {a.arch.vocab_size}; special ids or "
+                                   "token strings differ)")
+
+
+def _draft_closed() -> ModelClosedError:
+    return ModelClosedError("the draft model was closed (Model.close): attach an open one with set_draft, or "
+                            "detach it with set_draft(None)")

@@ -84,7 +84,15 @@ class Engine(ChunkedSteps):
 
     def _drop(self) -> None:  # (`ChunkedSteps.close`) the session's last references, and what pointed into it
         self._bindings.clear()
-        self._io = self.session = self.draft = None
+        self._io = self.draft = None
+        self.session.close()
+
+    def attach_draft(self, draft) -> None:
+        """`draft` (a `drafting.Draft`) set, unless the engine is closed (ModelClosedError): under the
+        lock, so that a close cannot come between the check and the setting."""
+        with self.in_call, self.lock:
+            self._check_open()
+            self.draft = draft
 
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
         self._check_open()  # (no lock: a ring allocated as the model closes is only freed with its owner)
@@ -121,7 +129,7 @@ class Engine(ChunkedSteps):
                 return time.perf_counter() - t0
 
             times: dict[int, list[float]] = {s: [] for s in sizes}
-            with self.lock:
+            with self.in_call, self.lock:
                 self._check_open()
                 for s in sizes:
                     call(s)
@@ -162,7 +170,7 @@ class Engine(ChunkedSteps):
             logits = out[:, :n]
         me = threading.get_ident()
         self.waiting.add(me)  # until it has the lock: a prefill gives way to it (`ChunkedSteps`)
-        with self.lock:
+        with self.in_call, self.lock:
             self.waiting.discard(me)
             self._check_open()
             self.holder_prefills = me in self.prefilling
@@ -281,7 +289,7 @@ class Engine(ChunkedSteps):
         caches = kv.caches
         me = threading.get_ident()
         self.waiting.add(me)  # until it has the lock: a prefill gives way to it (`ChunkedSteps`)
-        with self.lock:
+        with self.in_call, self.lock:
             self.waiting.discard(me)
             self._check_open()
             self.holder_prefills = me in self.prefilling

@@ -24,11 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from edgeinfer.chat import ChatTemplate
-from edgeinfer.engine import Engine
 from edgeinfer.portable_engine import open_engine
 from edgeinfer.errors import (EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelClosedError,
                               ModelFormatError, warn_user)
-from edgeinfer.context_lock import ContextLock
+from edgeinfer.context_lock import ContextLock, interrupts_held
 from edgeinfer.conversation import Conversation
 from edgeinfer.generation import Completion, Generation, Request
 from edgeinfer.kv_cache import RingKVCache, Snapshot
@@ -43,7 +42,8 @@ from edgeinfer.power.threads import SPIN_DURATION_US
 from edgeinfer.integrity import LOAD_ATTEMPTS, folder_identity, replaced_while_loading
 from edgeinfer.manifest import read_manifest
 from edgeinfer.session import DecoderSession, check_threads
-from edgeinfer.drafting import Draft
+from edgeinfer.drafting import Draft, check_pair
+from edgeinfer.ort_lifecycle import return_freed_memory
 from edgeinfer.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "stories260K-int8"
@@ -90,7 +90,6 @@ class Model:
     when the last reference to it (its streams' and conversations' included) goes; a forked child
     keeps the sessions it inherited until it exits (`ort_lifecycle`). It cannot be pickled."""
 
-    closed = False  # (`close`)
 
     def __reduce__(self):  # pickle (multiprocessing's spawn, Pool.map): a session does not travel
         raise InvalidArgumentTypeError("a Model cannot be pickled or copied: pass its folder to the other process "
@@ -188,18 +187,30 @@ class Model:
 
     def close(self) -> None:
         """Free the model now, rather than when the last reference to it goes: its ONNX Runtime
-        sessions (the weights), its default KV ring and its power control; a draft model is detached
+        sessions (the weights), its default KV ring and its power control, the freed pages given
+        back to the system (glibc: `ort_lifecycle.return_freed_memory`); a draft model is detached
         (and freed unless the caller holds it). A graph call in flight in another thread ends first;
-        that thread's stream then raises ModelClosedError at its next call, and its ring is freed
-        when the stream is dropped. A conversation's ring is its own, freed when the conversation
-        goes. Afterwards generating, chatting, snapshots and new conversations raise
-        ModelClosedError; tokenizing and the model's description still work. Idempotent; `with
-        edgeinfer.load(...) as model:` closes at the block's end."""
-        self.closed = True
-        if self.power is not None:
-            self.power.stop()
-        self.session = self.cache = self.held = None
-        self.engine.close()
+        that thread's stream then raises ModelClosedError at its next call. A stream, open or
+        finished, holds the default ring until it is dropped; a conversation's ring is its own, freed
+        when the conversation goes. Afterwards generating, chatting, snapshots, set_draft and new
+        conversations raise ModelClosedError; the tokenizer and the model's description stay (until
+        the Model goes). Idempotent, whole or not at all (a Ctrl-C waits for its end); `with
+        edgeinfer.load(...) as model:` closes at the block's end. Called from a signal handler
+        (SIGTERM's, say) while this thread is in a graph call, it frees the sessions once that call
+        ends, and the generation raises at its next."""
+        if self.cache is None and self.engine.closed:  # (a signal's handler may call it again and again)
+            return
+        with interrupts_held():
+            self.engine.close()
+            self.cache = self.held = None
+            if self.power is not None:
+                self.power.stop()
+            return_freed_memory()
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` has run."""
+        return self.engine.closed
 
     def __enter__(self) -> "Model":
         return self
@@ -210,7 +221,7 @@ class Model:
     def _open_cache(self) -> RingKVCache:
         """The default ring, or ModelClosedError."""
         cache = self.cache
-        if cache is None:
+        if cache is None or self.engine.closed:
             raise ModelClosedError()
         return cache
 
@@ -367,7 +378,7 @@ class Model:
         measured). Drafts are checked by this model, so the tokens are this model's whatever the draft
         says; each request gets its own ring of the draft model (the draft's capacity). Refused
         (InvalidArgumentError) unless both map every id to the same token (`Tokenizer.same_as`), and the draft
-        runs the fused graph (a portable one cannot feed drafts)."""
+        runs the fused graph (a portable one cannot feed drafts), and a closed one."""
         self._open_cache()
         if draft is None:
             self.engine.draft = None
@@ -383,17 +394,8 @@ class Model:
                 raise type(e)(f"the draft model: {e}") from None
         if not isinstance(draft, Model):
             raise InvalidArgumentTypeError(f"draft must be a Model, a folder or None, got {type(draft).__name__}")
-        if not isinstance(draft.engine, Engine) or not isinstance(self.engine, Engine):
-            raise InvalidArgumentError("speculative decoding needs fused graphs (a portable one verifies nothing)")
-        a, b = self.manifest, draft.manifest
-        tok_files = [n for n in sorted(set(a.files) | set(b.files)) if n.startswith("tokenizer")]
-        same_files = tok_files and all(a.files.get(n, {}).get("sha256") == b.files.get(n, {}).get("sha256")
-                                       for n in tok_files)
-        if not (same_files and a.tokenizer == b.tokenizer) and not self.tokenizer.same_as(draft.tokenizer):
-            raise InvalidArgumentError(f"the draft model {draft.folder} does not have this model's tokenizer "
-                                       f"(vocabulary {b.arch.vocab_size} vs {a.arch.vocab_size}; special ids or "
-                                       "token strings differ)")
-        self.engine.draft = Draft(draft.engine, draft.capacity_tokens, draft.n_sink)
+        check_pair(self, draft)
+        self.engine.attach_draft(Draft(draft.engine, draft.capacity_tokens, draft.n_sink))  # unless closed meanwhile
         return draft
 
     def power_state(self) -> PowerState | None:

@@ -49,6 +49,23 @@ def new_session(make: Callable[[], T]) -> T:
     return session
 
 
+def return_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc's `malloc_trim`; elsewhere nothing): the
+    memory of sessions just freed otherwise stays in the process's resident set, kept by the allocator
+    for later use (`Model.close`)."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):  # not glibc (musl, macOS, Windows)
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None  # glibc's malloc_trim, once looked up (False: none here)
+
+
 def hold_at_exit(engine: object) -> None:
     """Register an engine whose `lock` is held around each graph call."""
     with _GUARD:

@@ -80,7 +80,8 @@ class PortableEngine(ChunkedSteps):
                                        f"{shape}: the folder's graphs and edgeinfer.json disagree")
 
     def _drop(self) -> None:  # (`ChunkedSteps.close`) both graphs' sessions, and the float embedding table
-        self.session = self.prefill_session = self.embeddings = None
+        self.session.close()
+        self.prefill_session = self.embeddings = None
 
     def new_cache(self, capacity_tokens: int, n_sink: int) -> RingKVCache:
         self._check_open()
@@ -97,7 +98,7 @@ class PortableEngine(ChunkedSteps):
             return np.stack([self.forward(cache, ids[j:j + 1])[0].copy() for j in range(s)])
         me = threading.get_ident()
         self.waiting.add(me)  # until it has the lock: a prefill gives way to it (`ChunkedSteps`)
-        with self.lock:
+        with self.in_call, self.lock:
             self.waiting.discard(me)
             self._check_open()
             self.holder_prefills = me in self.prefilling

@@ -119,6 +119,10 @@ class DecoderSession:
         self.identity = seen
         self.check_not_replaced()
 
+    def close(self) -> None:
+        """Let go of the ONNX Runtime session (its weights), keeping what describes it (`Engine.close`)."""
+        self.session = None
+
     def check_not_replaced(self) -> None:
         """A session that read its own manifest: ModelFormatError if its folder was replaced since (a
         caller that reads more of the folder afterwards, its tokenizer, calls this once it has)."""

@@ -6,6 +6,7 @@ ModelClosedError. References: plain generation's tokens before the close; the ob
 from __future__ import annotations
 
 import gc
+import signal
 import subprocess
 import sys
 import textwrap
@@ -66,8 +67,8 @@ def test_a_with_block_closes_the_model_even_when_it_raises():
 
 def test_a_stream_open_at_close_stops_at_its_next_call_and_its_ring_goes_when_it_does():
     m = edgeinfer.load()
-    plain = [c.token_id for c in m.stream(PROMPT, max_new_tokens=12)]
-    g = m.stream(PROMPT, max_new_tokens=12)
+    plain = [c.token_id for c in m.stream(PROMPT, max_new_tokens=12, temperature=0)]
+    g = m.stream(PROMPT, max_new_tokens=12, temperature=0)
     got = [next(g).token_id for _ in range(5)]
     assert got == plain[:5]
     ring = weakref.ref(g._request.cache)
@@ -127,6 +128,76 @@ def test_close_detaches_a_draft_and_stops_power_control(converted):
     assert thread.is_alive()
     m.close()
     assert freed(draft_session) and not thread.is_alive()
+    assert m.session.provider == "cpu"  # the description stays (the daemon's /health reads it)
+
+
+def test_a_closed_draft_is_refused_and_one_closed_while_attached_is_named(converted):
+    """A closed draft was taken, and every request of the open target then said "the model was
+    closed" (a hostile round)."""
+    m = edgeinfer.load(converted(STORIES_SRC, "fp32"))
+    closed = edgeinfer.load(default_model_path())
+    closed.close()
+    with pytest.raises(edgeinfer.InvalidArgumentError, match="draft model was closed"):
+        m.set_draft(closed)
+    draft = m.set_draft(default_model_path())
+    assert m.generate(PROMPT, max_new_tokens=8, temperature=0, speculative="draft").usage.completion_tokens == 8
+    draft.close()
+    with pytest.raises(ModelClosedError, match="the draft model was closed"):
+        m.generate(PROMPT, max_new_tokens=8, temperature=0, speculative="draft")
+    assert not m.closed
+    m.set_draft(None)
+    assert m.generate(PROMPT, max_new_tokens=8, temperature=0).usage.completion_tokens == 8
+
+
+def test_a_draft_attached_as_the_target_closes_is_refused(converted):
+    """set_draft checked for a close only at its start, then attached the draft it had loaded to the
+    closed model, keeping its session alive (a hostile round, 10 of 10). The attaching is under the
+    engine's lock now."""
+    m = edgeinfer.load(converted(STORIES_SRC, "fp32"))
+    m.engine.close()  # as a close from another thread lands while set_draft loads the draft
+    with pytest.raises(ModelClosedError):
+        m.set_draft(default_model_path())
+    assert m.engine.draft is None
+
+
+def test_a_ctrl_c_while_close_waits_leaves_it_whole():
+    """A Ctrl-C while close() waited for a graph call left the model half closed: it said closed,
+    but its session lived and the other thread's stream went on to its end (a hostile round, 3 of 4).
+    Now the Ctrl-C is raised once close has finished."""
+    m = edgeinfer.load()
+    session = weakref.ref(m.session.session)
+    m.engine.lock.acquire()  # a graph call in flight, as close sees it
+    threading.Timer(0.2, signal.raise_signal, (signal.SIGINT,)).start()
+    threading.Timer(0.6, m.engine.lock.release).start()
+    with pytest.raises(KeyboardInterrupt):
+        m.close()
+    assert m.closed and freed(session)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="no SIGALRM here")
+def test_close_from_a_signal_handler_in_the_generating_thread_does_not_hang():
+    """The handler runs in the thread whose graph call holds the engine's lock: close() waited for that
+    lock for ever (a hostile round: SIGTERM's handler, 9 of 10 runs hung). The close now completes as the
+    call ends, and the generation raises ModelClosedError at its next call."""
+    script = textwrap.dedent("""
+        import gc, signal, sys, weakref
+        import edgeinfer
+        m = edgeinfer.load()
+        session = weakref.ref(m.session.session)
+        signal.signal(signal.SIGALRM, lambda *a: m.close())
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.0003)  # again and again: one lands inside a call
+        try:
+            m.generate("Once upon a time", max_new_tokens=100_000, ignore_eos=True)
+        except edgeinfer.ModelClosedError:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            gc.collect()
+            print("closed", session() is None)
+            sys.exit(0)
+        sys.exit(3)
+    """)
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.split() == ["closed", "True"], (r.stdout, r.stderr)
 
 
 def test_close_frees_both_sessions_of_a_portable_model(tmp_path):

@@ -855,3 +855,27 @@ def test_health_names_the_provider_the_model_runs_on(srv):
     """An operator could not tell a CUDA session that fell back to the CPU from a working one (a Jetson
     review): /health says which provider ONNX Runtime really runs."""
     assert httpx.get(srv.url + "/health").json()["provider"] == "cpu"
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_model_closed_under_the_server_is_503_model_closed_and_health_says_so(slots):
+    """An app that serves its own Model and closes it: requests were 400 invalid_request_error (or a
+    500 from a None ring), /health a 500; and `build` took a closed model (a hostile round)."""
+    m = edgeinfer.load()
+    r = Running(ServeConfig(slots=slots, queue=2, max_tokens_limit=64), model=m)
+    try:
+        cl = r.client(key=None)
+        kw = dict(model="stories260K-int8", prompt="Once upon a time", max_tokens=3)
+        assert cl.completions.create(**kw).usage.completion_tokens == 3
+        m.close()
+        with pytest.raises(openai.APIStatusError) as e:
+            cl.completions.create(**kw)
+        assert e.value.status_code == 503 and e.value.code == "model_closed", e.value
+        with pytest.raises(openai.APIError, match="closed"):
+            list(cl.completions.create(stream=True, **kw))
+        health = httpx.get(r.url + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "closed" and health.json()["provider"] == "cpu"
+    finally:
+        r.stop()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        build(ServeConfig(), m)

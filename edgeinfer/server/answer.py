@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from edgeinfer.errors import EdgeInferError, ModelFormatError
+from edgeinfer.errors import EdgeInferError, ModelClosedError, ModelFormatError
 from edgeinfer.overflow import ContextOverflowError
 from edgeinfer.server import replies
 from edgeinfer.server.protocol import APIError
@@ -81,6 +81,8 @@ class Reply:
         elif isinstance(exc, ModelFormatError):  # the model's own fault (non-finite logits): not the request's
             log.error("generation failed: %s", exc)
             err = APIError(500, str(exc), type="server_error")
+        elif isinstance(exc, ModelClosedError):  # the app that embeds the server closed its model
+            err = APIError(503, str(exc), type="server_error", code="model_closed")
         elif isinstance(exc, EdgeInferError):
             err = APIError(400, str(exc))
         else:
@@ -198,8 +200,8 @@ class Reply:
                                    code="client_stalled" if stalled else "shutting_down")
                     status = 503 if self.server.draining and not stalled else 499
                 else:
-                    status = 400 if isinstance(event[1], EdgeInferError) and \
-                        not isinstance(event[1], ModelFormatError) else 500
+                    status = 503 if isinstance(event[1], ModelClosedError) else \
+                        400 if isinstance(event[1], EdgeInferError) and not isinstance(event[1], ModelFormatError) else 500
                     err = APIError(status, str(event[1]) or "generation failed", type="server_error")
                 yield _sse(err.body())
                 yield "data: [DONE]\n\n"

@@ -217,7 +217,8 @@ class Server:
 
     async def health(self, request: Request) -> Response:
         s, power = self.scheduler, self.model.power_state()
-        return JSON({"status": "draining" if self.draining else "ok", "model": self.model_id,
+        return JSON({"status": "draining" if self.draining else "closed" if self.model.closed else "ok",
+                     "model": self.model_id,
                      "provider": self.model.session.provider,  # the one ONNX Runtime really runs on
                      "slots_busy": s.busy, "slots_total": len(s.slots), "queue_depth": max(0, s.waiting),
                      # the readings describe the device: only for callers holding the key (when one is set)

@@ -201,6 +201,8 @@ def build(config: ServeConfig, model=None) -> Server:
                                overflow=config.overflow, power=config.power_policy())
         if config.draft_model is not None:
             model.set_draft(config.draft_model)
+    elif model.closed:
+        raise InvalidArgumentError("the model was closed (Model.close): serve an open one")
     if config.speculative != "off":
         if not hasattr(model.engine, "verify_ratios"):  # every request would be refused
             raise InvalidArgumentError(f"speculative = {config.speculative} needs a fused graph; {config.model} is a "
