@@ -703,7 +703,8 @@ def test_a_command_that_prints_without_end_is_cut_off_at_once():
     """A hostile round: `yes` standing in for vcgencmd (1 s timeout) took 5.4 s and 1.9 GB, and for
     nvpmodel (5 s) 26 s and 5.7 GB, all of its output held; under the systemd unit's MemoryMax the
     daemon was killed at each retry. Now at most MAX_OUTPUT_BYTES are read. (Measured in a process of
-    its own: this one's peak is the earlier tests', a GGUF test's near 1 GB.)"""
+    its own, by its VmHWM: this one's peak is the earlier tests', a GGUF test's near 1 GB, and Linux
+    carries a parent's peak into ru_maxrss across fork and exec.)"""
     import subprocess
 
     from edgeinfer.power.commands import MAX_OUTPUT_BYTES
@@ -715,7 +716,11 @@ def test_a_command_that_prints_without_end_is_cut_off_at_once():
         endless = [sys.executable, "-c", "import sys\\nwhile True: sys.stdout.write('y\\\\n' * 4096)"]
         t0 = time.monotonic()
         got = run_command(endless, 5.0)
-        print(got is None, time.monotonic() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        try:
+            peak = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM"))
+        except OSError:  # not Linux: fork and exec start afresh there
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // (1024 if sys.platform == "darwin" else 1)
+        print(got is None, time.monotonic() - t0, peak)
     """
     r = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=60)
     none, seconds, peak_kb = r.stdout.split()
