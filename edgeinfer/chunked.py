@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from edgeinfer import fork_safety
+from edgeinfer.context_lock import interrupts_held
 from edgeinfer.errors import ForkedBusyError, ModelClosedError
 from edgeinfer.kv_cache import RingKVCache
-from edgeinfer.ort_lifecycle import hold_at_exit
+from edgeinfer.ort_lifecycle import hold_at_exit, return_freed_memory
 
 
 def prefill_chunks(n: int, chunk: int, cache: RingKVCache | None = None) -> list[tuple[int, int]]:
@@ -72,33 +74,38 @@ class ChunkedSteps:
         self.prefilling: set[int] = set()  # idents of threads inside `prefill`
         self.holder_prefills = False  # whether the call that holds `lock` now is a prefill's (set under it)
         self.ran = threading.local()  # .s: this thread's last call of several rows, in seconds under the lock
-        self.closed = False
+        self.closed = self.dropped = False  # (`close`: refusing calls; the sessions let go)
         self.calling = threading.local()  # .now: this thread is inside `in_call` (taking or holding `lock`)
-        self.in_call = _InCall(self)  # `with self.in_call, self.lock:` around each graph call
+        self.in_call = _InCall(self.calling, weakref.ref(self))  # `with self.in_call, self.lock:` around each call
 
     def close(self) -> None:
         """Free the graph's sessions and bindings (`_drop`) once the call in flight, if any, has ended
-        (under `lock`): every later call raises ModelClosedError. Idempotent. Called by a thread that
-        is inside a call itself (a signal handler that ran in the middle of it, a __del__), it cannot
-        wait for that call: it marks the engine closed, and the call's end frees them (`_InCall`); so
-        does a close nested in this one (a second signal's handler)."""
-        if getattr(self.calling, "now", False):
+        (under `lock`), and give the freed pages back (`return_freed_memory`): every later call raises
+        ModelClosedError. Idempotent; a Ctrl-C waits for its end. Called by a thread that is inside a
+        call itself (a signal handler that ran in the middle of it), it cannot wait for that call:
+        it marks the engine closed, and the call's end completes it (`_InCall`); so does a close
+        nested in this one (a second signal's handler). (A mark left by a Ctrl-C, with the lock free,
+        is not taken for a call.)"""
+        if getattr(self.calling, "now", False) and self.lock.locked():
             self.closed = True
             return
-        self.calling.now = True
-        try:
+        with interrupts_held():
+            self.calling.now = True
             try:
-                held = self.lock.acquire()
-            except ForkedBusyError:  # (`fork_safety`) held at the fork by a thread this child lacks: none runs here
-                held = False
-            try:
-                self.closed = True
-                self._drop()
+                try:
+                    held = self.lock.acquire()
+                except ForkedBusyError:  # (`fork_safety`) held at the fork by a thread this child lacks: none runs here
+                    held = False
+                try:
+                    self.closed = True
+                    self._drop()
+                    self.dropped = True
+                finally:
+                    if held:
+                        self.lock.release()
             finally:
-                if held:
-                    self.lock.release()
-        finally:
-            self.calling.now = False
+                self.calling.now = False
+            return_freed_memory()
 
     def _drop(self) -> None:
         raise NotImplementedError
@@ -178,18 +185,19 @@ class _InCall:
     """`with steps.in_call, steps.lock:` marks the thread as inside a graph call from before it takes
     the lock until after it lets it go (`close` from this thread meanwhile cannot take the lock it
     holds or is taking), and completes a close made in that time once the lock is free. One per
-    engine, its state per thread."""
+    engine, its state per thread; it holds the engine weakly (a reference back made a cycle: the
+    sessions waited for the cycle collector instead of going with the Model's last reference)."""
 
-    __slots__ = ("steps",)
+    __slots__ = ("calling", "steps")
 
-    def __init__(self, steps: ChunkedSteps):
-        self.steps = steps
+    def __init__(self, calling: threading.local, steps: "weakref.ref[ChunkedSteps]"):
+        self.calling, self.steps = calling, steps
 
     def __enter__(self) -> None:
-        self.steps.calling.now = True
+        self.calling.now = True
 
     def __exit__(self, *exc) -> None:
-        steps = self.steps
-        steps.calling.now = False
-        if steps.closed:  # (cheap when it was already whole)
+        self.calling.now = False
+        steps = self.steps()
+        if steps is not None and steps.closed and not steps.dropped:
             steps.close()

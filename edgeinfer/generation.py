@@ -35,8 +35,8 @@ from edgeinfer.context_lock import ContextBusyError, ContextLock, interrupts_hel
 from edgeinfer.detokenize import Detokenizer, StopFilter
 from edgeinfer.drafting import ModelDrafter
 from edgeinfer.engine import Engine
-from edgeinfer.errors import (EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelFormatError,
-                              broken_logits_cause)
+from edgeinfer.errors import (EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelClosedError,
+                              ModelFormatError, broken_logits_cause)
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.options import GenerationOptions
 from edgeinfer.overflow import fit_prompt
@@ -278,6 +278,8 @@ class Request:
             raise InvalidArgumentError(f"speculative={opts.speculative!r} needs a fused graph; this model's portable graph "
                                        "(--target coreml/nnapi) has fixed shapes and verifies no drafts")
         draft = getattr(engine, "draft", None)  # read once: set_draft may change it while this request runs
+        if engine.closed:  # (its draft is gone too: that refusal would mislead)
+            raise ModelClosedError()
         if opts.speculative == "draft" and draft is None:
             raise InvalidArgumentError("speculative='draft' needs a draft model: model.set_draft(DIR)")
         opts.sampling.check_vocabulary(vocab)

@@ -43,7 +43,6 @@ from edgeinfer.integrity import LOAD_ATTEMPTS, folder_identity, replaced_while_l
 from edgeinfer.manifest import read_manifest
 from edgeinfer.session import DecoderSession, check_threads
 from edgeinfer.drafting import Draft, check_pair
-from edgeinfer.ort_lifecycle import return_freed_memory
 from edgeinfer.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "stories260K-int8"
@@ -198,18 +197,17 @@ class Model:
         edgeinfer.load(...) as model:` closes at the block's end. Called from a signal handler
         (SIGTERM's, say) while this thread is in a graph call, it frees the sessions once that call
         ends, and the generation raises at its next."""
-        if self.cache is None and self.engine.closed:  # (a signal's handler may call it again and again)
+        if self.cache is None and self.engine.dropped:  # (a signal's handler may call it again and again)
             return
         with interrupts_held():
+            self.cache = self.held = None  # (a stream holds its own reference)
             self.engine.close()
-            self.cache = self.held = None
             if self.power is not None:
                 self.power.stop()
-            return_freed_memory()
 
     @property
     def closed(self) -> bool:
-        """Whether `close` has run."""
+        """Whether `close` has run (its sessions are let go once the call in flight ends)."""
         return self.engine.closed
 
     def __enter__(self) -> "Model":
@@ -378,7 +376,7 @@ class Model:
         measured). Drafts are checked by this model, so the tokens are this model's whatever the draft
         says; each request gets its own ring of the draft model (the draft's capacity). Refused
         (InvalidArgumentError) unless both map every id to the same token (`Tokenizer.same_as`), and the draft
-        runs the fused graph (a portable one cannot feed drafts), and a closed one."""
+        runs the fused graph (a portable one cannot feed drafts); a closed draft is refused too."""
         self._open_cache()
         if draft is None:
             self.engine.draft = None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import sys
 import threading
 import time
 import weakref
@@ -56,8 +57,8 @@ def return_freed_memory() -> None:
     global _TRIM
     if _TRIM is None:
         try:
-            _TRIM = ctypes.CDLL(None).malloc_trim
-        except (AttributeError, OSError):  # not glibc (musl, macOS, Windows)
+            _TRIM = sys.platform.startswith("linux") and ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError, TypeError):  # not glibc (musl); CDLL(None) is a TypeError on Windows
             _TRIM = False
     if _TRIM:
         _TRIM(0)

@@ -120,7 +120,7 @@ class DecoderSession:
         self.check_not_replaced()
 
     def close(self) -> None:
-        """Let go of the ONNX Runtime session (its weights), keeping what describes it (`Engine.close`)."""
+        """Let go of the ONNX Runtime session (its weights), keeping what describes it (`ChunkedSteps.close`)."""
         self.session = None
 
     def check_not_replaced(self) -> None:

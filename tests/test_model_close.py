@@ -149,15 +149,53 @@ def test_a_closed_draft_is_refused_and_one_closed_while_attached_is_named(conver
     assert m.generate(PROMPT, max_new_tokens=8, temperature=0).usage.completion_tokens == 8
 
 
-def test_a_draft_attached_as_the_target_closes_is_refused(converted):
+def test_a_draft_attached_as_the_target_closes_is_refused(converted, monkeypatch):
     """set_draft checked for a close only at its start, then attached the draft it had loaded to the
     closed model, keeping its session alive (a hostile round, 10 of 10). The attaching is under the
     engine's lock now."""
+    from edgeinfer import model as model_module
+
     m = edgeinfer.load(converted(STORIES_SRC, "fp32"))
-    m.engine.close()  # as a close from another thread lands while set_draft loads the draft
+    sessions = []
+
+    def close_meanwhile(target, draft):  # as a close from another thread lands while set_draft loads the draft
+        sessions.append(weakref.ref(draft.session.session))
+        m.close()
+        check(target, draft)
+
+    check = model_module.check_pair
+    monkeypatch.setattr(model_module, "check_pair", close_meanwhile)
     with pytest.raises(ModelClosedError):
         m.set_draft(default_model_path())
-    assert m.engine.draft is None
+    assert m.engine.draft is None and freed(*sessions)
+
+
+def test_dropping_the_last_reference_still_frees_the_model_at_once():
+    """The close machinery's per-thread mark once held the engine back (a cycle): a dropped Model's
+    sessions then waited for the cycle collector (a review). Checked with the collector off."""
+    gc.disable()
+    try:
+        m = edgeinfer.load()
+        m.generate(PROMPT, max_new_tokens=4, speculative="ngram")
+        refs = weakref.ref(m.session.session), weakref.ref(m.engine), weakref.ref(m.cache)
+        del m
+        assert all(r() is None for r in refs)
+        with edgeinfer.load() as m:
+            ref = weakref.ref(m.session.session)
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_a_request_of_a_closed_target_says_closed_not_that_it_lacks_a_draft(converted):
+    """Closing detaches the draft, and a draft request then said "needs a draft model" (400 in the
+    daemon) instead of that the model was closed (a review)."""
+    m = edgeinfer.load(converted(STORIES_SRC, "fp32"))
+    m.set_draft(default_model_path())
+    g = m.stream(PROMPT, max_new_tokens=8, temperature=0, speculative="draft")
+    m.close()
+    with pytest.raises(ModelClosedError, match="the model was closed"):
+        next(g)
 
 
 def test_a_ctrl_c_while_close_waits_leaves_it_whole():

@@ -862,12 +862,19 @@ def test_a_model_closed_under_the_server_is_503_model_closed_and_health_says_so(
     """An app that serves its own Model and closes it: requests were 400 invalid_request_error (or a
     500 from a None ring), /health a 500; and `build` took a closed model (a hostile round)."""
     m = edgeinfer.load()
-    r = Running(ServeConfig(slots=slots, queue=2, max_tokens_limit=64), model=m)
+    r = Running(ServeConfig(slots=slots, queue=2, max_tokens_limit=100_000), model=m)
     try:
         cl = r.client(key=None)
         kw = dict(model="stories260K-int8", prompt="Once upon a time", max_tokens=3)
         assert cl.completions.create(**kw).usage.completion_tokens == 3
+        long = cl.completions.create(stream=True, **{**kw, "max_tokens": 100_000}, extra_body={"ignore_eos": True})
+        it = iter(long)
+        next(it)  # under way: the model closes in the middle of the stream
         m.close()
+        with pytest.raises(openai.APIError) as e:  # the stream's own error event (it began 200)
+            for _ in it:
+                pass
+        assert e.value.code == "model_closed", e.value
         with pytest.raises(openai.APIStatusError) as e:
             cl.completions.create(**kw)
         assert e.value.status_code == 503 and e.value.code == "model_closed", e.value

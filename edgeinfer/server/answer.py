@@ -76,22 +76,26 @@ class Reply:
         elif isinstance(exc, Cancelled):  # the client left (nobody reads this) or the server is stopping
             err = APIError(503, "the server is shutting down", type="server_error", code="shutting_down") \
                 if self.server.draining else APIError(499, "the client closed the request", code="client_closed")
-        elif isinstance(exc, ContextOverflowError):
-            err = APIError(400, str(exc), param="messages" if self.chat else "prompt", code="context_length_exceeded")
-        elif isinstance(exc, ModelFormatError):  # the model's own fault (non-finite logits): not the request's
-            log.error("generation failed: %s", exc)
-            err = APIError(500, str(exc), type="server_error")
-        elif isinstance(exc, ModelClosedError):  # the app that embeds the server closed its model
-            err = APIError(503, str(exc), type="server_error", code="model_closed")
-        elif isinstance(exc, EdgeInferError):
-            err = APIError(400, str(exc))
         else:
-            log.error("generation failed: %r", exc)
-            err = APIError(500, "generation failed", type="server_error")
+            err = self._failure(exc)
         self.server.metrics.request(self.endpoint, err.status)
         self.server.metrics.cut(tokens)
         self._log(err.status, tokens)
         return error_response(err, {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else None)
+
+    def _failure(self, exc: BaseException) -> APIError:
+        """The error of a request that failed in its steps (not cancelled)."""
+        if isinstance(exc, ContextOverflowError):
+            return APIError(400, str(exc), param="messages" if self.chat else "prompt", code="context_length_exceeded")
+        if isinstance(exc, ModelFormatError):  # the model's own fault (non-finite logits): not the request's
+            log.error("generation failed: %s", exc)
+            return APIError(500, str(exc), type="server_error")
+        if isinstance(exc, ModelClosedError):  # the app that embeds the server closed its model
+            return APIError(503, str(exc), type="server_error", code="model_closed")
+        if isinstance(exc, EdgeInferError):
+            return APIError(400, str(exc))
+        log.error("generation failed: %r", exc)
+        return APIError(500, "generation failed", type="server_error")
 
     def _usage(self, completion, cached: int) -> dict:
         u = completion.usage
@@ -200,9 +204,8 @@ class Reply:
                                    code="client_stalled" if stalled else "shutting_down")
                     status = 503 if self.server.draining and not stalled else 499
                 else:
-                    status = 503 if isinstance(event[1], ModelClosedError) else \
-                        400 if isinstance(event[1], EdgeInferError) and not isinstance(event[1], ModelFormatError) else 500
-                    err = APIError(status, str(event[1]) or "generation failed", type="server_error")
+                    err = self._failure(event[1])
+                    status = err.status
                 yield _sse(err.body())
                 yield "data: [DONE]\n\n"
                 return
