@@ -89,7 +89,6 @@ class Model:
     when the last reference to it (its streams' and conversations' included) goes; a forked child
     keeps the sessions it inherited until it exits (`ort_lifecycle`). It cannot be pickled."""
 
-
     def __reduce__(self):  # pickle (multiprocessing's spawn, Pool.map): a session does not travel
         raise InvalidArgumentTypeError("a Model cannot be pickled or copied: pass its folder to the other process "
                                        "and load it there (in this one, share the Model itself)")
