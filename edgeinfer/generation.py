@@ -160,13 +160,22 @@ class Generation:
         return self.completion
 
     def close(self) -> None:
-        """Abandon the request now (what a dropped Generation does), from the thread iterating it."""
-        self._steps.close()
+        """Abandon the request, from any thread. When no next() runs: now, as a dropped Generation
+        does (its steps close, its context is released; a later next() ends the iteration). While a
+        next() runs in another thread (or below this call, for a signal handler's close): as cancel()
+        does, so that next() raises GenerationCancelled (Python refused such a close with "generator
+        already executing")."""
+        if not self._iterating.acquire(blocking=False):
+            self.cancel()
+            return
+        try:
+            self._steps.close()
+        finally:
+            self._iterating.release()
 
     def cancel(self) -> None:
         """Stop the request from any thread: the thread iterating it gets GenerationCancelled at the
-        next prefill chunk or token, also from inside a power plan's pacing sleep (close() from
-        another thread while it runs is refused by Python: "generator already executing")."""
+        next prefill chunk or token, also from inside a power plan's pacing sleep."""
         self._request.cancelled.set()
 
     @property

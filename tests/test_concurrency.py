@@ -330,6 +330,45 @@ def test_a_second_next_while_a_stream_steps_is_refused_and_the_stream_goes_on(mo
     assert got[0] == alone[PROMPTS[1]]
 
 
+def test_close_from_another_thread_while_a_stream_steps_cancels_it(model, alone, monkeypatch):
+    """Hostile round: close() from a thread other than the one inside next() raised Python's
+    ValueError ("generator already executing") and left the request running; it now cancels it."""
+    inside, closed = threading.Event(), threading.Event()
+    _stalled_step(model, monkeypatch, lambda: (inside.set(), closed.wait(30)))
+    s = model.stream(PROMPTS[0], **GREEDY)
+    read, ended = [], []
+
+    def reader():
+        try:
+            read.extend(s)
+        except Exception as e:  # noqa: BLE001
+            ended.append(e)
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    assert inside.wait(30)
+    s.close()  # returns at once, while the reader is still inside its step
+    closed.set()
+    t.join(60)
+    assert not t.is_alive() and s.completion is None
+    assert len(ended) == 1 and isinstance(ended[0], edgeinfer.GenerationCancelled)
+    with pytest.raises(edgeinfer.GenerationCancelled):
+        next(s)
+    assert model.generate(PROMPTS[1], **GREEDY).token_ids == alone[PROMPTS[1]]  # the context was released
+
+
+def test_close_from_another_thread_between_reads_ends_the_stream_at_once(model, alone):
+    s = model.stream(PROMPTS[0], **GREEDY)
+    first = next(s)
+    t = threading.Thread(target=s.close)
+    t.start()
+    t.join(30)
+    with pytest.raises(StopIteration):
+        next(s)
+    assert first.text and s.completion is None
+    assert model.generate(PROMPTS[1], **GREEDY).token_ids == alone[PROMPTS[1]]
+
+
 def test_a_stream_an_interrupt_ended_says_so_when_read_again(model, alone, monkeypatch):
     """Hostile round: a Ctrl-C that landed inside a step ended the request; a caller that caught it and
     read on saw the stream end as if finished (no chunk, no error, completion None)."""
