@@ -32,6 +32,7 @@ from edgeinfer.conversation import Conversation
 from edgeinfer.generation import Completion, Generation, Request
 from edgeinfer.kv_cache import RingKVCache, Snapshot
 from edgeinfer.options import GenerationOptions, resolve
+from edgeinfer.prompt_ids import prompt_ids
 from edgeinfer.prefix_cache import PrefixSnapshot, held_after, reuse
 from edgeinfer.sampling.params import is_integer
 from edgeinfer.overflow import DEFAULT_PREFILL_CHUNK, check_policy, rebase_warning, resolve_capacity, resolve_sinks
@@ -231,34 +232,7 @@ class Model:
         or float ids. Errors: InvalidArgumentTypeError for a wrong type, InvalidArgumentError for an
         empty prompt or an id outside the vocabulary.
         """
-        return self._ids(prompt, "prompt")
-
-    def _ids(self, prompt, name: str) -> list[int]:
-        """`encode_prompt`, its errors naming the argument `name` (snapshot's is "prefix")."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidArgumentError(f"the {name} is empty: give text, or [bos_id] to generate from nothing")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (bytes, bytearray, memoryview)):
-            raise InvalidArgumentTypeError(f"{name} must be text or token ids, not bytes: decode it first, "
-                                           f"e.g. {name}.decode('utf-8')")
-        elif isinstance(prompt, np.ndarray) and prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer):
-            ids = prompt.tolist()
-        elif isinstance(prompt, Sequence) and all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
-            ids = [int(t) for t in prompt]
-        else:
-            raise InvalidArgumentTypeError(f"{name} must be a string, a list of token ids (ints) or a 1-D integer "
-                                           f"numpy array, got {type(prompt).__name__}"
-                                           + (f" of {prompt.dtype} shape {prompt.shape}"
-                                              if isinstance(prompt, np.ndarray) else ""))
-        if not ids:
-            raise InvalidArgumentError(f"the {name} is empty (no tokens): give text or at least one token id")
-        vocab = self.manifest.arch.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidArgumentError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        return ids
+        return prompt_ids(prompt, self.tokenizer, self.manifest.arch.vocab_size)
 
     def encode_rendered(self, text: str) -> list[int]:
         """Token ids of a rendered chat: BOS once, whether the template wrote it or the tokenizer
@@ -322,7 +296,7 @@ class Model:
         with self.lock.hold():
             cache = self._open_cache()
             if prefix is not None:
-                ids = self._ids(prefix, "prefix")
+                ids = prompt_ids(prefix, self.tokenizer, self.manifest.arch.vocab_size, "prefix")
                 if len(ids) > self.capacity_tokens:  # the ring would shift: it could not hold the prefix whole
                     raise InvalidArgumentError(f"the prefix has {len(ids)} tokens, more than the ring's "
                                                f"{self.capacity_tokens}")
