@@ -160,11 +160,8 @@ class Generation:
         return self.completion
 
     def close(self) -> None:
-        """Abandon the request, from any thread. When no next() runs: now, as a dropped Generation
-        does (its steps close, its context is released; a later next() ends the iteration). While a
-        next() runs in another thread (or below this call, for a signal handler's close): as cancel()
-        does, so that next() raises GenerationCancelled (Python refused such a close with "generator
-        already executing")."""
+        """Abandon the request, from any thread: when no next() runs, now (as a dropped Generation is);
+        while one runs (another thread's, or the one a signal handler interrupted), as cancel() does."""
         if not self._iterating.acquire(blocking=False):
             self.cancel()
             return
