@@ -231,3 +231,24 @@ def test_a_continued_conversation_feeds_what_a_fresh_one_renders_from_its_messag
         a = c.say(msgs[-1]["content"], max_new_tokens=40, temperature=0)
         b = m.conversation().reply(msgs, max_new_tokens=40, temperature=0)
         assert a.token_ids == b.token_ids, dialog
+
+
+@pytest.mark.parametrize("ended_by", ["eos", "stop"])
+def test_an_empty_reply_regenerated_is_the_reply_a_fresh_conversation_gives(fp32, ended_by):
+    """Hostile round: regenerating a reply that was empty (EOS first, or a stop string at its start)
+    with reply(messages[:-1]) was refused ("nothing new to say": the cache held that rendering whole)
+    where a fresh conversation answered the same messages."""
+    m = edgeinfer.load(fp32)
+    said = "Lily had a red ball."
+    if ended_by == "eos":
+        empty = dict(logit_bias={m.tokenizer.eos_ids[0]: 1e6})
+    else:  # a stop string at the reply's very start
+        empty = dict(stop=[m.conversation().say(said, **GREEDY, max_new_tokens=4).text[:3]])
+    c = m.conversation()
+    first = c.say(said, temperature=0, max_new_tokens=20, **empty)  # (EOS ends it: not GREEDY's ignore_eos)
+    assert first.text == ""
+    history = c.messages[:-1]
+    again = c.reply(history, **GREEDY, max_new_tokens=20)
+    fresh = m.conversation().reply(history, **GREEDY, max_new_tokens=20)
+    assert again.token_ids == fresh.token_ids and again.text and c.messages == history + [
+        {"role": "assistant", "content": again.text}]
