@@ -27,7 +27,7 @@ from edgeinfer.cli import main
 from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.power.commands import RecordedCommands
 from edgeinfer.power.controller import PowerController
-from edgeinfer.power.policy import MIN_TOKENS_PER_S, Load, Plan, Policy, decide
+from edgeinfer.power.policy import KP_PER_C, MIN_TOKENS_PER_S, Load, Plan, Policy, decide
 from edgeinfer.power.readings import Readings
 from edgeinfer.power.sensors import Sensors
 from edgeinfer.power.threads import CoreLimit
@@ -204,6 +204,25 @@ def test_thermal_integral_does_not_wind_up_while_idle():
     for k in range(1, 12_000):  # 100 idle minutes at 25 °C
         p = decide(Readings(time_s=100.0 + k * 0.5, temp_c=25.0, throttle_temp_c=80.0), pol, IDLE, p)
         assert sane(p), (k, p)
+
+
+@pytest.mark.parametrize("before_c", [None, 55.0])
+def test_a_device_past_its_target_while_idle_paces_the_first_tokens(before_c):
+    """Hostile round (the daemon on fake sensors): heated past the target while idle, never engaged
+    (no rate to start the integral from), the plan had no heat cap, so the next request's first
+    ~0.6 s ran flat out (109-202 tokens) before pacing fell to 1 tok/s. Now the idle plan holds the
+    floor, and the first busy plan's cap, from the measured rate, replaces it at once."""
+    pol = Policy("balanced", max_temp_c=70.0)  # target 69.5
+    p = None if before_c is None else decide(Readings(time_s=0.0, temp_c=before_c), pol, IDLE)
+    if p is not None:
+        assert p.max_tokens_per_s is None
+    hot = decide(Readings(time_s=1.0, temp_c=95.0), pol, IDLE, p)  # within the hold of the cool plan
+    assert hot.max_tokens_per_s == MIN_TOKENS_PER_S and hot.thermal_i is None and hot.level == "hot"
+    busy = decide(Readings(time_s=1.5, temp_c=69.6), pol, LOAD, hot)  # a rate measured; just past the target
+    assert busy.thermal_i == pytest.approx(math.log(100.0))
+    assert busy.max_tokens_per_s == pytest.approx(100.0 * math.exp(KP_PER_C * -0.1))
+    cool = decide(Readings(time_s=2.0, temp_c=60.0), pol, IDLE, None)  # under the target, idle: no cap, as before
+    assert cool.max_tokens_per_s is None
 
 
 def _watts(cap):  # a toy device: 2 W idle, 7 W at its unpaced 100 tok/s

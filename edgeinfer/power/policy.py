@@ -16,7 +16,8 @@ The steps of `decide`:
 2. Pace: near the policy's limit a PI controller holds the temperature TARGET_BELOW_C under it by
    the token cap (log cap = I + KP * error; I integrates the error, so the plan remembers the rate
    that held the target instead of cycling between flat out and over-cut); performance only guards
-   the critical point. With `power_budget_w` and a power reading the cap also follows the budget
+   the critical point; past the target while idle and not engaged (no rate to start from), the cap is
+   the floor until a busy plan measures one. With `power_budget_w` and a power reading the cap also follows the budget
    (cap *= sqrt(budget / watts) per plan); the lower cap wins; the user's `max_tokens_per_s`
    always applies on top.
 3. Threads, prefill and admission from the policy's table (docs/power.md):
@@ -24,7 +25,8 @@ The steps of `decide`:
    critical guard paces); background work is refused
    when hot (thermal-guard: warm too) or on battery under `min_battery_pct`.
 4. Hold: a plan differs from `previous` at most once per `hold_s`, except a change that makes it
-   safer because the device is hot, or a first cap for the power budget, which apply at once.
+   safer because the device is hot, a first cap for the power budget, or the heat cap replacing
+   the idle floor of step 2, which apply at once.
 """
 
 from __future__ import annotations
@@ -227,6 +229,10 @@ def _thermal_cap(r: Readings, policy: Policy, load: Load, previous: Plan | None
     rate = load.unpaced_tokens_per_s or load.tokens_per_s
     e = target - t
     if prev_i is None:
+        if rate is None and e < 0:  # past the target, idle, never engaged: no rate to start I from, so the
+            # first tokens run at the floor, not flat out (they did, ~0.6 s: a hostile round), until a busy
+            # plan starts I from the rate they measure (`_hold` lets that plan through at once)
+            return MIN_TOKENS_PER_S, None, f"{t:.1f} °C past the {target:.1f} °C target (idle): the floor first"
         if e > ENGAGE_C or rate is None:
             return None, None, ""
         prev_i, dt = math.log(rate), 0.0
@@ -321,6 +327,8 @@ def _hold(plan: Plan, previous: Plan | None, policy: Policy, now: float) -> Plan
         return plan
     if plan.level == "hot" and _safer(plan, previous) and (previous.level != "hot" or previous.heat_cap is None):
         return plan  # getting hot (or busy while hot): act now
+    if previous.thermal_cap is not None and previous.thermal_i is None and plan.thermal_i is not None:
+        return plan  # the idle floor (`_thermal_cap`) gives way to the cap from a measured rate at once
     if plan.budget_cap is not None and previous.budget_cap is None and _safer(plan, previous):
         return plan  # over the power budget (a supply's limit: a Pi browns out past it): act now, not after
         # the idle plan's hold (a generation ran uncapped for its first 5 s: a Jetson review)
