@@ -211,6 +211,8 @@ def test_another_model_is_openai_s_404():
     err = refused(parse_chat, body(CHAT, model="gpt-4o"))
     assert err.body() == {"error": {"message": "The model 'gpt-4o' does not exist", "type": "invalid_request_error",
                                     "param": "model", "code": "model_not_found"}}
+    nul = refused(parse_chat, body(CHAT, model="gpt-4o\x00" + "x" * 500)).message  # escaped and cut (a hostile round)
+    assert "\x00" not in nul and "\\x00" in nul and len(nul) < 120
 
 
 @pytest.mark.parametrize("changes,needle", [
@@ -269,6 +271,21 @@ def test_completion_features_not_implemented_are_refused_not_ignored(changes):
     err = refused(parse_completion, body(COMP, **changes))
     assert (err.status, err.param) == (400, name) and "not supported" in err.message
     assert comp(echo=False, best_of=1, suffix="") == comp()
+
+
+@pytest.mark.parametrize("parse,changes", [
+    (parse_chat, dict(echo=True)), (parse_chat, dict(best_of=2)), (parse_chat, dict(suffix="x")),
+    (parse_completion, dict(top_logprobs=3)), (parse_completion, dict(top_logprobs="3")),
+    (parse_completion, dict(chat_template_kwargs={"enable_thinking": False})),
+    (parse_completion, dict(chat_template_kwargs="str"))], ids=case_id)
+def test_the_other_endpoint_s_fields_asking_for_something_are_refused_naming_where_they_belong(parse, changes):
+    """Hostile round: these were ignored (a 200 without the top logprobs or the echo asked for) while
+    max_completion_tokens on /v1/completions was refused; asking for nothing they still pass."""
+    (name,) = changes
+    err = refused(parse, body(CHAT if parse is parse_chat else COMP, **changes))
+    assert (err.status, err.param) == (400, name) and "belongs to /v1/" in err.message
+    assert chat(echo=False, best_of=1, suffix="") == chat()
+    assert comp(top_logprobs=0, chat_template_kwargs={}) == comp()
 
 
 def test_sampling_fields_reach_the_options():

@@ -10,7 +10,8 @@ with the default), and except `tools` / `functions` / `tool_choice` / `function_
 `response_format` / `modalities` / `audio` and, on completions, `echo`, `best_of` and `suffix`: each
 is refused unless it asks for what this server does anyway (no tools, plain text, no echo), so a
 client that relies on them does not get something else silently; nor is the other endpoint's
-`prompt`, `messages` or `max_completion_tokens` ignored (a 400 names where it belongs). Chat reads
+`prompt`, `messages`, `max_completion_tokens`, `top_logprobs`, `chat_template_kwargs`, `echo`,
+`best_of` or `suffix` ignored when it asks for something (a 400 names where it belongs). Chat reads
 `chat_template_kwargs` too (vLLM's and llama.cpp's name): more variables for the chat template.
 
 Responses are built in `replies`.
@@ -36,11 +37,16 @@ UNSUPPORTED = {"tools": (None, []), "functions": (None, []), "tool_choice": (Non
                "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
                "modalities": (None, ["text"]), "audio": (None,)}
 UNSUPPORTED_COMPLETION = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
-# the other endpoint's fields: sent here, each is a 400 naming where it belongs (ignored, max_completion_tokens
-# on /v1/completions let a reply run to the server's limit)
-OTHER_ENDPOINT = {"chat": {"prompt": "/v1/completions"},
-                  "completion": {"messages": "/v1/chat/completions",
-                                 "max_completion_tokens": "/v1/chat/completions (here: max_tokens)"}}
+# the other endpoint's fields -> (where each belongs, its values that ask for nothing): sent here asking for
+# something, each is a 400 naming where it belongs (ignored, max_completion_tokens on /v1/completions let a
+# reply run to the server's limit, and top_logprobs or echo gave a reply without what they ask for)
+_CHAT, _COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+OTHER_ENDPOINT = {"chat": {"prompt": (_COMPLETIONS, (None,)), "echo": (_COMPLETIONS, (None, False)),
+                           "best_of": (_COMPLETIONS, (None, 1)), "suffix": (_COMPLETIONS, (None, ""))},
+                  "completion": {"messages": (_CHAT, (None,)),
+                                 "max_completion_tokens": (_CHAT + " (here: max_tokens)", (None,)),
+                                 "top_logprobs": (_CHAT + " (here: logprobs, a number)", (None, 0)),
+                                 "chat_template_kwargs": (_CHAT, (None, {}))}}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 # (field, test, range in words): numbers passed through to the sampler once checked
@@ -153,7 +159,7 @@ def _common(body, model_id: str) -> None:
     if not isinstance(model, str):
         raise _bad("model", f"model is required and must be a string, got {shown(model)}")
     if model != model_id:
-        raise APIError(404, f"The model '{model[:200]}' does not exist", param="model", code="model_not_found")
+        raise APIError(404, f"The model {shown(model)} does not exist", param="model", code="model_not_found")
     _refuse_unsupported(body, UNSUPPORTED)
     n = body.get("n")
     if n is not None and (type(n) is not int or n != 1):
@@ -171,9 +177,14 @@ def _refuse_near_misses(body: dict, read: frozenset) -> None:
 
 
 def _refuse_other_endpoint(body: dict, endpoint: str) -> None:
-    for name, where in OTHER_ENDPOINT[endpoint].items():
-        if body.get(name) is not None:
+    for name, (where, harmless) in OTHER_ENDPOINT[endpoint].items():
+        if not _harmless(body.get(name), harmless):
             raise _bad(name, f"{name} belongs to {where}")
+
+
+def _harmless(value, harmless: tuple) -> bool:
+    """`value` is one of `harmless`, compared with their types (1 is not True, [] is not {})."""
+    return any(value is h or (type(value) is type(h) and value == h) for h in harmless)
 
 
 def _refuse_unsupported(body: dict, unsupported: dict) -> None:
@@ -181,7 +192,7 @@ def _refuse_unsupported(body: dict, unsupported: dict) -> None:
     values (compared with their types: 1 is not True, [] is not {})."""
     for name, harmless in unsupported.items():
         value = body.get(name)
-        if not any(value is h or (type(value) is type(h) and value == h) for h in harmless):
+        if not _harmless(value, harmless):
             raise _bad(name, f"{name}={shown(value)} is not supported by this server")
 
 
