@@ -116,6 +116,7 @@ class Generation:
         self._steps = self._request.steps()
         self._error: Exception | None = None  # what ended it (a copy: no traceback), raised again by later next()s
         self._iterating = threading.Lock()  # held by the one next() running
+        self._closing = False  # close() was called: whichever of it and a running next() ends last closes
 
     def __iter__(self) -> "Generation":
         return self
@@ -133,6 +134,8 @@ class Generation:
             return self._next()
         finally:
             self._iterating.release()
+            if self._closing:  # a close() from another thread came while this ran (its last chunk, maybe)
+                self._close_steps()
 
     def _next(self) -> Chunk:
         if self._error is not None:
@@ -161,14 +164,20 @@ class Generation:
 
     def close(self) -> None:
         """Abandon the request, from any thread: when no next() runs, now (as a dropped Generation is);
-        while one runs (another thread's, or the one a signal handler interrupted), as cancel() does."""
-        if not self._iterating.acquire(blocking=False):
-            self.cancel()
-            return
-        try:
-            self._steps.close()
-        finally:
-            self._iterating.release()
+        while one runs (another thread's, or the one a signal handler interrupted), as it returns (its
+        chunk, or GenerationCancelled where the cancel set here reached it first). The context is then
+        released and a later next() ends the iteration."""
+        self._closing = True
+        self.cancel()
+        self._close_steps()
+
+    def _close_steps(self) -> None:
+        """Close the steps unless a next() runs (that one's end closes them)."""
+        if self._iterating.acquire(blocking=False):
+            try:
+                self._steps.close()
+            finally:
+                self._iterating.release()
 
     def cancel(self) -> None:
         """Stop the request from any thread: the thread iterating it gets GenerationCancelled at the

@@ -332,7 +332,8 @@ def test_a_second_next_while_a_stream_steps_is_refused_and_the_stream_goes_on(mo
 
 def test_close_from_another_thread_while_a_stream_steps_cancels_it(model, alone, monkeypatch):
     """Hostile round: close() from a thread other than the one inside next() raised Python's
-    ValueError ("generator already executing") and left the request running; it now cancels it."""
+    ValueError ("generator already executing") and left the request running; it now ends it as that
+    next() returns."""
     inside, closed = threading.Event(), threading.Event()
     _stalled_step(model, monkeypatch, lambda: (inside.set(), closed.wait(30)))
     s = model.stream(PROMPTS[0], **GREEDY)
@@ -350,11 +351,44 @@ def test_close_from_another_thread_while_a_stream_steps_cancels_it(model, alone,
     s.close()  # returns at once, while the reader is still inside its step
     closed.set()
     t.join(60)
-    assert not t.is_alive() and s.completion is None
-    assert len(ended) == 1 and isinstance(ended[0], edgeinfer.GenerationCancelled)
-    with pytest.raises(edgeinfer.GenerationCancelled):
+    assert not t.is_alive() and s.completion is None  # abandoned: the running next() gave its chunk, then the end
+    assert ended == [] and len(read) == 2  # the first token (prefill's) and the stalled step's
+    assert [c.token_id for c in read] == list(alone[PROMPTS[0]][:2])
+    with pytest.raises(StopIteration):
         next(s)
     assert model.generate(PROMPTS[1], **GREEDY).token_ids == alone[PROMPTS[1]]  # the context was released
+
+
+def test_close_from_another_thread_during_the_last_step_releases_the_context(model, alone, monkeypatch):
+    """A review: a close() that came while the reader's next() made the last token only cancelled, which
+    that step no longer checks, so the stream, its last chunk read, kept the context while kept."""
+    real, calls, inside, closed = model.engine.decode_one, [], threading.Event(), threading.Event()
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the step that makes the third and last token
+            inside.set()
+            closed.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model.engine, "decode_one", step)
+    s = model.stream(PROMPTS[0], **dict(GREEDY, max_new_tokens=3))
+    assert next(s).text is not None and next(s) is not None
+    t = threading.Thread(target=lambda: next(s), daemon=True)  # the last chunk, read in another thread
+    t.start()
+    assert inside.wait(30)
+    s.close()
+    closed.set()
+    t.join(30)
+    assert not t.is_alive() and s.completion is not None  # the request had finished
+    monkeypatch.setattr(model.engine, "decode_one", real)
+    got = []
+    other = threading.Thread(target=lambda: got.append(model.generate(PROMPTS[1], **GREEDY).token_ids), daemon=True)
+    other.start()
+    other.join(30)
+    assert got == [alone[PROMPTS[1]]]  # the context was free: s, still referenced here, no longer held it
+    del s
+    other.join(30)
 
 
 def test_close_from_another_thread_between_reads_ends_the_stream_at_once(model, alone):
