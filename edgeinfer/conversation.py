@@ -209,15 +209,15 @@ class Conversation:
     def _ids_for(self, full: str, opts: GenerationOptions) -> tuple[list[int], list[int], bool]:
         """(token ids this turn feeds, the ids they stand for, whether it starts over): the new text
         after what the cache holds, or (starting over: the first turn, a template whose earlier turns
-        render differently, truncation, a recovery, a rendering the cache holds whole: an empty reply
-        regenerated, whose last prompt token's logits are gone) the whole rendering; rebuilding after a recovery
+        render differently, truncation, a recovery, a rendering the cache holds whole: a reply with no
+        text regenerated) the whole rendering; rebuilding after a recovery
         under overflow="shift", only its first n_sink and last capacity - n_sink tokens (the module
         doc). Under overflow="truncate", a turn that would not fit beside what the cache holds starts
         over, so that truncation drops the oldest turns, not the new one. Changes nothing."""
         m, cache = self.model, self.cache
         new_text = self._new_text(full)
-        if new_text is not None:
-            ids = self._unfed + m.tokenizer.encode_continuation(new_text)  # none: the cache holds this rendering
+        if new_text:  # ("": the rendering is what the cache holds, a reply with no text regenerated: start over)
+            ids = self._unfed + m.tokenizer.encode_continuation(new_text)
             if ids and fits_beside(cache.n_valid, len(ids), cache.capacity, m.overflow, opts.max_new_tokens):
                 return ids, ids, False
         ids = m.encode_rendered(full)

@@ -233,7 +233,7 @@ def test_a_continued_conversation_feeds_what_a_fresh_one_renders_from_its_messag
         assert a.token_ids == b.token_ids, dialog
 
 
-@pytest.mark.parametrize("ended_by", ["eos", "stop"])
+@pytest.mark.parametrize("ended_by", ["eos", "stop", "length"])
 def test_an_empty_reply_regenerated_is_the_reply_a_fresh_conversation_gives(fp32, ended_by):
     """Hostile round: regenerating a reply that was empty (EOS first, or a stop string at its start)
     with reply(messages[:-1]) was refused ("nothing new to say": the cache held that rendering whole)
@@ -242,10 +242,12 @@ def test_an_empty_reply_regenerated_is_the_reply_a_fresh_conversation_gives(fp32
     said = "Lily had a red ball."
     if ended_by == "eos":
         empty = dict(logit_bias={m.tokenizer.eos_ids[0]: 1e6})
+    elif ended_by == "length":  # a token with no text (BOS), not fed: the cache's unfed token (a review)
+        empty = dict(logit_bias={m.tokenizer.bos_id: 1e6}, max_new_tokens=1)
     else:  # a stop string at the reply's very start
         empty = dict(stop=[m.conversation().say(said, **GREEDY, max_new_tokens=4).text[:3]])
     c = m.conversation()
-    first = c.say(said, temperature=0, max_new_tokens=20, **empty)  # (EOS ends it: not GREEDY's ignore_eos)
+    first = c.say(said, **{"temperature": 0, "max_new_tokens": 20, **empty})  # (EOS ends it: not GREEDY's ignore_eos)
     assert first.text == ""
     history = c.messages[:-1]
     again = c.reply(history, **GREEDY, max_new_tokens=20)
