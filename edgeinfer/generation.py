@@ -329,6 +329,8 @@ class Request:
             history = ((self.prefix[-window:] if window else []) + feed) if opts.penalize_prompt else []
             sampler = Sampler(opts.sampling, opts.seed, history)
             finish, final, t_first = yield from self._decode(logits, sampler, detok, stops, generated, marks, stepper)
+            if self.pacer is not None:
+                self.pacer.finish()
         finally:
             stepper.leave(cache)
         t_first = t_first or t_prefill

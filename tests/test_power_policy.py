@@ -254,6 +254,25 @@ def test_pacer_holds_the_cap_on_a_fake_clock():
     assert ctl.plan is not None
 
 
+def test_a_request_of_one_decode_step_gives_the_controller_a_rate():
+    """A review: the step before the next pace() was the only one recorded, so requests of two tokens
+    (one decode step each) never gave a rate, and a plan waiting for one (the floor a device past its
+    target is held at while idle) kept it for good. A pacer's finish() records the last step."""
+    clock = FakeClock()
+    ctl = PowerController(Policy("balanced", max_temp_c=70.0), Script(Readings(temp_c=69.6)), cores(),
+                          clock=clock, sleep=clock.sleep)
+    clock.t = 10.0
+    assert ctl.tick().max_tokens_per_s == MIN_TOKENS_PER_S  # idle, past the 69.5 °C target: the floor
+    for _ in range(3):  # three requests of one decode step (5 ms of compute) each
+        pacer = ctl.pacer()
+        pacer.pace()
+        clock.t += 0.005
+        pacer.finish()
+        clock.t += 0.1
+    plan = ctl.tick()
+    assert plan.thermal_i == pytest.approx(math.log(200.0)) and plan.max_tokens_per_s > 150.0
+
+
 @pytest.mark.parametrize("step_s", [0.000160, 0.000100])
 def test_pacer_holds_a_cap_near_the_unpaced_rate_when_sleeps_overshoot(step_s):
     """A real sleep wakes late (~0.1-0.3 ms here): at 6,000 tok/s (a 167 us period) with steps of

@@ -327,8 +327,11 @@ def _hold(plan: Plan, previous: Plan | None, policy: Policy, now: float) -> Plan
         return plan
     if plan.level == "hot" and _safer(plan, previous) and (previous.level != "hot" or previous.heat_cap is None):
         return plan  # getting hot (or busy while hot): act now
-    if previous.thermal_cap is not None and previous.thermal_i is None and plan.thermal_i is not None:
-        return plan  # the idle floor (`_thermal_cap`) gives way to the cap from a measured rate at once
+    if previous.thermal_cap is not None and previous.thermal_i is None and plan.thermal_i is not None and \
+            (plan.level, plan.prefill_chunk) == (previous.level, previous.prefill_chunk) and \
+            _safer(replace(plan, max_tokens_per_s=previous.max_tokens_per_s), previous):
+        return plan  # the idle floor (`_thermal_cap`) gives way to the cap from a measured rate at once (only
+        # the cap: a plan relaxing anything else waits for the hold, a review)
     if plan.budget_cap is not None and previous.budget_cap is None and _safer(plan, previous):
         return plan  # over the power budget (a supply's limit: a Pi browns out past it): act now, not after
         # the idle plan's hold (a generation ran uncapped for its first 5 s: a Jetson review)
