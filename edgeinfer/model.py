@@ -128,7 +128,7 @@ class Model:
         spin = SPIN_DURATION_US if policy is not None else spin_duration_us
         for attempt in range(1, LOAD_ATTEMPTS + 1):  # one conversion's files (`folder_identity`)
             seen = folder_identity(folder)
-            self.session = self.tokenizer = None  # a replaced folder's session freed before the next is made
+            self.session = self.tokenizer = self.engine = None  # a replaced folder's freed before the next is made
             try:
                 self.manifest = read_manifest(folder)
                 spec = self.manifest.arch
@@ -148,6 +148,9 @@ class Model:
                 self.session = DecoderSession(folder, threads=threads, provider=provider, manifest=self.manifest,
                                               spin_duration_us=spin)  # checks every listed file first
                 self.tokenizer = Tokenizer(folder, self.manifest.tokenizer)  # so this reads checked files only
+                # a portable engine opens the folder's prefill graph and embeddings: the same rule (it came
+                # after, and a folder replaced meanwhile ran one conversion's graph with another's: a hostile round)
+                self.engine = open_engine(self.session, min(prefill_chunk, capacity), threads, spin)
             except (EdgeInferError, OSError):
                 if folder_identity(folder) == seen:
                     raise
@@ -158,7 +161,6 @@ class Model:
                 break
         else:
             raise ModelFormatError(replaced_while_loading(folder))
-        self.engine = open_engine(self.session, min(prefill_chunk, capacity), threads, spin)
         self.cache = self.new_cache()
         self.held: list[int] | None = None  # the ids the default cache holds, in order (None: not known)
         self.lock = ContextLock("the model's default context (generate/stream)")

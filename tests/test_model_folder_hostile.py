@@ -188,6 +188,23 @@ def test_a_folder_replaced_while_it_loads_is_read_again_whole(tmp_path, converte
     assert m.generate("Once upon a time", max_new_tokens=16, temperature=0).token_ids == want
 
 
+def test_a_portable_folder_replaced_as_its_engine_opens_is_read_again_whole(tmp_path, monkeypatch):
+    """A hostile round: a portable engine opens the folder's prefill graph and embeddings after load's
+    checked part, so a folder replaced just then ran one conversion's decode graph with the other's
+    prefill graph and float16 embeddings: no error, text of neither (4 in ~588 racing loads)."""
+    from edgeinfer.converters import convert
+
+    dst, other = tmp_path / "model", tmp_path / "other"
+    for folder, quant in ((dst, "fp32"), (other, "int8")):
+        convert(STORIES_SRC, folder, quant=quant, target="nnapi", capacity_tokens=64, prefill_tokens=16)
+    prompt = list(range(1, 40))  # past one prefill call: the prefill graph runs
+    want = edgeinfer.load(other, threads=1).generate(prompt, max_new_tokens=16, temperature=0).token_ids
+    _swapping(monkeypatch, "open_engine", dst, [other])
+    m = edgeinfer.load(dst, threads=1)
+    assert m.manifest.quantization.weights == "int8"
+    assert m.generate(prompt, max_new_tokens=16, temperature=0).token_ids == want
+
+
 def test_a_folder_replaced_at_every_read_is_one_clear_error(tmp_path, converted, monkeypatch):
     dst = tmp_path / "model"
     shutil.copytree(converted(STORIES_SRC, "fp32"), dst)
