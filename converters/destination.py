@@ -82,9 +82,9 @@ def _not_the_converters(folder: Path) -> list[str]:
     except (OSError, ValueError, AttributeError):
         listed = {}
     ours = (set(listed) if isinstance(listed, dict) and listed else set(CONVERTER_NAMES)) | {MANIFEST_FILE, STAMP_FILE}
-    ours |= {p.name for p in folder.glob(f"{glob.escape(STAMP_FILE)}.*.tmp") if _stamp_temp(p.name)}
-    return sorted(p.name for p in folder.iterdir()
-                  if p.name not in ours and not _os_clutter(folder, p.name) or p.is_dir() and not p.is_symlink())
+    return sorted(p.name for p in folder.iterdir()  # one listing: a stamp's temporary file made after a separate
+                  if p.name not in ours and not _stamp_temp(p.name)  # glob of them was a user's file (a load
+                  and not _os_clutter(folder, p.name) or p.is_dir() and not p.is_symlink())  # then: a hostile round)
 
 
 CONVERTER_NAMES = ("model.onnx", "model.onnx.data", "prefill.onnx", "embeddings.npy", "model.ort", "prefill.ort",
@@ -95,6 +95,8 @@ CONVERTER_NAMES = ("model.onnx", "model.onnx.data", "prefill.onnx", "embeddings.
 def _stamp_temp(name: str) -> bool:
     """The verification stamp's temporary files (integrity.py: mkstemp's 8 characters between
     `.edgeinfer-verified.json.` and `.tmp`), not a user's file that starts and ends alike."""
+    if not (name.startswith(STAMP_FILE + ".") and name.endswith(".tmp")):
+        return False
     middle = name[len(STAMP_FILE) + 1:-len(".tmp")]
     return len(middle) == 8 and all(c in "abcdefghijklmnopqrstuvwxyz0123456789_" for c in middle)
 

@@ -308,6 +308,23 @@ def test_force_keeps_files_that_only_look_like_desktop_or_stamp_clutter(capsys, 
     assert_no_leftovers(tmp_path)
 
 
+def test_force_takes_a_stamp_s_temporary_file_made_while_it_looks_for_the_load_s(capsys, work, tmp_path, monkeypatch):
+    """A hostile round: the stamp's temporary files were listed first and the folder second, so one a
+    loading process wrote in between was taken for the user's, and --force refused (1 in ~110)."""
+    dst = tmp_path / "model"
+    assert run_convert(capsys, work / "src", dst)[0] == 0
+    real = Path.iterdir
+
+    def listing_as_a_load_stamps(self):
+        if self == dst:
+            (dst / ".edgeinfer-verified.json.a1b2c3d4.tmp").write_text("{}")  # mkstemp's name, as a load writes
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", listing_as_a_load_stamps)
+    rc, err = run_convert(capsys, work / "src", dst, "--force")
+    assert rc == 0, err
+
+
 def test_force_swaps_the_old_model_for_the_new_in_one_step(capsys, work, tmp_path, monkeypatch):
     """--force moved the old model aside, then the new one in: a process killed between the two
     renames (the OOM killer, a power cut) left no model at DST. Where the system can exchange two
