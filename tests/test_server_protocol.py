@@ -277,7 +277,8 @@ def test_completion_features_not_implemented_are_refused_not_ignored(changes):
     (parse_chat, dict(echo=True)), (parse_chat, dict(best_of=2)), (parse_chat, dict(suffix="x")),
     (parse_completion, dict(top_logprobs=3)), (parse_completion, dict(top_logprobs="3")),
     (parse_completion, dict(chat_template_kwargs={"enable_thinking": False})),
-    (parse_completion, dict(chat_template_kwargs="str"))], ids=case_id)
+    (parse_completion, dict(chat_template_kwargs="str"))],
+    ids=lambda v: v.__name__ if callable(v) else case_id(v))
 def test_the_other_endpoint_s_fields_asking_for_something_are_refused_naming_where_they_belong(parse, changes):
     """Hostile round: these were ignored (a 200 without the top logprobs or the echo asked for) while
     max_completion_tokens on /v1/completions was refused; asking for nothing they still pass."""

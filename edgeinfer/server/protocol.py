@@ -41,8 +41,9 @@ UNSUPPORTED_COMPLETION = {"echo": (None, False), "best_of": (None, 1), "suffix":
 # something, each is a 400 naming where it belongs (ignored, max_completion_tokens on /v1/completions let a
 # reply run to the server's limit, and top_logprobs or echo gave a reply without what they ask for)
 _CHAT, _COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-OTHER_ENDPOINT = {"chat": {"prompt": (_COMPLETIONS, (None,)), "echo": (_COMPLETIONS, (None, False)),
-                           "best_of": (_COMPLETIONS, (None, 1)), "suffix": (_COMPLETIONS, (None, ""))},
+_NOR_THERE = _COMPLETIONS + " (where this server does not support it either)"
+OTHER_ENDPOINT = {"chat": {"prompt": (_COMPLETIONS, (None,)), "echo": (_NOR_THERE, (None, False)),
+                           "best_of": (_NOR_THERE, (None, 1)), "suffix": (_NOR_THERE, (None, ""))},
                   "completion": {"messages": (_CHAT, (None,)),
                                  "max_completion_tokens": (_CHAT + " (here: max_tokens)", (None,)),
                                  "top_logprobs": (_CHAT + " (here: logprobs, a number)", (None, 0)),
