@@ -320,7 +320,8 @@ class Model:
         snap = snapshot if isinstance(snapshot, PrefixSnapshot) else \
             PrefixSnapshot.load(snapshot, spec.num_layers, (spec.num_kv_heads, spec.head_dim), self.capacity_tokens)
         if snap.model != self.fingerprint():
-            raise InvalidArgumentError("the snapshot was taken from another model (its weights differ)")
+            raise InvalidArgumentError("the snapshot was taken from another model (its files differ: other "
+                                       "weights, or another conversion of them: another capacity or format)")
         spec, n = self.manifest.arch, len(snap.token_ids)
         want = (n, spec.num_kv_heads, spec.head_dim)
         if n > self.capacity_tokens or len(snap.kv.k) != spec.num_layers or len(snap.kv.v) != spec.num_layers or \
