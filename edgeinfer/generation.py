@@ -181,7 +181,8 @@ class Generation:
 
     def cancel(self) -> None:
         """Stop the request from any thread: the thread iterating it gets GenerationCancelled at the
-        next prefill chunk or token, also from inside a power plan's pacing sleep."""
+        next prefill chunk or token, also from inside a power plan's pacing sleep or a wait for the
+        context (another request's turn)."""
         self._request.cancelled.set()
 
     @property
@@ -262,9 +263,11 @@ class Request:
         try:
             while lock is not None and self.held is None:  # (a SIGINT handler that does not raise: wait again)
                 with interrupts_held() as held:  # a Ctrl-C while waiting gives up; one as it takes the lock
-                    token = lock.acquire(self, give_up=held.pending)  # is raised once `held` says so
-                    if token:
+                    token = lock.acquire(self, give_up=lambda: held.pending() or self.cancelled.is_set())
+                    if token:  # (a Ctrl-C is raised once `held` says so)
                         self.held, self._token = lock, token
+                if not token:  # a cancel (or close) while waiting for another request's turn: it waited that out
+                    self._check_cancelled()
             yield from self._run(begin(self))
         except GenerationCancelled:  # abandoned, as a dropped stream is: its rows are sound
             raise

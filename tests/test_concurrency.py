@@ -391,6 +391,32 @@ def test_close_from_another_thread_during_the_last_step_releases_the_context(mod
     other.join(30)
 
 
+@pytest.mark.parametrize("how", ["close", "cancel"])
+def test_a_stream_waiting_for_the_context_stops_waiting_when_closed_or_cancelled(model, alone, how):
+    """A review: a close() or cancel() of a stream waiting for another request's turn was seen only once
+    that request ended; it then took the context, reset the cache, and only then stopped."""
+    first = model.stream(PROMPTS[0], **GREEDY)
+    next(first)  # holds the default context
+    waiting = model.stream(PROMPTS[1], **GREEDY)
+    ended = []
+
+    def read():
+        try:
+            next(waiting)
+        except BaseException as e:  # noqa: BLE001
+            ended.append(e)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()  # waiting for first's turn
+    getattr(waiting, how)()
+    t.join(5)
+    assert not t.is_alive() and len(ended) == 1 and isinstance(ended[0], edgeinfer.GenerationCancelled)
+    rest = [c.token_id for c in first]  # first, undisturbed, goes on
+    assert first.completion.token_ids == alone[PROMPTS[0]] and len(rest) == len(alone[PROMPTS[0]]) - 1
+
+
 def test_close_from_another_thread_between_reads_ends_the_stream_at_once(model, alone):
     s = model.stream(PROMPTS[0], **GREEDY)
     first = next(s)
