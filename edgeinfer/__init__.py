@@ -25,15 +25,16 @@ from edgeinfer.errors import (  # noqa: E402
 # once imported, as with any package.
 if TYPE_CHECKING:  # what type checkers and editors see: the names as they are
     from edgeinfer.context_lock import ContextBusyError
-    from edgeinfer.generation import Chunk, Completion, Generation, GenerationCancelled
+    from edgeinfer.generation import Generation, GenerationCancelled
     from edgeinfer.model import Conversation, Model, load
     from edgeinfer.options import GenerationOptions
     from edgeinfer.overflow import ContextOverflowError
+    from edgeinfer.results import Chunk, Completion
     from edgeinfer.sampling import SamplingParams
 
 _LAZY = {"ContextBusyError": "edgeinfer.context_lock", "ContextOverflowError": "edgeinfer.overflow",
          "GenerationOptions": "edgeinfer.options", "SamplingParams": "edgeinfer.sampling",
-         "Chunk": "edgeinfer.generation", "Completion": "edgeinfer.generation", "Generation": "edgeinfer.generation",
+         "Chunk": "edgeinfer.results", "Completion": "edgeinfer.results", "Generation": "edgeinfer.generation",
          "GenerationCancelled": "edgeinfer.generation",
          "Conversation": "edgeinfer.model", "Model": "edgeinfer.model", "load": "edgeinfer.model"}
 

@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING
 from edgeinfer.chat import check_messages, check_variables
 from edgeinfer.context_lock import ContextLock, interrupts_held
 from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError, ModelClosedError
-from edgeinfer.generation import Completion, Generation, Request
+from edgeinfer.generation import Generation, Request
+from edgeinfer.results import Completion
 from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.overflow import fits_beside, sinks_and_tail
 

@@ -29,7 +29,8 @@ from edgeinfer.errors import (EdgeInferError, InvalidArgumentError, InvalidArgum
                               ModelFormatError, warn_user)
 from edgeinfer.context_lock import ContextLock, interrupts_held
 from edgeinfer.conversation import Conversation
-from edgeinfer.generation import Completion, Generation, Request
+from edgeinfer.generation import Generation, Request
+from edgeinfer.results import Completion
 from edgeinfer.kv_cache import RingKVCache, Snapshot
 from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.prompt_ids import prompt_ids

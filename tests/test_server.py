@@ -548,7 +548,7 @@ def test_config_file_paths_are_relative_to_the_file(tmp_path, monkeypatch):
 
 async def _stream_of_ready_chunks(srv, texts: list[str]) -> list[str]:
     """The SSE events of a stream whose job's chunks (one per text) all wait before the first is sent."""
-    from edgeinfer.generation import Chunk
+    from edgeinfer.results import Chunk
     from edgeinfer.server import protocol, scheduler
     from edgeinfer.server.answer import Reply as _Reply
 

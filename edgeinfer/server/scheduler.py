@@ -29,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from edgeinfer.batching import DecodeBatcher, SoloStepper
-from edgeinfer.generation import Chunk, Completion, Generation, GenerationCancelled, Request
+from edgeinfer.generation import Generation, GenerationCancelled, Request
+from edgeinfer.results import Chunk, Completion
 from edgeinfer.kv_cache import BatchedKV, RingKVCache
 from edgeinfer.options import GenerationOptions
 from edgeinfer.prefix_cache import common_prefix, held_after, keepable, reuse
