@@ -16,10 +16,10 @@ The steps of `decide`:
 2. Pace: near the policy's limit a PI controller holds the temperature TARGET_BELOW_C under it by
    the token cap (log cap = I + KP * error; I integrates the error, so the plan remembers the rate
    that held the target instead of cycling between flat out and over-cut); performance only guards
-   the critical point; past the target while idle and not engaged (no rate to start from), the cap is
-   the floor until a busy plan measures one. With `power_budget_w` and a power reading the cap also follows the budget
-   (cap *= sqrt(budget / watts) per plan); the lower cap wins; the user's `max_tokens_per_s`
-   always applies on top.
+   the critical point; past the target while idle and not engaged (no rate to start from), the cap
+   is the floor until a busy plan measures one. With `power_budget_w` and a power reading the cap
+   also follows the budget (cap *= sqrt(budget / watts) per plan); the lower cap wins; the user's
+   `max_tokens_per_s` always applies on top.
 3. Threads, prefill and admission from the policy's table (docs/power.md):
    battery halves the cores on battery; hot runs prefill in small chunks (performance: only while its
    critical guard paces); background work is refused
