@@ -97,7 +97,7 @@ class ContextLock:
         """Take the lock (waiting for another thread's turn) and own it for `holder` (an object that
         lives as long as the use: the lock is taken back once it is gone); returns the holding's token
         for `settle` and `release`, or 0, not holding it, when `give_up()` (polled while waiting) said
-        so. Callers run it inside `interrupts_held` with give_up=held.pending, and record the token
+        so. Callers run it inside `interrupts_held` with give_up polling held.pending, and record the token
         inside that block too (`Generation.steps`)."""
         me = threading.current_thread()
         self._reclaim()

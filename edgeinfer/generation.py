@@ -95,6 +95,8 @@ class Generation:
 
     def _next(self) -> Chunk:
         if self._error is not None:
+            if self._closing and isinstance(self._error, GenerationCancelled):
+                raise StopIteration  # closed: ended, whether the close's cancel reached a running next() or not
             raise copy.copy(self._error)
         try:
             return next(self._steps)

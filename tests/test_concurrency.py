@@ -413,6 +413,8 @@ def test_a_stream_waiting_for_the_context_stops_waiting_when_closed_or_cancelled
     getattr(waiting, how)()
     t.join(5)
     assert not t.is_alive() and len(ended) == 1 and isinstance(ended[0], edgeinfer.GenerationCancelled)
+    with pytest.raises(StopIteration if how == "close" else edgeinfer.GenerationCancelled):
+        next(waiting)  # closed: ended, as a close between reads ends it (a second review)
     rest = [c.token_id for c in first]  # first, undisturbed, goes on
     assert first.completion.token_ids == alone[PROMPTS[0]] and len(rest) == len(alone[PROMPTS[0]]) - 1
 

@@ -228,6 +228,12 @@ def test_a_device_past_its_target_while_idle_paces_the_first_tokens(before_c):
     relaxing = decide(Readings(time_s=1.5, temp_c=66.9), pol, LOAD, hot)
     assert relaxing.max_tokens_per_s == MIN_TOKENS_PER_S and relaxing.level == "hot"
     assert relaxing.reason.endswith("(held)")
+    # ... and one that tightens as it lifts the floor (hotter: chunked prefill, background refused) is not
+    # held back (a second review: it kept the warm floor plan, admitting background work at 70.2 °C)
+    warm_floor = decide(Readings(time_s=1.0, temp_c=69.6), pol, IDLE)
+    assert warm_floor.max_tokens_per_s == MIN_TOKENS_PER_S and warm_floor.level == "warm"
+    hotter = decide(Readings(time_s=1.5, temp_c=70.2), pol, LOAD, warm_floor)
+    assert hotter.level == "hot" and hotter.max_tokens_per_s > MIN_TOKENS_PER_S and not hotter.admit_background
 
 
 def _watts(cap):  # a toy device: 2 W idle, 7 W at its unpaced 100 tok/s

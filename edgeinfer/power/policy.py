@@ -39,6 +39,7 @@ from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.power.readings import ANDROID_THERMAL_STATUS, Readings
 
 POLICY_NAMES = ("performance", "balanced", "battery", "thermal-guard")
+LEVELS = ("cool", "warm", "hot")  # the thermal levels, coolest first
 DEFAULT_LIMIT_C = 80.0  # when neither the policy nor the device gives a throttle point
 MIN_TOKENS_PER_S = 1.0  # the lowest cap a plan sets: pacing never sleeps more than 1 s a token
 HOT_PREFILL_CHUNK = 32
@@ -328,10 +329,11 @@ def _hold(plan: Plan, previous: Plan | None, policy: Policy, now: float) -> Plan
     if plan.level == "hot" and _safer(plan, previous) and (previous.level != "hot" or previous.heat_cap is None):
         return plan  # getting hot (or busy while hot): act now
     if previous.thermal_cap is not None and previous.thermal_i is None and plan.thermal_i is not None and \
-            (plan.level, plan.prefill_chunk) == (previous.level, previous.prefill_chunk) and \
+            LEVELS.index(plan.level) >= LEVELS.index(previous.level) and \
+            (plan.prefill_chunk is not None or previous.prefill_chunk is None) and \
             _safer(replace(plan, max_tokens_per_s=previous.max_tokens_per_s), previous):
         return plan  # the idle floor (`_thermal_cap`) gives way to the cap from a measured rate at once (only
-        # the cap: a plan relaxing anything else waits for the hold, a review)
+        # the cap: a plan relaxing anything else waits for the hold, one tightening it too does not: reviews)
     if plan.budget_cap is not None and previous.budget_cap is None and _safer(plan, previous):
         return plan  # over the power budget (a supply's limit: a Pi browns out past it): act now, not after
         # the idle plan's hold (a generation ran uncapped for its first 5 s: a Jetson review)
