@@ -153,8 +153,9 @@ def test_a_hot_plan_prefills_in_small_calls_only_where_the_reply_cannot_change()
     cool = edgeinfer.load(capacity_tokens=128)
     hot = edgeinfer.load(capacity_tokens=128, power=Policy("balanced", hold_s=0.0))
     hot.power.sensors = Switch(Readings(temp_c=90.0))
-    hot.power.tick()  # hot, with no rate measured yet: no pacing cap
-    hot.power.stop()  # the plan stays as it is (no later tick brings a cap that would only slow the test)
+    hot.power.tick()  # hot and idle: the floor's 1 tok/s cap, which would only slow the test (138 s), so
+    hot.power.stop()  # the plan is kept (no later tick) less its cap: this test is about prefill calls
+    hot.power.plan = replace(hot.power.plan, max_tokens_per_s=None)
     try:
         assert hot.power_state().plan.prefill_chunk == HOT_PREFILL_CHUNK
         calls = []
