@@ -226,6 +226,7 @@ class Request:
                         self.held, self._token = lock, token
                 if not token:  # a cancel (or close) while waiting for another request's turn: it waited that out
                     self._check_cancelled()
+            self._check_cancelled()  # cancelled before its first next(): begin must not change the context
             yield from self._run(begin(self))
         except GenerationCancelled:  # abandoned, as a dropped stream is: its rows are sound
             raise

@@ -273,9 +273,10 @@ class Model:
             begun.append(n)
             return ids[n:]
 
-        def end(req: Request) -> None:  # unknown after a Ctrl-C inside begin (the ring did not hold this prompt's
-            # prefix yet)
-            self.held = held_after(req, ids, cache) if begun and self.cache is cache else None
+        def end(req: Request) -> None:  # not begun: held as it was (begin never ran: a cancel before the first
+            # next()), or None (begin cut short by a Ctrl-C, after it forgot it)
+            if begun:
+                self.held = held_after(req, ids, cache) if self.cache is cache else None
 
         return Generation(self.engine, self.tokenizer, cache, opts, self.overflow, begin=begin, end=end,
                           lock=self.lock, load_ms=self.load_ms, power=self.power)

@@ -240,3 +240,16 @@ def test_a_snapshot_path_of_the_wrong_kind_is_an_edgeinfer_error(fp32, path, err
     m = edgeinfer.load(fp32, capacity_tokens=64)
     with pytest.raises(error):
         m.snapshot(ids_of(m, 10, 12), path=path)
+
+
+def test_a_stream_cancelled_before_its_first_next_leaves_the_held_prefix_alone(fp32):
+    """A cancel before the first next() ends the stream before `begin`: the default ring keeps what
+    it held (the stream took the context, reset the ring to its own shared prefix, then stopped)."""
+    m = edgeinfer.load(fp32, capacity_tokens=480)
+    prefix = ids_of(m, 200, 5)
+    m.generate(prefix + ids_of(m, 9, 6)[1:], **GREEDY)
+    g = m.stream(ids_of(m, 40, 7), **GREEDY)  # shares only BOS with what the ring holds
+    g.cancel()
+    with pytest.raises(edgeinfer.GenerationCancelled):
+        next(g)
+    assert m.generate(prefix + ids_of(m, 9, 8)[1:], **GREEDY).usage.cached_tokens == 200
