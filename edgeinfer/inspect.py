@@ -212,7 +212,7 @@ def verify(folder: Path | str, out=print) -> bool:
             session = DecoderSession(folder, threads=1, provider="cpu", manifest=manifest, hashed=True)
             if manifest.portable is not None:
                 PortableEngine(session, threads=1)
-            out("ok        loads (the graph takes the inputs its manifest describes)")
+            out("ok        loads (the graph takes the inputs and gives the outputs its manifest describes)")
         except EdgeInferError as e:
             ok = False
             out(f"MISMATCH  {MANIFEST_FILE}: {e}")

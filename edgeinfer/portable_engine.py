@@ -78,6 +78,10 @@ class PortableEngine(ChunkedSteps):
             if got.get(name) != shape:
                 raise ModelFormatError(f"{path}: input {name} is {got.get(name)}, the manifest's geometry needs "
                                        f"{shape}: the folder's graphs and edgeinfer.json disagree")
+        missing = self.session.io_names("outputs") - {o.name for o in sess.get_outputs()}
+        if missing:  # (the decode graph's were checked as it loaded; an output cut was a traceback at the first call)
+            raise ModelFormatError(f"{path}: the graph does not give the outputs edgeinfer.json names: missing "
+                                   f"{sorted(missing)[:8]}")
 
     def _drop(self) -> None:  # (`ChunkedSteps.close`) both graphs' sessions, and the float embedding table
         self.session.close()

@@ -150,23 +150,32 @@ class DecoderSession:
         except Exception as e:  # onnxruntime raises its own exception types for bad files
             raise ModelFormatError(f"cannot load {self.folder / MODEL_FILE}: {str(e).splitlines()[0][:300]}") from None
         self.provider = _provider_in_use(self.session, self.provider, asked=provider)
-        self._check_inputs()
+        self._check_io()
         if self.manifest.target == "cuda" and self.manifest.interface.version == 1:
             warn_user(f"{self.folder}: a cuda-target folder of graph interface version 1 rounds RoPE's angles "
                       "to float16 (wrong rotations past about 1,000 positions); re-convert it with this edgeinfer")
 
-    def _check_inputs(self) -> None:
-        """The graph takes exactly the inputs its manifest's interface names (a manifest edited to
-        another interface version, or a graph swapped for another, is refused here, not by ONNX
-        Runtime at the first call)."""
-        want = set()
-        for key, desc in self.manifest.interface.inputs.items():
-            want |= {desc.name.format(i=i) for i in range(self.manifest.arch.num_layers)} if desc.name else {key}
+    def _check_io(self) -> None:
+        """The graph takes exactly the inputs its manifest's interface names, and gives every output it
+        names (a manifest edited to another interface version, or a graph swapped for another or with
+        an output cut, is refused here, not by ONNX Runtime at the first call: a traceback)."""
+        want_in, want_out = self.io_names("inputs"), self.io_names("outputs")
         got = {i.name for i in self.session.get_inputs()}
-        if got != want:
+        if got != want_in:
             raise ModelFormatError(f"{self.folder / MODEL_FILE} does not take the inputs its edgeinfer.json names "
                                    f"(interface version {self.manifest.interface.version}): missing "
-                                   f"{_some(want - got)}, unexpected {_some(got - want)}")
+                                   f"{_some(want_in - got)}, unexpected {_some(got - want_in)}")
+        missing = want_out - {o.name for o in self.session.get_outputs()}
+        if missing:
+            raise ModelFormatError(f"{self.folder / MODEL_FILE} does not give the outputs its edgeinfer.json names "
+                                   f"(interface version {self.manifest.interface.version}): missing {_some(missing)}")
+
+    def io_names(self, part: str) -> set[str]:
+        """The graph's input (part "inputs") or output ("outputs") names, as the manifest's interface gives them."""
+        names = set()
+        for key, desc in getattr(self.manifest.interface, part).items():
+            names |= {desc.name.format(i=i) for i in range(self.manifest.arch.num_layers)} if desc.name else {key}
+        return names
 
 
 def _provider_in_use(session, chosen: str, asked) -> str:

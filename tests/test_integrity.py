@@ -75,7 +75,7 @@ def test_flipped_bit_in_weights_refused_at_load(capsys, folder):
     assert rc == 1 and len(err.splitlines()) == 1 and "model.onnx.data does not match" in err, err
 
 
-LOADS = "ok        loads (the graph takes the inputs its manifest describes)"
+LOADS = "ok        loads (the graph takes the inputs and gives the outputs its manifest describes)"
 MANIFEST_OK = "ok        edgeinfer.json (its manifest_sha256)"
 
 
@@ -265,7 +265,7 @@ def test_inspect_verify_hashes_each_file_once_without_a_stamp(capsys, folder, ha
     by the check, then by the session it opens to see that the graph loads."""
     (folder / integrity.STAMP_FILE).unlink(missing_ok=True)
     rc, lines = verify_cli(capsys, folder)
-    assert rc == 0 and "ok        loads (the graph takes the inputs its manifest describes)" in lines
+    assert rc == 0 and "ok        loads (the graph takes the inputs and gives the outputs its manifest describes)" in lines
     assert sorted(hashes) == sorted(listed(folder))
 
 
@@ -277,3 +277,26 @@ def test_inspect_calls_an_absurd_file_size_in_the_manifest_malformed(capsys, fol
     assert main(["inspect", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "the manifest's entry 'model.onnx' is malformed" in out and "e+" not in out and "9999" not in out, out
+
+
+@pytest.mark.parametrize("dropped", ["logits", "present.4.value"])
+def test_a_graph_that_lacks_an_output_its_manifest_names_is_refused_at_load_and_verify(capsys, folder, dropped):
+    """A graph edited to give one output fewer, its manifest's file hashes updated (a hand edit):
+    verify said the folder loads, and generate died on ONNX Runtime's error at the first call
+    (a traceback; hostile round)."""
+    import hashlib
+
+    import onnx
+
+    m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    (out,) = [o for o in m.graph.output if o.name == dropped]
+    m.graph.output.remove(out)
+    onnx.save(m, str(folder / "model.onnx"))
+    manifest = json.loads((folder / "edgeinfer.json").read_text())
+    data = (folder / "model.onnx").read_bytes()
+    manifest["files"]["model.onnx"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    write_manifest(folder, manifest)
+    with pytest.raises(edgeinfer.ModelFormatError, match=f"does not give the outputs .*missing \\['{dropped}'\\]"):
+        edgeinfer.load(folder)
+    rc, lines = verify_cli(capsys, folder)
+    assert rc == 1 and lines[-1].startswith("MISMATCH  edgeinfer.json:") and dropped in lines[-1]

@@ -125,6 +125,29 @@ def test_verify_opens_a_portable_folder_s_graphs_as_load_does(portable, tmp_path
         edgeinfer.load(bad)
 
 
+def test_a_portable_prefill_graph_that_lacks_an_output_is_refused(portable, tmp_path):
+    """The decode graph's outputs are checked as it loads; the prefill graph's were not, so one cut
+    from it (hashes and manifest made to match) loaded and failed at the first prefill (a traceback)."""
+    import hashlib
+    import shutil
+
+    import onnx
+
+    from edgeinfer.errors import ModelFormatError
+
+    bad = tmp_path / "cut"
+    shutil.copytree(portable(STORIES_SRC, "coreml", "fp32"), bad)
+    g = onnx.load(str(bad / "prefill.onnx"), load_external_data=False)
+    g.graph.output.remove([o for o in g.graph.output if o.name == "present.2.key"][0])
+    onnx.save(g, str(bad / "prefill.onnx"))
+    m = json.loads((bad / "edgeinfer.json").read_text())
+    data = (bad / "prefill.onnx").read_bytes()
+    m["files"]["prefill.onnx"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    write_manifest(bad, m)
+    with pytest.raises(ModelFormatError, match=r"prefill.onnx: the graph does not give the outputs .*present.2.key"):
+        edgeinfer.load(bad)
+
+
 def test_streamed_perplexity_through_the_ring(portable):
     r = stream_perplexity(portable(STORIES_SRC, "coreml", "fp32"), EVAL_TXT, capacity=128, sinks=4)
     assert abs(r.perplexity / FUSED_STREAM_REF - 1) < 0.01, r.perplexity
