@@ -33,6 +33,8 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # genera
 REQUIRED = {"context_length": "trained length", "attention.layer_norm_rms_epsilon": "norm epsilon",
             "embedding_length": "hidden size", "block_count": "layer count", "attention.head_count": "head count",
             "feed_forward_length": "MLP size"}  # a GGUF's own keys, under its architecture's name
+FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor", "rope.scale_linear",
+              "rope.scaling.attn_factor")  # float32 (or float64) in the file, as llama.cpp reads them
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # stored as float by keep, never re-quantized
 PIP_HINT = "pip install 'edgeinfer[gguf]'"
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -125,6 +127,11 @@ class GGUFCheckpoint:
             why = " (Llama 3.1-style rope scaling is not supported from GGUF)" if "rope_freqs.weight" in unknown else ""
             raise ConvertError(f"{self.path.name}: tensors this converter does not know: "
                                f"{', '.join(f'{n!r:.60}' for n in unknown[:3])}{more}{why}")
+        if extents and size - extents[-1][1] >= align:  # the same rule after the last tensor: a smaller type in
+            # its entry, or a smaller general.alignment (every tensor read early), converted into garbage
+            _, end, last = extents[-1]
+            raise ConvertError(f"{self.path.name}: the last tensor, {last!r:.80}, ends at byte {end} of {size}: "
+                               f"{size - end} bytes belong to no tensor (a damaged tensor table or alignment)")
         self.tensors = self._infos  # the checkpoint protocol's name -> entry map
         self._order: dict[str, np.ndarray] = {}
 
@@ -208,6 +215,11 @@ class GGUFCheckpoint:
             if k.startswith(f"{arch}.") and not isinstance(v, (int, float, str)):
                 raise ConvertError(f"{self.path.name} metadata: {k!r:.80} must be a single value, got an array of "
                                    f"{len(v)}")
+        for k in FLOAT_KEYS:  # an integer type read its bits as a number: an epsilon of 925,353,388 (a hostile
+            v = m.get(f"{arch}.{k}")  # round); llama.cpp refuses a key of the wrong type too
+            if v is not None and not isinstance(v, float):
+                raise ConvertError(f"{self.path.name} metadata: {arch}.{k} must be stored as a float, got "
+                                   f"{type(v).__name__} {v!r:.40}")
         for k in REQUIRED:  # llama.cpp refuses a file without them too (they were guessed: 2048, 1e-6)
             if f"{arch}.{k}" not in m:
                 raise ConvertError(f"{self.path.name} metadata: {arch}.{k} is missing (the model's "

@@ -537,3 +537,48 @@ def test_names_from_the_file_are_shown_escaped_and_short(tmp_path):
     src = _mutate(Q8, tmp_path / "my_vocab_size_test.gguf", {"llama.vocab_size": (500, V.UINT32)})
     with pytest.raises(ConvertError, match="^my_vocab_size_test.gguf metadata"):
         convert(src, tmp_path / "out")
+
+
+# --- a hostile round, 2026-12-03 ------------------------------------------------------------------
+
+def _retype(src: Path, dst: Path, tensor: str, type_id: int) -> Path:
+    """A copy of `src` with one tensor's type number changed in the table (its offset and bytes kept)."""
+    raw = bytearray(src.read_bytes())
+    name = tensor.encode()
+    at = raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    struct.pack_into("<I", raw, at + 4 + 8 * struct.unpack_from("<I", raw, at)[0], type_id)
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+@pytest.mark.parametrize("type_id", [2, 3, 6, 7, 8], ids=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_the_last_tensor_retyped_smaller_is_refused_by_the_bytes_after_it(tmp_path, type_id):
+    """Only the gaps between tensors were checked: the file's last tensor (an F32 norm, in real files
+    too) retyped to a smaller type converted with rc 0 into a model of garbage (a hostile round)."""
+    last = max(read_header(F32)[1], key=lambda t: t.offset).name
+    with pytest.raises(ConvertError, match=f"the last tensor, '{last}', ends at byte .* belong to no tensor"):
+        convert(_retype(F32, tmp_path / "bad.gguf", last, type_id), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("align", [16, 8, 4])
+def test_a_smaller_alignment_that_moves_the_data_is_refused(tmp_path, align):
+    """general.alignment made smaller: every tensor read a few bytes early, converted with rc 0 (text
+    "time time time"); the bytes left after the last tensor show it."""
+    src = _mutate(F32, tmp_path / "align.gguf", {"general.alignment": (align, V.UINT32)})
+    _meta, table = read_header(src)
+    assert min(t.offset for t in table) % 32  # the precondition: the header's end rounds up to another start
+    with pytest.raises(ConvertError, match="belong to no tensor"):
+        convert(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize("key,value,vtype", [
+    ("llama.attention.layer_norm_rms_epsilon", 925353388, V.UINT32),  # 1e-5's float32 bits read as a u32
+    ("llama.rope.freq_base", 1176256512, V.INT32),
+    ("llama.rope.scaling.factor", 4, V.UINT32),
+], ids=["eps_u32", "freq_base_i32", "factor_u32"])
+def test_a_float_key_stored_as_an_integer_is_refused(tmp_path, key, value, vtype):
+    """The value type changed from FLOAT32 to an integer (a bit or two): the epsilon converted as
+    925,353,388 and the model gave "time time time" (a hostile round); llama.cpp refuses it too."""
+    with pytest.raises(ConvertError, match=f"{key} must be stored as a float, got int"):
+        convert(_mutate(Q8, tmp_path / "bad.gguf", {key: (value, vtype)}), tmp_path / "out")
