@@ -153,8 +153,9 @@ class GGUFCheckpoint:
         _, qtype, have, _, _ = self._info(name, shape)
         if qtype in gguf_blocks.KEPT_TYPES and len(have) == 2:
             return self.blocks(name, shape).dequantize()
-        try:
-            arr = gguf.quants.dequantize(self._raw(name), gguf.GGMLQuantizationType[qtype])  # raw bytes, any type
+        try:  # damaged scales make NaN or infinity, refused below: numpy's warnings would come before that line
+            with np.errstate(invalid="ignore", over="ignore"):
+                arr = gguf.quants.dequantize(self._raw(name), gguf.GGMLQuantizationType[qtype])  # raw bytes, any type
         except (NotImplementedError, KeyError, ValueError) as e:
             raise ConvertError(f"{self.path.name}: tensor {self._info(name)[0]!r} has type {qtype}, which this "
                                f"converter cannot read ({e.__class__.__name__}: {e})") from None

@@ -582,3 +582,24 @@ def test_a_float_key_stored_as_an_integer_is_refused(tmp_path, key, value, vtype
     925,353,388 and the model gave "time time time" (a hostile round); llama.cpp refuses it too."""
     with pytest.raises(ConvertError, match=f"{key} must be stored as a float, got int"):
         convert(_mutate(Q8, tmp_path / "bad.gguf", {key: (value, vtype)}), tmp_path / "out")
+
+
+def test_a_re_quantized_tensor_with_an_infinite_scale_is_refused_without_numpy_warnings(tmp_path):
+    """A Q5_1 tensor (dequantized, then re-quantized) whose first scale is infinite: the refusal
+    ("holds NaN or infinite values") came after two lines of numpy's RuntimeWarnings (a hostile round)."""
+    import warnings
+
+    def q5_1(ts):
+        for t in ts:
+            if t[0] == "blk.0.ffn_up.weight":
+                f = np.random.default_rng(0).standard_normal(t[2], dtype=np.float32) * 0.02
+                raw = gguf.quants.quantize(f, gguf.GGMLQuantizationType.Q5_1).view(np.uint8).reshape(-1).copy()
+                raw[0:2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)  # the first block's scale
+                t[1], t[3] = "Q5_1", raw
+        return ts
+
+    src = _mutate(Q8, tmp_path / "inf.gguf", tensors=q5_1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning is an exception here: it must not be raised
+        with pytest.raises(ConvertError, match="holds NaN or infinite values"):
+            convert(src, tmp_path / "out")
