@@ -603,3 +603,14 @@ def test_a_re_quantized_tensor_with_an_infinite_scale_is_refused_without_numpy_w
         warnings.simplefilter("error")  # a warning is an exception here: it must not be raised
         with pytest.raises(ConvertError, match="holds NaN or infinite values"):
             convert(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize("argv", [[], ["--quant", "int8"]], ids=["no_quant", "int8"])
+def test_a_gguf_file_via_optimum_is_refused_for_what_it_is(tmp_path, capsys, argv):
+    """Without --quant the refusal blamed "the other convert options", none of which were given (a
+    hostile round): the CLI's default for a GGUF file (keep) reached the options' check first."""
+    from edgeinfer.cli import main
+
+    assert main(["convert", str(Q8), "-o", str(tmp_path / "out"), "--via", "optimum", *argv]) == 1
+    assert "is a GGUF file, which the native builder reads" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
