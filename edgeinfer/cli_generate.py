@@ -14,7 +14,7 @@ from edgeinfer.overflow import OVERFLOW_POLICIES
 
 def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="complete a prompt (no -m: the bundled stories260K model)")
-    g.add_argument("prompt", help="the prompt text; - reads it from standard input (a file piped in, of any length)")
+    g.add_argument("prompt", help="the prompt text; - reads it from standard input (a file piped in, up to 1 MiB)")
     _model_args(g)
     _sampling_args(g)
     g.add_argument("--stream", action="store_true", help="print tokens as they come")
@@ -24,7 +24,8 @@ def add_generate_parser(sub) -> None:
 
 def add_chat_parser(sub) -> None:
     ch = sub.add_parser("chat", help='interactive chat (/reset clears the context, Ctrl-C stops a reply, '
-                                     '""" begins and ends a message of several lines)')
+                                     '""" begins and ends a message of several lines); piped, a reply per message, '
+                                     'exit status 1 if any message was refused')
     _model_args(ch)
     _sampling_args(ch)
     ch.set_defaults(func=_cmd_chat)
@@ -106,14 +107,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_STDIN_PROMPT_BYTES = 1 << 20  # the tokenizer takes ~200 bytes of memory a byte at once (an 8 MB prompt: 1.6 GB,
+# an abort with no word under a 1.5 GB limit); 1 MiB is ~250,000 tokens, past any context here
+
+
 def _stdin_text() -> str:
-    """The prompt `-` stands for: all of standard input, as UTF-8, a leading byte-order mark dropped (a
-    command line holds 128 KiB at most)."""
+    """The prompt `-` stands for: all of standard input (at most MAX_STDIN_PROMPT_BYTES), as UTF-8, a
+    leading byte-order mark dropped (a command line holds 128 KiB at most)."""
     if sys.stdin is None:
         raise EdgeInferError("the prompt is - (standard input), but standard input is closed")
     if sys.stdin.isatty():
         print("edgeinfer: reading the prompt from standard input; end it with Ctrl-D", file=sys.stderr)
-    data = sys.stdin.buffer.read()
+    data = sys.stdin.buffer.read(MAX_STDIN_PROMPT_BYTES + 1)
+    if len(data) > MAX_STDIN_PROMPT_BYTES:
+        raise EdgeInferError(f"standard input holds more than {MAX_STDIN_PROMPT_BYTES >> 20} MiB: a prompt is at most "
+                             "that (tokenizing it takes about 200 bytes of memory a byte; a context holds far less)")
     try:  # a byte-order mark (a file saved by Notepad) is no part of the prompt: it was 3 byte tokens, as eval
         return data.decode("utf-8").removeprefix("\ufeff")  # drops it too
     except UnicodeDecodeError as e:
@@ -165,11 +173,29 @@ def _block(line: str, read_line) -> str:
     return "\n".join(lines)
 
 
+def _read_line(prompt: str | None) -> str:
+    """A line of input: from a terminal (`prompt` shown) by `input`, with its line editing; piped (`prompt`
+    None) read as bytes and decoded line by line, so that a bad byte loses that line alone (UnicodeDecodeError;
+    Python's strict stdin decoder dropped all it had buffered, up to 8 KB of later lines, and its
+    default one let the bytes through as surrogates). A CRLF file's carriage return is dropped (it
+    reached the model as part of the message). EOFError at the end."""
+    if prompt is not None:
+        return input(prompt).removesuffix("\r")
+    raw = sys.stdin.buffer.readline()
+    if not raw:
+        raise EOFError
+    return raw.decode("utf-8").removesuffix("\n").removesuffix("\r")
+
+
 def _cmd_chat(args: argparse.Namespace) -> int:
+    """The chat loop. A refused message (bad UTF-8, a reply that does not fit) says why on stderr and the
+    chat goes on; the exit status is then 1. Ctrl-C stops a reply (a terminal) or the whole chat (piped:
+    a script's interrupt, exit 130 as `generate`)."""
     opts = _options(args)
     if sys.stdin is None:
         raise EdgeInferError("chat reads its messages from standard input, which is closed")
     interactive = sys.stdin.isatty()
+    refused = 0
     model = _load(args)
     conv = model.conversation()
     if interactive:
@@ -178,22 +204,34 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         except ImportError:  # Windows, or a Python built without it
             pass
     print(f"edgeinfer chat: {HELP}", file=sys.stderr)
+
+    def more() -> str:  # a block's next line (`_block` says a bad one is skipped; counted here)
+        nonlocal refused
+        try:
+            return _read_line("... " if interactive else None)
+        except UnicodeDecodeError:
+            refused += 1
+            raise
+
     while True:
         try:
-            line = input("> " if interactive else "")  # piped: no prompts mixed into the replies
+            line = _read_line("> " if interactive else None)  # piped: no prompts mixed into the replies
         except EOFError:
             if interactive:
                 print()
-            return 0
+            return _chat_status(refused)
         except KeyboardInterrupt:
+            if not interactive:
+                raise
             print()
             continue
-        except UnicodeDecodeError as e:  # stdin decoded strictly (a UTF-8 locale) met a bad byte
+        except UnicodeDecodeError as e:  # a bad byte (piped; a terminal's under a strict UTF-8 locale): that line
             print(f"edgeinfer: error: the input is not valid UTF-8 ({e.reason}); line skipped", file=sys.stderr)
+            refused += 1
             continue
         command = line.strip().lower()
         if command in ("/quit", "/exit"):
-            return 0
+            return _chat_status(refused)
         if command == "/reset":
             conv.reset()
             print("(context cleared)", file=sys.stderr)
@@ -202,8 +240,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             print(HELP, file=sys.stderr)
             continue
         try:
-            message = _block(line, lambda: input("... " if interactive else ""))
+            message = _block(line, more)
         except KeyboardInterrupt:
+            if not interactive:
+                raise
             print("\n(message dropped)", file=sys.stderr)
             continue
         if not message.strip():
@@ -216,6 +256,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             if reply is not None:
                 reply.close()  # the conversation rolls the cut turn back: history and cache agree
+            if not interactive:
+                raise
             print("\n(reply stopped; that turn is forgotten)", file=sys.stderr)
             continue
         except EdgeInferError as e:  # e.g. the reply does not fit (--overflow error): say so, keep chatting
@@ -226,8 +268,16 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                 held = "; /reset clears the context" if conv.cache.n_valid else ""
                 hint = f" (here: --overflow, --capacity{held})"
             print(f"edgeinfer: error: {e}{hint}", file=sys.stderr)
+            refused += 1
             continue
         print()
         for note in _context_notes(reply.completion, opts.max_new_tokens, model.capacity_tokens, args.overflow):
             print(f"edgeinfer: note: {note}", file=sys.stderr)  # as generate says them: a turn's dropped tokens, a
             # reply cut by a full context
+
+
+def _chat_status(refused: int) -> int:
+    """The chat's exit status: 1 when a message was refused (each said why as it happened)."""
+    if refused:
+        print(f"edgeinfer: {refused} message{'s were' if refused > 1 else ' was'} refused", file=sys.stderr)
+    return 1 if refused else 0

@@ -61,11 +61,15 @@ def test_non_utf8_prompt_is_one_line():
 
 
 def test_chat_reports_bad_input_and_goes_on(capsys, monkeypatch):
-    lines = iter(["caf\udce9", "Once upon a time there was a little girl named Lily who", "/quit"])
-    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
-    assert main(["chat", "--max-tokens", "3", "--seed", "1", "--capacity", "8", "--overflow", "error"]) == 0
-    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("edgeinfer: error: ")]
+    import io
+
+    text = b"caf\xe9\nOnce upon a time there was a little girl named Lily who\n/quit\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text)))  # piped: read line by line as bytes
+    assert main(["chat", "--max-tokens", "3", "--seed", "1", "--capacity", "8", "--overflow", "error"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    err = [x for x in lines if x.startswith("edgeinfer: error: ")]
     assert len(err) == 2 and "not valid UTF-8" in err[0] and "does not fit" in err[1]
+    assert lines[-1] == "edgeinfer: 2 messages were refused"  # and the exit status says so (it was 0)
 
 
 def test_chat_says_what_a_full_context_did_as_generate_does():
@@ -73,20 +77,21 @@ def test_chat_says_what_a_full_context_did_as_generate_does():
     word, where `generate` prints a note; a turn refused under --overflow error named the Python
     argument capacity_tokens and not /reset, which recovers. A bad byte's position was its place in
     the rendered template (105), not in the line typed (2)."""
-    def chat(*flags: str, text: bytes) -> list[str]:
+    def chat(*flags: str, text: bytes, rc: int = 0) -> list[str]:
         r = subprocess.run([sys.executable, "-m", "edgeinfer", "chat", "--capacity", "64", "--temperature", "0",
                             *flags], input=text, capture_output=True, timeout=120, env={**os.environ, "LC_ALL": "C"})
         err = r.stderr.decode("utf-8", "replace")
-        assert r.returncode == 0 and "Traceback" not in err, err
+        assert r.returncode == rc and "Traceback" not in err, err
         return [x for x in err.splitlines() if x.startswith("edgeinfer: ")]
 
     story = b"Tell me a long story about a dog.\n"
     shift = chat("--max-tokens", "40", text=story + b"And then what happened next?\n")
     assert len(shift) == 2 and all("tokens were dropped from the 64-token context" in x for x in shift), shift
-    full = chat("--max-tokens", "60", "--overflow", "error", text=story + b"And then?\nab\xff\xfe hi\n")
+    full = chat("--max-tokens", "60", "--overflow", "error", text=story + b"And then?\nab\xff\xfe hi\n", rc=1)
     assert "the reply stopped after" in full[0] and "64-token context is full" in full[0], full
     assert "does not fit" in full[1] and full[1].endswith("(here: --overflow, --capacity; /reset clears the context)")
-    assert "message 2 (user) is not valid UTF-8: character 2 is" in full[2], full  # the refused turn is not kept
+    assert "the input is not valid UTF-8 (invalid start byte); line skipped" in full[2], full  # (piped input is
+    # decoded line by line: the line is refused before it becomes a message)
 
 
 def test_chat_stdin_that_is_not_utf8():
@@ -94,9 +99,10 @@ def test_chat_stdin_that_is_not_utf8():
     r = subprocess.run([sys.executable, "-m", "edgeinfer", "chat", "--max-tokens", "3"], input=b"hi\xff\n",
                        capture_output=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"})
     err = r.stderr.decode("utf-8", "replace")
-    assert r.returncode == 0 and "Traceback" not in err
+    assert r.returncode == 1 and "Traceback" not in err  # the chat went on; its status says a line was refused
     assert [x for x in err.splitlines() if "edgeinfer: error:" in x] == [
         "edgeinfer: error: the input is not valid UTF-8 (invalid start byte); line skipped"]
+    assert err.splitlines()[-1] == "edgeinfer: 1 message was refused"
 
 
 def test_closed_pipe_ends_quietly():
@@ -351,3 +357,49 @@ def test_every_public_name_states_its_contract():
             assert (obj.__doc__ or "").strip() and not obj.__doc__.startswith(f"{name}("), name
     for method in ("say", "stream_say", "reply", "reset"):
         assert getattr(edgeinfer.Conversation, method).__doc__, method
+
+
+def _piped_chat(text: bytes) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgeinfer", "chat", "--temperature", "0", "--max-tokens", "8"],
+                          input=text, capture_output=True, timeout=120)
+
+
+def test_piped_chat_takes_a_crlf_line_as_the_same_line():
+    """A CRLF file's carriage return reached the model as part of each message: another reply (a
+    hostile round: " Annabyaled" against " Anna, I'm")."""
+    crlf, lf = _piped_chat(b"Hi there\r\nTell me more\r\n"), _piped_chat(b"Hi there\nTell me more\n")
+    assert crlf.returncode == lf.returncode == 0 and crlf.stdout == lf.stdout and lf.stdout.strip(), crlf.stderr
+
+
+def test_a_block_line_that_is_not_utf8_counts_as_refused():
+    """Under a strict UTF-8 stdin a bad line inside a block is skipped, the block going on: that is a
+    refusal too (the exit status said nothing of it)."""
+    r = subprocess.run([sys.executable, "-m", "edgeinfer", "chat", "--temperature", "0", "--max-tokens", "8"],
+                       input=b'"""\nOnce upon\nab\xff\n"""\n', capture_output=True, timeout=120,
+                       env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"})
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "line skipped" in err and err.splitlines()[-1] == "edgeinfer: 1 message was refused"
+    assert r.stdout.strip()  # the block's other lines were still answered (the strict decoder dropped them all)
+
+
+def test_piped_chat_stops_on_ctrl_c_with_130_and_nothing_on_stdout():
+    """Piped, Ctrl-C while chat waited for input wrote an empty line into the replies and the chat went
+    on, exiting 0 (a hostile round); a script's interrupt now ends it as it ends `generate`."""
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "edgeinfer", "chat", "--max-tokens", "4"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stderr.readline().startswith(b"edgeinfer chat: ")  # loaded; now waiting for a line
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and out == b"" and b"edgeinfer: interrupted" in err, (out, err)
+
+
+def test_a_prompt_of_more_than_a_mib_on_stdin_is_refused_before_it_is_tokenized():
+    """An 8 MB piped prompt took the tokenizer 1.6 GB, and under a memory limit the process aborted
+    with no edgeinfer error line (a hostile round)."""
+    argv = [sys.executable, "-m", "edgeinfer", "generate", "-", "--max-tokens", "2"]
+    r = subprocess.run(argv, input=b"a b " * (1 << 18) + b"c", capture_output=True, timeout=120)
+    assert r.returncode == 1
+    _one_error_line(r.stderr.decode(), "standard input holds more than 1 MiB")

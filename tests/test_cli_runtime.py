@@ -33,8 +33,19 @@ def test_generate_errors_are_one_line(capsys, argv, needle):
     assert err.startswith("edgeinfer: error: ") and needle in err and len(err.splitlines()) == 1
 
 
+class _Terminal:
+    """A standard input that says it is a terminal (a Ctrl-C then stops a reply, not the chat)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def test_chat_reset_and_ctrl_c(capsys, monkeypatch):
+    import sys
+
     from edgeinfer.conversation import Conversation
+
+    monkeypatch.setattr(sys, "stdin", _Terminal())
 
     lines = iter(["Hello there", "/reset", KeyboardInterrupt(), "Tell me more", "Again", "/quit"])
 
@@ -112,9 +123,12 @@ def test_chat_takes_a_block_between_triple_quotes_as_one_message(capsys, monkeyp
         said.append(content)
         return real(self, content, opts)
 
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", _Terminal())
     monkeypatch.setattr(builtins, "input", fake_input)
     monkeypatch.setattr(Conversation, "stream_say", stream_say)
-    assert main(["chat", "--max-tokens", "2", "--seed", "1"]) == 0
+    assert main(["chat", "--max-tokens", "2", "--seed", "1"]) == 1  # the skipped line: a refusal
     assert said == ['def f():\n    """Doc."""\n    """\n\n    return 1', "One line.", "plain",
                     '    """ indented: not a block', "after", "cut by the end of input"]
     err = capsys.readouterr().err
