@@ -9,7 +9,7 @@ import sys
 
 from edgeinfer.cli_args import path_arg
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.overflow import OVERFLOW_POLICIES
+from edgeinfer.overflow import OVERFLOW_POLICIES, ContextOverflowError
 
 
 def add_generate_parser(sub) -> None:
@@ -88,14 +88,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     opts = _options(args)  # a bad option fails before the model loads
     prompt = _stdin_text() if args.prompt == "-" else args.prompt
     model = _load(args)
-    if args.stream:
-        g = model.stream(prompt, opts)
-        for chunk in g:
-            print(chunk.text, end="", flush=True)
-        print()
-        c = g.completion
-    else:
-        c = model.generate(prompt, opts)
+    try:
+        if args.stream:
+            g = model.stream(prompt, opts)
+            for chunk in g:
+                print(chunk.text, end="", flush=True)
+            print()
+            c = g.completion
+        else:
+            c = model.generate(prompt, opts)
+    except ContextOverflowError as e:  # the library's words name its own arguments (as chat says it)
+        raise EdgeInferError(f"{e} (here: --overflow, --capacity)") from None
+    if not args.stream:
         if args.json:
             from dataclasses import asdict
 
@@ -261,8 +265,6 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             print("\n(reply stopped; that turn is forgotten)", file=sys.stderr)
             continue
         except EdgeInferError as e:  # e.g. the reply does not fit (--overflow error): say so, keep chatting
-            from edgeinfer.overflow import ContextOverflowError
-
             hint = ""
             if isinstance(e, ContextOverflowError):  # the library's words name its own arguments
                 held = "; /reset clears the context" if conv.cache.n_valid else ""

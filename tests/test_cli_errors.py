@@ -24,7 +24,9 @@ ONE_LINE = [
     (["generate", "hi", "--top-p", "2"], "top_p"),
     (["generate", "hi", "--stream", "--top-k", "99999999999999999999"], "top_k"),
     (["generate", "Once upon a time there was a little girl named Lily", "--capacity", "8", "--overflow", "error"],
-     "does not fit"),
+     "or a larger capacity_tokens) (here: --overflow, --capacity)"),  # the flags, as chat says them
+    (["generate", "Once upon a time there was a little girl named Lily", "--capacity", "8", "--overflow", "error",
+      "--stream"], "(here: --overflow, --capacity)"),
     (["chat", "--threads", "-1"], "threads"),
     (["chat", "--capacity", "1000000000000"], "trained length of 512"),
 ]
