@@ -159,8 +159,7 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
         raise ConvertError(f"accuracy_level must be an integer 0..4, got {accuracy_level!r}")
     gguf = gguf_import.is_gguf(src)
     if via == "optimum" and gguf:  # (before the options' check: the CLI's default for a GGUF, keep, is not the user's)
-        raise ConvertError(f"--via optimum exports a Hugging Face model folder; {src} is a GGUF file, which the native "
-                           "builder reads (leave out --via)")
+        raise ConvertError(f"--via optimum exports Hugging Face model folders only; {src} is a GGUF file")
     if via == "optimum" or (via == "auto" and not gguf and _needs_optimum(src, log)):
         if scheme is not None and scheme in (default_scheme(scheme.weights, scheme.block_size),
                                              default_scheme(scheme.weights, scheme.block_size, recipe="rtn")):

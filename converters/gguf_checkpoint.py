@@ -113,6 +113,12 @@ class GGUFCheckpoint:
                 continue
             shape = tuple(reversed(t.dims))  # GGUF lists ne0 (the row length) first
             self._infos[name] = (t.name, qtype, shape, t.offset, end - t.offset)
+        if unknown:  # first: they hold bytes too, which the gaps below would call damage (llama-quantize
+            # writes rope_freqs between output_norm and token_embd)
+            more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+            why = " (Llama 3.1-style rope scaling is not supported from GGUF)" if "rope_freqs.weight" in unknown else ""
+            raise ConvertError(f"{self.path.name}: tensors this converter does not know: "
+                               f"{', '.join(f'{n!r:.60}' for n in unknown[:3])}{more}{why}")
         extents = sorted((i[3], i[3] + i[4], i[0]) for i in self._infos.values())
         for (_, end, a), (start, _, b) in zip(extents, extents[1:]):
             if start < end:
@@ -122,16 +128,11 @@ class GGUFCheckpoint:
                 # table was changed (an F32 norm retyped F16 converted into a model of garbage; a hostile review)
                 raise ConvertError(f"{self.path.name}: tensor {a!r:.80} ends at byte {end} but the next, {b!r:.80}, starts at "
                                    f"{start}: {start - end} bytes belong to no tensor (a damaged tensor table)")
-        if unknown:
-            more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
-            why = " (Llama 3.1-style rope scaling is not supported from GGUF)" if "rope_freqs.weight" in unknown else ""
-            raise ConvertError(f"{self.path.name}: tensors this converter does not know: "
-                               f"{', '.join(f'{n!r:.60}' for n in unknown[:3])}{more}{why}")
         if extents and size - extents[-1][1] >= align:  # the same rule after the last tensor: a smaller type in
             # its entry, or a smaller general.alignment (every tensor read early), converted into garbage
             _, end, last = extents[-1]
             raise ConvertError(f"{self.path.name}: the last tensor, {last!r:.80}, ends at byte {end} of {size}: "
-                               f"{size - end} bytes belong to no tensor (a damaged tensor table or alignment)")
+                               f"{size - end} bytes belong to no tensor (a damaged tensor table or alignment, or data appended)")
         self.tensors = self._infos  # the checkpoint protocol's name -> entry map
         self._order: dict[str, np.ndarray] = {}
 

@@ -98,6 +98,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.via == "optimum" and ((args.recipe or "rtn") != "rtn" or args.asymmetric):
         raise EdgeInferError("--via optimum quantizes with ONNX Runtime's symmetric round to nearest (--recipe rtn): "
                              "--recipe and --asymmetric choose the native builder's rounding")
+    if args.via == "optimum" and is_gguf(args.src):  # before keep's checks: keep is the default here, not the user's
+        raise EdgeInferError(f"--via optimum exports Hugging Face model folders only; {args.src} is a GGUF file")
     keep = args.quant == "keep" or (args.quant is None and args.target == "cpu" and is_gguf(args.src))
     if keep:
         if scheme_flags:

@@ -183,7 +183,8 @@ class Request:
                  lock: ContextLock | None = None, load_ms: float = 0.0, logprobs: int | None = None,
                  stepper=None, prefix: Sequence[int] = (), cancelled: threading.Event | None = None,
                  power=None):
-        """begin(request): run under the lock at the first `next()`, returns the prompt ids to feed
+        """begin(request): run under the lock at the first `next()` (not when the request was cancelled
+        before it, or its options cannot run on this engine: the context is left as it was), returns the prompt ids to feed
         (it may set `request.prefix`: the tokens fed before them, see `prefix` below; and `request.cut`: prompt
         tokens it left out, counted in usage as prompt tokens dropped). end(request): step 6.
         logprobs: None (off) or n >= 0: each chunk carries its token's logprob and the n best.
@@ -227,7 +228,8 @@ class Request:
                 if not token:  # a cancel (or close) while waiting for another request's turn: it waited that out
                     self._check_cancelled()
             self._check_cancelled()  # cancelled before its first next(): begin must not change the context
-            yield from self._run(begin(self))
+            draft = self._check_engine()  # so are options this engine cannot run (the ring kept what it held)
+            yield from self._run(begin(self), draft)
         except GenerationCancelled:  # abandoned, as a dropped stream is: its rows are sound
             raise
         except Exception:
@@ -245,21 +247,27 @@ class Request:
                         self.held = None
                         lock.release(self._token)
 
-    def _run(self, prompt_ids: list[int]) -> Iterator[Chunk]:
+    def _check_engine(self):
+        """Refuse options this engine cannot run, before `begin` touches the context; the draft model
+        (read once: set_draft may change it while this request runs) or None."""
+        engine, opts = self.engine, self.options
+        if opts.speculative and not isinstance(engine, Engine):  # it would run plain: say so
+            raise InvalidArgumentError(f"speculative={opts.speculative!r} needs a fused graph; this model's portable graph "
+                                       "(--target coreml/nnapi) has fixed shapes and verifies no drafts")
+        draft = getattr(engine, "draft", None)
+        if engine.closed:  # (its draft is gone too: that refusal would mislead)
+            raise ModelClosedError()
+        if opts.speculative == "draft" and draft is None:
+            raise InvalidArgumentError("speculative='draft' needs a draft model: model.set_draft(DIR)")
+        opts.sampling.check_vocabulary(engine.spec.vocab_size)
+        return draft
+
+    def _run(self, prompt_ids: list[int], draft) -> Iterator[Chunk]:
         engine, tok, cache, opts = self.engine, self.tok, self.cache, self.options
         vocab = engine.spec.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if opts.speculative and not isinstance(engine, Engine):  # it would run plain: say so
-            raise InvalidArgumentError(f"speculative={opts.speculative!r} needs a fused graph; this model's portable graph "
-                                       "(--target coreml/nnapi) has fixed shapes and verifies no drafts")
-        draft = getattr(engine, "draft", None)  # read once: set_draft may change it while this request runs
-        if engine.closed:  # (its draft is gone too: that refusal would mislead)
-            raise ModelClosedError()
-        if opts.speculative == "draft" and draft is None:
-            raise InvalidArgumentError("speculative='draft' needs a draft model: model.set_draft(DIR)")
-        opts.sampling.check_vocabulary(vocab)
         feed, dropped = fit_prompt(cache, prompt_ids, self.overflow, opts.max_new_tokens)
         self.fed, self.prompt_dropped = feed, self.cut + dropped
         dropped_before = cache.dropped

@@ -32,7 +32,7 @@ from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.kv_mode import PORTABLE
 from edgeinfer.portable import attention_mask, logit_chunks, rope_inputs
 from edgeinfer.ort_lifecycle import new_session
-from edgeinfer.session import PROVIDERS, DecoderSession, session_options
+from edgeinfer.session import PROVIDERS, DecoderSession, some_names, session_options
 
 
 class PortableEngine(ChunkedSteps):
@@ -81,7 +81,7 @@ class PortableEngine(ChunkedSteps):
         missing = self.session.io_names("outputs") - {o.name for o in sess.get_outputs()}
         if missing:  # (the decode graph's were checked as it loaded; an output cut was a traceback at the first call)
             raise ModelFormatError(f"{path}: the graph does not give the outputs edgeinfer.json names: missing "
-                                   f"{sorted(missing)[:8]}")
+                                   f"{some_names(missing)}")
 
     def _drop(self) -> None:  # (`ChunkedSteps.close`) both graphs' sessions, and the float embedding table
         self.session.close()

@@ -164,11 +164,11 @@ class DecoderSession:
         if got != want_in:
             raise ModelFormatError(f"{self.folder / MODEL_FILE} does not take the inputs its edgeinfer.json names "
                                    f"(interface version {self.manifest.interface.version}): missing "
-                                   f"{_some(want_in - got)}, unexpected {_some(got - want_in)}")
+                                   f"{some_names(want_in - got)}, unexpected {some_names(got - want_in)}")
         missing = want_out - {o.name for o in self.session.get_outputs()}
         if missing:
             raise ModelFormatError(f"{self.folder / MODEL_FILE} does not give the outputs its edgeinfer.json names "
-                                   f"(interface version {self.manifest.interface.version}): missing {_some(missing)}")
+                                   f"(interface version {self.manifest.interface.version}): missing {some_names(missing)}")
 
     def io_names(self, part: str) -> set[str]:
         """The graph's input (part "inputs") or output ("outputs") names, as the manifest's interface gives them."""
@@ -194,7 +194,7 @@ def _provider_in_use(session, chosen: str, asked) -> str:
     return "cpu"
 
 
-def _some(names: set[str], most: int = 8) -> str:
+def some_names(names: set[str], most: int = 8) -> str:
     """A few of `names` for a message (a manifest edited to 4,096 layers misses 8,000 of them)."""
     if not names:
         return "none"

@@ -253,3 +253,15 @@ def test_a_stream_cancelled_before_its_first_next_leaves_the_held_prefix_alone(f
     with pytest.raises(edgeinfer.GenerationCancelled):
         next(g)
     assert m.generate(prefix + ids_of(m, 9, 8)[1:], **GREEDY).usage.cached_tokens == 200
+
+
+def test_a_request_refused_for_its_options_leaves_the_held_prefix_alone(fp32):
+    """speculative='draft' with no draft model is refused; it was refused after `begin` had cut the
+    ring to the prompt's shared prefix, and the request's failure then forgot what the ring held (a
+    review)."""
+    m = edgeinfer.load(fp32, capacity_tokens=480)
+    prefix = ids_of(m, 200, 5)
+    m.generate(prefix + ids_of(m, 9, 6)[1:], **GREEDY)
+    with pytest.raises(InvalidArgumentError, match="needs a draft model"):
+        m.generate(ids_of(m, 40, 7), speculative="draft", **GREEDY)
+    assert m.generate(prefix + ids_of(m, 9, 8)[1:], **GREEDY).usage.cached_tokens == 200
