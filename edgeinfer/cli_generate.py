@@ -25,7 +25,7 @@ def add_generate_parser(sub) -> None:
 def add_chat_parser(sub) -> None:
     ch = sub.add_parser("chat", help='interactive chat (/reset clears the context, Ctrl-C stops a reply, '
                                      '""" begins and ends a message of several lines); piped, a reply per message, '
-                                     'exit status 1 if any message was refused')
+                                     'exit status 1 if any input was refused')
     _model_args(ch)
     _sampling_args(ch)
     ch.set_defaults(func=_cmd_chat)
@@ -185,10 +185,13 @@ def _read_line(prompt: str | None) -> str:
     reached the model as part of the message). EOFError at the end."""
     if prompt is not None:
         return input(prompt).removesuffix("\r")
-    raw = sys.stdin.buffer.readline()
+    sys.stdout.flush()  # as input() does: the last reply's newline reaches a script waiting for it
+    stream = getattr(sys.stdin, "buffer", sys.stdin)  # (a text stream that has no bytes under it: as it is)
+    raw = stream.readline()
     if not raw:
         raise EOFError
-    return raw.decode("utf-8").removesuffix("\n").removesuffix("\r")
+    line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    return line.removesuffix("\n").removesuffix("\r").removeprefix("\ufeff")  # a BOM, as `generate -` drops it
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -279,7 +282,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _chat_status(refused: int) -> int:
-    """The chat's exit status: 1 when a message was refused (each said why as it happened)."""
+    """The chat's exit status: 1 when an input was refused (a line skipped, a message that did not fit;
+    each said why as it happened)."""
     if refused:
-        print(f"edgeinfer: {refused} message{'s were' if refused > 1 else ' was'} refused", file=sys.stderr)
+        print(f"edgeinfer: {refused} input{'s were' if refused > 1 else ' was'} refused (said above)", file=sys.stderr)
     return 1 if refused else 0

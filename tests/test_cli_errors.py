@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -71,7 +72,7 @@ def test_chat_reports_bad_input_and_goes_on(capsys, monkeypatch):
     lines = capsys.readouterr().err.splitlines()
     err = [x for x in lines if x.startswith("edgeinfer: error: ")]
     assert len(err) == 2 and "not valid UTF-8" in err[0] and "does not fit" in err[1]
-    assert lines[-1] == "edgeinfer: 2 messages were refused"  # and the exit status says so (it was 0)
+    assert lines[-1] == "edgeinfer: 2 inputs were refused (said above)"  # and the exit status says so (it was 0)
 
 
 def test_chat_says_what_a_full_context_did_as_generate_does():
@@ -104,7 +105,7 @@ def test_chat_stdin_that_is_not_utf8():
     assert r.returncode == 1 and "Traceback" not in err  # the chat went on; its status says a line was refused
     assert [x for x in err.splitlines() if "edgeinfer: error:" in x] == [
         "edgeinfer: error: the input is not valid UTF-8 (invalid start byte); line skipped"]
-    assert err.splitlines()[-1] == "edgeinfer: 1 message was refused"
+    assert err.splitlines()[-1] == "edgeinfer: 1 input was refused (said above)"
 
 
 def test_closed_pipe_ends_quietly():
@@ -380,7 +381,7 @@ def test_a_block_line_that_is_not_utf8_counts_as_refused():
                        input=b'"""\nOnce upon\nab\xff\n"""\n', capture_output=True, timeout=120,
                        env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"})
     err = r.stderr.decode()
-    assert r.returncode == 1 and "line skipped" in err and err.splitlines()[-1] == "edgeinfer: 1 message was refused"
+    assert r.returncode == 1 and "line skipped" in err and err.splitlines()[-1] == "edgeinfer: 1 input was refused (said above)"
     assert r.stdout.strip()  # the block's other lines were still answered (the strict decoder dropped them all)
 
 
@@ -405,3 +406,31 @@ def test_a_prompt_of_more_than_a_mib_on_stdin_is_refused_before_it_is_tokenized(
     r = subprocess.run(argv, input=b"a b " * (1 << 18) + b"c", capture_output=True, timeout=120)
     assert r.returncode == 1
     _one_error_line(r.stderr.decode(), "standard input holds more than 1 MiB")
+
+
+def test_piped_chat_flushes_each_reply_before_it_waits_for_the_next_line():
+    """Read as bytes, the next line no longer went through input(), which flushes stdout: a script
+    talking to chat over pipes waited for a reply's newline for ever (a review; hidden when
+    PYTHONUNBUFFERED is set, so it is unset here)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    p = subprocess.Popen([sys.executable, "-m", "edgeinfer", "chat", "--max-tokens", "4", "--seed", "1"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    try:
+        p.stdin.write(b"Hi\n")
+        p.stdin.flush()
+        done = threading.Event()
+        threading.Timer(60, lambda: done.is_set() or p.kill()).start()
+        line = p.stdout.readline()  # the whole reply line, while chat waits for more input
+        done.set()
+        assert line.endswith(b"\n") and line.strip(), line
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)
+
+
+def test_piped_chat_drops_a_byte_order_mark_as_generate_does():
+    """`\\ufeff/quit` was not /quit, and the BOM reached the model as part of the first message."""
+    r = _piped_chat("\ufeff/quit\nnot seen\n".encode())
+    assert r.returncode == 0 and r.stdout == b"", r.stdout
+    bom, plain = _piped_chat("\ufeffOnce upon a time\n".encode()), _piped_chat(b"Once upon a time\n")
+    assert bom.stdout == plain.stdout and plain.stdout.strip()
