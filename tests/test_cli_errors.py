@@ -3,7 +3,6 @@ never a traceback; a reader closing the pipe early ends the program quietly."""
 
 from __future__ import annotations
 
-import builtins
 import json
 import os
 import subprocess
