@@ -233,8 +233,17 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             print()
             continue
         except UnicodeDecodeError as e:  # a bad byte (piped; a terminal's under a strict UTF-8 locale): that line
-            print(f"edgeinfer: error: the input is not valid UTF-8 ({e.reason}); line skipped", file=sys.stderr)
+            raw = e.object if isinstance(e.object, bytes) else b""
+            opens = raw.startswith(BLOCK.encode()) and not raw[len(BLOCK):].rstrip().endswith(BLOCK.encode())
+            skipped = "the message it begins (to its closing \"\"\") skipped" if opens else "line skipped"
+            print(f"edgeinfer: error: the input is not valid UTF-8 ({e.reason}); {skipped}", file=sys.stderr)
             refused += 1
+            if opens:  # its lines were turns of their own, and its closing \"\"\" opened a block (a review)
+                try:
+                    _block(BLOCK, more)
+                except KeyboardInterrupt:
+                    if not interactive:
+                        raise
             continue
         command = line.strip().lower()
         if command in ("/quit", "/exit"):

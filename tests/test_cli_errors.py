@@ -433,3 +433,13 @@ def test_piped_chat_drops_a_byte_order_mark_as_generate_does():
     assert r.returncode == 0 and r.stdout == b"", r.stdout
     bom, plain = _piped_chat("\ufeffOnce upon a time\n".encode()), _piped_chat(b"Once upon a time\n")
     assert bom.stdout == plain.stdout and plain.stdout.strip()
+
+
+def test_a_block_whose_opening_line_is_not_utf8_is_skipped_whole():
+    """A bad byte on a block's opening \"\"\" line skipped that line alone: the block's lines came as
+    turns of their own and its closing \"\"\" opened a block that swallowed the next messages (a review)."""
+    text = b'"""\xff intro\nline1\nline2\n"""\nOnce upon a time\n'
+    r, alone = _piped_chat(text), _piped_chat(b"Once upon a time\n")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "the message it begins (to its closing \"\"\") skipped" in err, err
+    assert r.stdout == alone.stdout and alone.stdout.strip()  # one reply: to the message after the block
