@@ -147,6 +147,18 @@ def _context_notes(c, max_new_tokens: int, capacity: int, overflow: str) -> list
 
 
 BLOCK = '"""'
+MAX_MESSAGE_BYTES = MAX_STDIN_PROMPT_BYTES  # a chat message, as a prompt on standard input (a 32 MB piped line was
+# a MemoryError traceback under a 1.5 GB limit: a hostile round)
+
+
+class _TooLong(Exception):
+    """A line or message of more than MAX_MESSAGE_BYTES; its bytes were read and dropped. `opens`: the
+    line begins a block (starts with \"\"\" and does not end with it), whose lines are to be skipped too."""
+
+    def __init__(self, opens: bool = False):
+        super().__init__(f"the message is longer than {MAX_MESSAGE_BYTES >> 20} MiB (a message is at most that, "
+                         "as a prompt on standard input is)")
+        self.opens = opens
 HELP = ('/reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply; a line starting with """ '
         'begins a message of several lines, ended by a line of """.')
 
@@ -156,24 +168,34 @@ def _block(line: str, read_line) -> str:
     and the lines after it up to one that is \"\"\" alone (`read_line()` gives the next; the end of
     the input ends the message too), or just the rest if it ends with \"\"\" (`\"\"\"Hi\"\"\"`).
     A text pasted into `chat` is then one turn, not one per line. Only an unindented \"\"\" opens
-    and closes, so pasted Python keeps its docstrings."""
+    and closes, so pasted Python keeps its docstrings. A block of more than MAX_MESSAGE_BYTES is read
+    to its end and refused whole (_TooLong)."""
     if not line.startswith(BLOCK):
         return line
     rest = line[len(BLOCK):]
     if rest.rstrip().endswith(BLOCK):
         return rest.rstrip()[:-len(BLOCK)]
     lines = [rest] if rest.strip() else []
+    size_bytes, too_long = sum(len(t.encode("utf-8", "surrogatepass")) for t in lines), False  # of "\n".join(lines)
     while True:
         try:
             text = read_line()
         except EOFError:
             break
+        except _TooLong:
+            too_long = True
+            continue
         except UnicodeDecodeError as e:  # that line alone: the block goes on (dropping the message left its
             print(f"edgeinfer: error: the input is not valid UTF-8 ({e.reason}); line skipped", file=sys.stderr)
             continue  # other lines to arrive as turns of their own, and its closing \"\"\" to open a block)
         if text.rstrip() == BLOCK:
             break
-        lines.append(text)
+        size_bytes += len(text.encode("utf-8", "surrogatepass")) + (1 if lines else 0)
+        too_long = too_long or size_bytes > MAX_MESSAGE_BYTES
+        if not too_long:
+            lines.append(text)
+    if too_long:
+        raise _TooLong()
     return "\n".join(lines)
 
 
@@ -182,16 +204,30 @@ def _read_line(prompt: str | None) -> str:
     None) read as bytes and decoded line by line, so that a bad byte loses that line alone (UnicodeDecodeError;
     Python's strict stdin decoder dropped all it had buffered, up to 8 KB of later lines, and its
     default one let the bytes through as surrogates). A CRLF file's carriage return is dropped (it
-    reached the model as part of the message). EOFError at the end."""
+    reached the model as part of the message). EOFError at the end; _TooLong for a piped line of more
+    than MAX_MESSAGE_BYTES, read to its end and dropped (a terminal's lines are typed)."""
     if prompt is not None:
         return input(prompt).removesuffix("\r")
     sys.stdout.flush()  # as input() does: the last reply's newline reaches a script waiting for it
     stream = getattr(sys.stdin, "buffer", sys.stdin)  # (a text stream that has no bytes under it: as it is)
-    raw = stream.readline()
+    raw = stream.readline(MAX_MESSAGE_BYTES + 2)  # (room for a CRLF)
     if not raw:
         raise EOFError
+    newline, cr = (b"\n", b"\r") if isinstance(raw, bytes) else ("\n", "\r")
+    if len(raw.removesuffix(newline).removesuffix(cr)) > MAX_MESSAGE_BYTES:  # (a line cut by the limit: no newline)
+        _drop_rest_of_line(stream, raw)
     line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
     return line.removesuffix("\n").removesuffix("\r").removeprefix("\ufeff")  # a BOM, as `generate -` drops it
+
+
+def _drop_rest_of_line(stream, head) -> None:
+    """Reads a too long line to its end, a MiB at a time, and raises _TooLong (saying whether it opens a block)."""
+    newline, block = (b"\n", BLOCK.encode()) if isinstance(head, bytes) else ("\n", BLOCK)
+    tail = chunk = head
+    while chunk and not chunk.endswith(newline):
+        chunk = stream.readline(1 << 20)
+        tail = tail[-len(block) - 64:] + chunk[-len(block) - 64:]
+    raise _TooLong(opens=head.startswith(block) and not tail.rstrip().endswith(block))
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -239,11 +275,13 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             print(f"edgeinfer: error: the input is not valid UTF-8 ({e.reason}); {skipped}", file=sys.stderr)
             refused += 1
             if opens:  # its lines were turns of their own, and its closing \"\"\" opened a block (a review)
-                try:
-                    _block(BLOCK, more)
-                except KeyboardInterrupt:
-                    if not interactive:
-                        raise
+                _skip_block(more, interactive)
+            continue
+        except _TooLong as e:
+            print(f"edgeinfer: error: {e}; skipped", file=sys.stderr)
+            refused += 1
+            if e.opens:
+                _skip_block(more, interactive)
             continue
         command = line.strip().lower()
         if command in ("/quit", "/exit"):
@@ -261,6 +299,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             if not interactive:
                 raise
             print("\n(message dropped)", file=sys.stderr)
+            continue
+        except _TooLong as e:
+            print(f"edgeinfer: error: {e}; skipped", file=sys.stderr)
+            refused += 1
             continue
         if not message.strip():
             continue
@@ -288,6 +330,17 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         for note in _context_notes(reply.completion, opts.max_new_tokens, model.capacity_tokens, args.overflow):
             print(f"edgeinfer: note: {note}", file=sys.stderr)  # as generate says them: a turn's dropped tokens, a
             # reply cut by a full context
+
+
+def _skip_block(read_line, interactive: bool) -> None:
+    """Reads a refused message's block to its closing \"\"\" and drops it (Ctrl-C ends that at a terminal)."""
+    try:
+        _block(BLOCK, read_line)
+    except _TooLong:
+        pass
+    except KeyboardInterrupt:
+        if not interactive:
+            raise
 
 
 def _chat_status(refused: int) -> int:

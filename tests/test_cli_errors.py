@@ -443,3 +443,52 @@ def test_a_block_whose_opening_line_is_not_utf8_is_skipped_whole():
     err = r.stderr.decode()
     assert r.returncode == 1 and "the message it begins (to its closing \"\"\") skipped" in err, err
     assert r.stdout == alone.stdout and alone.stdout.strip()  # one reply: to the message after the block
+
+
+def test_piped_chat_refuses_a_line_of_more_than_a_mib_and_answers_the_next():
+    """Piped chat read a line whole however long it was: a 32 MB line was a MemoryError traceback under
+    a 1.5 GB limit (a hostile round). A line over 1 MiB is read to its end in pieces and refused, as
+    `generate -` refuses such a prompt; the next message is answered as if it came alone."""
+    r, alone = _piped_chat(b"a b " * (1 << 19) + b"\nOnce upon a time\n"), _piped_chat(b"Once upon a time\n")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "the message is longer than 1 MiB" in err and "Traceback" not in err, err
+    assert r.stdout == alone.stdout and alone.stdout.strip()
+
+
+def _chat_said(monkeypatch, data: bytes, limit: int) -> tuple[int, list[str], str]:
+    """Piped chat over `data` with messages of at most `limit` bytes: its status, the messages the
+    conversation was given, and stderr."""
+    import io
+
+    from edgeinfer import cli_generate
+    from edgeinfer.conversation import Conversation
+
+    said = []
+    real = Conversation.stream_say
+
+    def stream_say(self, content, opts=None):
+        said.append(content)
+        return real(self, content, opts)
+
+    monkeypatch.setattr(cli_generate, "MAX_MESSAGE_BYTES", limit)
+    monkeypatch.setattr(Conversation, "stream_say", stream_say)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    return main(["chat", "--max-tokens", "1", "--seed", "1"]), said, err.getvalue()
+
+
+def test_piped_chat_limits_a_line_and_a_block_to_the_message_size_exactly(monkeypatch):
+    """At the limit a line or a block is a message; one byte over it is refused whole (read to its end:
+    a block's lines, and a too long line that opens a block, are not taken as turns of their own)."""
+    data = (b"x" * 16 + b"\r\n"                 # 16 bytes and a CRLF: taken
+            + b"y" * 17 + b"\n"                 # 17: refused
+            + b'"""\n' + b"z" * 7 + b"\n" + b"w" * 8 + b'\n"""\n'   # 7 + 1 + 8 = 16: taken
+            + b'"""\n' + b"z" * 8 + b"\n" + b"w" * 8 + b'\n"""\n'   # 17: refused whole
+            + b'"""' + b"v" * 20 + b"\nsecond line\n\"\"\"\n"      # an opening line over the limit: the block skipped
+            + b'"""' + b"u" * 20 + b'"""\n'     # too long, but closed on its line: that line alone
+            + b"after\n")
+    status, said, err = _chat_said(monkeypatch, data, 16)
+    assert said == ["x" * 16, "z" * 7 + "\n" + "w" * 8, "after"], said
+    assert status == 1 and err.count("the message is longer than 0 MiB") == 4, err
+    assert err.splitlines()[-1] == "edgeinfer: 4 inputs were refused (said above)"
