@@ -95,11 +95,12 @@ def _run(args: argparse.Namespace) -> int:
                                          ("--asymmetric", args.asymmetric), ("--int8-tensors", args.int8_tensors),
                                          ("--recipe", args.recipe))
                     if v is not None and v is not False]
+    if args.via == "optimum" and is_gguf(args.src):  # first: no flag helps a GGUF
+        # there (keep, the default for a GGUF, was blamed, then --recipe)
+        raise EdgeInferError(f"--via optimum exports Hugging Face model folders only; {args.src} is a GGUF file")
     if args.via == "optimum" and ((args.recipe or "rtn") != "rtn" or args.asymmetric):
         raise EdgeInferError("--via optimum quantizes with ONNX Runtime's symmetric round to nearest (--recipe rtn): "
                              "--recipe and --asymmetric choose the native builder's rounding")
-    if args.via == "optimum" and is_gguf(args.src):  # before keep's checks: keep is the default here, not the user's
-        raise EdgeInferError(f"--via optimum exports Hugging Face model folders only; {args.src} is a GGUF file")
     keep = args.quant == "keep" or (args.quant is None and args.target == "cpu" and is_gguf(args.src))
     if keep:
         if scheme_flags:

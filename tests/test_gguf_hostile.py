@@ -605,10 +605,12 @@ def test_a_re_quantized_tensor_with_an_infinite_scale_is_refused_without_numpy_w
             convert(src, tmp_path / "out")
 
 
-@pytest.mark.parametrize("argv", [[], ["--quant", "int8"], ["--block-size", "64"]], ids=["no_quant", "int8", "block"])
+@pytest.mark.parametrize("argv", [[], ["--quant", "int8"], ["--block-size", "64"], ["--quant", "int4", "--recipe", "gptq"]],
+                         ids=["no_quant", "int8", "block", "recipe"])
 def test_a_gguf_file_via_optimum_is_refused_for_what_it_is(tmp_path, capsys, argv):
     """Without --quant the refusal blamed "the other convert options", none of which were given (a
-    hostile round): the CLI's default for a GGUF file (keep) reached the options' check first."""
+    hostile round): the CLI's default for a GGUF file (keep) reached the options' check first; and
+    with --recipe it blamed --recipe, which changing would not have helped."""
     from edgeinfer.cli import main
 
     assert main(["convert", str(Q8), "-o", str(tmp_path / "out"), "--via", "optimum", *argv]) == 1
