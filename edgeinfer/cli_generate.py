@@ -87,6 +87,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise EdgeInferError("--json prints the whole completion as one object: it does not go with --stream")
     opts = _options(args)  # a bad option fails before the model loads
     prompt = _stdin_text() if args.prompt == "-" else args.prompt
+    if not prompt:  # (the library's refusal offers [bos_id], which a command line cannot give)
+        raise EdgeInferError("the prompt is empty: give text" + (" on standard input" if args.prompt == "-" else ""))
     model = _load(args)
     try:
         if args.stream:

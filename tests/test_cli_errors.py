@@ -492,3 +492,12 @@ def test_piped_chat_limits_a_line_and_a_block_to_the_message_size_exactly(monkey
     assert said == ["x" * 16, "z" * 7 + "\n" + "w" * 8, "after"], said
     assert status == 1 and err.count("the message is longer than 0 MiB") == 4, err
     assert err.splitlines()[-1] == "edgeinfer: 4 inputs were refused (said above)"
+
+
+@pytest.mark.parametrize("argv,stdin,needle", [(["generate", ""], b"", "the prompt is empty: give text"),
+                                               (["generate", "-"], b"", "the prompt is empty: give text on standard input")])
+def test_an_empty_prompt_is_refused_in_the_cli_s_words(argv, stdin, needle):
+    """The library's refusal offered `[bos_id]`, a list of ids no command line can give (noticed in a hostile round)."""
+    r = subprocess.run([sys.executable, "-m", "edgeinfer", *argv], input=stdin, capture_output=True, timeout=120)
+    assert r.returncode == 1 and "bos_id" not in r.stderr.decode()
+    _one_error_line(r.stderr.decode(), needle)
