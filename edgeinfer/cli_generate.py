@@ -72,14 +72,35 @@ def _options(args: argparse.Namespace):
     from edgeinfer.options import GenerationOptions
 
     flat = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in GENERATION_FLAGS}
-    return GenerationOptions.from_kwargs(**flat, stop=args.stop, ignore_eos=args.ignore_eos)
+    try:
+        return GenerationOptions.from_kwargs(**flat, stop=args.stop, ignore_eos=args.ignore_eos)
+    except EdgeInferError as e:
+        raise _in_flag_words(e) from None
 
 
 def _load(args: argparse.Namespace):
     import edgeinfer
 
-    return edgeinfer.load(args.model, threads=args.threads, capacity_tokens=args.capacity,
-                          overflow=args.overflow, verbose=args.verbose, power=args.power)
+    try:
+        return edgeinfer.load(args.model, threads=args.threads, capacity_tokens=args.capacity,
+                              overflow=args.overflow, verbose=args.verbose, power=args.power)
+    except EdgeInferError as e:
+        raise _in_flag_words(e) from None
+
+
+FLAG_OF = {"max_new_tokens": "--max-tokens", "capacity_tokens": "--capacity", "n_sink": "--capacity"}  # library names
+
+
+def _in_flag_words(e: EdgeInferError) -> EdgeInferError:
+    """A refusal whose words begin with (or, for the attention sinks, which no flag sets, end with) a library
+    argument that a flag of another name gives, with that flag named: `max_new_tokens must be ...` was
+    a puzzle after --max-tokens 0. Others as they are."""
+    text = str(e)
+    name = next((n for n in FLAG_OF if text.startswith(n) or f"({n})" in text), None)
+    if name is None:
+        return e
+    sinks = "; the CLI keeps the model's default attention sinks" if name == "n_sink" else ""
+    return EdgeInferError(f"{text} (here: {FLAG_OF[name]}{sinks})")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

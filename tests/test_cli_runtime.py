@@ -22,12 +22,16 @@ def test_generate_text_and_json(capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["generate", ""], "prompt is empty"),
-    (["generate", "Hi", "--max-tokens", "0"], "max_new_tokens"),
+    (["generate", "Hi", "--max-tokens", "0"], "max_new_tokens must be a positive integer, got 0 (here: --max-tokens)"),
     (["generate", "Hi", "--top-p", "2"], "top_p"),
-    (["generate", "Hi", "--capacity", "1"], "capacity_tokens"),
+    (["generate", "Hi", "--capacity", "1"], "capacity_tokens must be an integer >= 2, got 1 (here: --capacity)"),
+    (["generate", "Hi", "--capacity", "3"], "fewer sinks (here: --capacity; the CLI keeps the model's default "),
+    (["chat", "--capacity", "3"], "fewer sinks (here: --capacity; the CLI keeps the model's default "),
     (["generate", "Hi", "-m", "/nonexistent/model"], "model folder not found"),
 ])
 def test_generate_errors_are_one_line(capsys, argv, needle):
+    """One line each; where a library argument's name is not the flag's, the flag is named too (--max-tokens 0
+    was refused as max_new_tokens; --capacity 3 was told to use fewer sinks, which no flag sets)."""
     assert main(argv) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("edgeinfer: error: ") and needle in err and len(err.splitlines()) == 1
