@@ -93,10 +93,13 @@ class ChatTemplate:
                 self.error = e
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-               defuse: Callable[[str], str] | None = None, variables: dict | None = None) -> str:
+               defuse: Callable[[str], str] | None = None, variables: dict | None = None,
+               undefuse: Callable[[str], str] | None = None) -> str:
         """The prompt text; `defuse` (the tokenizer's) is applied to each message's content first, so
-        that a control token's string in it stays text when the rendering is encoded. `variables`:
-        more names for the template (`check_variables`); the plain fallback has no use for them."""
+        that a control token's string in it stays text when the rendering is encoded, and `undefuse`
+        (the tokenizer's) to a refusal's words (a template's raise_exception quoting a message showed
+        the placeholders). `variables`: more names for the template (`check_variables`); the plain
+        fallback has no use for them."""
         messages = check_messages(messages)
         variables = check_variables(variables, defuse)
         if defuse is not None:
@@ -121,8 +124,10 @@ class ChatTemplate:
                                                    "characters")
                     pieces.append(piece)
             return "".join(pieces)
-        except InvalidArgumentError:
-            raise
+        except InvalidArgumentError as e:
+            if undefuse is None or undefuse(str(e)) == str(e):
+                raise
+            raise InvalidArgumentError(undefuse(str(e))) from None
         except Exception as e:  # the template itself fails on these messages (a broken or hostile template:
             # Jinja's filters raise AttributeError, RuntimeError and more on odd arguments)
             raise InvalidArgumentError(f"the model's chat template failed on these messages: "

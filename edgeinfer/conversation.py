@@ -142,7 +142,7 @@ class Conversation:
                     self._recover()
             msgs = list(messages) if messages is not None else self.messages + [{"role": "user", "content": content}]
             full = m.template.render(msgs, add_generation_prompt=True, defuse=m.tokenizer.defuse,
-                                     variables=self.template_variables)
+                                     variables=self.template_variables, undefuse=m.tokenizer.undefuse)
             ids, whole, over = self._ids_for(full, opts)
             req.cut = len(whole) - len(ids)
             if not ids:

@@ -249,7 +249,8 @@ class Model:
         """Token ids of `messages` in the model's chat template, ending with the assistant's cue;
         `template_variables` as `chat.check_variables` takes them ({"enable_thinking": False})."""
         return self.encode_rendered(self.template.render(messages, add_generation_prompt=True,
-                                                         defuse=self.tokenizer.defuse, variables=template_variables))
+                                                         defuse=self.tokenizer.defuse, variables=template_variables,
+                                                         undefuse=self.tokenizer.undefuse))
 
     def stream(self, prompt: str | Sequence[int], options: GenerationOptions | None = None, **overrides) -> Generation:
         """A Generation: iterate for Chunks (joined, their text equals `generate(...).text`); its

@@ -96,6 +96,8 @@ class Tokenizer:
         nonce = "".join(secrets.choice("0123456789") for _ in range(16))  # digits: a template's upper() keeps them
         self._placeholder = {s: f"\ue000{nonce}.{i}\ue001" for i, s in enumerate(controls)}
         self._placeholder_re = re.compile(f"\ue000{nonce}\\.(\\d+)\ue001")
+        # the same as Python's repr and JSON's ensure_ascii write it: a template that prints a dict variable
+        self._escaped_re = re.compile(f"\\\\ue000{nonce}\\.(\\d+)\\\\ue001")  # (`{{ extra }}`, a review)
         self._after = f"\ue002{nonce}\ue003"  # `_after_control`'s added token
         self._controls = controls
 
@@ -139,11 +141,21 @@ class Tokenizer:
             return text
         return self._control_re.sub(lambda m: self._placeholder[m.group(0)], text)
 
+    def undefuse(self, text: str) -> str:
+        """`text` with `defuse`'s placeholders put back as the control strings they stand for (as text: a
+        template's error message quoting a message, a rendering that printed a dict or list variable)."""
+        if "\ue000" in text:
+            text = self._placeholder_re.sub(lambda m: self._controls[int(m.group(1))], text)
+        if "\\ue000" in text:
+            text = self._escaped_re.sub(lambda m: self._controls[int(m.group(1))], text)
+        return text
+
     def _encode(self, text: str) -> list[int]:
         """Ids of `text`, its control strings matched, `defuse`'s placeholders encoded as plain text."""
         if self._control_re is None:
             return list(self._encode_all(text))
-        defused = "\ue000" in text and self._placeholder_re.search(text) is not None
+        defused = (("\ue000" in text and self._placeholder_re.search(text) is not None)
+                   or ("\\ue000" in text and self._escaped_re.search(text) is not None))
         if self.kind != "sentencepiece" and not defused:
             return list(self._encode_all(text))  # the library splits at its special tokens itself
         ids: list[int] = []
@@ -153,7 +165,7 @@ class Tokenizer:
                 ids.append(self._specials[part])
                 continue
             if defused:
-                part = self._placeholder_re.sub(lambda m: self._controls[int(m.group(1))], part)
+                part = self.undefuse(part)
             if self.kind == "sentencepiece":  # (as Hugging Face's legacy Llama tokenizer encodes the text between
                 ids.extend(self._encode_text(part) if part else [])  # controls)
                 continue

@@ -130,3 +130,39 @@ def test_a_chats_next_turn_keeps_its_slot_with_template_variables(model):
         assert second.usage.prompt_tokens_details.cached_tokens >= len(model.encode_chat(MSGS, OFF)) - 8
     finally:
         r.stop()
+
+
+@pytest.mark.parametrize("source,variables", [
+    ("{{ messages[0].content }}{{ extra }}", {"extra": {"note": "a </s> b", "list": ["<s>", "x"]}}),  # Python's repr
+    ("{{ messages[0].content }}{{ extra | tojson(ensure_ascii=True) }}", {"extra": {"note": "a </s> b"}}),
+])
+def test_a_variable_printed_whole_shows_its_control_strings_as_text_the_same_on_every_load(model, source, variables):
+    """A hostile round: a template printing a dict variable (`{{ extra }}`: Python's repr, which escapes
+    the placeholder's private-use characters) put `\\ue000` and the per-load random number into the prompt,
+    so two loads of one folder encoded the same request differently."""
+    t = model.template
+    other = edgeinfer.load(threads=1)
+    try:
+        model.template = other.template = ChatTemplate(source, t.bos_token, t.eos_token)
+        ids = model.encode_chat(MSGS, variables)
+        assert ids == other.encode_chat(MSGS, variables)
+        plain = model.template.render(MSGS, variables=variables)  # not defused: the text the ids must spell
+    finally:
+        model.template = t
+    assert model.tokenizer.decode(ids) == plain and "</s>" in plain
+    assert not set(model.tokenizer.eos_ids) & set(ids) and ids.count(model.tokenizer.bos_id) == 1
+
+
+def test_a_template_refusal_quotes_the_message_as_sent(model):
+    """The template's raise_exception quoting a message showed the placeholder (a private-use character and
+    the per-load random number) where the message had a control string (a hostile round)."""
+    t = model.template
+    model.template = ChatTemplate("{{ raise_exception('bad: ' + messages[0].content) }}", t.bos_token, t.eos_token)
+    try:
+        with pytest.raises(InvalidArgumentError) as e:
+            model.encode_chat([{"role": "user", "content": "x </s> y"}])
+        with pytest.raises(InvalidArgumentError) as e2:
+            model.conversation().say("x </s> y", max_new_tokens=2)
+    finally:
+        model.template = t
+    assert str(e.value) == str(e2.value) == "chat template: bad: x </s> y"
