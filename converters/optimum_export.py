@@ -4,15 +4,18 @@ Gemma, ...) -> an edgeinfer model folder, through Hugging Face Optimum's ONNX ex
 1. Optimum exports the decoder with past (task `text-generation-with-past`, fp32, eager attention)
    into a temporary folder, with `position_ids` as an input for every family (the ring sets
    positions itself) and without the config's sliding window (the ring keeps it, as for the
-   native graphs: `architecture.sliding_window`, `kv_cache.binding_window`).
+   native graphs: `architecture.sliding_window`, `kv_cache.binding_window`). The model transformers
+   builds must be the checkpoint's (no weight missing, unused or of another shape) with the RoPE
+   the manifest records (`_check_loaded`); a window that binds some layers only is refused.
 2. `optimum_graph.rewire` turns that graph's KV exchange into the `optimum` KV mode's (slot-major
    past, the new rows as present, `logits_index`).
 3. ONNX Runtime's own MatMulNBitsQuantizer quantizes the MatMul weights (int4 or int8, blocks of 32,
    symmetric round to nearest: the native `--recipe rtn`, not the native int4 default gptq; accuracy
    level 4) and the embedding's Gather
    (GatherBlockQuantized); fp32 keeps the float graph.
-4. The tokenizer files are copied and `edgeinfer.json` written (the `optimum` KV mode, origin
-   "optimum"), all in `.DST.partial-PID-N`, renamed into place at the end (`convert._convert`'s rule).
+4. The tokenizer files are copied (and loaded once, as the native builder checks them) and
+   `edgeinfer.json` written (the `optimum` KV mode, origin "optimum"; the source's hashes of the
+   weight files transformers read, `_weights_read`), all in `.DST.partial-PID-N`, renamed into place at the end (`convert._convert`'s rule).
 
 Torch, transformers and Optimum are imported only here, only when called (`pip install
 'edgeinfer[optimum]'`): the runtime never needs them. Families are limited to those whose graph the
@@ -34,7 +37,8 @@ from pathlib import Path
 from edgeinfer import __version__
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters.convert import MAX_DEFAULT_CAPACITY, _check_source, check_spec
-from edgeinfer.converters.hf_tokenizer import TOKENIZER_FILES, tokenizer_info
+from edgeinfer.converters.hf_tokenizer import TOKENIZER_FILES, check_tokenizer, tokenizer_info
+from edgeinfer.converters.safetensors_io import _weight_map, no_weights_hint
 from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
 from edgeinfer.converters.source_files import regular_file
 from edgeinfer.converters.hf_config import _eos_ids, _int, check_rope_range, flag, parse_rope, read_config
@@ -56,7 +60,6 @@ QUANTS = ("int4", "int8", "fp32")
 # learned or ALiBi positions (gpt2, opt, bloom, mpt), NoPE layers (smollm3), two RoPE bases (gemma3),
 # alternating windows with soft-capping (gemma2, not verified).
 RING_FAMILIES = ("arcee", "gemma", "granite", "llama", "mistral", "olmo", "olmo2", "phi3", "qwen2", "qwen3")
-WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
 
 
 def _exporter():
@@ -102,6 +105,13 @@ def spec_from_hf_config(cfg: dict) -> ArchSpec:
     if heads % kv_heads:
         raise ConvertError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads "
                            f"{kv_heads}")
+    if cfg.get("model_type") in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):  # as the native builder: its
+        # window binds only the layers from max_window_layers on, and the ring keeps one window for all (a hostile round)
+        raise ConvertError(f"config.json: use_sliding_window=true is not supported for {cfg['model_type']}")
+    kinds = cfg.get("layer_types")
+    if isinstance(kinds, list) and len(set(map(str, kinds))) > 1:
+        raise ConvertError(f"config.json: layer_types mixes {', '.join(sorted(set(map(str, kinds))))[:200]}: the KV "
+                           "ring keeps one window for every layer")
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) is not False else None
     spec = ArchSpec(
         family=str(cfg["model_type"]), hidden_size=hidden,
@@ -153,7 +163,7 @@ def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transfor
     try:
         t0 = time.perf_counter()
         exported = tmp / "optimum-export"
-        _export(src, exported, transformers, TasksManager, export)
+        _export(src, exported, spec, transformers, TasksManager, export)
         log(f"Optimum exported the {spec.family} decoder in {time.perf_counter() - t0:.1f} s")
         t0 = time.perf_counter()
         _rewire_and_quantize(exported, tmp, spec, scheme)
@@ -166,7 +176,7 @@ def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transfor
             regular_file(src / name)  # not a link to /dev/zero (copied until the disk filled) or a FIFO
             shutil.copyfile(src / name, tmp / name)
         outputs = [MODEL_FILE, *([DATA_FILE] if (tmp / DATA_FILE).exists() else []), *tokenizer_files]
-        sources = ["config.json", *sorted({p.name for pat in WEIGHT_FILES for p in src.glob(pat)}), *tokenizer_files]
+        sources = ["config.json", *_weights_read(src), *tokenizer_files]
         manifest = Manifest(
             arch=spec, quantization=scheme, target="cpu", flavour="fused", interface=graph_interface(spec, OPTIMUM),
             tokenizer=tokenizer_info(src, spec, log),
@@ -175,6 +185,7 @@ def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transfor
             source={n: sha256_file(src / n) for n in sources}, converter_version=__version__,
             origin=Origin(format="optimum", file=src.name))
         manifest.write(tmp)
+        check_tokenizer(tmp, manifest, log)  # a corrupt tokenizer file: refused now, not at the first load
         _replace_atomically(tmp, dst, force)
         return manifest
     finally:
@@ -197,8 +208,49 @@ def _offline():
                 os.environ[k] = v
 
 
-def _export(src: Path, out: Path, transformers, TasksManager, export) -> None:
-    """Optimum's ONNX export of the decoder with past, fp32, into `out` (model.onnx)."""
+def _weights_read(src: Path) -> list[str]:
+    """The weight files transformers' from_pretrained reads, in its order of preference (model.safetensors,
+    the safetensors index and its shards, pytorch_model.bin, the .bin index and its shards): what the
+    manifest's `source` hashes. Others in the folder were not read (every file the patterns matched was
+    hashed: an unused pytorch_model.bin linked to /dev/zero hashed for ever, a hostile round)."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (src / single).is_file():
+            return [single]
+        if (src / index).is_file():
+            return [index, *sorted(set(_weight_map(src / index).values()))]
+    return []
+
+
+def _check_loaded(src: Path, model, info: dict, spec: ArchSpec, version: str) -> None:
+    """The model transformers (`version`) built is the checkpoint's, with the RoPE the manifest records: weights it
+    lacks (transformers fills them with random values), weights it did not use, and a RoPE other than
+    config.json's as edgeinfer reads it (transformers 4.x ignores a transformers-5 `rope_parameters`
+    block: the graph's RoPE and the ring's re-basing then disagree) are refused. All three converted
+    into a wrong model, with rc 0 (a hostile round: perplexity 537.8 for an untied head left out)."""
+    import numpy as np
+
+    for key, what in (("missing_keys", "lacks weights the model needs"), ("unexpected_keys", "holds weights the "
+                      "model does not use"), ("mismatched_keys", "holds weights of other shapes than config.json's")):
+        names = sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(key) or ())
+        if names:
+            raise ConvertError(f"{src}: the checkpoint {what} ({len(names)}: {', '.join(names[:3])[:200]}"
+                               f"{', ...' if len(names) > 3 else ''}): transformers would fill or drop them")
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    theirs = getattr(rotary, "inv_freq", None)
+    if theirs is None:
+        return  # (each family of RING_FAMILIES has one in transformers 4.57)
+    theirs, ours = theirs.detach().float().numpy(), spec.rope.inv_freq(spec.head_dim)
+    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    if theirs.shape != ours.shape or not np.allclose(theirs, ours, rtol=1e-5, atol=0) or scaling != 1.0:
+        raise ConvertError(f"config.json: the RoPE transformers {version} builds from it differs "
+                           f"from the one edgeinfer reads ({spec.rope}): a rope_parameters block this transformers "
+                           "does not read? Give the settings as rope_theta and rope_scaling")
+
+
+def _export(src: Path, out: Path, spec: ArchSpec, transformers, TasksManager, export) -> None:
+    """Optimum's ONNX export of the decoder with past, fp32, into `out` (model.onnx), of a model that
+    `_check_loaded` found to be the checkpoint's."""
     import torch
 
     with _offline(), warnings.catch_warnings():
@@ -209,10 +261,18 @@ def _export(src: Path, out: Path, transformers, TasksManager, export) -> None:
                 config.sliding_window = None
             if getattr(config, "layer_types", None):
                 config.layer_types = ["full_attention"] * len(config.layer_types)
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                src, config=config, dtype=torch.float32, local_files_only=True, attn_implementation="eager").eval()
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConvertError(f"transformers cannot load {src}: {str(e).splitlines()[0][:300]}") from None
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                src, config=config, dtype=torch.float32, local_files_only=True, attn_implementation="eager",
+                output_loading_info=True)
+        except Exception as e:  # noqa: BLE001 - OSError for no weights, RuntimeError for a size mismatch, the
+            # safetensors library's own error for a truncated file: one line each (they were tracebacks)
+            hint = no_weights_hint(src) if isinstance(e, OSError) else ""
+            if hint:
+                raise ConvertError(f"transformers finds no weights in {src}{hint}") from None
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]  # (a size mismatch's second
+            text = " ".join(lines[:2])[:300] or type(e).__name__  # line names the tensor and the shapes)
+            raise ConvertError(f"transformers cannot load {src}: {text}") from None
+        _check_loaded(src, model.eval(), info, spec, transformers.__version__)
         ctor = TasksManager.get_exporter_config_constructor(exporter="onnx", model=model, task=TASK,
                                                             library_name="transformers")
         base = ctor.func if isinstance(ctor, functools.partial) else ctor

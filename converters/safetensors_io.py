@@ -132,6 +132,18 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+def no_weights_hint(folder: Path) -> str:
+    """What a folder without the weights a convert reads holds instead, if it says what to do (a hostile
+    round: an Optimum ONNX export given as the source was told only that no weights were there)."""
+    if (folder / "model.onnx").exists() or (folder / "decoder_model.onnx").exists():
+        return (": it holds an ONNX graph (an export such as optimum-cli's), which convert does not take: "
+                "give the Hugging Face model folder it was exported from")
+    if any(folder.glob("pytorch_model*.bin")):
+        return (": its weights are PyTorch .bin files, which the native builder does not read (--via optimum "
+                "reads them, with torch: pip install 'edgeinfer[optimum]')")
+    return ""
+
+
 class Checkpoint:
     """All tensors of a model folder's safetensors files, indexed by name; read one at a time. The files
     are those transformers' `from_pretrained` reads: model.safetensors where there is one (beside an
@@ -153,7 +165,7 @@ class Checkpoint:
         else:
             files = sorted(folder.glob("*.safetensors"))
             if not files:
-                raise ConvertError(f"no *.safetensors file in {folder}")
+                raise ConvertError(f"no *.safetensors file in {folder}{no_weights_hint(folder)}")
         self.files = files
         self.tensors: dict[str, TensorInfo] = {}
         where: dict[str, str] = {}
