@@ -961,3 +961,51 @@ def test_seconds_per_token_is_not_idle_and_reads_its_real_rate():
             assert paced == pytest.approx(1 / 3) and unpaced == pytest.approx(1 / 3)
     assert _rates(0, 0.0, 0.5, steps, steps[-1][0] + 9.5, 0.5, (1.0, 1.0)) == (None, None)  # 3 gaps: idle
     assert _rates(8, 0.05, 0.5, steps, 1020.0, 0.5, (None, None)) == (16.0, 160.0)  # dense: the window's own
+
+
+@pytest.mark.parametrize("fault", ["-1\n", "0\n"])
+def test_a_sensors_fault_value_is_no_reading_and_never_cools_a_hot_device(tmp_path, fault):
+    """A hostile round: a CPU zone reading "-1" (or "0") for 2.5 s was taken as -0.001 °C (0 °C): the
+    median went cool, pacing and the background refusal were lifted (24 -> 520 tok/s live), and stayed
+    lifted while the sensor read garbage after. Unconnected and failing sensors read those values."""
+    root = make_tree(tmp_path / "root", {ZONE + "type": "cpu-thermal\n", ZONE + "temp": "95000\n",
+                                         ZONE + "trip_point_0_type": "passive\n", ZONE + "trip_point_0_temp": "85000\n"})
+    clock = Clock()
+    ctl = PowerController(Policy("balanced"), Sensors(root, run=RecordedCommands({}), platform="linux",
+                                                      battery_fn=None, clock=clock), fake_cores(), clock=clock)
+    for _ in range(20):
+        clock.t += 0.5
+        plan = ctl.tick()
+    assert plan.level == "hot" and not plan.admit_background
+    (root / ZONE / "temp").write_text(fault)
+    for _ in range(16):
+        clock.t += 0.5
+        plan = ctl.tick()
+        assert ctl.readings.temp_c is None and plan.level == "hot" and not plan.admit_background, plan
+    assert any("a sensor's fault value" in w for w in ctl.readings.warnings)
+
+
+def test_an_old_temperature_leaves_the_median():
+    """After a long spell of unreadable values a plan's reason quoted a temperature read 40 s before,
+    the median still holding it: samples older than ten intervals are left out."""
+    clock = Clock()
+    read = Script(*[Readings(temp_c=95.0, throttle_temp_c=85.0)] * 5, *[Readings()] * 80,
+                  Readings(temp_c=50.0, throttle_temp_c=85.0))
+    ctl = PowerController(Policy("balanced"), read, fake_cores(), clock=clock)
+    for _ in range(86):
+        clock.t += 0.5
+        plan = ctl.tick()
+    assert "50.0 °C" in plan.reason or plan.level != "hot", plan.reason
+
+
+def test_past_the_critical_point_a_hot_paced_plan_gets_safer_at_once():
+    """docs/power.md: a reading at or past the critical point acts at once. Already hot and paced
+    (189 tok/s of 200 at 86 °C), a reading of 110 °C (critical 105) kept that cap for the 5 s hold."""
+    r = Readings(temp_c=86.0, throttle_temp_c=85.0, critical_temp_c=105.0, time_s=0.0)
+    p = None
+    for t in range(0, 20):
+        p = decide(replace(r, time_s=t * 0.5), Policy("balanced"), LOAD, p)
+    assert p.level == "hot" and p.max_tokens_per_s is not None
+    before = p.max_tokens_per_s
+    p = decide(replace(r, temp_c=110.0, time_s=p.since_s + 0.5), Policy("balanced"), LOAD, p)
+    assert p.max_tokens_per_s is not None and p.max_tokens_per_s < before and "(held)" not in p.reason, p

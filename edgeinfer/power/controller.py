@@ -146,15 +146,18 @@ class PowerController:
         """What a plan decides on: temp_c the median of the last TEMP_MEDIAN_OF temperatures read (a
         missed read or a NaN skipped, not a reset), so that a sensor glitch (52 -> 100 -> 52 °C in half
         a second; a real die does not jump 68 °C) does not throttle decoding to 1 token/s for the
-        plan's hold time; a real rise shows after TEMP_MEDIAN_OF // 2 + 1 samples. A reading at or past
-        the device's critical point acts at once: there, a false alarm costs less than a late one."""
+        plan's hold time; a real rise shows after TEMP_MEDIAN_OF // 2 + 1 samples. Samples older than
+        2 * TEMP_MEDIAN_OF intervals are left out (after a minute of unreadable values a plan's reason
+        quoted a temperature read 40 s before: a hostile round). A reading at or past the device's
+        critical point acts at once: there, a false alarm costs less than a late one."""
         t = r.temp_c
         if t is None or not math.isfinite(t):
             return replace(r, temp_c=None)
-        self._temps.append(t)
+        self._temps.append((r.time_s, t))
         if r.critical_temp_c is not None and t >= r.critical_temp_c:
             return r
-        return replace(r, temp_c=sorted(self._temps)[len(self._temps) // 2])
+        fresh = sorted(x for at, x in self._temps if 0 <= r.time_s - at <= TEMP_MEDIAN_OF * 2 * self.interval_s)
+        return replace(r, temp_c=fresh[len(fresh) // 2])
 
     def _say_unenforced(self, r: Readings) -> None:
         """Say once a limit that no sensor of this device can enforce: one that has never been read in

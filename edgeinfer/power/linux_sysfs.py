@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TEMP_RANGE_C = (-40.0, 150.0)
+FAULT_MILLIDEGREES = (0.0, -1.0)  # what unconnected or failing sensors read (a hot device read "-1" for 2 s and its
+# plan went cool and unpaced: a hostile round); a real 0.000 °C die is no device's concern here
 TRIP_RANGE_C = (30.0, 150.0)  # a throttle point under 30 °C is a trip point written in °C, not m°C
 POWER_MAX_W = 1000.0
 FREQ_MAX_MHZ = 20000.0
@@ -308,6 +310,9 @@ class LinuxSysfs(SysfsTree):
         zones, cpu_temps, passive, critical = [], [], [], []
         for s in self.sensors:
             raw = self.number(s.path, report)
+            if raw in FAULT_MILLIDEGREES:
+                report.warn(f"{s.name}: {raw:g} m°C, a sensor's fault value, dropped")
+                raw = None
             temp_c = in_range(None if raw is None else raw / 1000, *TEMP_RANGE_C, s.name, report)
             if s.cpu:
                 passive += s.passive_c

@@ -25,8 +25,9 @@ The steps of `decide`:
    critical guard paces); background work is refused
    when hot (thermal-guard: warm too) or on battery under `min_battery_pct`.
 4. Hold: a plan differs from `previous` at most once per `hold_s`, except a change that makes it
-   safer because the device is hot, a first cap for the power budget, or the heat cap replacing
-   the idle floor of step 2, which apply at once.
+   safer because the device is hot (or, already hot and paced, at or past its critical point), a
+   first cap for the power budget, or the heat cap replacing the idle floor of step 2, which apply
+   at once.
 """
 
 from __future__ import annotations
@@ -303,7 +304,9 @@ def decide(readings: Readings, policy: Policy, load: Load, previous: Plan | None
     plan = Plan(threads=threads, max_tokens_per_s=cap, prefill_chunk=prefill, admit_background=admit,
                 reason="; ".join(r for r in reasons if r), level=level, heat_cap=heat_cap, since_s=readings.time_s, thermal_cap=thermal_cap,
                 thermal_i=thermal_i, budget_cap=budget_cap)
-    return _hold(plan, previous, policy, readings.time_s)
+    critical = readings.temp_c is not None and readings.critical_temp_c is not None \
+        and readings.temp_c >= readings.critical_temp_c
+    return _hold(plan, previous, policy, readings.time_s, critical)
 
 
 def _same(a: Plan, b: Plan) -> bool:
@@ -318,14 +321,18 @@ def _safer(new: Plan, old: Plan) -> bool:
     return (new.threads <= old.threads and new_cap <= old_cap and (old.admit_background or not new.admit_background))
 
 
-def _hold(plan: Plan, previous: Plan | None, policy: Policy, now: float) -> Plan:
-    """Step 4: keep `previous` unless hold_s has passed, or the change is a safety one while hot."""
+def _hold(plan: Plan, previous: Plan | None, policy: Policy, now: float, critical: bool = False) -> Plan:
+    """Step 4: keep `previous` unless hold_s has passed, or the change is a safety one while hot (at or
+    past the device's critical point: any safer plan)."""
     if previous is None:
         return plan
     if _same(plan, previous):
         return replace(previous, reason=plan.reason)
     if now - previous.since_s >= policy.hold_s or now < previous.since_s:  # held long enough, or the clock jumped back
         return plan
+    if critical and _safer(plan, previous):
+        return plan  # past the critical point, a plan already hot and paced kept its cap for the hold (189 tok/s
+        # of 200 at 110 °C, critical 105, for 4.5 s: a hostile round)
     if plan.level == "hot" and _safer(plan, previous) and (previous.level != "hot" or previous.heat_cap is None):
         return plan  # getting hot (or busy while hot): act now
     if previous.thermal_cap is not None and previous.thermal_i is None and plan.thermal_i is not None and \
