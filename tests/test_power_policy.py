@@ -557,3 +557,21 @@ def test_edgeinfer_power_is_reachable_right_after_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "75.0"
+
+
+def test_power_watch_logs_a_sensor_warning_once_not_once_per_policy(caplog):
+    """A hostile round: `power --watch` over a battery reading "abc" logged its warning four times, once by
+    each policy's controller."""
+    import logging
+
+    from edgeinfer.power.report import watch
+
+    class Warned:
+        def read(self):
+            return Readings(temp_c=50.0, cpu_count=2, warnings=("BAT0/capacity: not a number: 'abc'",))
+
+    rounds = watch(Warned())
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            next(rounds)
+    assert sum("not a number: 'abc'" in r.getMessage() for r in caplog.records) == 1, caplog.records

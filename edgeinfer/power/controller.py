@@ -95,8 +95,11 @@ def _rates(steps: int, compute_s: float, span: float, recent: list, now: float, 
 
 class PowerController:
     def __init__(self, policy: Policy, sensors, cores: CoreLimit | None = None, *,
-                 interval_s: float = DEFAULT_INTERVAL_S, clock=time.monotonic, sleep=time.sleep):
-        """sensors: anything with `read() -> Readings` (`power.sensors.Sensors`, or a simulation's)."""
+                 interval_s: float = DEFAULT_INTERVAL_S, clock=time.monotonic, sleep=time.sleep,
+                 warned: set[str] | None = None):
+        """sensors: anything with `read() -> Readings` (`power.sensors.Sensors`, or a simulation's).
+        warned: the kinds of warning already logged, shared by controllers reading one set of sensors
+        (`power --watch`'s, one per policy, logged each sensor warning four times)."""
         self.policy, self.sensors = policy, sensors
         self.cores = cores if cores is not None else CoreLimit.shared()
         self.interval_s, self.clock, self.sleep = float(interval_s), clock, sleep
@@ -110,7 +113,7 @@ class PowerController:
         self._steps, self._compute_s, self._window_start = 0, 0.0, clock()
         self._recent: deque = deque(maxlen=RECENT_STEPS)  # (clock(), compute s) of the last steps
         self._rates: tuple[float | None, float | None] = (None, None)  # (paced, unpaced) tok/s in force
-        self._warned: set[str] = set()
+        self._warned: set[str] = warned if warned is not None else set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._forks_seen = _FORKS[0]  # the forks its sampling thread belongs to (`_own_process`)

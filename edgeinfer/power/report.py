@@ -40,7 +40,8 @@ def watch(sensors, interval_s: float = 1.0):
         if controllers is None:
             cores = CoreLimit(list(range(this.readings.cpu_count or len(allowed_cores()))))
             cores.supported = False  # reported, never applied: the watch runs no model
-            controllers = {name: PowerController(Policy(name), this, cores, interval_s=interval_s)
+            warned: set[str] = set()  # each sensor warning logged once, not once per policy
+            controllers = {name: PowerController(Policy(name), this, cores, interval_s=interval_s, warned=warned)
                            for name in POLICY_NAMES}
         yield {"readings": this.readings.as_dict(), "plan_cpus": cores.max_threads,
                "plans": {name: c.tick().as_dict() for name, c in controllers.items()}}
