@@ -575,3 +575,14 @@ def test_power_watch_logs_a_sensor_warning_once_not_once_per_policy(caplog):
         for _ in range(3):
             next(rounds)
     assert sum("not a number: 'abc'" in r.getMessage() for r in caplog.records) == 1, caplog.records
+
+
+def test_a_numpy_limit_is_judged_as_the_float_it_is_kept_as():
+    """A hostile round: np.float16(0.1) passed the power budget's floor of 0.1 (numpy compared it as a
+    float16) and was kept as 0.0999755859375; np.float32 limits are taken, as plain floats."""
+    import numpy as np
+
+    with pytest.raises(InvalidArgumentError, match=r"power_budget_w must be a number in \[0.1, 1000\]"):
+        Policy("balanced", power_budget_w=np.float16(0.1))
+    p = Policy("balanced", power_budget_w=np.float32(5), max_temp_c=np.int64(70))
+    assert (p.power_budget_w, p.max_temp_c) == (5.0, 70.0) and type(p.max_temp_c) is float

@@ -78,9 +78,11 @@ class Policy:
             v = getattr(self, field)
             if v is None:
                 continue
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not lo <= v <= hi or not math.isfinite(v):
+            x = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else None  # a numpy number (np.float32
+            # was refused) as a plain float, judged as one (np.float16(0.1) passed as 0.1 and was kept as 0.09998)
+            if x is None or not lo <= x <= hi or not math.isfinite(x):
                 raise InvalidArgumentError(f"power policy {field} must be a number in [{lo:g}, {hi:g}], got {v!r:.40}")
-            object.__setattr__(self, field, float(v))  # a numpy number (np.float32 was refused) as a plain float
+            object.__setattr__(self, field, x)
         if self.hysteresis_c >= self.warm_band_c:
             raise InvalidArgumentError(f"hysteresis_c ({self.hysteresis_c}) must be less than warm_band_c "
                                        f"({self.warm_band_c}): the warm level would never be left")
