@@ -120,10 +120,14 @@ def _post_processor_adds(path: Path, bos: int | None) -> bool:
 def check_tokenizer(folder: Path, manifest: Manifest, log=lambda msg: None) -> None:
     """The folder's tokenizer loads and knows its BOS and EOS ids, as `edgeinfer.load` will need:
     a source whose tokenizer files are corrupt is refused here, not after a successful convert."""
+    check_tokenizer_info(folder, manifest.tokenizer, manifest.arch.vocab_size, log)
+
+
+def check_tokenizer_info(folder: Path, info: TokenizerInfo, vocab_size: int, log=lambda msg: None) -> None:
+    """`check_tokenizer` before a manifest exists (`--via optimum` checks the source's, before its export)."""
     from edgeinfer.errors import EdgeInferError
     from edgeinfer.tokenizer import Tokenizer
 
-    info = manifest.tokenizer
     try:
         tok = Tokenizer(folder, info)
         for t in [info.bos_token_id, *info.eos_token_ids]:
@@ -131,6 +135,6 @@ def check_tokenizer(folder: Path, manifest: Manifest, log=lambda msg: None) -> N
                 tok.token_string(t)
     except EdgeInferError as e:
         raise ConvertError(f"the source's tokenizer cannot be used: {e}") from None
-    if tok.id_limit > manifest.arch.vocab_size:  # as transformers loads it: a prompt holding such a token is refused
-        log(f"note: the tokenizer gives ids up to {tok.id_limit - 1}, past the model's {manifest.arch.vocab_size} "
+    if tok.id_limit > vocab_size:  # as transformers loads it: a prompt holding such a token is refused
+        log(f"note: the tokenizer gives ids up to {tok.id_limit - 1}, past the model's {vocab_size} "
             "embedding rows: a prompt holding such a token will be refused")

@@ -37,8 +37,8 @@ from pathlib import Path
 from edgeinfer import __version__
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters.convert import MAX_DEFAULT_CAPACITY, _check_source, check_spec
-from edgeinfer.converters.hf_tokenizer import TOKENIZER_FILES, check_tokenizer, tokenizer_info
-from edgeinfer.converters.safetensors_io import _weight_map, no_weights_hint
+from edgeinfer.converters.hf_tokenizer import TOKENIZER_FILES, check_tokenizer_info, tokenizer_info
+from edgeinfer.converters.safetensors_io import _weight_map, onnx_export_hint
 from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
 from edgeinfer.converters.source_files import regular_file
 from edgeinfer.converters.hf_config import _eos_ids, _int, check_rope_range, flag, parse_rope, read_config
@@ -161,6 +161,9 @@ def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transfor
              log, force: bool) -> Manifest:
     tmp, made = temp_folder(dst)
     try:
+        info = tokenizer_info(src, spec, log)
+        check_tokenizer_info(src, info, spec.vocab_size, log)  # a corrupt tokenizer file: refused before the export's
+        # minutes, not at the first load (the native builder checks its folder's as well)
         t0 = time.perf_counter()
         exported = tmp / "optimum-export"
         _export(src, exported, spec, transformers, TasksManager, export)
@@ -179,13 +182,12 @@ def _convert(src: Path, dst: Path, spec: ArchSpec, scheme: QuantScheme, transfor
         sources = ["config.json", *_weights_read(src), *tokenizer_files]
         manifest = Manifest(
             arch=spec, quantization=scheme, target="cpu", flavour="fused", interface=graph_interface(spec, OPTIMUM),
-            tokenizer=tokenizer_info(src, spec, log),
+            tokenizer=info,
             default_capacity_tokens=min(spec.max_position_embeddings, MAX_DEFAULT_CAPACITY),
             files={n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in outputs},
             source={n: sha256_file(src / n) for n in sources}, converter_version=__version__,
             origin=Origin(format="optimum", file=src.name))
         manifest.write(tmp)
-        check_tokenizer(tmp, manifest, log)  # a corrupt tokenizer file: refused now, not at the first load
         _replace_atomically(tmp, dst, force)
         return manifest
     finally:
@@ -266,7 +268,8 @@ def _export(src: Path, out: Path, spec: ArchSpec, transformers, TasksManager, ex
                 output_loading_info=True)
         except Exception as e:  # noqa: BLE001 - OSError for no weights, RuntimeError for a size mismatch, the
             # safetensors library's own error for a truncated file: one line each (they were tracebacks)
-            hint = no_weights_hint(src) if isinstance(e, OSError) else ""
+            hint = onnx_export_hint(src) if isinstance(e, OSError) and not _weights_read(src) else ""  # (a corrupt or
+            # git-lfs pointer .bin is an OSError too, whose own words say more: a review)
             if hint:
                 raise ConvertError(f"transformers finds no weights in {src}{hint}") from None
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]  # (a size mismatch's second

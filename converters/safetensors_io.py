@@ -132,12 +132,19 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def no_weights_hint(folder: Path) -> str:
-    """What a folder without the weights a convert reads holds instead, if it says what to do (a hostile
-    round: an Optimum ONNX export given as the source was told only that no weights were there)."""
+def onnx_export_hint(folder: Path) -> str:
+    """Said of a folder without weights that holds an ONNX graph (a hostile round: an Optimum export given
+    as the source was told only that no weights were there)."""
     if (folder / "model.onnx").exists() or (folder / "decoder_model.onnx").exists():
         return (": it holds an ONNX graph (an export such as optimum-cli's), which convert does not take: "
                 "give the Hugging Face model folder it was exported from")
+    return ""
+
+
+def no_weights_hint(folder: Path) -> str:
+    """What a folder without the safetensors the native builder reads holds instead, if it says what to do."""
+    if onnx_export_hint(folder):
+        return onnx_export_hint(folder)
     if any(folder.glob("pytorch_model*.bin")):
         return (": its weights are PyTorch .bin files, which the native builder does not read (--via optimum "
                 "reads them, with torch: pip install 'edgeinfer[optimum]')")

@@ -130,5 +130,6 @@ class ChatTemplate:
             raise InvalidArgumentError(undefuse(str(e))) from None
         except Exception as e:  # the template itself fails on these messages (a broken or hostile template:
             # Jinja's filters raise AttributeError, RuntimeError and more on odd arguments)
-            raise InvalidArgumentError(f"the model's chat template failed on these messages: "
-                                       f"{e.__class__.__name__}: {str(e)[:300]}") from None
+            text = undefuse(str(e)) if undefuse is not None else str(e)  # (a Jinja error quoting a message showed
+            raise InvalidArgumentError(f"the model's chat template failed on these messages: "  # the placeholder)
+                                       f"{e.__class__.__name__}: {text[:300]}") from None

@@ -176,12 +176,13 @@ MAX_MESSAGE_BYTES = MAX_STDIN_PROMPT_BYTES  # a chat message, as a prompt on sta
 
 class _TooLong(Exception):
     """A line or message of more than MAX_MESSAGE_BYTES; its bytes were read and dropped. `opens`: the
-    line begins a block (starts with \"\"\" and does not end with it), whose lines are to be skipped too."""
+    line begins a block (starts with \"\"\" and does not end with it), whose lines are to be skipped too;
+    `closes`: it is \"\"\" alone with padding past the limit, which ends a block as \"\"\" does."""
 
-    def __init__(self, opens: bool = False):
+    def __init__(self, opens: bool = False, closes: bool = False):
         super().__init__(f"the message is longer than {MAX_MESSAGE_BYTES >> 20} MiB (a message is at most that, "
                          "as a prompt on standard input is)")
-        self.opens = opens
+        self.opens, self.closes = opens, closes
 HELP = ('/reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply; a line starting with """ '
         'begins a message of several lines, ended by a line of """.')
 
@@ -205,7 +206,9 @@ def _block(line: str, read_line) -> str:
             text = read_line()
         except EOFError:
             break
-        except _TooLong:
+        except _TooLong as e:
+            if e.closes:
+                break
             too_long = True
             continue
         except UnicodeDecodeError as e:  # that line alone: the block goes on (dropping the message left its
@@ -237,20 +240,33 @@ def _read_line(prompt: str | None) -> str:
     if not raw:
         raise EOFError
     newline, cr = (b"\n", b"\r") if isinstance(raw, bytes) else ("\n", "\r")
-    if len(raw.removesuffix(newline).removesuffix(cr)) > MAX_MESSAGE_BYTES:  # (a line cut by the limit: no newline)
-        _drop_rest_of_line(stream, raw)
+    content = raw.removesuffix(newline).removesuffix(cr)  # (a line cut by the limit has no newline)
+    if len(content if isinstance(content, bytes) else content.encode("utf-8", "surrogatepass")) > MAX_MESSAGE_BYTES:
+        _drop_rest_of_line(stream, raw)  # (a text stream's limit counts characters: its bytes are counted here)
     line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
     return line.removesuffix("\n").removesuffix("\r").removeprefix("\ufeff")  # a BOM, as `generate -` drops it
 
 
 def _drop_rest_of_line(stream, head) -> None:
-    """Reads a too long line to its end, a MiB at a time, and raises _TooLong (saying whether it opens a block)."""
-    newline, block = (b"\n", BLOCK.encode()) if isinstance(head, bytes) else ("\n", BLOCK)
-    tail = chunk = head
-    while chunk and not chunk.endswith(newline):
+    """Reads a too long line to its end, a MiB at a time, and raises _TooLong saying whether the line,
+    as `_block` reads it, opens a block (starts with \"\"\" and does not end with another after it) or
+    closes one (is \"\"\" alone, its padding aside). Only its last non-blank bytes are kept."""
+    newline, block, bom = (b"\n", BLOCK.encode(), "\ufeff".encode()) if isinstance(head, bytes) else ("\n", BLOCK, "\ufeff")
+    head = head.removeprefix(bom)
+    # the line's last bytes up to its last non-blank one; where that one ends; the bytes read, and their last ones
+    end, stripped, size, last = head[:0], 0, 0, head[:0]
+    chunk = head
+    while True:
+        kept = chunk.rstrip()
+        if kept:
+            end, stripped = (last + kept)[-len(block):], size + len(kept)
+        size, last = size + len(chunk), (last + chunk)[-len(block):]
+        if not chunk or chunk.endswith(newline):
+            break
         chunk = stream.readline(1 << 20)
-        tail = tail[-len(block) - 64:] + chunk[-len(block) - 64:]
-    raise _TooLong(opens=head.startswith(block) and not tail.rstrip().endswith(block))
+    starts = head.startswith(block)
+    raise _TooLong(opens=starts and not (stripped >= 2 * len(block) and end == block),
+                   closes=starts and stripped == len(block))
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:

@@ -97,7 +97,8 @@ class Tokenizer:
         self._placeholder = {s: f"\ue000{nonce}.{i}\ue001" for i, s in enumerate(controls)}
         self._placeholder_re = re.compile(f"\ue000{nonce}\\.(\\d+)\ue001")
         # the same as Python's repr and JSON's ensure_ascii write it: a template that prints a dict variable
-        self._escaped_re = re.compile(f"\\\\ue000{nonce}\\.(\\d+)\\\\ue001")  # (`{{ extra }}`, a review)
+        # (`{{ extra }}`, a review; upper-cased by a filter, or escaped twice by tojson of tojson: a second review)
+        self._escaped_re = re.compile(f"\\\\+ue000{nonce}\\.(\\d+)\\\\+ue001", re.IGNORECASE)
         self._after = f"\ue002{nonce}\ue003"  # `_after_control`'s added token
         self._controls = controls
 
@@ -145,17 +146,23 @@ class Tokenizer:
         """`text` with `defuse`'s placeholders put back as the control strings they stand for (as text: a
         template's error message quoting a message, a rendering that printed a dict or list variable)."""
         if "\ue000" in text:
-            text = self._placeholder_re.sub(lambda m: self._controls[int(m.group(1))], text)
-        if "\\ue000" in text:
-            text = self._escaped_re.sub(lambda m: self._controls[int(m.group(1))], text)
+            text = self._placeholder_re.sub(self._control_for, text)
+        if "\\" in text:
+            text = self._escaped_re.sub(self._control_for, text)
         return text
+
+    def _control_for(self, m: re.Match) -> str:
+        """A placeholder's control string; one a client wrote with an index past them, as it is (its index was
+        read unchecked: an IndexError, a 500 from the daemon, once the nonce had leaked: a review)."""
+        i = int(m.group(1))
+        return self._controls[i] if i < len(self._controls) else m.group(0)
 
     def _encode(self, text: str) -> list[int]:
         """Ids of `text`, its control strings matched, `defuse`'s placeholders encoded as plain text."""
         if self._control_re is None:
             return list(self._encode_all(text))
         defused = (("\ue000" in text and self._placeholder_re.search(text) is not None)
-                   or ("\\ue000" in text and self._escaped_re.search(text) is not None))
+                   or ("\\" in text and self._escaped_re.search(text) is not None))
         if self.kind != "sentencepiece" and not defused:
             return list(self._encode_all(text))  # the library splits at its special tokens itself
         ids: list[int] = []

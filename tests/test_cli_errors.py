@@ -501,3 +501,17 @@ def test_an_empty_prompt_is_refused_in_the_cli_s_words(argv, stdin, needle):
     r = subprocess.run([sys.executable, "-m", "edgeinfer", *argv], input=stdin, capture_output=True, timeout=120)
     assert r.returncode == 1 and "bos_id" not in r.stderr.decode()
     _one_error_line(r.stderr.decode(), needle)
+
+
+def test_a_padded_one_line_block_or_closing_line_over_the_limit_is_read_as_its_quotes_say(monkeypatch):
+    """A review: a too long `\"\"\"...\"\"\"` line with more than 64 bytes of trailing blanks was taken as
+    opening a block (only its last bytes were kept), which then swallowed the next turns unsaid; a
+    closing `\"\"\"` padded past the limit did not close its block. A text stream's limit counted
+    characters, not bytes."""
+    data = (b'"""' + b"v" * 20 + b'"""' + b" " * 100 + b"\nturn1\n"
+            + b'"""\nhi\n"""' + b" " * 40 + b"\nturn2\n"
+            + "\u00e9".encode() * 9 + b"\n"     # 9 characters, 18 bytes: refused
+            + "\u00e9".encode() * 8 + b"\n")    # 16 bytes: taken
+    status, said, err = _chat_said(monkeypatch, data, 16)
+    assert said == ["turn1", "hi", "turn2", "\u00e9" * 8], said
+    assert status == 1 and err.count("the message is longer than") == 2, err

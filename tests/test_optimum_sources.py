@@ -186,3 +186,15 @@ def test_an_unused_weight_file_is_not_read(tmp_path):
     m = _convert(src, tmp_path / "out")
     assert time.perf_counter() - t0 < 300 and "pytorch_model.bin" not in m.source
     assert set(m.source) >= {"config.json", "model.safetensors", "tokenizer.model"}
+
+
+def test_a_bin_checkpoint_transformers_cannot_read_keeps_its_words(tmp_path):
+    """A review: any OSError with a pytorch_model*.bin in the folder was replaced by "its weights are
+    PyTorch .bin files, which the native builder does not read (--via optimum reads them)", on the
+    --via optimum path, for a git-lfs pointer or a corrupt file (transformers' own words say which)."""
+    src = _source(tmp_path)
+    (src / "model.safetensors").unlink()
+    (src / "pytorch_model.bin").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n")
+    with pytest.raises(ConvertError, match="transformers cannot load") as e:
+        _convert(src, tmp_path / "out")
+    assert "native builder" not in str(e.value) and "\n" not in str(e.value)

@@ -586,3 +586,9 @@ def test_a_numpy_limit_is_judged_as_the_float_it_is_kept_as():
         Policy("balanced", power_budget_w=np.float16(0.1))
     p = Policy("balanced", power_budget_w=np.float32(5), max_temp_c=np.int64(70))
     assert (p.power_budget_w, p.max_temp_c) == (5.0, 70.0) and type(p.max_temp_c) is float
+
+
+def test_a_limit_past_a_floats_range_is_refused_as_out_of_range():
+    """A review: judged as a float, 10**400 raised OverflowError instead of the range refusal."""
+    with pytest.raises(InvalidArgumentError, match="max_temp_c must be a number in"):
+        Policy("balanced", max_temp_c=10 ** 400)

@@ -78,8 +78,10 @@ class Policy:
             v = getattr(self, field)
             if v is None:
                 continue
-            x = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else None  # a numpy number (np.float32
-            # was refused) as a plain float, judged as one (np.float16(0.1) passed as 0.1 and was kept as 0.09998)
+            try:  # a numpy number (np.float32 was refused) as a plain float, judged as one (np.float16(0.1) passed as
+                x = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else None  # 0.1, kept as 0.09998)
+            except OverflowError:  # an int past a float's range (10**400): out of range, as it was before the float
+                x = None
             if x is None or not lo <= x <= hi or not math.isfinite(x):
                 raise InvalidArgumentError(f"power policy {field} must be a number in [{lo:g}, {hi:g}], got {v!r:.40}")
             object.__setattr__(self, field, x)
