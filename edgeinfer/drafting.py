@@ -104,6 +104,7 @@ class ModelDrafter:
         except ModelClosedError:
             raise _draft_closed() from None
         self.history: list[int] = [int(t) for t in ids]
+        self.gone = False  # the draft model was closed while this request ran (`draft`)
         self.base = 0  # history index of the ring's first token
         self.fed: list[int] = []  # what the ring holds, in order
         self._mark: tuple | None = None  # the ring before the last draft's tokens were fed
@@ -113,10 +114,16 @@ class ModelDrafter:
         self.history.append(int(token))
 
     def draft(self, k: int) -> list[int]:
+        """Up to k drafts; none for the rest of the request once the draft model is closed (drafts decide no
+        token: the request goes on plainly, as it does after set_draft(None); it died at its next step:
+        a hostile round)."""
+        if self.gone:
+            return []
         try:
             return self._draft(k)
         except ModelClosedError:  # the draft's own engine (the target's says so at its own call)
-            raise _draft_closed() from None
+            self.gone = True
+            return []
 
     def _draft(self, k: int) -> list[int]:
         k = min(k, self.cache.capacity - 1)

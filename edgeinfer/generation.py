@@ -32,7 +32,7 @@ import numpy as np
 from edgeinfer.batching import SoloStepper
 from edgeinfer.context_lock import ContextBusyError, ContextLock, interrupts_held
 from edgeinfer.detokenize import Detokenizer, StopFilter
-from edgeinfer.drafting import ModelDrafter
+from edgeinfer.drafting import ModelDrafter, _draft_closed
 from edgeinfer.engine import Engine
 from edgeinfer.errors import (EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelClosedError,
                               ModelFormatError, broken_logits_cause)
@@ -259,6 +259,8 @@ class Request:
             raise ModelClosedError()
         if opts.speculative == "draft" and draft is None:
             raise InvalidArgumentError("speculative='draft' needs a draft model: model.set_draft(DIR)")
+        if opts.speculative == "draft" and draft.engine.closed:  # before begin: the ring keeps what it held
+            raise _draft_closed()
         opts.sampling.check_vocabulary(engine.spec.vocab_size)
         return draft
 

@@ -186,6 +186,30 @@ def test_a_draft_detached_during_prefill_does_not_break_the_request(fp32, monkey
     assert m.generate(prompt, max_new_tokens=40, temperature=0, speculative="draft").token_ids == want
 
 
+def test_a_draft_model_closed_during_a_request_leaves_it_decoding_plainly(fp32):
+    """A hostile round: closing the draft model killed the target's open request at its next step
+    (ModelClosedError after 13 chunks), though drafts decide no token. It now goes on without drafts,
+    as after set_draft(None); a request that starts with the draft closed is refused before it touches
+    the context (the prefix the ring held is still reused)."""
+    from edgeinfer.errors import ModelClosedError
+
+    m = edgeinfer.load(fp32)
+    prompt = GOLDEN["cases"][1]["prompt_ids"]
+    want = m.generate(prompt, max_new_tokens=60, temperature=0).token_ids
+    draft = edgeinfer.load(default_model_path())
+    m.set_draft(draft)
+    m.held = None
+    stream = m.stream(prompt, max_new_tokens=60, temperature=0, speculative="draft")
+    for i, _ in enumerate(stream):
+        if i == 5:
+            draft.close()
+    assert stream.completion.token_ids == want
+    with pytest.raises(ModelClosedError, match="the draft model was closed"):
+        m.generate(prompt, max_new_tokens=4, temperature=0, speculative="draft")
+    again = m.generate(prompt, max_new_tokens=60, temperature=0)
+    assert again.token_ids == want and again.usage.cached_tokens > 0
+
+
 @pytest.mark.parametrize("capacity,history,k", [(16, 40, 2), (8, 48, 8), (2, 10, 4), (5, 3, 8)])
 def test_the_draft_ring_never_shifts_however_small(capacity, history, k):
     d = edgeinfer.load()
