@@ -15,7 +15,8 @@ Gemma, ...) -> an edgeinfer model folder, through Hugging Face Optimum's ONNX ex
    (GatherBlockQuantized); fp32 keeps the float graph.
 4. The tokenizer files are copied (and loaded once, as the native builder checks them) and
    `edgeinfer.json` written (the `optimum` KV mode, origin "optimum"; the source's hashes of the
-   weight files transformers read, `_weights_read`), all in `.DST.partial-PID-N`, renamed into place at the end (`convert._convert`'s rule).
+   weight files transformers read, `_weights_read`), all in `.DST.partial-PID-N`, renamed into
+   place at the end (`convert._convert`'s rule).
 
 Torch, transformers and Optimum are imported only here, only when called (`pip install
 'edgeinfer[optimum]'`): the runtime never needs them. Families are limited to those whose graph the

@@ -183,6 +183,8 @@ class _TooLong(Exception):
         super().__init__(f"the message is longer than {MAX_MESSAGE_BYTES >> 20} MiB (a message is at most that, "
                          "as a prompt on standard input is)")
         self.opens, self.closes = opens, closes
+
+
 HELP = ('/reset clears the context, /quit or Ctrl-D leaves, Ctrl-C stops a reply; a line starting with """ '
         'begins a message of several lines, ended by a line of """.')
 
