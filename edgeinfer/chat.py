@@ -125,9 +125,10 @@ class ChatTemplate:
                     pieces.append(piece)
             return "".join(pieces)
         except InvalidArgumentError as e:
-            if undefuse is None or undefuse(str(e)) == str(e):
+            text = undefuse(str(e)) if undefuse is not None else str(e)
+            if text == str(e):
                 raise
-            raise InvalidArgumentError(undefuse(str(e))) from None
+            raise InvalidArgumentError(text) from None
         except Exception as e:  # the template itself fails on these messages (a broken or hostile template:
             # Jinja's filters raise AttributeError, RuntimeError and more on odd arguments)
             text = undefuse(str(e)) if undefuse is not None else str(e)  # (a Jinja error quoting a message showed
