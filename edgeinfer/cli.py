@@ -19,6 +19,7 @@ import warnings
 
 from edgeinfer import progress
 from edgeinfer.cli_args import path_arg
+from edgeinfer.context_lock import interrupts_held
 from edgeinfer.errors import EdgeInferError
 
 
@@ -196,7 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     show = warnings.showwarning
     warnings.showwarning = _show_warning
     try:
-        args = build_parser().parse_args(argv)  # (the imports run from here on, inside the handlers)
+        # The imports run from here on, inside the handlers, with a Ctrl-C held until they are whole: met
+        # inside a compiled module's initialisation it became an ImportError (numpy's printed a traceback
+        # first), or a library's optional import swallowed it and the command ran on (a hostile round).
+        with interrupts_held():
+            args = build_parser().parse_args(argv)
+            if args.func is not _cmd_power:  # it needs no model
+                import edgeinfer.model  # noqa: F401  (ONNX Runtime, tokenizers, jinja2)
         if sys.stdout is None:  # started with its standard output closed (`>&-`)
             print("edgeinfer: error: cannot write the output: standard output is closed", file=sys.stderr)
             return 1

@@ -515,3 +515,31 @@ def test_a_padded_one_line_block_or_closing_line_over_the_limit_is_read_as_its_q
     status, said, err = _chat_said(monkeypatch, data, 16)
     assert said == ["turn1", "hi", "turn2", "\u00e9" * 8], said
     assert status == 1 and err.count("the message is longer than") == 2, err
+
+
+@pytest.mark.parametrize("swallowed", [False, True], ids=["numpy_import_error", "optional_import"])
+def test_a_ctrl_c_during_the_imports_is_held_until_they_are_whole(monkeypatch, capsys, swallowed):
+    """A hostile round's Ctrl-C 0.1-0.2 s after start landed inside numpy's compiled initialisation:
+    numpy printed the KeyboardInterrupt's traceback and raised "ImportError: numpy._core.multiarray
+    failed to import" without a cause (rc 1, 40 lines); one met in a library's optional import
+    (`try: import x / except ImportError`) was swallowed and `generate --max-tokens 100000` ran on for
+    a minute. The imports now run with the interrupt held, raised once they are whole."""
+    import signal
+
+    import edgeinfer.cli as cli
+
+    real = cli.build_parser
+
+    def build_parser():
+        try:
+            signal.raise_signal(signal.SIGINT)  # the Ctrl-C, as a compiled module initialises
+        except KeyboardInterrupt:
+            if not swallowed:
+                raise ImportError("numpy._core.multiarray failed to import") from None  # numpy drops the cause
+        return real()
+
+    monkeypatch.setattr(cli, "build_parser", build_parser)
+    ran = []
+    monkeypatch.setattr(cli, "_cmd_power", lambda args: ran.append(args) or 0)
+    assert main(["power"]) == 130 and not ran
+    assert capsys.readouterr().err == "edgeinfer: interrupted\n"
