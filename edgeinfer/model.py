@@ -27,7 +27,7 @@ from edgeinfer.chat import ChatTemplate
 from edgeinfer.portable_engine import open_engine
 from edgeinfer.errors import (EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelClosedError,
                               ModelFormatError, warn_user)
-from edgeinfer.context_lock import ContextLock, interrupts_held
+from edgeinfer.context_lock import ContextBusyError, ContextLock, interrupts_held
 from edgeinfer.conversation import Conversation
 from edgeinfer.generation import Generation, Request
 from edgeinfer.results import Completion
@@ -164,6 +164,7 @@ class Model:
             raise ModelFormatError(replaced_while_loading(folder))
         self.cache = self.new_cache()
         self.held: list[int] | None = None  # the ids the default cache holds, in order (None: not known)
+        self.lent_to: str | None = None  # who took the default ring for good (`lend_default_cache`)
         self.lock = ContextLock("the model's default context (generate/stream)")
         tk = self.manifest.tokenizer
         self.template = ChatTemplate(tk.chat_template, self._piece(tk.bos_token_id),
@@ -219,11 +220,38 @@ class Model:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _check_open(self) -> None:
+        if self.engine.closed:
+            raise ModelClosedError()
+
     def _open_cache(self) -> RingKVCache:
-        """The default ring, or ModelClosedError."""
+        """The default ring, or ModelClosedError, or ContextBusyError once it is lent."""
         cache = self.cache
         if cache is None or self.engine.closed:
+            if self.lent_to is not None and not self.engine.closed:
+                raise self._lent_error()
             raise ModelClosedError()
+        return cache
+
+    def _lent_error(self) -> ContextBusyError:
+        return ContextBusyError(f"the model's default context (generate, stream, snapshot, restore) belongs to "
+                                f"{self.lent_to}: use model.conversation() for a context of its own, or load the "
+                                "model a second time")
+
+    def lend_default_cache(self, to: str) -> RingKVCache:
+        """Give the default ring to `to` (a server's scheduler, which uses it as a slot) for the rest of
+        the model's life, and return it: afterwards generate, stream, snapshot and restore raise
+        ContextBusyError naming `to` (a stream made before, not yet begun, too), as they would otherwise
+        write into rows the new owner holds; conversations keep their own rings. Once lent, a later
+        call gets a new ring (a second server on the model). Waits for a stream of another thread that
+        holds the default context to end (ContextBusyError if it is this thread's)."""
+        if self.lent_to is not None:
+            self._check_open()
+            return self.new_cache()
+        with self.lock.hold():
+            cache = self._open_cache()
+            self.cache = self.held = None
+            self.lent_to = to
         return cache
 
     def encode_prompt(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
@@ -268,6 +296,8 @@ class Model:
         begun = []
 
         def begin(req: Request) -> list[int]:  # the longest prefix the default cache holds is kept, the rest prefilled
+            if self.cache is not cache and self.lent_to is not None:  # lent after this stream was made
+                raise self._lent_error()
             held, self.held = self.held, None  # unknown while the request runs
             n = reuse(held, ids, cache, self.overflow, opts.max_new_tokens)
             req.prefix = ids[:n]
@@ -356,7 +386,7 @@ class Model:
         says; each request gets its own ring of the draft model (the draft's capacity). Refused
         (InvalidArgumentError) unless both map every id to the same token (`Tokenizer.same_as`), and the draft
         runs the fused graph (a portable one cannot feed drafts); a closed draft is refused too."""
-        self._open_cache()
+        self._check_open()
         if draft is None:
             self.engine.draft = None
             return None

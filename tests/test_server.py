@@ -562,7 +562,7 @@ async def _stream_of_ready_chunks(srv, texts: list[str]) -> list[str]:
     job = Job()
     for i, t in enumerate(texts[1:]):
         job.events.put_nowait(("chunk", Chunk(t, 10 + i % 100)))
-    completion = srv.server.model.generate("Hi", max_new_tokens=4)
+    completion = srv.server.model.chat([{"role": "user", "content": "Hi"}], max_new_tokens=4)  # (its own ring)
     job.events.put_nowait(("done", completion, 0))
     req = protocol.parse_completion({"model": "stories260K-int8", "prompt": "x", "stream": True},
                                     model_id="stories260K-int8", max_tokens_limit=64)

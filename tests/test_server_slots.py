@@ -203,3 +203,29 @@ def test_a_second_users_first_chat_turn_does_not_take_the_first_users_conversati
     assert _cached(hi) == 0  # an empty slot
     turn3 = cl.chat.completions.create(model=name, messages=hist, max_tokens=5, temperature=0)
     assert _cached(turn3) >= turn2.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_server_takes_the_models_default_ring_and_generate_is_then_refused_not_wrong(slots):
+    """A hostile round: a program that served requests through a Model and then called its
+    `generate` got another text ("All the cats liked"): the server used the default ring as its slot 0
+    (the model still believed it held its last prompt), and the two could write one ring at once. The
+    default context is now the server's: generate, a stream made before, snapshot and restore are
+    refused naming it; conversations (their own rings) answer as on a fresh model; a second server
+    on the model gets rings of its own."""
+    from edgeinfer.context_lock import ContextBusyError
+
+    m = edgeinfer.load()
+    early = m.stream("Once upon a time", max_new_tokens=3)
+    sched = Scheduler(m, slots=slots, queue=1)
+    _serve(sched, m.encode_prompt("The dog barked at the"), max_new_tokens=20)
+    for call in (lambda: m.generate("Once upon a time", max_new_tokens=3), lambda: next(early),
+                 lambda: m.snapshot("Once"), lambda: m.stream("Hi").run_to_end()):
+        with pytest.raises(ContextBusyError, match="belongs to a server: use model.conversation"):
+            call()
+    messages = [{"role": "user", "content": "Lily had a ball."}]
+    want = edgeinfer.load().chat(messages, max_new_tokens=12, ignore_eos=True, temperature=0).text
+    assert m.chat(messages, max_new_tokens=12, ignore_eos=True, temperature=0).text == want
+    second = Scheduler(m, slots=1, queue=1)
+    assert all(s.cache is not t.cache for s in sched.slots for t in second.slots)
+    assert _serve(second, m.encode_prompt("The dog barked at the")) == 0  # nothing cached: a ring of its own

@@ -129,13 +129,14 @@ class Scheduler:
     def __init__(self, model, slots: int, queue: int):
         self.model = model
         engine = model.engine
+        own = model.lend_default_cache("a server")  # the model's own ring is the server's from now on
         if engine.mode.in_place and slots > 1:
+            del own  # freed before the batch's rows are allocated
             kv = BatchedKV(model.manifest.arch, slots, model.capacity_tokens, model.n_sink, engine.max_chunk, engine.mode,
                            dtype=engine.kv_dtype)
-            model.cache = kv.caches[0]  # the model's own ring is slot 0 (the server never uses it otherwise)
             caches, self.stepper = kv.caches, DecodeBatcher(engine, kv)
         else:  # slot 0 reuses the model's own ring
-            caches, self.stepper = [model.cache] + [model.new_cache() for _ in range(1, slots)], SoloStepper(engine)
+            caches, self.stepper = [own] + [model.new_cache() for _ in range(1, slots)], SoloStepper(engine)
         self.slots = [Slot(i, c) for i, c in enumerate(caches)]
         self.cue = generation_cue(model)
         self._cues: dict[str, tuple[int, ...]] = {}  # `cue_for`'s, by the variables' JSON
