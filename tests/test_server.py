@@ -23,10 +23,12 @@ KEY = "test-key-123456"
 
 
 class Running:
-    def __init__(self, config: ServeConfig, model=None):
+    def __init__(self, config: ServeConfig, model=None, send_buffer_bytes: int | None = None):
         self.server = build(config, model)
         # TCP by number: asyncio then sets TCP_NODELAY (else kept-alive replies wait 40 ms for delayed ACKs)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        if send_buffer_bytes is not None:  # accepted connections inherit it: a client that stops reading
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)  # stalls the server sooner
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.uv = uvicorn_server(self.server)
@@ -356,7 +358,7 @@ def test_sigterm_drains_then_exits_0(tmp_path):
     flight completes, the process exits 0."""
     import signal
 
-    proc, url, t, got = _serve_and_stream(grace_s=60, max_tokens=8000)
+    proc, url, t, got = _serve_and_stream(grace_s=60, max_tokens=2000)  # (several seconds: still in flight)
     try:
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)

@@ -1089,8 +1089,17 @@ def test_web_pages_cannot_use_a_keyless_loopback_server(model_for_cap):
         keyed.stop()
 
 
+@pytest.fixture
+def small_buffers(model):
+    """one_slot, its connections' send buffers small (4 KiB, not Linux's autotuned up to 4 MiB): a client
+    that stops reading stalls the server in a fraction of a second rather than after 15 s of tokens."""
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=20_000), model=model, send_buffer_bytes=4096)
+    yield r
+    r.stop()
+
+
 @pytest.mark.parametrize("rule", ["time", "count"])
-def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(one_slot, monkeypatch, rule):
+def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(small_buffers, monkeypatch, rule):
     """Hostile round: a client that stopped reading had every token wait in the server (7 MB/s with
     top logprobs, 81 -> 455 MB for four such clients), its slot held for as long as it kept the
     connection, and its close merged the backlog into one event on the event loop (/health 5.7 s).
@@ -1109,17 +1118,17 @@ def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(one_slot, monkeyp
                        "logprobs": 5}).encode()
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
-    s.connect(("127.0.0.1", one_slot.port))
+    s.connect(("127.0.0.1", small_buffers.port))
     try:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        assert _wait(lambda: _health(one_slot)["slots_busy"] == 1, 10)
-        assert _wait(lambda: _health(one_slot)["slots_busy"] == 0, 60)  # freed while the client still holds on
+        assert _wait(lambda: _health(small_buffers)["slots_busy"] == 1, 10)
+        assert _wait(lambda: _health(small_buffers)["slots_busy"] == 0, 60)  # freed while the client still holds on
         data = _body_to_end(s, 30)
     finally:
         s.close()
     assert b"the client stopped reading" in data and b"client_stalled" in data and data.count(b'"text"') < 20_000
-    ok = httpx.post(one_slot.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    ok = httpx.post(small_buffers.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200
 
 
