@@ -27,7 +27,8 @@ from edgeinfer.chat import ChatTemplate
 from edgeinfer.portable_engine import open_engine
 from edgeinfer.errors import (EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError, ModelClosedError,
                               ModelFormatError, warn_user)
-from edgeinfer.context_lock import ContextBusyError, ContextLock, interrupts_held
+from edgeinfer.context_lock import ContextBusyError, ContextLock
+from edgeinfer.interrupts import interrupts_held
 from edgeinfer.conversation import Conversation
 from edgeinfer.generation import Generation, Request
 from edgeinfer.results import Completion
@@ -245,14 +246,18 @@ class Model:
         write into rows the new owner holds; conversations keep their own rings. Once lent, a later
         call gets a new ring (a second server on the model). Waits for a stream of another thread that
         holds the default context to end (ContextBusyError if it is this thread's)."""
-        if self.lent_to is not None:
-            self._check_open()
-            return self.new_cache()
-        with self.lock.hold():
-            cache = self._open_cache()
-            self.cache = self.held = None
-            self.lent_to = to
-        return cache
+        if self.lent_to is None:
+            try:
+                with self.lock.hold():
+                    if self.lent_to is None:  # (not lent while this waited for the lock)
+                        with interrupts_held():  # both or neither: a Ctrl-C between read as closed
+                            cache, self.lent_to = self._open_cache(), to
+                            self.cache = self.held = None
+                        return cache
+            except ContextBusyError as e:
+                raise ContextBusyError(f"{to} cannot take the model's default context: {e}") from None
+        self._check_open()
+        return self.new_cache()
 
     def encode_prompt(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
         """The prompt's token ids.
@@ -289,7 +294,8 @@ class Model:
         penalty_last_n, logit_bias, stop, seed, ignore_eos) and the prompt are checked now. From its
         first next() until it ends (or is closed or dropped) the stream holds the model's default
         context: `generate` or `stream` from another thread waits for it; from the same thread they
-        raise ContextBusyError.
+        raise ContextBusyError. Once a server serves this Model, the default context is the server's
+        (`lend_default_cache`): they raise ContextBusyError; `conversation()` has a ring of its own.
         """
         opts, ids, cache = resolve(options, overrides), self.encode_prompt(prompt), self._open_cache()
 

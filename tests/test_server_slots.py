@@ -8,10 +8,13 @@ to end through the official `openai` client."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 
 import pytest
 
 import edgeinfer
+from edgeinfer.context_lock import ContextBusyError
 from edgeinfer.options import GenerationOptions
 from edgeinfer.server.config import ServeConfig
 from edgeinfer.server.scheduler import Job, Scheduler, Slot, choose_slot
@@ -213,8 +216,6 @@ def test_a_server_takes_the_models_default_ring_and_generate_is_then_refused_not
     default context is now the server's: generate, a stream made before, snapshot and restore are
     refused naming it; conversations (their own rings) answer as on a fresh model; a second server
     on the model gets rings of its own."""
-    from edgeinfer.context_lock import ContextBusyError
-
     m = edgeinfer.load()
     early = m.stream("Once upon a time", max_new_tokens=3)
     sched = Scheduler(m, slots=slots, queue=1)
@@ -229,3 +230,69 @@ def test_a_server_takes_the_models_default_ring_and_generate_is_then_refused_not
     second = Scheduler(m, slots=1, queue=1)
     assert all(s.cache is not t.cache for s in sched.slots for t in second.slots)
     assert _serve(second, m.encode_prompt("The dog barked at the")) == 0  # nothing cached: a ring of its own
+
+
+def test_a_server_that_cannot_start_leaves_the_model_as_it_was():
+    """A review: the ring was lent before the other slots were allocated, so a slot count refused for
+    memory left the model lent to no server (generate refused for good, a batch's ring freed)."""
+    from edgeinfer.errors import InvalidArgumentError
+
+    m = edgeinfer.load()
+    with pytest.raises(InvalidArgumentError, match="KV cache"):
+        Scheduler(m, slots=10 ** 7, queue=1)
+    want = edgeinfer.load().generate("Once upon a time", max_new_tokens=8, temperature=0).text
+    assert m.generate("Once upon a time", max_new_tokens=8, temperature=0).text == want
+
+
+def test_two_servers_built_at_once_each_get_a_ring():
+    """A review: the second of two Schedulers waiting for a stream's turn found the ring lent by the
+    first and was refused, where a second server gets a ring of its own."""
+    import threading
+
+    m = edgeinfer.load()
+    stream = m.stream("Once upon a time", max_new_tokens=3)
+    next(stream)  # holds the default context until it is closed
+    got = {}
+
+    def build(name):
+        try:
+            got[name] = Scheduler(m, slots=1, queue=1)
+        except Exception as e:  # noqa: BLE001 (the test reports it)
+            got[name] = e
+
+    threads = [threading.Thread(target=build, args=(n,)) for n in "AB"]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # both wait for the stream's turn
+    stream.close()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(isinstance(s, Scheduler) for s in got.values()), got
+    assert got["A"].slots[0].cache is not got["B"].slots[0].cache
+
+
+def test_a_ctrl_c_while_the_ring_is_lent_leaves_it_lent_or_not_never_a_closed_model():
+    """A review: a Ctrl-C between the two stores (the ring let go, the owner not yet named) left an
+    open model that every call said was closed. The Ctrl-C comes here right after the first store."""
+    import sys
+
+    m = edgeinfer.load()
+    sent = []
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_name != "lend_default_cache":
+            return None
+        if event == "line" and not sent and (m.cache is None or m.lent_to is not None):  # one store made
+            sent.append(frame.f_lineno)
+            signal.raise_signal(signal.SIGINT)
+        return trace
+
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            m.lend_default_cache("a server")
+    finally:
+        sys.settrace(None)
+    assert sent and not m.closed
+    with pytest.raises(ContextBusyError, match="belongs to a server"):
+        m.generate("Once", max_new_tokens=2)

@@ -129,14 +129,16 @@ class Scheduler:
     def __init__(self, model, slots: int, queue: int):
         self.model = model
         engine = model.engine
-        own = model.lend_default_cache("a server")  # the model's own ring is the server's from now on
+        # The model's own ring is the server's from now on, taken last: a refusal before (memory, a
+        # Ctrl-C) leaves the model as it was. With a batch it is dropped (the batch's rows are the slots).
         if engine.mode.in_place and slots > 1:
-            del own  # freed before the batch's rows are allocated
             kv = BatchedKV(model.manifest.arch, slots, model.capacity_tokens, model.n_sink, engine.max_chunk, engine.mode,
                            dtype=engine.kv_dtype)
+            model.lend_default_cache("a server")
             caches, self.stepper = kv.caches, DecodeBatcher(engine, kv)
-        else:  # slot 0 reuses the model's own ring
-            caches, self.stepper = [own] + [model.new_cache() for _ in range(1, slots)], SoloStepper(engine)
+        else:  # slot 0 is the model's own ring
+            more = [model.new_cache() for _ in range(1, slots)]
+            caches, self.stepper = [model.lend_default_cache("a server")] + more, SoloStepper(engine)
         self.slots = [Slot(i, c) for i, c in enumerate(caches)]
         self.cue = generation_cue(model)
         self._cues: dict[str, tuple[int, ...]] = {}  # `cue_for`'s, by the variables' JSON
