@@ -1,9 +1,22 @@
+"""`python -m edgeinfer` and the `edgeinfer` console script (`run`)."""
+
 import sys
 
-try:
-    from edgeinfer.cli import main
-except KeyboardInterrupt:  # a Ctrl-C as Python starts: the line the CLI prints, not a traceback
-    print("edgeinfer: interrupted", file=sys.stderr)
-    sys.exit(130)
+from edgeinfer.interrupts import interrupts_held
 
-sys.exit(main())
+
+def run() -> int:
+    """The CLI, its modules imported with a Ctrl-C held until they are whole (`edgeinfer.interrupts`:
+    met inside an import it could be lost, and the command ran on); `cli.main` holds it over the
+    rest of the imports it needs."""
+    try:
+        with interrupts_held():
+            from edgeinfer.cli import main
+    except KeyboardInterrupt:  # the line the CLI prints, not a traceback
+        print("edgeinfer: interrupted", file=sys.stderr)
+        return 130
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from edgeinfer import fork_safety
-from edgeinfer.context_lock import interrupts_held
+from edgeinfer.interrupts import interrupts_held
 from edgeinfer.errors import ForkedBusyError, ModelClosedError
 from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.ort_lifecycle import hold_at_exit, return_freed_memory

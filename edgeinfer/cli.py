@@ -10,6 +10,7 @@ reports a command killed by SIGPIPE). None of them prints a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import errno
 import json
 import os
@@ -19,7 +20,7 @@ import warnings
 
 from edgeinfer import progress
 from edgeinfer.cli_args import path_arg
-from edgeinfer.context_lock import interrupts_held
+from edgeinfer.interrupts import interrupts_held
 from edgeinfer.errors import EdgeInferError
 
 
@@ -139,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sinks", type=int, default=None, help="attention sinks kept by the ring (with --stream; default 4, or 0 "
                    "for a sliding-window model)")
     e.add_argument("--json", action="store_true", help="print the result as JSON")
-    e.set_defaults(func=_cmd_eval)
+    e.set_defaults(func=_cmd_eval, imports=MODEL_IMPORTS)
 
     from edgeinfer.cli_generate import add_chat_parser, add_generate_parser
 
@@ -154,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--capacity", type=int, default=None, help="KV ring capacity (default: prompt + gen + 8, or the most the model holds without re-basing "
                    "often if that is less)")
     b.add_argument("--json", action="store_true", help="print the result as JSON")
-    b.set_defaults(func=_cmd_bench)
+    b.set_defaults(func=_cmd_bench, imports=MODEL_IMPORTS)
 
     from edgeinfer.cli_serve import add_serve_parser
 
@@ -167,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--interval-s", type=float, default=None, help="seconds between readings with --watch (default 1)")
     pw.add_argument("--json", action="store_true", help="one JSON object per reading")
     pw.add_argument("--root", type=path_arg, default=None, help="read a recorded device folder instead (tests/fixtures/power/...)")
-    pw.set_defaults(func=_cmd_power)
+    pw.set_defaults(func=_cmd_power, imports=())
 
     i = sub.add_parser("inspect", help="describe an edgeinfer model folder, or with --platform this device")
     i.add_argument("model", type=path_arg, nargs="?", help="the model folder (none with --platform)")
@@ -176,9 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     mode = i.add_mutually_exclusive_group()
     mode.add_argument("--json", action="store_true", help="print the description as JSON")
     mode.add_argument("--verify", action="store_true", help="hash every file against edgeinfer.json; exit 1 on a mismatch")
-    i.set_defaults(func=_cmd_inspect)
+    i.set_defaults(func=_cmd_inspect, imports=MODEL_IMPORTS)
     return ap
 
+
+MODEL_IMPORTS = ("edgeinfer.model",)  # what a command that loads a model imports (`main` holds a Ctrl-C over it)
 
 # argparse takes "-1e6" for a flag (its own test knows "-5" and "-0.5" only): a value as the README writes it
 NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
@@ -197,13 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     show = warnings.showwarning
     warnings.showwarning = _show_warning
     try:
-        # The imports run from here on, inside the handlers, with a Ctrl-C held until they are whole: met
-        # inside a compiled module's initialisation it became an ImportError (numpy's printed a traceback
-        # first), or a library's optional import swallowed it and the command ran on (a hostile round).
+        # The imports run from here on, inside the handlers, with a Ctrl-C held until they are whole
+        # (`edgeinfer.interrupts`: met inside one it could become numpy's ImportError, or be lost and the
+        # command run on). So an import that hangs cannot be interrupted; none is known to.
         with interrupts_held():
             args = build_parser().parse_args(argv)
-            if args.func is not _cmd_power:  # it needs no model
-                import edgeinfer.model  # noqa: F401  (ONNX Runtime, tokenizers, jinja2)
+            for module in args.imports:  # the command's compiled libraries (ONNX Runtime, tokenizers, onnx)
+                importlib.import_module(module)
         if sys.stdout is None:  # started with its standard output closed (`>&-`)
             print("edgeinfer: error: cannot write the output: standard output is closed", file=sys.stderr)
             return 1

@@ -27,52 +27,16 @@ after the lock was taken back lets go of nothing.
 
 from __future__ import annotations
 
-import _signal
 import threading
 import weakref
 
 from edgeinfer import fork_safety
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.interrupts import interrupts_held
 
 
 class ContextBusyError(EdgeInferError, RuntimeError):
     """The same thread asked for a context that its own unfinished stream still holds."""
-
-
-class interrupts_held:
-    """`with interrupts_held() as held:` SIGINT is recorded, not raised, until the block ends; then it
-    is raised again (KeyboardInterrupt there, under the handler the program had). `held.pending()`
-    says whether one came. Only the main thread gets KeyboardInterrupt: elsewhere, and where SIGINT is
-    ignored or handled outside Python, it holds nothing back. The handler is swapped with `_signal`'s
-    C functions: no Python code of the `signal` module runs (and checks for signals) in between."""
-
-    __slots__ = ("_pending", "_old")
-
-    def __init__(self):
-        self._pending = False
-        self._old = None
-
-    def pending(self) -> bool:
-        return self._pending
-
-    def _record(self, signum, frame) -> None:
-        self._pending = True
-
-    def __enter__(self) -> "interrupts_held":
-        if threading.current_thread() is threading.main_thread():
-            old = _signal.getsignal(_signal.SIGINT)
-            if callable(old) or old == _signal.SIG_DFL:
-                self._old = old
-                _signal.signal(_signal.SIGINT, self._record)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            _signal.signal(_signal.SIGINT, self._old)
-            self._old = None
-            if self._pending:
-                self._pending = False
-                _signal.raise_signal(_signal.SIGINT)  # KeyboardInterrupt here, the lock's state whole
 
 
 class ContextLock:

@@ -44,7 +44,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from edgeinfer.chat import check_messages, check_variables
-from edgeinfer.context_lock import ContextLock, interrupts_held
+from edgeinfer.context_lock import ContextLock
+from edgeinfer.interrupts import interrupts_held
 from edgeinfer.errors import EdgeInferError, InvalidArgumentTypeError, ModelClosedError
 from edgeinfer.generation import Generation, Request
 from edgeinfer.results import Completion

@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from edgeinfer.batching import SoloStepper
-from edgeinfer.context_lock import ContextBusyError, ContextLock, interrupts_held
+from edgeinfer.context_lock import ContextBusyError, ContextLock
+from edgeinfer.interrupts import interrupts_held
 from edgeinfer.detokenize import Detokenizer, StopFilter
 from edgeinfer.drafting import ModelDrafter, _draft_closed
 from edgeinfer.engine import Engine
