@@ -207,12 +207,14 @@ def verify(folder: Path | str, out=print) -> bool:
     if ok:  # is the manifest what the graphs say? (load's own checks; a portable folder's both graphs and its
         from edgeinfer.portable_engine import PortableEngine  # host embeddings, as its engine opens them)
         from edgeinfer.session import DecoderSession
+        from edgeinfer.tokenizer import Tokenizer
 
         try:
             session = DecoderSession(folder, threads=1, provider="cpu", manifest=manifest, hashed=True)
             if manifest.portable is not None:
                 PortableEngine(session, threads=1)
-            out("ok        loads (the graph takes the inputs and gives the outputs its manifest describes)")
+            Tokenizer(folder, manifest.tokenizer)
+            out("ok        loads (graph inputs and outputs, tokenizer ids: as the manifest describes)")
         except EdgeInferError as e:
             ok = False
             out(f"MISMATCH  {MANIFEST_FILE}: {e}")

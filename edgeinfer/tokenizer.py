@@ -91,6 +91,12 @@ class Tokenizer:
             self._strips = {t.content: (t.lstrip, t.rstrip) for t in added.values() if t.special and t.content}
             self._decode = (_byte_fallback_decode(self._hf, self._n_vocab, set(self._specials.values()))
                             or (lambda ids: self._hf.decode(ids, skip_special_tokens=True)))
+        for field, ids in (("bos_token_id", () if self.bos_id is None else (self.bos_id,)),
+                           ("eos_token_ids", self.eos_ids)):  # (a hand-edited manifest: named now, not at a chat)
+            bad = [t for t in ids if not 0 <= t < self._n_vocab]
+            if bad:
+                raise ModelFormatError(f"the manifest's tokenizer.{field} holds {bad[0]}, outside the tokenizer's "
+                                       f"vocabulary of {self._n_vocab}")
         controls = sorted(self._specials, key=len, reverse=True)  # the longest first, as the split matches
         self._control_re = re.compile("(" + "|".join(map(re.escape, controls)) + ")") if controls else None
         nonce = "".join(secrets.choice("0123456789") for _ in range(16))  # digits: a template's upper() keeps them

@@ -75,7 +75,7 @@ def test_flipped_bit_in_weights_refused_at_load(capsys, folder):
     assert rc == 1 and len(err.splitlines()) == 1 and "model.onnx.data does not match" in err, err
 
 
-LOADS = "ok        loads (the graph takes the inputs and gives the outputs its manifest describes)"
+LOADS = "ok        loads (graph inputs and outputs, tokenizer ids: as the manifest describes)"
 MANIFEST_OK = "ok        edgeinfer.json (its manifest_sha256)"
 
 
@@ -265,7 +265,7 @@ def test_inspect_verify_hashes_each_file_once_without_a_stamp(capsys, folder, ha
     by the check, then by the session it opens to see that the graph loads."""
     (folder / integrity.STAMP_FILE).unlink(missing_ok=True)
     rc, lines = verify_cli(capsys, folder)
-    assert rc == 0 and "ok        loads (the graph takes the inputs and gives the outputs its manifest describes)" in lines
+    assert rc == 0 and "ok        loads (graph inputs and outputs, tokenizer ids: as the manifest describes)" in lines
     assert sorted(hashes) == sorted(listed(folder))
 
 
@@ -300,3 +300,19 @@ def test_a_graph_that_lacks_an_output_its_manifest_names_is_refused_at_load_and_
         edgeinfer.load(folder)
     rc, lines = verify_cli(capsys, folder)
     assert rc == 1 and lines[-1].startswith("MISMATCH  edgeinfer.json:") and dropped in lines[-1]
+
+
+@pytest.mark.parametrize("field,value", [("eos_token_ids", [999]), ("eos_token_ids", [2, -1])])
+def test_a_hand_edited_token_id_outside_the_vocabulary_is_named_by_load_and_verify(capsys, folder, field, value):
+    """A hostile round: eos_token_ids [999] (vocabulary 512, manifest_sha256 deleted to keep the edit)
+    passed `inspect --verify` ("ok loads") and was refused by load as "token id 999 is not in the
+    tokenizer's vocabulary", which named no field. Both now name the manifest's field."""
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    m["tokenizer"][field] = value
+    del m["manifest_sha256"]
+    write_manifest(folder, m)
+    bad = value[-1]
+    with pytest.raises(edgeinfer.ModelFormatError, match=rf"tokenizer\.{field} holds {bad}, outside the tokenizer's"):
+        edgeinfer.load(folder)
+    rc, lines = verify_cli(capsys, folder)
+    assert rc == 1 and f"tokenizer.{field} holds {bad}" in lines[-1] and lines[-1].startswith("MISMATCH")
