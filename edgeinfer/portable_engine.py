@@ -52,8 +52,10 @@ class PortableEngine(ChunkedSteps):
                 providers=[PROVIDERS[session.provider]]))
             self.embeddings = np.load(folder / self.info.embeddings_file, mmap_mode="r")
         except Exception as e:
-            raise ModelFormatError(f"cannot load the portable graphs of {folder}: {str(e).splitlines()[0][:300]}"
-                                   ) from None
+            why = str(e).splitlines()[0][:300]
+            if "pickle" in why:  # numpy's advice (allow_pickle=True) is not one to take for a model file
+                why = f"{self.info.embeddings_file} is not a .npy array (no array header)"
+            raise ModelFormatError(f"cannot load the portable graphs of {folder}: {why}") from None
         if self.embeddings.shape != (self.spec.vocab_size, self.spec.hidden_size) or \
                 self.embeddings.dtype not in (np.float16, np.float32):
             raise ModelFormatError(f"{folder / self.info.embeddings_file} is {self.embeddings.dtype} "

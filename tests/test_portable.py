@@ -355,3 +355,23 @@ def test_the_mobile_checker_refuses_a_fused_graph_with_a_convert_error():
 
     with pytest.raises(ConvertError, match="judges the portable graphs"):
         mobile_usability(default_model_path() / "model.onnx")
+
+
+def test_an_embeddings_file_that_is_not_an_array_is_refused_without_numpys_pickle_advice(portable, tmp_path):
+    """A hostile round: random bytes as embeddings.npy (hashes made to match) were refused with numpy's
+    "contains pickled (object) data ... load it unsafely using allow_pickle=": advice not to take."""
+    import hashlib
+    import shutil
+
+    from edgeinfer.errors import ModelFormatError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(portable(STORIES_SRC, "coreml", "fp32"), bad)
+    data = bytes(range(256)) * 64
+    (bad / "embeddings.npy").write_bytes(data)
+    m = json.loads((bad / "edgeinfer.json").read_text())
+    m["files"]["embeddings.npy"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    write_manifest(bad, m)
+    with pytest.raises(ModelFormatError, match=r"embeddings.npy is not a .npy array \(no array header\)") as e:
+        edgeinfer.load(bad)
+    assert "pickle" not in str(e.value)
