@@ -60,7 +60,8 @@ SENSORS = ("thermal_zone", "hwmon", "cpufreq", "power_supply", "vcgencmd", "ina3
 MIN_CAPACITY_TOKENS = 16  # the default ring's 4 sinks and a few tokens beside them
 MAX_CAPACITY_TOKENS = 1 << 20
 MAX_SLOTS = 256
-MAX_THREADS = 1024
+MAX_THREADS = 256  # the runtime's own cap (session.MAX_THREADS, which imports ONNX Runtime): a profile above it broke every load
+MAX_DESCRIPTION_CHARS = 200  # printed in `inspect --platform`: no control characters, no page of text
 MAX_PROFILE_BYTES = 64 * 1024  # a profile is a dozen lines (a 200 MB comment was read whole)
 
 
@@ -113,8 +114,8 @@ def _check_values(p: Profile, bad) -> None:
         if len(set(values)) != len(values):
             bad(field, "no name twice", list(values))
 
-    if not p.description.strip():
-        bad("description", "some text", p.description)
+    if not p.description.strip() or len(p.description) > MAX_DESCRIPTION_CHARS or not p.description.isprintable():
+        bad("description", f"one line of printable text, at most {MAX_DESCRIPTION_CHARS} characters", p.description)
     names("providers", tuple(ORT_PROVIDERS))
     if not p.providers or p.providers[-1] != "cpu":
         bad("providers", 'a list ending with "cpu" (the provider every build has)', list(p.providers))
@@ -269,17 +270,22 @@ def detect_from_fixture(folder: Path | str, profiles: dict[str, Profile] | None 
         except ValueError as e:
             raise InvalidArgumentError(f"{path}: unreadable: {str(e)[:200]}") from None
 
+    raw = text("env.json", "{}")
     try:
-        env = json.loads(text("env.json", "{}"))
+        env = json.loads(raw)
     except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's limit
         raise InvalidArgumentError(f"{folder / 'env.json'}: not JSON: {str(e)[:200]}") from None
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise InvalidArgumentError(f"{folder / 'env.json'} must be a JSON object of name -> string")
     from edgeinfer.power.sensors import check_recording
 
-    platform = text("platform.txt", "linux")
+    platform, machine = text("platform.txt", "linux"), text("machine.txt", "")
+    for name, value in (("platform.txt", platform), ("machine.txt", machine)):  # printed as they are
+        if len(value) > 64 or not value.isprintable():
+            raise InvalidArgumentError(f"{folder / name}: expected a name such as {'linux' if name == 'platform.txt' else 'aarch64'} "
+                                       f"(at most 64 printable characters), got {value[:40]!r}")
     check_recording(folder, platform)
-    return detect(folder / "root", env, platform, text("machine.txt", ""), profiles)
+    return detect(folder / "root", env, platform, machine, profiles)
 
 
 __all__ = ["Profile", "ProfileError", "Detection", "load_profile", "load_profiles", "detect",

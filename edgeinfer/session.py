@@ -38,7 +38,7 @@ def resolve_provider(provider: str, target: str = "cpu") -> str:
     return provider
 
 
-MAX_THREADS = 256
+MAX_THREADS = 256  # (platforms.MAX_THREADS, a profile's cap, is this: tests/test_platforms.py)
 
 
 def usable_cores() -> int:

@@ -214,12 +214,17 @@ def test_hostile_env_is_no_evidence(tmp_path):
     ({"env.json": "{not json"}, "not JSON"),
     ({"env.json": '{"A": 1}'}, "JSON object"),
     ({"platform.txt": b"\xff\xfe"}, "unreadable"),
+    ({"env.json": "{" + " " * 17_000_000 + "}"}, r"env.json: unreadable: .* bytes"),  # (it said "not JSON: ... unreadable")
+    ({"machine.txt": "riscv64\nnote FAKE LINE \x1b[31m"}, r"machine.txt: expected a name such as aarch64"),
+    ({"machine.txt": "a" * 1_000_000}, r"machine.txt: expected a name"),  # (printed whole: a hostile round)
+    ({"platform.txt": "linux\x1b[2J"}, r"platform.txt: expected a name such as linux"),
 ])
 def test_malformed_fixture_folder_is_a_clear_error(tmp_path, files, problem):
     for name, content in files.items():
         (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
-    with pytest.raises(InvalidArgumentError, match=problem):
+    with pytest.raises(InvalidArgumentError, match=problem) as e:
         detect_from_fixture(tmp_path)
+    assert "not JSON" not in str(e.value) or "{not json" in files.get("env.json", "")
 
 
 # ---- malformed profiles ------------------------------------------------------------------------------
@@ -248,6 +253,9 @@ GOOD = (ROOT / "platforms" / "jetson-orin-nano.toml").read_text(encoding="utf-8"
     ('name = "jetson-orin-nano"', 'name = "jetson"', "name"),
     ('name = "jetson-orin-nano"', "", "name"),  # missing
     ('daemon_slots = 2', 'daemon_slots = 2\nslots = 2', "slots"),  # unknown
+    ('threads = "auto"', "threads = 512", "threads"),  # (a hostile round: accepted, then every load refused)
+    ('description = "NVIDIA', 'description = "\\u001b[31mNVIDIA', "description"),  # printed raw: a terminal's codes
+    ('description = "NVIDIA', 'description = "' + "x" * 300 + ' NVIDIA', "description"),
 ])
 def test_malformed_profile_names_file_and_field(tmp_path, old, new, field):
     assert old in GOOD
@@ -430,3 +438,11 @@ def test_load_takes_the_profiles_thread_count_unless_given(monkeypatch):
         m = edgeinfer.load()
     assert threads(m) == pi.session_threads
     assert threads(edgeinfer.load(threads=1)) == 1
+
+
+def test_a_profiles_thread_cap_is_the_runtimes():
+    """A profile's threads reach every load without --threads: a cap above the session's (1024 against
+    256) let a profile make every default load fail on an argument the user never gave."""
+    from edgeinfer import platforms, session
+
+    assert platforms.MAX_THREADS == session.MAX_THREADS
