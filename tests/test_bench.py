@@ -53,6 +53,8 @@ def test_bench_rejects_bad_arguments(capsys):
     assert main(["bench", "--capacity", "4"]) == 1  # it offered "fewer sinks", which bench cannot set
     err = capsys.readouterr().err
     assert "--capacity must be at least 5: the ring keeps 4 attention sinks" in err and "fewer" not in err
+    assert main(["bench", "--runs", "99999999999999999999999"]) == 1  # it ran for ever (a hostile round)
+    assert capsys.readouterr().err == "edgeinfer: error: --runs may be at most 1000, got 99999999999999999999999\n"
 
 
 def test_bench_defaults_run_on_a_model_trained_on_fewer_positions(capsys):
