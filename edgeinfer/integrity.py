@@ -83,7 +83,8 @@ def _entries(folder: Path, files: dict, named: Iterable[str] = ()) -> dict:
     for name, want in files.items():
         if (not isinstance(name, str) or not name or "\0" in name or Path(name).name != name or name in (".", "..")
                 or not isinstance(want, dict)
-                or not isinstance(want.get("bytes"), int) or not isinstance(want.get("sha256"), str)):
+                or not isinstance(want.get("bytes"), int) or isinstance(want["bytes"], bool) or want["bytes"] < 0
+                or not isinstance(want.get("sha256"), str)):
             raise ModelFormatError(f"{folder / MANIFEST_FILE} is corrupted (bad files entry {name!r})")
     unnamed = sorted(set(named) - set(files))
     if unnamed:

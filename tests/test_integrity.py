@@ -316,3 +316,14 @@ def test_a_hand_edited_token_id_outside_the_vocabulary_is_named_by_load_and_veri
         edgeinfer.load(folder)
     rc, lines = verify_cli(capsys, folder)
     assert rc == 1 and f"tokenizer.{field} holds {bad}" in lines[-1] and lines[-1].startswith("MISMATCH")
+
+
+@pytest.mark.parametrize("size", [-5, True])
+def test_a_files_entry_with_a_negative_or_boolean_size_is_a_corrupted_manifest(folder, size):
+    """A hostile round: bytes -5 passed the shape check, and load then said "362944 bytes, expected -5"."""
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    m["files"]["tokenizer.json"]["bytes"] = size
+    del m["manifest_sha256"]
+    write_manifest(folder, m)
+    with pytest.raises(edgeinfer.ModelFormatError, match=r"is corrupted \(bad files entry 'tokenizer.json'\)"):
+        edgeinfer.load(folder)
