@@ -10,8 +10,8 @@ reports a command killed by SIGPIPE). None of them prints a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import errno
+import importlib
 import json
 import os
 import re

@@ -46,4 +46,4 @@ class interrupts_held:
             self._old = None
             if self._pending:
                 self._pending = False
-                _signal.raise_signal(_signal.SIGINT)  # KeyboardInterrupt here, the lock's state whole
+                _signal.raise_signal(_signal.SIGINT)  # KeyboardInterrupt here, the block's state whole

@@ -250,7 +250,7 @@ class Model:
             try:
                 with self.lock.hold():
                     if self.lent_to is None:  # (not lent while this waited for the lock)
-                        with interrupts_held():  # both or neither: a Ctrl-C between read as closed
+                        with interrupts_held():  # both or neither (a Ctrl-C between left an open model read as closed)
                             cache, self.lent_to = self._open_cache(), to
                             self.cache = self.held = None
                         return cache

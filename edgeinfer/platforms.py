@@ -60,7 +60,7 @@ SENSORS = ("thermal_zone", "hwmon", "cpufreq", "power_supply", "vcgencmd", "ina3
 MIN_CAPACITY_TOKENS = 16  # the default ring's 4 sinks and a few tokens beside them
 MAX_CAPACITY_TOKENS = 1 << 20
 MAX_SLOTS = 256
-MAX_THREADS = 256  # the runtime's own cap (session.MAX_THREADS, which imports ONNX Runtime): a profile above it broke every load
+MAX_THREADS = 256  # the session's cap (session.MAX_THREADS; that module imports ONNX Runtime): above it, every load failed
 MAX_DESCRIPTION_CHARS = 200  # printed in `inspect --platform`: no control characters, no page of text
 MAX_PROFILE_BYTES = 64 * 1024  # a profile is a dozen lines (a 200 MB comment was read whole)
 
@@ -282,8 +282,9 @@ def detect_from_fixture(folder: Path | str, profiles: dict[str, Profile] | None 
     platform, machine = text("platform.txt", "linux"), text("machine.txt", "")
     for name, value in (("platform.txt", platform), ("machine.txt", machine)):  # printed as they are
         if len(value) > 64 or not value.isprintable():
-            raise InvalidArgumentError(f"{folder / name}: expected a name such as {'linux' if name == 'platform.txt' else 'aarch64'} "
-                                       f"(at most 64 printable characters), got {value[:40]!r}")
+            example = "linux" if name == "platform.txt" else "aarch64"
+            raise InvalidArgumentError(f"{folder / name}: expected a name such as {example} (at most 64 printable "
+                                       f"characters), got {value[:40]!r}")
     check_recording(folder, platform)
     return detect(folder / "root", env, platform, machine, profiles)
 
