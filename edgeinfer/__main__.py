@@ -1,5 +1,6 @@
 """`python -m edgeinfer` and the `edgeinfer` console script (`run`)."""
 
+import _signal
 import sys
 
 from edgeinfer.interrupts import interrupts_held
@@ -15,7 +16,12 @@ def run() -> int:
     except KeyboardInterrupt:  # the line the CLI prints, not a traceback
         print("edgeinfer: interrupted", file=sys.stderr)
         return 130
-    return main()
+    rc = main()
+    # Done, its output written: a Ctrl-C as the interpreter shuts down (atexit handlers, weak references'
+    # callbacks) printed "Exception ignored ... KeyboardInterrupt" and could turn rc 0 into -2 (a hostile round)
+    if _signal.getsignal(_signal.SIGINT) is not _signal.SIG_IGN:
+        _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
+    return rc
 
 
 if __name__ == "__main__":

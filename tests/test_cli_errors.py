@@ -582,3 +582,18 @@ def test_a_ctrl_c_lost_inside_the_clis_import_is_held_and_raised():
                          text=True, timeout=60, preexec_fn=_sigint_default)
     assert (out.returncode, out.stderr.splitlines()[-1:]) == (130, ["edgeinfer: interrupted"]), out.stderr
     assert out.stdout == ""
+
+
+def test_a_ctrl_c_as_the_finished_command_exits_changes_nothing():
+    """A hostile round: a Ctrl-C in the last milliseconds (the interpreter's atexit handlers, weak
+    references' callbacks) printed "Exception ignored ... KeyboardInterrupt" after a complete output,
+    and could make the exit status -2. Once main has returned, the exit is the command's."""
+    code = """if True:
+        import atexit, signal, sys
+        atexit.register(lambda: signal.raise_signal(signal.SIGINT))  # the Ctrl-C, as the interpreter exits
+        from edgeinfer.__main__ import run
+        sys.exit(run())
+    """
+    out = subprocess.run([sys.executable, "-c", code, "generate", "Once", "--max-tokens", "3", "--seed", "1"],
+                         capture_output=True, text=True, timeout=60, preexec_fn=_sigint_default)
+    assert out.returncode == 0 and out.stdout.strip() and "Traceback" not in out.stderr, out.stderr
