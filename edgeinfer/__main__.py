@@ -1,26 +1,29 @@
 """`python -m edgeinfer` and the `edgeinfer` console script (`run`)."""
 
 import _signal
+import os
 import sys
 
 from edgeinfer.interrupts import interrupts_held
 
 
 def run() -> int:
-    """The CLI, its modules imported with a Ctrl-C held until they are whole (`edgeinfer.interrupts`:
-    met inside an import it could be lost, and the command ran on); `cli.main` holds it over the
-    rest of the imports it needs."""
+    """The CLI as a program's entry point. Its modules are imported with a Ctrl-C held until they are
+    whole (`edgeinfer.interrupts`: met inside an import it could be lost, and the command ran on);
+    `cli.main` holds it over the rest of the imports it needs. Once main has returned, a Ctrl-C ends
+    the process at once with main's exit status (a program that calls `run` and goes on keeps that
+    handler): raised as the interpreter shut down (atexit handlers, weak references' callbacks) it
+    printed "Exception ignored ... KeyboardInterrupt" after a complete output and could make rc 0
+    into -2, and ignoring it would leave `serve` deaf while its worker threads finish."""
     try:
         with interrupts_held():
             from edgeinfer.cli import main
-    except KeyboardInterrupt:  # the line the CLI prints, not a traceback
+        rc = main()
+    except KeyboardInterrupt:  # the line the CLI prints, not a traceback (also just before or after main's own)
         print("edgeinfer: interrupted", file=sys.stderr)
-        return 130
-    rc = main()
-    # Done, its output written: a Ctrl-C as the interpreter shuts down (atexit handlers, weak references'
-    # callbacks) printed "Exception ignored ... KeyboardInterrupt" and could turn rc 0 into -2 (a hostile round)
+        rc = 130
     if _signal.getsignal(_signal.SIGINT) is not _signal.SIG_IGN:
-        _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
+        _signal.signal(_signal.SIGINT, lambda signum, frame: os._exit(rc))  # (stdout: flushed by main)
     return rc
 
 

@@ -4,6 +4,7 @@ never a traceback; a reader closing the pipe early ends the program quietly."""
 from __future__ import annotations
 
 import json
+import signal
 import os
 import subprocess
 import sys
@@ -597,3 +598,26 @@ def test_a_ctrl_c_as_the_finished_command_exits_changes_nothing():
     out = subprocess.run([sys.executable, "-c", code, "generate", "Once", "--max-tokens", "3", "--seed", "1"],
                          capture_output=True, text=True, timeout=60, preexec_fn=_sigint_default)
     assert out.returncode == 0 and out.stdout.strip() and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_ctrl_c_while_the_exit_waits_for_a_worker_thread_ends_it_at_once():
+    """A review: with SIGINT ignored after main, `serve`'s exit, which waits for its worker threads to
+    finish their step, could not be cut short by Ctrl-C. It now ends the process at once, with main's
+    exit status."""
+    code = """if True:
+        import sys, threading, time
+        from edgeinfer.__main__ import run
+        rc = run()
+        threading.Thread(target=time.sleep, args=(30,)).start()  # a worker the exit waits for
+        print("waiting", flush=True)
+        sys.exit(rc)
+    """
+    p = subprocess.Popen([sys.executable, "-c", code, "generate", "Once", "--max-tokens", "3", "--seed", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
+    assert p.stdout.readline()  # the completion
+    assert p.stdout.readline() == "waiting\n"
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=20)
+    assert time.monotonic() - t0 < 5 and p.returncode == 0 and "Traceback" not in err, (p.returncode, err)
