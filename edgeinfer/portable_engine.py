@@ -50,12 +50,16 @@ class PortableEngine(ChunkedSteps):
                 str(folder / self.info.prefill_file),
                 session_options(threads, spin_duration_us, portable=session.portable_on_cpu),
                 providers=[PROVIDERS[session.provider]]))
-            self.embeddings = np.load(folder / self.info.embeddings_file, mmap_mode="r")
+            try:
+                self.embeddings = np.load(folder / self.info.embeddings_file, mmap_mode="r", allow_pickle=False)
+            except ValueError as e:  # (numpy's advice, allow_pickle=True, is not one to take for a model file)
+                raise ValueError(f"{self.info.embeddings_file} is not a .npy array (no array header)"
+                                 if "pickle" in str(e) else str(e)) from None
+            if not isinstance(self.embeddings, np.ndarray):  # a zip (.npz) under the name
+                raise ValueError(f"{self.info.embeddings_file} is not a .npy array (a zip archive)")
         except Exception as e:
-            why = str(e).splitlines()[0][:300]
-            if "pickle" in why:  # numpy's advice (allow_pickle=True) is not one to take for a model file
-                why = f"{self.info.embeddings_file} is not a .npy array (no array header)"
-            raise ModelFormatError(f"cannot load the portable graphs of {folder}: {why}") from None
+            raise ModelFormatError(f"cannot load the portable graphs of {folder}: {str(e).splitlines()[0][:300]}"
+                                   ) from None
         if self.embeddings.shape != (self.spec.vocab_size, self.spec.hidden_size) or \
                 self.embeddings.dtype not in (np.float16, np.float32):
             raise ModelFormatError(f"{folder / self.info.embeddings_file} is {self.embeddings.dtype} "

@@ -357,21 +357,30 @@ def test_the_mobile_checker_refuses_a_fused_graph_with_a_convert_error():
         mobile_usability(default_model_path() / "model.onnx")
 
 
-def test_an_embeddings_file_that_is_not_an_array_is_refused_without_numpys_pickle_advice(portable, tmp_path):
+@pytest.mark.parametrize("kind,says", [("bytes", "no array header"), ("npz", "a zip archive")])
+def test_an_embeddings_file_that_is_not_an_array_is_refused_without_numpys_pickle_advice(portable, tmp_path, kind,
+                                                                                          says):
     """A hostile round: random bytes as embeddings.npy (hashes made to match) were refused with numpy's
-    "contains pickled (object) data ... load it unsafely using allow_pickle=": advice not to take."""
+    "contains pickled (object) data ... load it unsafely using allow_pickle=": advice not to take. A
+    review: an .npz under the name was an AttributeError (a traceback)."""
     import hashlib
+    import io
     import shutil
 
     from edgeinfer.errors import ModelFormatError
 
     bad = tmp_path / "bad"
     shutil.copytree(portable(STORIES_SRC, "coreml", "fp32"), bad)
-    data = bytes(range(256)) * 64
+    if kind == "bytes":
+        data = bytes(range(256)) * 64
+    else:
+        buf = io.BytesIO()
+        np.savez(buf, e=np.load(bad / "embeddings.npy"))
+        data = buf.getvalue()
     (bad / "embeddings.npy").write_bytes(data)
     m = json.loads((bad / "edgeinfer.json").read_text())
     m["files"]["embeddings.npy"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     write_manifest(bad, m)
-    with pytest.raises(ModelFormatError, match=r"embeddings.npy is not a .npy array \(no array header\)") as e:
+    with pytest.raises(ModelFormatError, match=rf"embeddings.npy is not a .npy array \({says}\)") as e:
         edgeinfer.load(bad)
     assert "pickle" not in str(e.value)
