@@ -34,6 +34,7 @@ import json
 import os
 import platform as _platform
 import sys
+import unicodedata
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -114,7 +115,7 @@ def _check_values(p: Profile, bad) -> None:
         if len(set(values)) != len(values):
             bad(field, "no name twice", list(values))
 
-    if not p.description.strip() or len(p.description) > MAX_DESCRIPTION_CHARS or not p.description.isprintable():
+    if not p.description.strip() or len(p.description) > MAX_DESCRIPTION_CHARS or not one_line(p.description):
         bad("description", f"one line of printable text, at most {MAX_DESCRIPTION_CHARS} characters", p.description)
     names("providers", tuple(ORT_PROVIDERS))
     if not p.providers or p.providers[-1] != "cpu":
@@ -137,6 +138,12 @@ def _check_values(p: Profile, bad) -> None:
         bad("daemon_slots", f"an integer in 1..{MAX_SLOTS}", p.daemon_slots)
     one_of("power_policy", POLICY_NAMES)
     names("sensors", SENSORS)
+
+
+def one_line(text: str) -> bool:
+    """Whether `text` prints as one line: no control, format, private-use or unassigned character and no
+    line or paragraph separator (a no-break or thin space is fine: str.isprintable refused those)."""
+    return not any(unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp") for c in text)
 
 
 def load_profile(path: Path | str) -> Profile:
@@ -281,7 +288,7 @@ def detect_from_fixture(folder: Path | str, profiles: dict[str, Profile] | None 
 
     platform, machine = text("platform.txt", "linux"), text("machine.txt", "")
     for name, value in (("platform.txt", platform), ("machine.txt", machine)):  # printed as they are
-        if len(value) > 64 or not value.isprintable():
+        if len(value) > 64 or not one_line(value):
             example = "linux" if name == "platform.txt" else "aarch64"
             raise InvalidArgumentError(f"{folder / name}: expected a name such as {example} (at most 64 printable "
                                        f"characters), got {value[:40]!r}")

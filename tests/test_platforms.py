@@ -440,6 +440,13 @@ def test_load_takes_the_profiles_thread_count_unless_given(monkeypatch):
     assert threads(edgeinfer.load(threads=1)) == 1
 
 
+def test_a_description_with_a_no_break_space_is_one_line(tmp_path):
+    """A review: str.isprintable refused U+00A0 and U+202F, which a pasted "2.4\u00a0GHz" holds."""
+    path = tmp_path / "jetson-orin-nano.toml"
+    path.write_text(GOOD.replace('description = "NVIDIA', 'description = "2.4\u00a0GHz\u202fNVIDIA', 1), encoding="utf-8")
+    assert load_profile(path).description.startswith("2.4\u00a0GHz")
+
+
 def test_a_profiles_thread_cap_is_the_runtimes():
     """A profile's threads reach every load without --threads: a cap above the session's (1024 against
     256) let a profile make every default load fail on an argument the user never gave."""
