@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens (default 512)")
     b.add_argument("--gen-tokens", type=int, default=128, help="tokens to generate per run (default 128)")
     b.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (default 2)")
-    b.add_argument("--runs", type=int, default=3, help="timed runs; medians are reported (default 3)")
+    b.add_argument("--runs", type=int, default=3, help="timed runs, at most 1000; medians are reported (default 3)")
     b.add_argument("--capacity", type=int, default=None, help="KV ring capacity (default: prompt + gen + 8, or the most the model holds without re-basing "
                    "often if that is less)")
     b.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         # command run on). So an import that hangs cannot be interrupted; none is known to.
         with interrupts_held():
             args = build_parser().parse_args(argv)
-            for module in args.imports:  # the command's compiled libraries (ONNX Runtime, tokenizers, onnx)
+            for module in args.imports:  # the command's compiled libraries (numpy, ONNX Runtime; convert's onnx)
                 importlib.import_module(module)
         if sys.stdout is None:  # started with its standard output closed (`>&-`)
             print("edgeinfer: error: cannot write the output: standard output is closed", file=sys.stderr)

@@ -95,8 +95,8 @@ class Tokenizer:
                            ("eos_token_ids", self.eos_ids)):  # (a hand-edited manifest: named now, not at a chat)
             bad = [t for t in ids if not 0 <= t < self._n_vocab]
             if bad:
-                raise ModelFormatError(f"the manifest's tokenizer.{field} holds {bad[0]}, outside the tokenizer's "
-                                       f"vocabulary of {self._n_vocab}")
+                raise ModelFormatError(f"tokenizer.{field} holds {bad[0]}, outside the tokenizer's vocabulary "
+                                       f"of {self._n_vocab}")
         controls = sorted(self._specials, key=len, reverse=True)  # the longest first, as the split matches
         self._control_re = re.compile("(" + "|".join(map(re.escape, controls)) + ")") if controls else None
         nonce = "".join(secrets.choice("0123456789") for _ in range(16))  # digits: a template's upper() keeps them
