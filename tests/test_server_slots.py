@@ -287,12 +287,14 @@ def test_a_ctrl_c_while_the_ring_is_lent_leaves_it_lent_or_not_never_a_closed_mo
             signal.raise_signal(signal.SIGINT)
         return trace
 
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (ignored in tests started in the background)
     sys.settrace(trace)
     try:
         with pytest.raises(KeyboardInterrupt):
             m.lend_default_cache("a server")
     finally:
         sys.settrace(None)
+        signal.signal(signal.SIGINT, before)
     assert sent and not m.closed
     with pytest.raises(ContextBusyError, match="belongs to a server"):
         m.generate("Once", max_new_tokens=2)
