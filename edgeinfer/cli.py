@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sinks", type=int, default=None, help="attention sinks kept by the ring (with --stream; default 4, or 0 "
                    "for a sliding-window model)")
     e.add_argument("--json", action="store_true", help="print the result as JSON")
-    e.set_defaults(func=_cmd_eval, imports=MODEL_IMPORTS)
+    e.set_defaults(func=_cmd_eval)
 
     from edgeinfer.cli_generate import add_chat_parser, add_generate_parser
 
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--capacity", type=int, default=None, help="KV ring capacity (default: prompt + gen + 8, or the most the model holds without re-basing "
                    "often if that is less)")
     b.add_argument("--json", action="store_true", help="print the result as JSON")
-    b.set_defaults(func=_cmd_bench, imports=MODEL_IMPORTS)
+    b.set_defaults(func=_cmd_bench)
 
     from edgeinfer.cli_serve import add_serve_parser
 
@@ -177,11 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     mode = i.add_mutually_exclusive_group()
     mode.add_argument("--json", action="store_true", help="print the description as JSON")
     mode.add_argument("--verify", action="store_true", help="hash every file against edgeinfer.json; exit 1 on a mismatch")
-    i.set_defaults(func=_cmd_inspect, imports=MODEL_IMPORTS)
+    i.set_defaults(func=_cmd_inspect)
     return ap
 
 
-MODEL_IMPORTS = ("edgeinfer.model",)  # what a command that loads a model imports (`main` holds a Ctrl-C over it)
+MODEL_IMPORTS = ("edgeinfer.model",)  # what a command imports unless it sets `imports` (`main` holds a Ctrl-C over it)
 
 # argparse takes "-1e6" for a flag (its own test knows "-5" and "-0.5" only): a value as the README writes it
 NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         # command run on). So an import that hangs cannot be interrupted; none is known to.
         with interrupts_held():
             args = build_parser().parse_args(argv)
-            for module in args.imports:  # the command's compiled libraries (numpy, ONNX Runtime; convert's onnx)
+            # the command's compiled libraries (numpy, ONNX Runtime; convert's onnx): a model's unless it sets `imports`
+            for module in getattr(args, "imports", MODEL_IMPORTS):
                 importlib.import_module(module)
         if sys.stdout is None:  # started with its standard output closed (`>&-`)
             print("edgeinfer: error: cannot write the output: standard output is closed", file=sys.stderr)

@@ -19,7 +19,7 @@ def add_generate_parser(sub) -> None:
     _sampling_args(g)
     g.add_argument("--stream", action="store_true", help="print tokens as they come")
     g.add_argument("--json", action="store_true", help="print the completion as JSON")
-    g.set_defaults(func=_cmd_generate, imports=("edgeinfer.model",))
+    g.set_defaults(func=_cmd_generate)
 
 
 def add_chat_parser(sub) -> None:
@@ -28,7 +28,7 @@ def add_chat_parser(sub) -> None:
                                      'exit status 1 if any input was refused')
     _model_args(ch)
     _sampling_args(ch)
-    ch.set_defaults(func=_cmd_chat, imports=("edgeinfer.model",))
+    ch.set_defaults(func=_cmd_chat)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

@@ -222,7 +222,7 @@ class Model:
         self.close()
 
     def _check_open(self) -> None:
-        if self.engine.closed:
+        if self.closed:
             raise ModelClosedError()
 
     def _open_cache(self) -> RingKVCache:
