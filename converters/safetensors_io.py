@@ -143,8 +143,9 @@ def onnx_export_hint(folder: Path) -> str:
 
 def no_weights_hint(folder: Path) -> str:
     """What a folder without the safetensors the native builder reads holds instead, if it says what to do."""
-    if onnx_export_hint(folder) or not any(folder.glob("pytorch_model*.bin")):
-        return onnx_export_hint(folder)
+    hint = onnx_export_hint(folder)
+    if hint or not any(folder.glob("pytorch_model*.bin")):
+        return hint
     return (": its weights are PyTorch .bin files, which the native builder does not read (--via optimum "
             "reads them, with torch: pip install 'edgeinfer[optimum]')")
 
