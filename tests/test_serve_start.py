@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import signal
@@ -68,6 +69,33 @@ def test_port_0_reports_the_port_the_system_picked():
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_json_logs_are_json_from_the_first_line():
+    """--log-format json printed its two start-up lines (the model and slots, "listening on") as plain
+    text before the JSON ones (a docs pass): a log collector reading JSON lines choked on the first."""
+    proc = subprocess.Popen(SERVE + ["--port", "0", "--log-format", "json"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        lines, deadline = [], time.monotonic() + 60
+        while not lines or "listening on" not in lines[-1]:
+            assert time.monotonic() < deadline and proc.poll() is None, lines
+            lines.append(proc.stderr.readline())
+        url = re.search(r"listening on (http://[\d.:]+)", lines[-1]).group(1)
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        lines += proc.stderr.read().splitlines()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    records = [json.loads(line) for line in lines if line.strip()]
+    messages = [r.get("message", "") for r in records]
+    assert any(m.startswith("edgeinfer serve: model ") for m in messages), messages
+    assert any(m.startswith("edgeinfer serve: listening on http://") for m in messages), messages
+    assert any("draining" in m for m in messages), messages
 
 
 @pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 here")

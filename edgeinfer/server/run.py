@@ -311,14 +311,15 @@ def serve(config: ServeConfig) -> int:
         raise
     s, m = server.scheduler, server.model
     kv_mb = sum(slot.cache.bytes for slot in s.slots) / 2**20
-    print(f"edgeinfer serve: model {m.folder} ({server.model_id}) on {m.session.provider}; "
+    # the two start-up lines: with --log-format json, JSON like every later line (a log collector reads them)
+    say = log.info if config.log_format == "json" else (lambda line: print(line, file=sys.stderr, flush=True))
+    say(f"edgeinfer serve: model {m.folder} ({server.model_id}) on {m.session.provider}; "
           f"{len(s.slots)} slots x {m.capacity_tokens} tokens "
           f"= {kv_mb:.1f} MiB of KV cache; queue {config.queue}; overflow {config.overflow}; "
           f"speculative {config.speculative}"
           f"{f' (draft model {config.draft_model})' if config.draft_model else ''}; "
-          f"{'API key required' if config.api_key else 'no API key (loopback only)'}", file=sys.stderr)
-    print(f"edgeinfer serve: listening on {', '.join(map(url_of, socks))} (OpenAI API at /v1)", file=sys.stderr,
-          flush=True)
+          f"{'API key required' if config.api_key else 'no API key (loopback only)'}")
+    say(f"edgeinfer serve: listening on {', '.join(map(url_of, socks))} (OpenAI API at /v1)")
     uvicorn_server(server).run(sockets=socks)
     server.scheduler.cancel_all()  # worker threads end within one step: the process can exit
     server.pool.shutdown(wait=False, cancel_futures=True)
