@@ -41,11 +41,15 @@ def read_bytes(path: Path, limit: int, error: type[Exception]) -> bytes:
     size = regular_file(path, error)
     if size > limit:
         raise error(f"{path} is {size} bytes: a file of at most {limit} bytes is read here")
+    parts, total = [], 0
     try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
+        with open(path, "rb") as f:  # read as the file is, not `limit` at once: read(n) reserves n bytes
+            while total <= limit and (part := f.read(min(limit + 1 - total, max(size + 1, 1 << 16)))):
+                parts.append(part)  # (256 MiB for a 19 KB tokenizer.json, a MemoryError under a memory limit)
+                total += len(part)
     except OSError as e:
         raise error(f"cannot read {path}: {e.strerror or e}") from None
+    data = b"".join(parts)
     if len(data) > limit:
         raise error(f"{path} grew past {limit} bytes while it was read")
     return data
