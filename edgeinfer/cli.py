@@ -195,7 +195,13 @@ def _numbers_as_values(add_parser):
     return add
 
 
+MEMORY_HINTS = {"serve": "a smaller --capacity or fewer --slots needs less",
+                "convert": "convert on a machine with more memory and copy the folder over",
+                None: "a smaller --capacity or a smaller model needs less"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = None
     _standard_streams()
     show = warnings.showwarning
     warnings.showwarning = _show_warning
@@ -227,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
             return cause.code if isinstance(cause.code, int) else 1
         print("edgeinfer: interrupted", file=sys.stderr)
         return 130
+    except MemoryError as e:  # an allocation past a memory limit (ulimit -v, a cgroup): numpy says how much
+        progress.clear()
+        hint = MEMORY_HINTS.get(getattr(args, "command", None), MEMORY_HINTS[None])
+        print(f"edgeinfer: error: not enough memory: {str(e)[:200] or 'an allocation failed'} ({hint})",
+              file=sys.stderr)
+        return 1
     except BrokenPipeError:
         # The reader went away: Python's docs (signal, "Note on SIGPIPE") advise pointing stdout at
         # devnull, so that flushing it again at exit does not raise, and leaving quietly.

@@ -621,3 +621,20 @@ def test_a_ctrl_c_while_the_exit_waits_for_a_worker_thread_ends_it_at_once():
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=20)
     assert time.monotonic() - t0 < 5 and p.returncode == 0 and "Traceback" not in err, (p.returncode, err)
+
+
+def test_running_out_of_memory_is_one_error_line(capsys, monkeypatch):
+    """An allocation past a memory limit (the KV ring under `ulimit -v`, a hostile round) was numpy's
+    40-line traceback; it is one line naming the size, exit 1."""
+    import numpy as np
+
+    from edgeinfer.kv_cache import RingKVCache
+
+    def allocate(self, *args, **kwargs):
+        np.empty(2**42, np.uint8)  # 4 TiB: past any memory here, as the ring is past a limit there
+
+    monkeypatch.setattr(RingKVCache, "__init__", allocate)
+    assert main(["generate", "Once upon a time", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("edgeinfer: error: not enough memory: Unable to allocate 4.00 TiB"), err
+    assert err[0].endswith("(a smaller --capacity or a smaller model needs less)"), err
