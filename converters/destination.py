@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from edgeinfer.durable import sync_folder, sync_tree
-from edgeinfer.errors import ConvertError
+from edgeinfer.errors import ConvertError, warn_user
 from edgeinfer.integrity import STAMP_FILE
 from edgeinfer.manifest import MANIFEST_FILE
 
@@ -220,8 +220,16 @@ def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:
         return
     if old.is_symlink():
         old.unlink()  # DST was a link to a model folder: the link is replaced, its target left alone
-    else:
-        shutil.rmtree(old, ignore_errors=True)
+        return
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.lexists(old):  # (an unwritable old model: it was left, hidden, as large as the model, unsaid)
+        try:
+            shutil.rmtree(old)  # once more, for the reason
+            return
+        except OSError as e:
+            reason = f"{e.strerror or e}: {e.filename}" if e.filename else str(e.strerror or e)
+        warn_user(f"the model that {dst} held could not be removed ({reason}); it is left at {old}: "
+                  "remove it by hand")
 
 
 def _rename_into_place(tmp: Path, dst: Path, force: bool) -> Path | None:

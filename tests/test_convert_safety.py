@@ -340,6 +340,32 @@ def test_force_swaps_the_old_model_for_the_new_in_one_step(capsys, work, tmp_pat
     assert_no_leftovers(tmp_path)
 
 
+def test_an_old_model_that_cannot_be_removed_is_named_not_left_unsaid(capsys, work, tmp_path, monkeypatch):
+    """--force over a model folder that could not be deleted (mode 0555, as another user) swapped the
+    models, then left the old one, as large as the model, hidden beside DST as `.model.partial-...`
+    with exit 0 and no word (a hostile round). It is still left (the conversion succeeded), but said."""
+    from edgeinfer.converters import destination
+
+    dst = model_folder(tmp_path / "model")
+    real = shutil.rmtree
+
+    def unremovable(path, ignore_errors=False, **kwargs):
+        if (Path(path) / "model.onnx").is_file() and (Path(path) / "model.onnx").read_bytes() == b"old":
+            if ignore_errors:
+                return
+            raise PermissionError(errno.EACCES, "Permission denied", str(Path(path) / "model.onnx"))
+        real(path, ignore_errors=ignore_errors, **kwargs)
+
+    monkeypatch.setattr(destination.shutil, "rmtree", unremovable)
+    rc, err = run_convert(capsys, work / "src", dst, "--force")
+    assert rc == 0 and (dst / "model.onnx").read_bytes() != b"old", err
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(".model.")]
+    assert len(left) == 1 and (left[0] / "model.onnx").read_bytes() == b"old"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgeinfer: warning: the model that") and \
+        f"it is left at {left[0]}: remove it by hand" in lines[0] and "Permission denied" in lines[0], err
+
+
 def test_a_model_stranded_between_two_renames_is_put_back(capsys, work, tmp_path, monkeypatch):
     """Where no exchange exists, the two renames remain; a conversion killed between them left
     `.DST.old-PID` and no DST. The next conversion into DST puts the old model back first (so it
