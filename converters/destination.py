@@ -170,7 +170,11 @@ def _make_parents(dst: Path) -> list[Path]:
         if parent.exists():
             break
         missing.append(parent)
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except BaseException:  # made a/ and a/b/, then no room for a/b/c/: "nothing was written" left them
+        _remove_made(missing[::-1])
+        raise
     return missing[::-1]
 
 
@@ -180,6 +184,8 @@ def _remove_made(folders: list[Path]) -> None:
     for folder in reversed(folders):
         try:
             folder.rmdir()
+        except FileNotFoundError:  # never made (mkdir failed there) or removed already: its parents may be
+            continue
         except OSError:
             return
 

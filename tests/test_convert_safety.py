@@ -366,6 +366,23 @@ def test_an_old_model_that_cannot_be_removed_is_named_not_left_unsaid(capsys, wo
         f"it is left at {left[0]}: remove it by hand" in lines[0] and "Permission denied" in lines[0], err
 
 
+def test_parents_made_before_the_disk_filled_are_removed(capsys, work, tmp_path, monkeypatch):
+    """-o a/b/c/out on a file system with room for two folders: "disk full ... nothing was written",
+    and a/ and a/b/ were left (a hostile round)."""
+    real = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self.name == "c":  # its parents made first, as mkdir(parents=True) makes them
+            real(self.parent, parents=True, exist_ok=True)
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    rc, err = run_convert(capsys, work / "src", tmp_path / "a" / "b" / "c" / "out")
+    assert_user_error(rc, err, "disk full", "nothing was written")
+    assert not (tmp_path / "a").exists()
+
+
 def test_a_model_stranded_between_two_renames_is_put_back(capsys, work, tmp_path, monkeypatch):
     """Where no exchange exists, the two renames remain; a conversion killed between them left
     `.DST.old-PID` and no DST. The next conversion into DST puts the old model back first (so it
