@@ -13,6 +13,7 @@ import errno
 import faulthandler
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -231,7 +232,24 @@ def connection_cap() -> int:
             pass
     if soft == resource.RLIM_INFINITY:
         return MAX_CONNECTIONS
-    return max(8, min(MAX_CONNECTIONS, soft - FD_RESERVE))
+    in_use = open_files()
+    spare = soft - in_use  # (the floor of 8 it had ignored these: at `ulimit -n 16` every accept() failed,
+    if spare - FD_RESERVE >= 8:  # 35,000 times a second, and /health went unanswered; a hostile round)
+        return min(MAX_CONNECTIONS, spare - FD_RESERVE)
+    if spare < 2:
+        raise InvalidArgumentError(f"the open-files limit ({soft}) leaves no room for connections: {in_use} files "
+                                   "are open already; raise it (ulimit -n, or LimitNOFILE= in a service unit)")
+    return spare // 2  # a small limit: half of what is left, the other half for accept() and the model's own reads
+
+
+def open_files() -> int:
+    """How many file descriptors this process has open now (0 where the system does not say)."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return max(0, len(os.listdir(folder)) - 1)  # less the one listdir opened to read it
+        except OSError:
+            continue
+    return 0
 
 
 def uvicorn_server(server: Server) -> DrainingServer:
@@ -305,6 +323,7 @@ def serve(config: ServeConfig) -> int:
     socks = listen_sockets(config.host, config.port)  # first: a port in use fails at once, not after the load
     try:
         server = build(config)
+        uv = uvicorn_server(server)  # before "listening": its connection cap may refuse the open-files limit
     except BaseException:
         for sock in socks:
             sock.close()
@@ -320,7 +339,7 @@ def serve(config: ServeConfig) -> int:
           f"{f' (draft model {config.draft_model})' if config.draft_model else ''}; "
           f"{'API key required' if config.api_key else 'no API key (loopback only)'}")
     say(f"edgeinfer serve: listening on {', '.join(map(url_of, socks))} (OpenAI API at /v1)")
-    uvicorn_server(server).run(sockets=socks)
+    uv.run(sockets=socks)
     server.scheduler.cancel_all()  # worker threads end within one step: the process can exit
     server.pool.shutdown(wait=False, cancel_futures=True)
     server.tokenize_pool.shutdown(wait=False, cancel_futures=True)
