@@ -112,7 +112,10 @@ def _os_clutter(folder: Path, name: str) -> bool:
 def _os_error(e: OSError, dst: Path) -> ConvertError:
     """One line for an OSError met while converting (full disk, permission, read-only, not a folder)."""
     if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        return ConvertError(f"disk full while writing {dst.name}: nothing was written")
+        left = [p.name for p in _orphans(dst)]  # (the space a killed conversion's folder holds went unsaid)
+        return ConvertError(f"disk full while writing {dst.name}: nothing was written" + (
+            f"; {', '.join(left[:3])} beside it, left by a conversion no longer running here, holds space: remove "
+            "it unless another machine is converting into that folder" if left else ""))
     where = f": {e.filename}" if e.filename is not None else ""
     return ConvertError(f"cannot convert into {dst}: {e.strerror or e}{where}")
 
@@ -195,18 +198,29 @@ def _remove_orphans(dst: Path) -> None:
     folders, and `.old-` folders (a replaced model whose removal was cut short; one that DST lacks
     was put back by `_restore_stranded` first), once their process is gone and nothing in them
     changed for ORPHAN_AGE_S."""
+    for p in _orphans(dst):
+        try:  # gone here; untouched for an hour: gone anywhere (a conversion on another host sharing the folder)
+            newest = max([p.stat().st_mtime] + [q.stat().st_mtime for q in p.iterdir()])
+        except OSError:
+            continue
+        if time.time() - newest > ORPHAN_AGE_S:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _orphans(dst: Path) -> list[Path]:
+    """The `.partial-` and `.old-` folders beside `dst` whose conversion's process is not running here."""
+    found = []
     for kind in ("partial", "old"):
         prefix = f"{_hidden(dst)}.{kind}-"
-        for p in dst.parent.glob(glob.escape(prefix) + "*"):
+        try:
+            candidates = sorted(dst.parent.glob(glob.escape(prefix) + "*"))
+        except OSError:
+            continue
+        for p in candidates:
             pid = p.name[len(prefix):].split("-", 1)[0]
-            if not pid.isdigit() or int(pid) == os.getpid() or not p.is_dir() or p.is_symlink() or not _gone(int(pid)):
-                continue
-            try:  # gone here; untouched for an hour: gone anywhere (a conversion on another host sharing the folder)
-                newest = max([p.stat().st_mtime] + [q.stat().st_mtime for q in p.iterdir()])
-            except OSError:
-                continue
-            if time.time() - newest > ORPHAN_AGE_S:
-                shutil.rmtree(p, ignore_errors=True)
+            if pid.isdigit() and int(pid) != os.getpid() and p.is_dir() and not p.is_symlink() and _gone(int(pid)):
+                found.append(p)
+    return found
 
 
 def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:

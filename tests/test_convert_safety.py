@@ -195,6 +195,33 @@ def test_os_error_half_way_is_one_line(capsys, monkeypatch, work, tmp_path, code
     assert_no_leftovers(tmp_path)
 
 
+def test_a_full_disk_names_what_a_killed_conversion_left(capsys, monkeypatch, work, tmp_path):
+    """A conversion killed outright (SIGKILL, the OOM killer) left a 52 MB `.smol.partial-PID` that is
+    swept only after an hour; the rerun then failed with "disk full ... nothing was written" and did not
+    mention the folder holding the space (a hostile round). It is named now; one of a conversion still
+    running (this process) is not."""
+    import subprocess
+    import sys
+
+    from edgeinfer.converters import onnx_writer
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / f".model.partial-{dead}-0a1b2c3d").mkdir()
+    (tmp_path / f".model.partial-{dead}-0a1b2c3d" / "model.onnx.data").write_bytes(b"x" * 1000)
+    (tmp_path / f".model.partial-{os.getpid()}-99999999").mkdir()  # a running conversion's: not named
+
+    def add(self, name, array):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "x"))
+
+    monkeypatch.setattr(onnx_writer.WeightWriter, "add", add)
+    rc, err = run_convert(capsys, work / "src", tmp_path / "model")
+    assert_user_error(rc, err, "disk full while writing model: nothing was written; "
+                      f".model.partial-{dead}-0a1b2c3d beside it, left by a conversion no longer running here, "
+                      "holds space: remove it unless")
+    assert "99999999" not in err
+
+
 def test_os_error_at_the_final_rename_is_a_convert_error(monkeypatch, work, tmp_path):
     """The Python API raises ConvertError too, not OSError, and cleans up."""
     convert_module = importlib.import_module("edgeinfer.converters.convert")
