@@ -36,6 +36,7 @@ AFTER_DRAIN_S = 3  # then uvicorn's own wait for connections still sending (grac
 # reader hold a stop for 2 x grace_s, past the unit's TimeoutStopSec = grace_s + 15)
 HEAD_READ_S = 30.0  # the most a connection may take to send a request's head, from its opening or last response
 MAX_CONNECTIONS = 1024  # open at once; past it the oldest idle one is closed, or the new one (within the fd limit)
+LOOP_FDS = 3  # the event loop's own, opened after the cap is set: epoll and its self-pipe's two ends
 FD_RESERVE = 256  # file descriptors kept free under the cap: the model's files and logs, and a burst of accepts
 # (asyncio accepts up to 100 connections in one pass before a closed one's descriptor is released)
 
@@ -157,6 +158,10 @@ def _quiet_accept_errors():
     state = {"last_s": float("-inf"), "count": 0}
 
     def handler(loop, context) -> None:
+        e = context.get("exception")
+        if isinstance(e, ValueError) and "_start_serving" in repr(context.get("handle")) and "-1" in str(e):
+            return  # an accept retry scheduled by the above, run after shutdown closed its socket: 16,000 at
+            # a SIGTERM after descriptors ran out, each a traceback (a review)
         if context.get("message") != "socket.accept() out of system resource":
             loop.default_exception_handler(context)
             return
@@ -232,14 +237,14 @@ def connection_cap() -> int:
             pass
     if soft == resource.RLIM_INFINITY:
         return MAX_CONNECTIONS
-    in_use = open_files()
-    spare = soft - in_use  # (the floor of 8 it had ignored these: at `ulimit -n 16` every accept() failed,
-    if spare - FD_RESERVE >= 8:  # 35,000 times a second, and /health went unanswered; a hostile round)
-        return min(MAX_CONNECTIONS, spare - FD_RESERVE)
-    if spare < 2:
+    in_use = open_files()  # (the floor of 8 it had ignored these: at `ulimit -n 16` every accept() failed,
+    spare = soft - in_use - LOOP_FDS  # 35,000 times a second, and /health went unanswered; a hostile round)
+    if spare < 4:
         raise InvalidArgumentError(f"the open-files limit ({soft}) leaves no room for connections: {in_use} files "
                                    "are open already; raise it (ulimit -n, or LimitNOFILE= in a service unit)")
-    return spare // 2  # a small limit: half of what is left, the other half for accept() and the model's own reads
+    # under a small limit half of what is left, the other half for a burst of accept()s (closing an idle
+    # connection at the cap takes one more first) and the model's own reads
+    return min(MAX_CONNECTIONS, max(spare - FD_RESERVE, spare // 2))
 
 
 def open_files() -> int:
