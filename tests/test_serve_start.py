@@ -74,8 +74,9 @@ def test_port_0_reports_the_port_the_system_picked():
 def test_json_logs_are_json_from_the_first_line():
     """--log-format json printed its two start-up lines (the model and slots, "listening on") as plain
     text before the JSON ones (a docs pass): a log collector reading JSON lines choked on the first."""
-    proc = subprocess.Popen(SERVE + ["--port", "0", "--log-format", "json"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(SERVE + ["--port", "0", "--log-format", "json",  # more threads than cores: a warning
+                                     "--threads", str(os.cpu_count() + 1)],  # as the model loads (a review)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         lines, deadline = [], time.monotonic() + 60
         while not lines or "listening on" not in lines[-1]:
@@ -83,6 +84,11 @@ def test_json_logs_are_json_from_the_first_line():
             lines.append(proc.stderr.readline())
         url = re.search(r"listening on (http://[\d.:]+)", lines[-1]).group(1)
         assert httpx.get(url + "/health", timeout=10).status_code == 200
+        host, port = re.search(r"http://([\d.]+):(\d+)", url).groups()
+        with socket.create_connection((host, int(port))) as s:  # uvicorn's own warning: a request it cannot parse
+            s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            s.settimeout(10)
+            assert s.recv(100).startswith(b"HTTP/1.1 400")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         lines += proc.stderr.read().splitlines()
@@ -96,6 +102,8 @@ def test_json_logs_are_json_from_the_first_line():
     assert any(m.startswith("edgeinfer serve: model ") for m in messages), messages
     assert any(m.startswith("edgeinfer serve: listening on http://") for m in messages), messages
     assert any("draining" in m for m in messages), messages
+    assert any(m.startswith(f"threads={os.cpu_count() + 1} is more than") for m in messages), messages
+    assert "Invalid HTTP request received." in messages, messages
 
 
 @pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 here")

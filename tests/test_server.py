@@ -782,7 +782,7 @@ def test_json_logs_are_json_on_every_line(capsys):
     from edgeinfer.server.answer import log_request
     from edgeinfer.server.run import setup_logging
 
-    saved = {n: (lg.handlers[:], lg.level, lg.propagate) for n in ("edgeinfer.server", "edgeinfer.power")
+    saved = {n: (lg.handlers[:], lg.level, lg.propagate) for n in ("edgeinfer.server", "edgeinfer.power", "uvicorn")
              for lg in [logging.getLogger(n)]}
     try:
         setup_logging("json")

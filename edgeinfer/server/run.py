@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -197,6 +198,16 @@ def setup_logging(fmt: str) -> None:
         logger.handlers[:] = [handler]
         logger.setLevel(logging.INFO)
         logger.propagate = False
+    if fmt == "json":  # uvicorn's own warnings ("Invalid HTTP request received.") too: `uvicorn_server` then
+        logger = logging.getLogger("uvicorn")  # leaves its loggers alone (log_config=None)
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+
+
+def json_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """`warnings.showwarning` under --log-format json: a warning met while the model loads (threads past
+    the cores, a CUDA fallback) as a JSON line, not the CLI's plain "edgeinfer: warning: ..." (a review)."""
+    logging.getLogger("edgeinfer.server").warning("%s", message)
 
 
 def build(config: ServeConfig, model=None) -> Server:
@@ -264,7 +275,8 @@ def uvicorn_server(server: Server) -> DrainingServer:
     c = server.config
     protocol = type("CappedH11", (HeadTimeoutH11,), {"max_connections": connection_cap()})
     cfg = uvicorn.Config(server.app, host=c.host, port=c.port, log_level="warning", access_log=False, lifespan="off",
-                         timeout_graceful_shutdown=AFTER_DRAIN_S, http=protocol)
+                         timeout_graceful_shutdown=AFTER_DRAIN_S, http=protocol,
+                         **({"log_config": None} if c.log_format == "json" else {}))
     return DrainingServer(cfg, server, c.grace_s)
 
 
@@ -325,6 +337,8 @@ def serve(config: ServeConfig) -> int:
     # from its files, and a file rewritten in place under a running server (cp over it) ends it with SIGBUS,
     # which otherwise left nothing (an ops review)
     setup_logging(config.log_format)
+    if config.log_format == "json":
+        warnings.showwarning = json_warning  # (the CLI's `main` puts its own back when serve returns)
     socks = listen_sockets(config.host, config.port)  # first: a port in use fails at once, not after the load
     try:
         server = build(config)
