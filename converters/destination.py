@@ -112,10 +112,12 @@ def _os_clutter(folder: Path, name: str) -> bool:
 def _os_error(e: OSError, dst: Path) -> ConvertError:
     """One line for an OSError met while converting (full disk, permission, read-only, not a folder)."""
     if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        left = [p.name for p in _orphans(dst)]  # (the space a killed conversion's folder holds went unsaid)
+        left = [p.name for p in _orphans(dst, quiet_s=LEFT_QUIET_S)]  # (their space went unsaid)
+        more = f" and {len(left) - 3} more" if len(left) > 3 else ""
         return ConvertError(f"disk full while writing {dst.name}: nothing was written" + (
-            f"; {', '.join(left[:3])} beside it, left by a conversion no longer running here, holds space: remove "
-            "it unless another machine is converting into that folder" if left else ""))
+            f"; beside it, {', '.join(left[:3])}{more}, left by a conversion no longer running here and untouched "
+            f"for a minute, hold{'s' if len(left) == 1 else ''} space: remove {'it' if len(left) == 1 else 'them'} "
+            "unless another machine or container is converting into that folder" if left else ""))
     where = f": {e.filename}" if e.filename is not None else ""
     return ConvertError(f"cannot convert into {dst}: {e.strerror or e}{where}")
 
@@ -198,17 +200,21 @@ def _remove_orphans(dst: Path) -> None:
     folders, and `.old-` folders (a replaced model whose removal was cut short; one that DST lacks
     was put back by `_restore_stranded` first), once their process is gone and nothing in them
     changed for ORPHAN_AGE_S."""
-    for p in _orphans(dst):
-        try:  # gone here; untouched for an hour: gone anywhere (a conversion on another host sharing the folder)
-            newest = max([p.stat().st_mtime] + [q.stat().st_mtime for q in p.iterdir()])
-        except OSError:
-            continue
-        if time.time() - newest > ORPHAN_AGE_S:
-            shutil.rmtree(p, ignore_errors=True)
+    for p in _orphans(dst, quiet_s=ORPHAN_AGE_S):  # gone here; untouched for an hour: gone anywhere (a
+        shutil.rmtree(p, ignore_errors=True)  # conversion on another host sharing the folder)
 
 
-def _orphans(dst: Path) -> list[Path]:
-    """The `.partial-` and `.old-` folders beside `dst` whose conversion's process is not running here."""
+LEFT_QUIET_S = 60  # a folder named in a full disk's error was untouched this long (not a live conversion's)
+
+
+def _newest_change(folder: Path) -> float:
+    """The latest modification time of `folder` and the files in it (OSError if it cannot be read)."""
+    return max([folder.stat().st_mtime] + [q.stat().st_mtime for q in folder.iterdir()])
+
+
+def _orphans(dst: Path, quiet_s: float = 0) -> list[Path]:
+    """The `.partial-` and `.old-` folders beside `dst` whose conversion's process is not running here
+    and that nothing changed in for `quiet_s` (a conversion in another pid namespace looks gone here)."""
     found = []
     for kind in ("partial", "old"):
         prefix = f"{_hidden(dst)}.{kind}-"
@@ -218,8 +224,13 @@ def _orphans(dst: Path) -> list[Path]:
             continue
         for p in candidates:
             pid = p.name[len(prefix):].split("-", 1)[0]
-            if pid.isdigit() and int(pid) != os.getpid() and p.is_dir() and not p.is_symlink() and _gone(int(pid)):
-                found.append(p)
+            if not (pid.isdigit() and int(pid) != os.getpid() and p.is_dir() and not p.is_symlink() and _gone(int(pid))):
+                continue
+            try:
+                if time.time() - _newest_change(p) >= quiet_s:
+                    found.append(p)
+            except OSError:
+                continue
     return found
 
 
@@ -334,6 +345,10 @@ def _whole_model(folder: Path) -> bool:
 
 
 def _gone(pid: int) -> bool:
+    """Whether process `pid` is not running here. On Windows never said (os.kill(pid, 0) there is
+    TerminateProcess: it would end whatever process has that number; a review)."""
+    if sys.platform == "win32":
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -12,6 +12,7 @@ import errno
 import importlib
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -207,19 +208,33 @@ def test_a_full_disk_names_what_a_killed_conversion_left(capsys, monkeypatch, wo
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
-    (tmp_path / f".model.partial-{dead}-0a1b2c3d").mkdir()
-    (tmp_path / f".model.partial-{dead}-0a1b2c3d" / "model.onnx.data").write_bytes(b"x" * 1000)
+    left = tmp_path / f".model.partial-{dead}-0a1b2c3d"
+    left.mkdir()
+    (left / "model.onnx.data").write_bytes(b"x" * 1000)
+    for p in (left / "model.onnx.data", left):
+        os.utime(p, (time.time() - 120,) * 2)
     (tmp_path / f".model.partial-{os.getpid()}-99999999").mkdir()  # a running conversion's: not named
+    (tmp_path / f".model.partial-{dead}-77777777").mkdir()  # changed just now: perhaps another container's
 
     def add(self, name, array):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "x"))
 
     monkeypatch.setattr(onnx_writer.WeightWriter, "add", add)
     rc, err = run_convert(capsys, work / "src", tmp_path / "model")
-    assert_user_error(rc, err, "disk full while writing model: nothing was written; "
-                      f".model.partial-{dead}-0a1b2c3d beside it, left by a conversion no longer running here, "
-                      "holds space: remove it unless")
-    assert "99999999" not in err
+    assert_user_error(rc, err, "disk full while writing model: nothing was written; beside it, "
+                      f".model.partial-{dead}-0a1b2c3d, left by a conversion no longer running here and untouched "
+                      "for a minute, holds space: remove it unless another machine or container is converting")
+    assert "99999999" not in err and "77777777" not in err
+
+
+def test_no_process_is_asked_about_on_windows(monkeypatch):
+    """os.kill(pid, 0) is TerminateProcess on Windows: asking whether a leftover's process was gone
+    would have ended whatever process had that number (a review)."""
+    from edgeinfer.converters import destination
+
+    monkeypatch.setattr(destination.sys, "platform", "win32")
+    monkeypatch.setattr(destination.os, "kill", lambda *a: pytest.fail("os.kill called on Windows"))
+    assert destination._gone(1) is False
 
 
 def test_os_error_at_the_final_rename_is_a_convert_error(monkeypatch, work, tmp_path):
