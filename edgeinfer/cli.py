@@ -197,7 +197,8 @@ def _numbers_as_values(add_parser):
 
 MEMORY_HINTS = {"serve": "a smaller --capacity or fewer --slots needs less",
                 "convert": "convert on a machine with more memory and copy the folder over",
-                None: "a smaller --capacity or a smaller model needs less"}
+                **dict.fromkeys(("generate", "chat", "bench", "eval"), "a smaller --capacity or a smaller model needs less"),
+                None: "other programs hold the memory, or the model is too large for this device"}
 
 
 def main(argv: list[str] | None = None) -> int:

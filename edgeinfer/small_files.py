@@ -44,7 +44,7 @@ def read_bytes(path: Path, limit: int, error: type[Exception]) -> bytes:
     parts, total = [], 0
     try:
         with open(path, "rb") as f:  # read as the file is, not `limit` at once: read(n) reserves n bytes
-            while total <= limit and (part := f.read(min(limit + 1 - total, max(size + 1, 1 << 16)))):
+            while total <= limit and (part := f.read(min(limit + 1 - total, 1 << 16 if parts else size + 1))):
                 parts.append(part)  # (256 MiB for a 19 KB tokenizer.json, a MemoryError under a memory limit)
                 total += len(part)
     except OSError as e:
