@@ -23,11 +23,17 @@ Request, or a with-block's `hold()`) by weak reference, and takes itself back on
 gone, unless the holder has begun its release (`settle`: the cycle collector clears weak
 references before it runs a dropped stream's finally). Each holding has a token, so a release
 after the lock was taken back lets go of nothing.
+
+A stream dropped while a reference cycle of the caller's holds it (a caught exception kept in a
+local) is freed only by the cycle collector, which may not run for minutes: the lock runs it before
+refusing the same thread, and after half a second of another thread's wait (`_collect`).
 """
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 import weakref
 
 from edgeinfer import fork_safety
@@ -56,6 +62,8 @@ class ContextLock:
         fork_safety.watch(self, "_lock", what, "held_here")  # held by another thread at a fork: refused there
 
     POLL_S = 0.05  # how often a wait looks whether it should give up, or whether its holder is gone
+    COLLECT_AFTER_S = 0.5  # a wait this long runs the cycle collector (`_collect`) ...
+    COLLECT_EVERY_S = 30.0  # ... and again at this interval while it goes on
 
     def acquire(self, holder, give_up=None) -> int:
         """Take the lock (waiting for another thread's turn) and own it for `holder` (an object that
@@ -66,16 +74,32 @@ class ContextLock:
         me = threading.current_thread()
         self._reclaim()
         if self._owner is me:
+            self._collect()  # a stream the caller dropped may be kept only by a reference cycle
+        if self._owner is me:
             raise ContextBusyError(
                 f"{self.what} is in use by a stream that is still open in this thread: finish it or call its "
-                "close() first, or use model.conversation() for a second, independent context")
+                "close() first, or use model.conversation() for a second, independent context (a stream you "
+                "no longer hold can be kept open by a saved exception's traceback, such as "
+                "sys.last_traceback in an interactive session: delete it)")
+        collect_at = time.monotonic() + self.COLLECT_AFTER_S
         while not self._lock.acquire(timeout=self.POLL_S):  # (a release wakes it at once)
             self._reclaim()
             if give_up is not None and give_up():
                 return 0
+            if time.monotonic() >= collect_at:  # the holder may be a dropped stream in a reference cycle
+                self._collect()
+                collect_at = time.monotonic() + self.COLLECT_EVERY_S
         self._count += 1
         self._owner, self._holder, self._token = me, weakref.ref(holder), self._count
         return self._token
+
+    def _collect(self) -> None:
+        """Run the cycle collector, then take the lock back if that freed its holder. A stream dropped
+        half-read while a reference cycle holds it (an exception kept in a local, `err = e`, links
+        the frame that holds it to itself) is freed only by the collector, which may not run for
+        minutes, or ever (`gc.disable()`); its finalizer runs here as it would at any allocation."""
+        gc.collect()
+        self._reclaim()
 
     def _reclaim(self) -> None:
         """Release the lock if its holder is gone and had not begun its release (`settle`)."""

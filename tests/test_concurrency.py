@@ -123,6 +123,61 @@ def test_a_stream_left_by_break_frees_its_context_at_once(model, alone):
             gc.enable()
 
 
+def _drop_in_a_cycle(model) -> None:
+    """Read a stream half-way and return without a handle to it, leaving it in a reference cycle
+    (the caught exception kept in a local links the frame holding the stream to itself)."""
+    s = model.stream(PROMPTS[2], **GREEDY)
+    next(s)
+    try:
+        raise ValueError("kept")
+    except ValueError as e:
+        err = e  # noqa: F841 - the cycle: err -> traceback -> this frame -> err
+
+
+def test_a_stream_dropped_in_a_reference_cycle_frees_its_context_when_asked_for(model, alone):
+    """Only the cycle collector frees such a stream (off here, as it may not run for minutes): the
+    same thread's next call is not refused for a stream it has no handle to, and another thread's
+    waits half a second, not for ever (it waited until the collector ran)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        _drop_in_a_cycle(model)
+        assert model.generate(PROMPTS[3], **GREEDY).token_ids == alone[PROMPTS[3]]
+        _drop_in_a_cycle(model)
+        got = {}
+        t0 = time.monotonic()
+        assert _threads(lambda i: got.setdefault(i, model.generate(PROMPTS[4], **GREEDY).token_ids), 1) == []
+        assert got[0] == alone[PROMPTS[4]] and time.monotonic() - t0 < 30
+        conv = model.conversation()
+        s = conv.stream_say("Lily had a ball.", temperature=0, max_new_tokens=12)
+        next(s)
+        keep = [s]
+        keep.append(keep)  # a list holding the stream and itself
+        del s, keep
+        assert conv.say("Lily had a ball.", temperature=0, max_new_tokens=12).text
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_a_stream_a_kept_traceback_holds_is_refused_with_the_way_out(model, alone):
+    """In an interactive session `sys.last_traceback` keeps the frames of the call that raised, and
+    with them a stream the user has no handle to: the refusal says so, and deleting it frees the model."""
+    def raising():
+        s = model.stream(PROMPTS[2], **GREEDY)
+        next(s)
+        raise ValueError("in the user's code")
+
+    try:
+        raising()
+    except ValueError as e:
+        last = e.__traceback__  # as the interactive console keeps it
+    with pytest.raises(ContextBusyError, match="sys.last_traceback"):
+        model.generate(PROMPTS[3], **GREEDY)
+    del last
+    assert model.generate(PROMPTS[3], **GREEDY).token_ids == alone[PROMPTS[3]]
+
+
 def test_conversations_in_parallel_threads(model):
     turns = ["Lily had a ball.", "Then what?", "Who came?"]
     opts = dict(temperature=0, max_new_tokens=12)
