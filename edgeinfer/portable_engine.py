@@ -32,7 +32,7 @@ from edgeinfer.kv_cache import RingKVCache
 from edgeinfer.kv_mode import PORTABLE
 from edgeinfer.portable import attention_mask, logit_chunks, rope_inputs
 from edgeinfer.ort_lifecycle import new_session
-from edgeinfer.session import PROVIDERS, DecoderSession, some_names, session_options
+from edgeinfer.session import PROVIDERS, DecoderSession, old_runtime_hint, some_names, session_options
 
 
 class PortableEngine(ChunkedSteps):
@@ -59,7 +59,7 @@ class PortableEngine(ChunkedSteps):
                 raise ValueError(f"{self.info.embeddings_file} is not a .npy array (a zip archive)")
         except Exception as e:
             raise ModelFormatError(f"cannot load the portable graphs of {folder}: {str(e).splitlines()[0][:300]}"
-                                   ) from None
+                                   f"{old_runtime_hint()}") from None
         if self.embeddings.shape != (self.spec.vocab_size, self.spec.hidden_size) or \
                 self.embeddings.dtype not in (np.float16, np.float32):
             raise ModelFormatError(f"{folder / self.info.embeddings_file} is {self.embeddings.dtype} "

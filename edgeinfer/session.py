@@ -8,6 +8,7 @@ the tests alike.
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,6 +21,21 @@ from edgeinfer.manifest import MODEL_FILE, Manifest, read_manifest
 from edgeinfer.ort_lifecycle import new_session
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+# the oldest ONNX Runtime that runs every graph the converter writes: 1.22 refuses the int8 embedding's
+# GatherBlockQuantized (the bundled model's); pyproject.toml asks for it, but a Jetson's own CUDA build,
+# or a pinned environment, can be older
+MIN_ONNXRUNTIME = (1, 23)
+
+
+def old_runtime_hint(version: str | None = None) -> str:
+    """"" when ONNX Runtime (`version`, default the installed one) is at least MIN_ONNXRUNTIME, else a
+    sentence to add to a load error: the graph may be fine and the runtime too old to read it."""
+    version = ort.__version__ if version is None else version
+    parts = re.match(r"(\d+)\.(\d+)", version)
+    if parts is None or (int(parts[1]), int(parts[2])) >= MIN_ONNXRUNTIME:
+        return ""
+    return (f" (ONNX Runtime {version} is installed; edgeinfer's graphs need "
+            f"{'.'.join(map(str, MIN_ONNXRUNTIME))} or newer: pip install -U onnxruntime)")
 
 
 def resolve_provider(provider: str, target: str = "cpu") -> str:
@@ -148,7 +164,8 @@ class DecoderSession:
                 str(self.folder / MODEL_FILE), session_options(threads, spin_duration_us, portable=self.portable_on_cpu),
                 providers=[PROVIDERS[self.provider]]))
         except Exception as e:  # onnxruntime raises its own exception types for bad files
-            raise ModelFormatError(f"cannot load {self.folder / MODEL_FILE}: {str(e).splitlines()[0][:300]}") from None
+            raise ModelFormatError(f"cannot load {self.folder / MODEL_FILE}: {str(e).splitlines()[0][:300]}"
+                                   f"{old_runtime_hint()}") from None
         self.provider = _provider_in_use(self.session, self.provider, asked=provider)
         self._check_io()
         if self.manifest.target == "cuda" and self.manifest.interface.version == 1:

@@ -140,6 +140,32 @@ def test_a_graph_onnx_runtime_cannot_load_is_said_in_one_line(tmp_path, converte
         len(r.stderr.splitlines()) == 1, r.stderr
 
 
+@pytest.mark.parametrize("version,hinted", [("1.22.1", True), ("1.20.0", True), ("0.9", True), ("1.23.0", False),
+                                             ("1.32.0", False), ("1.23.0.dev20250101", False), ("2.0", False),
+                                             ("unknown", False)])
+def test_an_old_runtime_is_named_beside_a_load_error(version, hinted):
+    from edgeinfer.session import old_runtime_hint
+
+    hint = old_runtime_hint(version)
+    assert bool(hint) == hinted and (not hinted or f"ONNX Runtime {version} is installed" in hint and "1.23" in hint)
+
+
+def test_a_graph_an_old_runtime_refuses_says_which_runtime_it_needs(capsys, monkeypatch):
+    """ONNX Runtime 1.22 refused the bundled model's int8 embedding as 'This is an invalid model'
+    (pyproject asked for 1.20): the error now says the runtime, not the folder, is what to change.
+    Here that runtime is stood in for: its version, and a session that refuses the graph."""
+    import onnxruntime as ort
+
+    def refuse(*a, **k):
+        raise ort.capi.onnxruntime_pybind11_state.InvalidGraph(
+            "[ONNXRuntimeError] : 10 : INVALID_GRAPH : This is an invalid model. In Node GatherBlockQuantized")
+
+    monkeypatch.setattr(ort, "__version__", "1.22.1")
+    monkeypatch.setattr(ort, "InferenceSession", refuse)
+    one_line_error(capsys, ["generate", "Once", "--max-tokens", "2"], "cannot load", "INVALID_GRAPH",
+                   "ONNX Runtime 1.22.1 is installed", "need 1.23 or newer")
+
+
 @pytest.mark.parametrize("name,kind", [("tokenizer.model", "sentencepiece"), ("tokenizer.json", "hf_tokenizers")])
 @pytest.mark.parametrize("content", [b"not a tokenizer", b""])
 def test_corrupted_tokenizer(capsys, folder, content, name, kind):
