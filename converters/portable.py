@@ -166,9 +166,31 @@ def build_portable(spec: ArchSpec, ckpt: Checkpoint, weights: str, writer, info:
         y = _linear(g, f"/lm_head.{c}", normed, head_w[lo:hi], None, weights)
         g.node("Identity", [y], f"/lm_head.{c}/Identity", outputs=[f"logits.{c}"])
     src.check_all_used()
+    g.nodes = _outputs_named_at_source(g.nodes)
     decode = _model(g, spec, info, 1)
     prefill = _model(g, spec, info, info.prefill_tokens)
     return decode, prefill, emb
+
+
+def _outputs_named_at_source(nodes: list) -> list:
+    """`nodes` without the Identity nodes that name graph outputs (present.*, logits.*): the node that
+    computes each tensor names it, and the nodes that read it read that name. ONNX Runtime 1.23's
+    CoreML MLProgram EP (the newest runtime with Python 3.10 wheels) takes no Identity, so stories260K's
+    decode graph ran 11 of its 290 nodes on the CPU; each such Identity reads a tensor one node makes."""
+    made = {o for n in nodes for o in n.output}
+    rename = {}
+    for n in nodes:
+        if n.op_type == "Identity":
+            assert n.input[0] in made and n.input[0] not in rename, n.name
+            rename[n.input[0]] = n.output[0]
+    kept = []
+    for n in nodes:
+        if n.op_type != "Identity":
+            n = copy.deepcopy(n)
+            n.input[:] = [rename.get(t, t) for t in n.input]
+            n.output[:] = [rename.get(t, t) for t in n.output]
+            kept.append(n)
+    return kept
 
 
 def _model(g: G.Graph, spec: ArchSpec, info: PortableInfo, s: int) -> "onnx.ModelProto":  # noqa: F821
