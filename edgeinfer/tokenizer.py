@@ -78,7 +78,7 @@ class Tokenizer:
             try:
                 self._hf = HFTokenizer.from_buffer(raw)
             except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
-                raise ModelFormatError(f"tokenizer.json is corrupted ({e})") from None
+                raise ModelFormatError(f"tokenizer.json is corrupted ({e}){_old_tokenizers_hint()}") from None
             # encode_batch of one text: the same ids as encode, but it releases the GIL (encode keeps it:
             # a 760 KB prompt stalled the daemon's event loop 0.4 s) and runs ~1.5x faster
             self._encode_all = lambda text: self._hf.encode_batch([text], add_special_tokens=False)[0].ids
@@ -278,6 +278,18 @@ class Tokenizer:
                 (other._n_vocab, other.bos_id, tuple(other.eos_ids), other.add_bos):
             return False
         return all(self._token_string(i) == other._token_string(i) for i in range(self._n_vocab))
+
+
+def _old_tokenizers_hint() -> str:
+    """"" unless the installed tokenizers library is older than 0.20, which cannot read the files 0.20
+    and later write (BPE merges as pairs: stories260K's), and calls them malformed."""
+    import tokenizers
+
+    version = tokenizers.__version__
+    parts = re.match(r"(\d+)\.(\d+)", version)
+    if parts is None or (int(parts[1]), int(parts[2])) >= (0, 20):
+        return ""
+    return f"; or tokenizers {version} is too old to read it: pip install -U 'tokenizers>=0.20'"
 
 
 def check_utf8(text: str, what: str = "the text") -> None:

@@ -166,6 +166,23 @@ def test_a_graph_an_old_runtime_refuses_says_which_runtime_it_needs(capsys, monk
                    "ONNX Runtime 1.22.1 is installed", "need 1.23 or newer")
 
 
+@pytest.mark.parametrize("version,hinted", [("0.19.1", True), ("0.20.0", False), ("0.23.3", False)])
+def test_a_tokenizer_json_an_old_library_cannot_read_names_the_library(folder, monkeypatch, version, hinted):
+    """tokenizers 0.19 called stories260K's tokenizer.json (merges as pairs, as 0.20 writes them)
+    'corrupted': the error now says the library may be what is old (its version stood in for here)."""
+    import tokenizers
+
+    from edgeinfer.errors import ModelFormatError
+    from edgeinfer.manifest import read_manifest
+    from edgeinfer.tokenizer import Tokenizer
+
+    (folder / "tokenizer.json").write_text('{"model": {"type": "BPE", "merges": [["a", "b"]]')
+    monkeypatch.setattr(tokenizers, "__version__", version)
+    with pytest.raises(ModelFormatError, match="tokenizer.json is corrupted") as e:
+        Tokenizer(folder, read_manifest(folder).tokenizer)
+    assert ("tokenizers 0.19.1 is too old to read it" in str(e.value)) == hinted, e.value
+
+
 @pytest.mark.parametrize("name,kind", [("tokenizer.model", "sentencepiece"), ("tokenizer.json", "hf_tokenizers")])
 @pytest.mark.parametrize("content", [b"not a tokenizer", b""])
 def test_corrupted_tokenizer(capsys, folder, content, name, kind):
