@@ -8,7 +8,6 @@ the tests alike.
 from __future__ import annotations
 
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from edgeinfer.integrity import folder_identity, replaced_while_loading, verify
 from edgeinfer.interface import io_names
 from edgeinfer.manifest import MODEL_FILE, Manifest, read_manifest
 from edgeinfer.ort_lifecycle import new_session
+from edgeinfer.versions import older_than
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # the oldest ONNX Runtime that runs every graph the converter writes: 1.22 refuses the int8 embedding's
@@ -31,8 +31,7 @@ def old_runtime_hint(version: str | None = None) -> str:
     """"" when ONNX Runtime (`version`, default the installed one) is at least MIN_ONNXRUNTIME, else a
     sentence to add to a load error: the graph may be fine and the runtime too old to read it."""
     version = ort.__version__ if version is None else version
-    parts = re.match(r"(\d+)\.(\d+)", version)
-    if parts is None or (int(parts[1]), int(parts[2])) >= MIN_ONNXRUNTIME:
+    if not older_than(version, MIN_ONNXRUNTIME):
         return ""
     return (f" (ONNX Runtime {version} is installed; edgeinfer's graphs need "
             f"{'.'.join(map(str, MIN_ONNXRUNTIME))} or newer: pip install -U onnxruntime)")

@@ -35,6 +35,7 @@ from pathlib import Path
 from edgeinfer.errors import InvalidArgumentError, ModelFormatError
 from edgeinfer.small_files import MAX_TEXT_BYTES, read_bytes
 from edgeinfer.manifest import TokenizerInfo
+from edgeinfer.versions import older_than
 
 
 # Unicode's White_Space, which the tokenizers library's lstrip/rstrip take (Python's strip also takes
@@ -285,11 +286,9 @@ def _old_tokenizers_hint() -> str:
     and later write (BPE merges as pairs: stories260K's), and calls them malformed."""
     import tokenizers
 
-    version = tokenizers.__version__
-    parts = re.match(r"(\d+)\.(\d+)", version)
-    if parts is None or (int(parts[1]), int(parts[2])) >= (0, 20):
+    if not older_than(tokenizers.__version__, (0, 20)):
         return ""
-    return f"; or tokenizers {version} is too old to read it: pip install -U 'tokenizers>=0.20'"
+    return f"; or tokenizers {tokenizers.__version__} is too old to read it: pip install -U 'tokenizers>=0.20'"
 
 
 def check_utf8(text: str, what: str = "the text") -> None:
