@@ -93,13 +93,24 @@ class ContextLock:
         self._owner, self._holder, self._token = me, weakref.ref(holder), self._count
         return self._token
 
+    COLLECT_WAIT_S = 2.0  # how long `_collect` retries while other threads' collections make its own a no-op
+
     def _collect(self) -> None:
         """Run the cycle collector, then take the lock back if that freed its holder. A stream dropped
         half-read while a reference cycle holds it (an exception kept in a local, `err = e`, links
         the frame that holds it to itself) is freed only by the collector, which may not run for
-        minutes, or ever (`gc.disable()`); its finalizer runs here as it would at any allocation."""
-        gc.collect()
-        self._reclaim()
+        minutes, or ever (`gc.disable()`); its finalizer runs here as it would at any allocation.
+        While another thread is collecting, CPython's gc.collect() returns at once having done
+        nothing (and that collection may be running this very stream's finalizer): so it is called
+        again, a few milliseconds apart, until a full collection has run in this thread."""
+        deadline = time.monotonic() + self.COLLECT_WAIT_S
+        while True:
+            _collections.full_here = False
+            gc.collect()
+            self._reclaim()
+            if _collections.full_here or time.monotonic() >= deadline:
+                return
+            time.sleep(0.005)
 
     def _reclaim(self) -> None:
         """Release the lock if its holder is gone and had not begun its release (`settle`)."""
@@ -145,6 +156,17 @@ class ContextLock:
 
 def _settled() -> bool:  # the holder of a lock whose release has begun: never taken back
     return True
+
+
+_collections = threading.local()  # full_here: a full collection began in this thread (`ContextLock._collect`)
+
+
+def _note_collection(phase: str, info: dict) -> None:  # gc calls it in the collecting thread
+    if phase == "start" and info.get("generation") == 2:
+        _collections.full_here = True
+
+
+gc.callbacks.append(_note_collection)
 
 
 class _Hold:
