@@ -10,7 +10,6 @@ reports a command killed by SIGPIPE). None of them prints a traceback.
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import json
 import os
@@ -19,7 +18,7 @@ import sys
 import warnings
 
 from edgeinfer import progress
-from edgeinfer.cli_args import path_arg
+from edgeinfer.cli_args import OUTPUT_FULL, path_arg
 from edgeinfer.interrupts import interrupts_held
 from edgeinfer.errors import EdgeInferError
 
@@ -247,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except OSError as e:
         # > /dev/full, a full disk; EBADF: standard output opened for reading only (`1</dev/null`)
-        if e.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EBADF):
+        if e.errno not in OUTPUT_FULL:
             raise  # anything else is not expected here: a traceback says where
         print(f"edgeinfer: error: cannot write the output: {e.strerror}", file=sys.stderr)
         _drop_stdout()  # what is still buffered would fail again at exit, with a traceback

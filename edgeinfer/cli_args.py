@@ -1,9 +1,13 @@
-"""Argument types the CLI's commands share."""
+"""Argument types the CLI's commands share, and the output errors they report alike."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 from pathlib import Path
+
+# standard output cannot take the output: a full disk or /dev/full, a quota, or opened for reading only
+OUTPUT_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EBADF)
 
 
 def path_arg(text: str) -> Path:

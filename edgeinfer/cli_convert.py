@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 
-from edgeinfer.cli_args import path_arg
+from edgeinfer.cli_args import OUTPUT_FULL, path_arg
 
 TARGET_HELP = ("cpu (default): the fused graph; cuda: the fused graph with fp16 activations and KV; coreml / "
                "nnapi: the portable decode and prefill graphs with static shapes (docs/platforms.md)")
@@ -128,5 +128,12 @@ def _run(args: argparse.Namespace) -> int:
             prefill_tokens=args.prefill_tokens, ort_format=args.ort_format,
             accuracy_level=args.accuracy_level if scheme is None else None, via=args.via, log=log)
     if not args.quiet:
-        print(describe(args.output))
+        try:
+            print(describe(args.output))
+            sys.stdout.flush()
+        except OSError as e:  # > /dev/full: main's one line, saying the model is whole (it read as a failed conversion)
+            if e.errno not in OUTPUT_FULL:
+                raise
+            raise OSError(e.errno, f"{e.strerror} (the model in {args.output} is converted and complete; only "
+                                   "this summary was not written)") from None
     return 0

@@ -132,6 +132,25 @@ def test_output_to_a_full_disk_is_one_line(extra):
         "edgeinfer: error: cannot write the output: No space left on device"], err
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_conversion_whose_summary_meets_a_full_disk_says_the_model_is_complete(tmp_path):
+    """`convert --force ... > /dev/full` replaced the model and then said only 'cannot write the output'
+    with exit 1, which reads as a failed conversion (a hostile round)."""
+    from conftest import STORIES_SRC
+
+    dst = tmp_path / "model"
+    argv = [sys.executable, "-m", "edgeinfer", "convert", str(STORIES_SRC), "-o", str(dst), "--quant", "fp32"]
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, timeout=300)
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 1 and err[-1] == (
+        f"edgeinfer: error: cannot write the output: No space left on device (the model in {dst} is converted "
+        "and complete; only this summary was not written)"), err
+    assert "Traceback" not in r.stderr.decode() and (dst / "edgeinfer.json").is_file()
+    assert subprocess.run([sys.executable, "-m", "edgeinfer", "inspect", str(dst), "--verify"],
+                          capture_output=True, timeout=120).returncode == 0
+
+
 def test_power_limits_past_any_float_and_a_watch_interval_past_a_day_are_one_line_errors(capsys):
     from edgeinfer.errors import InvalidArgumentError
     from edgeinfer.power.policy import Policy
