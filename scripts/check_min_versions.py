@@ -22,12 +22,12 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (an edgeinfer dependency there)
     import tomli as tomllib
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
