@@ -192,6 +192,15 @@ class RingKVCache:
                 f"bytes per token x {rows} rows) but only {free:,} bytes of memory are available: use a smaller "
                 f"capacity" + (" or fewer slots" if rings > 1 else ""))
 
+    def commit_memory(self) -> None:
+        """Write every KV row once and empty the ring, so that the system backs it with memory now:
+        np.zeros' pages are only reserved until written, so a server's resident memory grew by its
+        slots' KV under the first burst of long requests, past what its start showed (an over-committed
+        device then kills it mid-service instead of at start). What the ring held is forgotten."""
+        for a in self.k + self.v:
+            a.fill(0)
+        self.reset()
+
     def reset(self) -> None:
         self.intact = True
         self.n_valid = 0  # slots [0, n_valid) hold tokens

@@ -298,3 +298,34 @@ def test_a_ctrl_c_while_the_ring_is_lent_leaves_it_lent_or_not_never_a_closed_mo
     assert sent and not m.closed
     with pytest.raises(ContextBusyError, match="belongs to a server"):
         m.generate("Once", max_new_tokens=2)
+
+
+def test_a_rings_memory_is_taken_when_it_is_committed_not_at_its_first_long_prompt():
+    """np.zeros only reserves pages: a server's resident memory grew by its slots' KV under the first
+    burst of long requests, past what its start showed (a hostile round). `commit_memory` writes every
+    row; here a ring of 132 MB in a larger geometry of the bundled model's, measured by RSS."""
+    import dataclasses
+
+    import psutil
+
+    from edgeinfer.kv_cache import RingKVCache
+
+    m = edgeinfer.load()
+    spec = dataclasses.replace(m.manifest.arch, num_layers=32, max_position_embeddings=8192)
+    ring = RingKVCache(spec, 8000, 4, 256, m.engine.mode)
+    rss = psutil.Process().memory_info().rss
+    ring.commit_memory()
+    assert psutil.Process().memory_info().rss - rss > 0.9 * ring.bytes > 120e6
+    assert ring.n_valid == 0 and all(not a.any() for a in ring.k + ring.v)
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_a_scheduler_commits_every_slots_ring_at_start(monkeypatch, slots):
+    from edgeinfer.kv_cache import RingKVCache
+
+    committed = []
+    real = RingKVCache.commit_memory
+    monkeypatch.setattr(RingKVCache, "commit_memory", lambda self: (committed.append(self), real(self))[1])
+    m = edgeinfer.load()
+    sched = Scheduler(m, slots=slots, queue=1)
+    assert [id(c) for c in committed] == [id(s.cache) for s in sched.slots]

@@ -139,6 +139,8 @@ class Scheduler:
         else:  # slot 0 is the model's own ring
             more = [model.new_cache() for _ in range(1, slots)]
             caches, self.stepper = [model.lend_default_cache("a server")] + more, SoloStepper(engine)
+        for c in caches:  # the slots' memory taken now, not under the first burst (`commit_memory`)
+            c.commit_memory()
         self.slots = [Slot(i, c) for i, c in enumerate(caches)]
         self.cue = generation_cue(model)
         self._cues: dict[str, tuple[int, ...]] = {}  # `cue_for`'s, by the variables' JSON
