@@ -64,6 +64,7 @@ class ContextLock:
     POLL_S = 0.05  # how often a wait looks whether it should give up, or whether its holder is gone
     COLLECT_AFTER_S = 0.5  # a wait this long runs the cycle collector (`_collect`) ...
     COLLECT_EVERY_S = 30.0  # ... and again at this interval while it goes on
+    COLLECT_WAIT_S = 2.0  # how long `_collect` retries while other threads' collections make its own a no-op
 
     def acquire(self, holder, give_up=None) -> int:
         """Take the lock (waiting for another thread's turn) and own it for `holder` (an object that
@@ -92,8 +93,6 @@ class ContextLock:
         self._count += 1
         self._owner, self._holder, self._token = me, weakref.ref(holder), self._count
         return self._token
-
-    COLLECT_WAIT_S = 2.0  # how long `_collect` retries while other threads' collections make its own a no-op
 
     def _collect(self) -> None:
         """Run the cycle collector, then take the lock back if that freed its holder. A stream dropped
