@@ -27,6 +27,7 @@ from edgeinfer.converters.destination import _check_destination, _os_error, _rep
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
 from edgeinfer.converters.hf_tokenizer import TOKENIZER_FILES, check_tokenizer, tokenizer_info
+from edgeinfer.converters.ngrams import MAX_TOKENS as MAX_NGRAM_TOKENS, add_ngram_table
 from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter
 from edgeinfer.converters import cuda_graph
 from edgeinfer.converters.ort_format import write_ort_format
@@ -129,7 +130,8 @@ def _check_source(src: Path) -> None:
 def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block_size: int = 32, target: str = "cpu",
             force: bool = False, scheme: QuantScheme | None = None, attention: str = "auto",
             capacity_tokens: int | None = None, prefill_tokens: int | None = None, ort_format: bool = False,
-            accuracy_level: int | None = None, via: str = "auto", log=lambda msg: None) -> Manifest:
+            accuracy_level: int | None = None, via: str = "auto", ngram_tokens: int = 0,
+            log=lambda msg: None) -> Manifest:
     """Convert `src` (a Hugging Face folder or a GGUF file) into `dst` (edgeinfer folder). Returns the
     manifest written.
 
@@ -142,7 +144,9 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
     `optimum_export.convert_via_optimum`), or "auto": native, or Optimum with a note for a Hugging Face
     architecture the native builder does not know when the `optimum` extra is installed.
     capacity_tokens / prefill_tokens: the portable graphs' fixed ring and prefill chunk; ort_format:
-    also write them as .ort files (ONNX Runtime Mobile's format).
+    also write them as .ort files (ONNX Runtime Mobile's format). ngram_tokens: the converted model
+    samples this many tokens of its own text for its n-gram table, a source of speculative drafts
+    (`converters/ngrams.py`; cpu target only; 0: no table).
     """
     # one normalised destination for the checks and the writing: "missing/../x" or "link/.." must not
     # be checked as one folder and replaced as another
@@ -157,6 +161,13 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
         raise ConvertError(f"unknown quantization {quant!r} (choose from keep, {', '.join(QUANTS)})")
     if accuracy_level is not None and (isinstance(accuracy_level, bool) or accuracy_level not in range(5)):
         raise ConvertError(f"accuracy_level must be an integer 0..4, got {accuracy_level!r}")
+    if isinstance(ngram_tokens, bool) or not isinstance(ngram_tokens, int) or not 0 <= ngram_tokens <= MAX_NGRAM_TOKENS:
+        raise ConvertError(f"ngram_tokens must be an integer 0..{MAX_NGRAM_TOKENS:,}, got {ngram_tokens!r:.40}")
+    if ngram_tokens and (target != "cpu" or via == "optimum"):
+        raise ConvertError("--ngram-tokens samples the converted model on this machine's CPU to count its n-grams, "
+                           "for the speculative drafts of the native cpu graph: " +
+                           (f"--target {target} does not decode speculatively here" if target != "cpu"
+                            else "--via optimum's graph is not built here"))
     gguf = gguf_import.is_gguf(src)
     if via == "optimum" and gguf:  # (before the options' check: the CLI's default for a GGUF, keep, is not the user's)
         raise ConvertError(f"--via optimum exports Hugging Face model folders only; {src} is a GGUF file")
@@ -199,7 +210,8 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
                 raise ConvertError("--recipe q4_1 builds the cpu graph's offset packs: choose another recipe for "
                                    f"--target {target}")
         return _convert(src, dst, scheme, target, attention, log, portable, ort_format, gguf, accuracy_level, force,
-                        capacity_given=capacity_tokens is not None, prefill_given=prefill_tokens is not None)
+                        capacity_given=capacity_tokens is not None, prefill_given=prefill_tokens is not None,
+                        ngram_tokens=ngram_tokens)
     except OSError as e:
         raise _os_error(e, dst) from None
 
@@ -263,7 +275,7 @@ def _check_portable(target: str, quant: str | None, capacity_tokens, prefill_tok
 def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, attention: str, log,
              portable: PortableInfo | None = None, ort_format: bool = False, gguf: bool = False,
              accuracy_level: int | None = None, force: bool = True, capacity_given: bool = True,
-             prefill_given: bool = True) -> Manifest:
+             prefill_given: bool = True, ngram_tokens: int = 0) -> Manifest:
     """scheme None: `--quant keep` of a GGUF file (the scheme is read from its types). capacity_given,
     prefill_given: the portable ring's capacity and chunk are the user's (else the defaults, cut to
     the model's trained length; the user's are refused past it)."""
@@ -367,6 +379,8 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
         )
         manifest.write(tmp)
         check_tokenizer(tmp, manifest, log)
+        if ngram_tokens:
+            manifest = add_ngram_table(tmp, manifest, ngram_tokens, log)
         _replace_atomically(tmp, dst, force)
         return manifest
     finally:

@@ -6,7 +6,9 @@ pays) or a model's steps (the stepper chooses k first).
 - `NgramDrafter` ("ngram", prompt lookup): the tokens that followed the most recent earlier
   occurrence of the last n tokens (n = max_n down to min_n) in the prompt and the text generated so
   far: text that quotes, summarises or edits its input repeats it, and so does a model looping on its
-  own words.
+  own words. Where the model folder has an n-gram table (`ngram_table.NgramTable`: what followed
+  each short context in text the model wrote itself at convert time), its chain is the other
+  candidate, and the draft with more expected accepted tokens is the one offered.
 - `ModelDrafter` ("draft"): a small model of the same tokenizer (`Model.set_draft`, kept as a
   `Draft`) continues the text greedily in its own ring.
 """
@@ -20,6 +22,7 @@ import numpy as np
 
 from edgeinfer.engine import Engine
 from edgeinfer.errors import InvalidArgumentError, ModelClosedError
+from edgeinfer.ngram_table import NgramTable
 
 
 class NgramDrafter:
@@ -28,20 +31,27 @@ class NgramDrafter:
     latest occurrence ends; `push` keeps it so in O(max_n) per token.
 
     Drafting costs next to nothing (`free`), so the stepper asks for the most it could verify and
-    keeps what pays. `match`, set by `draft`, is how many tokens before the draft agree with the text
-    before that earlier occurrence (n at least, up to `max_match`): the longer the text has been a
-    copy, the further ahead the copy is likely to go on."""
+    keeps what pays. `draft` sets `chances`: for each draft, the chance that it and every draft before
+    it are accepted, which the stepper weighs against what a verify call costs. For the history's own
+    copy: `match` is how many tokens before the draft agree with the text before that earlier
+    occurrence (n at least, up to `max_match`), and by the rule of succession, after r - 1 agreed
+    tokens the next j agree with chance r / (r + j), r = match - `match_discount` + 1 (a short
+    n-gram often matches by chance): the longer the text has been a copy, the further ahead the copy
+    is likely to go on. With a `table` (the model's n-gram table), its chain (`NgramTable.chain`,
+    chances from its counts) is offered instead when its chances add up to more."""
 
     free = True
     max_match = 32
+    match_discount = 2  # tokens of a match that prove nothing
 
-    def __init__(self, ids: Sequence[int], max_n: int = 3, min_n: int = 2):
+    def __init__(self, ids: Sequence[int], max_n: int = 3, min_n: int = 2, table: NgramTable | None = None):
         if not 1 <= min_n <= max_n:
             raise InvalidArgumentError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self.max_n, self.min_n = max_n, min_n
+        self.max_n, self.min_n, self.table = max_n, min_n, table
         self.history: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}
         self.match = 0
+        self.chances: list[float] = []
         for t in ids:
             self.push(t)
 
@@ -54,7 +64,19 @@ class NgramDrafter:
         h.append(int(token))
 
     def draft(self, k: int) -> list[int]:
-        """Up to k tokens that followed the last n tokens' latest earlier occurrence ([] if none)."""
+        """Up to k tokens that may follow the history ([] if none), their `chances` set."""
+        copied = self._copy(k)
+        r = max(0, self.match - self.match_discount) + 1
+        self.chances = [r / (r + j) for j in range(1, len(copied) + 1)]
+        if self.table is not None and k > 0:
+            drafts, chances = self.table.chain(self.history, k)
+            if sum(chances) > sum(self.chances):
+                self.chances = chances
+                return drafts
+        return copied
+
+    def _copy(self, k: int) -> list[int]:
+        """Up to k tokens that followed the last n tokens' latest earlier occurrence ([] if none); `match` set."""
         h = self.history
         for n in range(self.max_n, self.min_n - 1, -1):
             if len(h) >= n:

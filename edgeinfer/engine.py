@@ -33,6 +33,7 @@ from edgeinfer import fork_safety
 from edgeinfer.chunked import ChunkedSteps, prefill_chunks  # noqa: F401 (prefill_chunks: re-exported)
 from edgeinfer.kv_cache import BatchedKV, RingKVCache, binding_window
 from edgeinfer.kv_mode import ATTENTION_MASK, SEQLENS_K, TOTAL_SEQUENCE_LENGTH
+from edgeinfer.ngram_table import NgramTable
 from edgeinfer.interface import ROPE_COS, ROPE_SIN, host_rope
 from edgeinfer.session import DecoderSession
 
@@ -78,6 +79,8 @@ class Engine(ChunkedSteps):
         self.calls = 0
         self._init_turns("the model's engine")  # lock, waiting, ran (`chunked.ChunkedSteps`)
         self.draft = None  # a `drafting.Draft`: the small model `speculative="draft"` drafts with (Model.set_draft)
+        info = session.manifest.ngrams  # the model's n-gram table: speculative="ngram" drafts from it too
+        self.ngrams = NgramTable.read(session.folder / info.file, spec.vocab_size) if info is not None else None
         self._ratios: tuple[float, ...] | None = None  # `verify_ratios`, once measured
         self._ratios_lock = threading.Lock()
         fork_safety.watch(self, "_ratios_lock", "the model's speculation timing")  # held ~0.5 s while it measures

@@ -119,6 +119,7 @@ def _summary(folder: Path, m: Manifest) -> dict:
         "tokenizer": m.tokenizer.kind, "format_version": m.format_version, "converter_version": m.converter_version,
         "kv_dtype": m.interface.kv_dtype, "portable": m.portable.to_json() if m.portable is not None else None,
         "origin": m.origin.to_json() if m.origin is not None else None,
+        "ngrams": m.ngrams.to_json() if m.ngrams is not None else None,
         "bits_per_weight": round(weight_bytes * 8 / parameter_count(a), 2),  # the graph files over every parameter
         "file_problems": problems,
     }
@@ -184,6 +185,9 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         + (f" ({cap_why}; the manifest says {s['default_capacity_tokens']})"
            if cap != s['default_capacity_tokens'] else ""),
         f"  tokenizer     {s['tokenizer']}",
+        *([f"  drafts        n-gram table of {m.ngrams.contexts:,} contexts, counted on {m.ngrams.tokens:,} tokens "
+           f"of the model's own text ({m.ngrams.file}; speculative=\"ngram\" drafts from it)"]
+          if m.ngrams is not None else []),
         f"  source        {origin_line(m)}",
     ])
 

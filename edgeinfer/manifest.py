@@ -39,6 +39,7 @@ from edgeinfer.arch import ArchSpec
 from edgeinfer.fields import FieldError, json_fields
 from edgeinfer.errors import ModelFormatError
 from edgeinfer.interface import Interface
+from edgeinfer.ngram_table import NgramInfo
 from edgeinfer.portable import PortableInfo
 from edgeinfer.quant_scheme import QuantScheme
 
@@ -126,6 +127,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     portable: PortableInfo | None = None  # the portable flavour's geometry and files
     origin: Origin | None = None  # where the weights came from (folders converted before it have none)
+    ngrams: NgramInfo | None = None  # the model's n-gram table for speculative drafts (`convert --ngram-tokens`)
     checksum: str = field(default="", compare=False)  # its own sha256 as read ("" when it has none, or not read)
 
     @property
@@ -133,11 +135,13 @@ class Manifest:
         """The files this manifest itself names (the graph; a portable folder's prefill graph and
         embedding table): each must be among `files`, or it would be read unchecked."""
         p = self.portable
-        return (MODEL_FILE,) + ((p.prefill_file, p.embeddings_file) if p is not None else ())
+        return (MODEL_FILE,) + ((p.prefill_file, p.embeddings_file) if p is not None else ()) + \
+            ((self.ngrams.file,) if self.ngrams is not None else ())
 
     def to_json(self) -> dict:
         return {**({"portable": self.portable.to_json()} if self.portable is not None else {}),
             **({"origin": self.origin.to_json()} if self.origin is not None else {}),
+            **({"ngrams": self.ngrams.to_json()} if self.ngrams is not None else {}),
             "format_version": self.format_version,
             "converter_version": self.converter_version,
             "target": self.target,
@@ -184,6 +188,7 @@ class Manifest:
                    interface=Interface.from_json(section("interface"), arch, portable=portable), portable=portable,
                    tokenizer=tokenizer,
                    origin=Origin.from_json(d["origin"]) if "origin" in d else None,
+                   ngrams=NgramInfo.from_json(d["ngrams"]) if "ngrams" in d else None,
                    files=_files(d), source=d.get("source", {}), checksum=top.pop(CHECKSUM_KEY), **top)
 
     def write(self, folder: Path) -> None:

@@ -36,10 +36,10 @@ verifies many rows for little more than one (a small model, int8 activations) sp
 far, one whose multi-row calls cost several steps (accuracy level 0 on a larger model) only on long
 sure runs. The chances:
 - a free drafter (n-grams: drafting costs nothing, so it drafts first and the rule keeps what pays)
-  says how many tokens before its draft agree with the earlier text it copies (`match`); by the
-  rule of succession, after r - 1 agreed tokens the j-th draft is accepted with chance r / (r + j)
-  (r = match - `match_discount` + 1), scaled by this request's ratio of accepted to predicted
-  drafts. Text being copied has long matches and gets long drafts; a chance bigram gets none.
+  gives each draft's chance with it (`NgramDrafter.chances`: by the rule of succession on how far
+  the text it copies already agrees, or from the counts of the model's n-gram table), scaled by
+  this request's ratio of accepted to predicted drafts. Text being copied has long matches and gets
+  long drafts; a chance bigram gets none.
 - a draft model: each drafted token is accepted with probability p, counted separately after a
   draft that was accepted whole (text being copied: p near 1) and after one that was not.
 While it drafts nothing it probes with a short draft every `probe_every` tokens, so that text which
@@ -67,7 +67,6 @@ class Tuning:
     probe_every: int = 32  # while not speculating, a probe draft this often (tokens)
     probe_backoff: int = 16  # failed probes stretch the interval up to this many times probe_every
     probe_k: int = 2
-    match_discount: int = 2  # tokens of a free drafter's match that prove nothing (a short n-gram often matches by chance)
     ema: float = 0.2  # weight of the newest call in the running means of a and d (a draft model's)
     decay: float = 0.9  # weight of the past in the acceptance counts
     fixed_k: int | None = None  # draft this many whenever a draft exists, measuring nothing (tests, benchmarks)
@@ -104,7 +103,7 @@ class SpeculativeStepper:
         are verified only while it says the cache decodes alone. tuning: None for `TUNING`. drafter:
         None for an `NgramDrafter` over `history`, else one that has seen `history` already."""
         self.engine, self.inner, self.tuning = engine, inner, tuning or TUNING
-        self.drafter = drafter if drafter is not None else NgramDrafter(history)
+        self.drafter = drafter if drafter is not None else NgramDrafter(history, table=engine.ngrams)
         self.stats = Stats()
         self.budget = max_new_tokens  # tokens this request may still sample (drafting past it is waste)
         self._rows: np.ndarray | None = None  # logits of the verified draft rows not yet served (a view of _out)
@@ -123,7 +122,7 @@ class SpeculativeStepper:
         self._since_probe = 0
         self._probe_interval = self.tuning.probe_every  # stretched by failed probes
         self._probing = False  # the draft in flight is a probe
-        # a free drafter's calibration: accepted tokens against those the match rule predicted (running sums)
+        # a free drafter's calibration: accepted tokens against those its chances predicted (running sums)
         self._calib = [1.0, 1.0]
         self._predicted = 0.0  # what the rule predicted for the draft in flight
 
@@ -171,7 +170,7 @@ class SpeculativeStepper:
         free = self.drafter.free and self.tuning.fixed_k is None
         if free:  # draft first (it costs nothing), then keep what pays
             draft = self.drafter.draft(min(self.tuning.k_max, room))
-            k = self._k_for_match(len(draft), self.drafter.match) if draft else 0
+            k = self._k_for_chances(self.drafter.chances) if draft else 0
         else:
             k = min(self.k(), room)
         if k <= 0:
@@ -182,7 +181,7 @@ class SpeculativeStepper:
             self._probing = True
         if free:
             draft = draft[:k]
-            self._predicted = sum(self._run_agrees(self.drafter.match, j, 1.0) for j in range(1, len(draft) + 1))
+            self._predicted = sum(min(1.0, c) for c in self.drafter.chances[:k])
         else:
             t0 = time.perf_counter()
             draft = self.drafter.draft(k)
@@ -197,22 +196,15 @@ class SpeculativeStepper:
             self._since_probe = 0
         return draft
 
-    def _run_agrees(self, match: int, j: int, g: float) -> float:
-        """The chance that a free drafter's j-th draft is accepted after a match of `match` tokens: by
-        the rule of succession, after r - 1 tokens agreed the next j agree with probability
-        r / (r + j), r = match - `match_discount` + 1 (at least 1); scaled by g, this request's
-        calibration (accepted over predicted), and capped at 1."""
-        r = max(0, match - self.tuning.match_discount) + 1
-        return min(1.0, g * r / (r + j))
-
-    def _k_for_match(self, n: int, match: int) -> int:
-        """How many of a free drafter's n drafts to verify: the k with the most expected tokens per
-        step, (1 + the chances of the first k drafts) / r[k + 1]; 0 when no k beats plain steps by
-        `margin`. Nothing timed here: the same tokens give the same k."""
+    def _k_for_chances(self, chances: Sequence[float]) -> int:
+        """How many of a free drafter's drafts to verify, given the chance of each (with all before it)
+        being accepted: the k with the most expected tokens per step, (1 + the first k chances, each
+        scaled by g, this request's calibration: accepted over predicted, and capped at 1) / r[k + 1];
+        0 when no k beats plain steps by `margin`. Nothing timed here: the same tokens give the same k."""
         g = self._calib[0] / self._calib[1]
         best_k, best, expected = 0, 1.0 + self.tuning.margin, 1.0
-        for k in range(1, n + 1):
-            expected += self._run_agrees(match, k, g)
+        for k, chance in enumerate(chances, 1):
+            expected += min(1.0, g * chance)
             gain = expected / self._ratio(k + 1)
             if gain > best:
                 best_k, best = k, gain
@@ -274,7 +266,7 @@ class SpeculativeStepper:
             self._probe_interval = self.tuning.probe_every
         self._version += 1
         d, c = self.tuning.decay, self._counts[self._whole]
-        if self.drafter.free and self.tuning.fixed_k is None:  # what `_k_for_match` predicted
+        if self.drafter.free and self.tuning.fixed_k is None:  # what `_k_for_chances` predicted
             self._calib[0], self._calib[1] = self._calib[0] * d + accepted, self._calib[1] * d + self._predicted
         c[0], c[1] = c[0] * d + accepted, c[1] * d + (accepted < drafted)
         self._whole = accepted == drafted

@@ -9,6 +9,7 @@ were verified and accepted, so that it cannot pass by never speculating.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from edgeinfer.drafting import NgramDrafter
 from edgeinfer.speculative import Tuning
 
 GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
+NO_ENGINE = SimpleNamespace(ngrams=None)  # the engine a hand-computed rule reads nothing else from
 SAMPLINGS = [dict(temperature=0), dict(temperature=0.8, seed=3), dict(temperature=1.0, top_p=0.9, top_k=40, seed=11,
                                                                       repetition_penalty=1.1)]
 
@@ -243,7 +245,7 @@ def test_adaptive_draft_length_follows_measured_costs():
     r = 1, 1.1, 1.35, 1.6, 1.2, 1.45, 1.7, 1.95, 2.2 steps, with drafts accepted whole (p = 5/6 after
     4 whole runs of 4): k = 4 is best; when 2 rows cost 3 steps and 5 rows 4, no k pays unless nearly
     every draft is right."""
-    st = speculative.SpeculativeStepper(engine=None, inner=None, history=[], max_new_tokens=100, tuning=Tuning())
+    st = speculative.SpeculativeStepper(engine=NO_ENGINE, inner=None, history=[], max_new_tokens=100, tuning=Tuning())
     st._step_s, st._ratios = 1.0, (1.0, 1.1, 1.35, 1.6, 1.2, 1.45, 1.7, 1.95, 2.2)
     st._whole, st._counts[True] = True, [4.0, 0.0]  # p = (4 + 1) / (4 + 0 + 2) = 5/6
     # k=4: (1 + p + p^2 + p^3 + p^4) / 1.2 = 3.39 / 1.2 = 2.83; k=1: 1.83 / 1.1 = 1.67; k=5: 3.99 / 1.45 = 2.75
@@ -270,14 +272,15 @@ def test_copied_text_gets_drafts_as_long_as_they_pay():
     k=5 4.970 / 3.5 = 1.420: k = 4. When this request's drafts were accepted a quarter as often as
     predicted (g = 1/4), k=1 gives (1 + 0.229) / 1.5 = 0.82: none. No time is measured: the same
     tokens give the same k."""
-    st = speculative.SpeculativeStepper(engine=None, inner=None, history=[], max_new_tokens=100, tuning=Tuning())
+    st = speculative.SpeculativeStepper(engine=NO_ENGINE, inner=None, history=[], max_new_tokens=100, tuning=Tuning())
     assert st.drafter.free
     st._ratios = tuple(1 + (s - 1) / 2 for s in range(1, 10))
-    assert st._k_for_match(8, 2) == 0
-    assert st._k_for_match(8, 12) == 4
-    assert st._k_for_match(2, 12) == 2  # only two drafts to verify
+    after_2, after_12 = [1 / (1 + j) for j in range(1, 9)], [11 / (11 + j) for j in range(1, 9)]
+    assert st._k_for_chances(after_2) == 0
+    assert st._k_for_chances(after_12) == 4
+    assert st._k_for_chances(after_12[:2]) == 2  # only two drafts to verify
     st._calib = [1.0, 4.0]
-    assert st._k_for_match(8, 12) == 0
+    assert st._k_for_chances(after_12) == 0
     # a settled draft moves the calibration: 0 accepted of 2.5 predicted
     st._calib, st._predicted = [1.0, 1.0], 2.5
     st._adapt(0, 3)
