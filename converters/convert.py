@@ -27,7 +27,7 @@ from edgeinfer.converters.destination import _check_destination, _os_error, _rep
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
 from edgeinfer.converters.hf_tokenizer import TOKENIZER_FILES, check_tokenizer, tokenizer_info
-from edgeinfer.converters.ngrams import MAX_TOKENS as MAX_NGRAM_TOKENS, add_ngram_table
+from edgeinfer.converters.ngrams import MAX_TOKENS as MAX_NGRAM_TOKENS, add_ngram_table, check_can_sample
 from edgeinfer.converters.onnx_writer import DATA_FILE, WeightWriter
 from edgeinfer.converters import cuda_graph
 from edgeinfer.converters.ort_format import write_ort_format
@@ -43,6 +43,7 @@ from edgeinfer.kv_mode import PORTABLE
 from edgeinfer.interface import graph_interface, portable_interface
 from edgeinfer.manifest import MODEL_FILE, Manifest, Origin
 from edgeinfer.portable import MAX_DIM, PORTABLE_TARGETS, PortableInfo
+from edgeinfer.sampling.params import is_integer
 
 TARGETS = ("cpu", "cuda", "coreml", "nnapi")
 PORTABLE_WEIGHTS = {"coreml": ("fp16", "fp32"), "nnapi": ("int8", "fp16", "fp32")}  # first: the default
@@ -161,8 +162,9 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
         raise ConvertError(f"unknown quantization {quant!r} (choose from keep, {', '.join(QUANTS)})")
     if accuracy_level is not None and (isinstance(accuracy_level, bool) or accuracy_level not in range(5)):
         raise ConvertError(f"accuracy_level must be an integer 0..4, got {accuracy_level!r}")
-    if isinstance(ngram_tokens, bool) or not isinstance(ngram_tokens, int) or not 0 <= ngram_tokens <= MAX_NGRAM_TOKENS:
+    if not is_integer(ngram_tokens) or not 0 <= ngram_tokens <= MAX_NGRAM_TOKENS:
         raise ConvertError(f"ngram_tokens must be an integer 0..{MAX_NGRAM_TOKENS:,}, got {ngram_tokens!r:.40}")
+    ngram_tokens = int(ngram_tokens)
     if ngram_tokens and (target != "cpu" or via == "optimum"):
         raise ConvertError("--ngram-tokens samples the converted model on this machine's CPU to count its n-grams, "
                            "for the speculative drafts of the native cpu graph: " +
@@ -176,6 +178,9 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
                                              default_scheme(scheme.weights, scheme.block_size, recipe="rtn")):
             # only --block-size (or --recipe rtn, what Optimum's int4 is) given: the export's own scheme
             quant, block_size, scheme = quant or scheme.weights, scheme.block_size, None
+        if ngram_tokens:  # (auto chose Optimum: an architecture the native builder does not know)
+            raise ConvertError(f"--ngram-tokens counts the n-grams of the native cpu graph; {src}'s architecture is "
+                               "exported by Optimum (--via optimum)")
         if target != "cpu" or scheme is not None or attention != "auto" or ort_format or accuracy_level is not None \
                 or capacity_tokens is not None or prefill_tokens is not None or quant not in (None, "int4", "int8", "fp32"):
             raise ConvertError("--via optimum builds a cpu graph from --quant int4, int8 or fp32 (and --block-size); "
@@ -316,6 +321,8 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
             tokenizer, tokenizer_files = gguf_import.write_gguf_tokenizer(ckpt, spec, tmp)
         else:
             tokenizer = tokenizer_info(src, spec, log)
+        if ngram_tokens:
+            check_can_sample(tokenizer)
         calibration = None
         if portable is None and not keep:
             calibration, scheme = plan(scheme, tmp if gguf else src, tokenizer, spec, log,

@@ -48,12 +48,13 @@ class NgramDrafter:
         if not 1 <= min_n <= max_n:
             raise InvalidArgumentError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n, self.table = max_n, min_n, table
-        self.history: list[int] = []
+        h = self.history = [int(t) for t in ids]
         self.index: dict[tuple[int, ...], int] = {}
+        for n in range(min_n, max_n + 1):  # what `push` would leave: each n-gram ending before the last token,
+            grams = zip(*(h[i:len(h) - n + i] for i in range(n)))  # at its latest occurrence (later ends last)
+            self.index.update(zip(grams, range(n - 1, len(h) - 1)))
         self.match = 0
         self.chances: list[float] = []
-        for t in ids:
-            self.push(t)
 
     def push(self, token: int) -> None:
         h = self.history

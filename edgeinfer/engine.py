@@ -80,7 +80,8 @@ class Engine(ChunkedSteps):
         self._init_turns("the model's engine")  # lock, waiting, ran (`chunked.ChunkedSteps`)
         self.draft = None  # a `drafting.Draft`: the small model `speculative="draft"` drafts with (Model.set_draft)
         info = session.manifest.ngrams  # the model's n-gram table: speculative="ngram" drafts from it too
-        self.ngrams = NgramTable.read(session.folder / info.file, spec.vocab_size) if info is not None else None
+        self.ngrams = NgramTable.read(session.folder / info.file, spec.vocab_size, info.contexts) \
+            if info is not None else None
         self._ratios: tuple[float, ...] | None = None  # `verify_ratios`, once measured
         self._ratios_lock = threading.Lock()
         fork_safety.watch(self, "_ratios_lock", "the model's speculation timing")  # held ~0.5 s while it measures

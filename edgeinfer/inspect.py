@@ -209,7 +209,8 @@ def verify(folder: Path | str, out=print) -> bool:
         ok = ok and problem is None
         out(f"ok        {name}" if problem is None else f"MISMATCH  {name}: {problem}")
     if ok:  # is the manifest what the graphs say? (load's own checks; a portable folder's both graphs and its
-        from edgeinfer.portable_engine import PortableEngine  # host embeddings, as its engine opens them)
+        from edgeinfer.ngram_table import NgramTable  # host embeddings, as its engine opens them; the n-gram table)
+        from edgeinfer.portable_engine import PortableEngine
         from edgeinfer.session import DecoderSession
         from edgeinfer.tokenizer import Tokenizer
 
@@ -218,7 +219,10 @@ def verify(folder: Path | str, out=print) -> bool:
             if manifest.portable is not None:
                 PortableEngine(session, threads=1)
             Tokenizer(folder, manifest.tokenizer)
-            out("ok        loads (graph inputs and outputs, tokenizer ids: as the manifest describes)")
+            if manifest.ngrams is not None and manifest.portable is None:  # as the engine reads it
+                NgramTable.read(folder / manifest.ngrams.file, manifest.arch.vocab_size, manifest.ngrams.contexts)
+            out("ok        loads (graph inputs and outputs, tokenizer ids" + (", n-gram table" if manifest.ngrams else "")
+                + ": as the manifest describes)")
         except EdgeInferError as e:
             ok = False
             out(f"MISMATCH  {MANIFEST_FILE}: {e}")

@@ -39,11 +39,17 @@ from edgeinfer.fields import FieldError, json_fields
 
 FILE = "ngrams.npz"
 ORDERS = (1, 2, 3)  # context lengths, longest tried first
+ARRAYS = ("context", "next", "count", "seen")  # per order n: [m, n], [m], [m], [m] integers
 MIN_COUNT = 2  # a context's most frequent follower, seen fewer times than this, is not kept
 MIN_CHANCE = 0.05  # a chain stops at a draft accepted with less chance than this
 SAMPLE_TOKENS_PER_TEXT = 256  # each seed's text ends at EOS or after this many tokens
-MAX_FILE_BYTES = 256 * 1024 * 1024  # a table of millions of contexts is tens of MB
+MAX_CONTEXTS = 1_000_000  # a table's contexts, all orders: ~250-400 bytes each once loaded (~100,000 tokens
+# of stories260K's text make 11,000; its 2,000,000 about 150,000)
+MAX_FILE_BYTES = 64 * 1024 * 1024  # MAX_CONTEXTS take ~30 MB compressed
+MAX_INFO_TOKENS = 10 ** 12
 LOG_EVERY_S = 10.0  # sample_text's progress lines
+MEMO_DRAFTS = 16  # `chain` remembers this many drafts per tail (the stepper asks for 8 at most)
+MEMO_TAILS = 65_536  # ... for this many tails (a few MB)
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,7 @@ class NgramInfo:
 
     file: str = FILE
     tokens: int = 0  # tokens of the model's own text it was counted on
-    contexts: int = 0  # contexts kept (all orders)
+    contexts: int = 0  # contexts kept (all orders): the table must hold this many
     temperature: float = 1.0
 
     def to_json(self) -> dict:
@@ -63,112 +69,177 @@ class NgramInfo:
     def from_json(cls, d: dict, where: str = "ngrams") -> "NgramInfo":
         info = cls(**json_fields(cls, d, where))
         name = info.file
-        if not name or name != name.strip() or "/" in name or "\\" in name or name in (".", "..", "model.onnx"):
-            raise FieldError(f"{where}.file", f"{name!r} is not a plain file name in the folder")
-        for key in ("tokens", "contexts"):
-            if getattr(info, key) < 0:
-                raise FieldError(f"{where}.{key}", f"expected a count, got {getattr(info, key)}")
+        if not name.endswith(".npz") or name != name.strip() or "/" in name or "\\" in name or "\0" in name:
+            raise FieldError(f"{where}.file", f"{name!r} is not a plain .npz file name in the folder")
+        for key, top in (("tokens", MAX_INFO_TOKENS), ("contexts", MAX_CONTEXTS)):
+            if not 0 <= getattr(info, key) <= top:
+                raise FieldError(f"{where}.{key}", f"expected a count of at most {top}, got {getattr(info, key)!r:.40}")
+        if not 0 <= info.temperature <= 100:
+            raise FieldError(f"{where}.temperature", f"expected 0..100, got {info.temperature}")
         return info
+
+
+def count_ngrams(texts: Sequence[Sequence[int]], min_count: int = MIN_COUNT) -> dict[str, np.ndarray]:
+    """The table's arrays: every context of `ORDERS` tokens within each text and what followed it,
+    kept where its most frequent follower was seen at least `min_count` times (ties: the lowest id);
+    per order n, `context_n` [m, n] int32, `next_n` [m] int32, `count_n` and `seen_n` [m] uint32 (how
+    often that follower, and the context, were seen)."""
+    arrays = {}
+    for n in ORDERS:
+        rows = [np.lib.stride_tricks.sliding_window_view(np.asarray(t, np.int64), n + 1)
+                for t in texts if len(t) > n]
+        grams = np.concatenate(rows) if rows else np.zeros((0, n + 1), np.int64)
+        uniq, counts = np.unique(grams, axis=0, return_counts=True)  # each (context, follower) once
+        ctx, group = np.unique(uniq[:, :n], axis=0, return_inverse=True)
+        group = group.reshape(-1)
+        seen = np.bincount(group, weights=counts, minlength=len(ctx)).astype(np.int64)
+        order = np.lexsort((uniq[:, n], -counts, group))  # by context, most frequent follower first, lowest id
+        best = order[np.r_[0, np.flatnonzero(np.diff(group[order])) + 1]] if len(order) else order
+        keep = counts[best] >= min_count
+        arrays[f"context_{n}"] = ctx[keep].astype(np.int32).reshape(-1, n)
+        arrays[f"next_{n}"] = uniq[best[keep], n].astype(np.int32)
+        arrays[f"count_{n}"] = counts[best[keep]].astype(np.uint32)
+        arrays[f"seen_{n}"] = seen[keep].astype(np.uint32)
+    return arrays
+
+
+def contexts_in(arrays: dict[str, np.ndarray]) -> int:
+    return sum(len(arrays[f"next_{n}"]) for n in ORDERS)
 
 
 class NgramTable:
     """Context (a tuple of 1-3 ids) -> (most frequent follower, chance it follows). Read-only once
-    built: requests on several threads share one."""
+    made: requests on several threads share one."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], vocab_size: int):
-        """arrays: per order n, `context_n` [m, n] int32, `next_n`, `count_n`, `seen_n` [m] (what `build`
-        makes and `save` writes); checked here (ModelFormatError naming the array)."""
-        self.vocab_size = vocab_size
-        self.arrays = arrays
-        self._follow: dict[tuple[int, ...], tuple[int, float]] = {}
-        for n in ORDERS:
-            ctx, nxt, count, seen = (_array(arrays, f"{k}_{n}") for k in ("context", "next", "count", "seen"))
-            m = len(nxt)
-            if ctx.shape != (m, n) or count.shape != (m,) or seen.shape != (m,):
-                raise ModelFormatError(f"order {n}: context {ctx.shape}, next {nxt.shape}, count {count.shape}, "
-                                       f"seen {seen.shape} do not agree")
-            if m and (min(ctx.min(initial=0), nxt.min()) < 0 or max(ctx.max(initial=0), nxt.max()) >= vocab_size):
-                raise ModelFormatError(f"order {n}: a token id outside the vocabulary [0, {vocab_size})")
-            if m and (count.min() < 1 or (count > seen).any()):
-                raise ModelFormatError(f"order {n}: a follower counted 0 times, or more often than its context")
-            chance = count / (seen + 1.0)
-            self._follow.update(zip(map(tuple, ctx.tolist()), zip(nxt.tolist(), chance.tolist())))
-        if len(self._follow) != sum(len(arrays[f"next_{n}"]) for n in ORDERS):
-            raise ModelFormatError("a context is listed twice")
+    def __init__(self, follow: dict[tuple[int, ...], tuple[int, float]]):
+        self._follow = follow
+        self._memo: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}  # `chain`'s, per tail
 
     def __len__(self) -> int:
         return len(self._follow)
 
     @classmethod
-    def build(cls, texts: Sequence[Sequence[int]], vocab_size: int, min_count: int = MIN_COUNT) -> "NgramTable":
-        """Count every context of `ORDERS` tokens within each text and what followed it; keep those
-        whose most frequent follower was seen at least `min_count` times (ties: the lowest id)."""
-        arrays = {}
+    def from_arrays(cls, arrays: dict[str, np.ndarray], vocab_size: int) -> "NgramTable":
+        """The table of `count_ngrams`' arrays, each checked (ModelFormatError naming it): integers of the
+        shapes it makes, ids in the vocabulary, 1 <= count <= seen, no context twice, at most
+        MAX_CONTEXTS in all."""
+        checked = {}
         for n in ORDERS:
-            rows = [np.lib.stride_tricks.sliding_window_view(np.asarray(t, np.int64), n + 1)
-                    for t in texts if len(t) > n]
-            grams = np.concatenate(rows) if rows else np.zeros((0, n + 1), np.int64)
-            uniq, counts = np.unique(grams, axis=0, return_counts=True)  # each (context, follower) once
-            ctx, group = np.unique(uniq[:, :n], axis=0, return_inverse=True)
-            group = group.reshape(-1)
-            seen = np.bincount(group, weights=counts, minlength=len(ctx)).astype(np.int64)
-            order = np.lexsort((uniq[:, n], -counts, group))  # by context, most frequent follower first, lowest id
-            best = order[np.r_[0, np.flatnonzero(np.diff(group[order])) + 1]] if len(order) else order
-            keep = counts[best] >= min_count
-            arrays[f"context_{n}"] = ctx[keep].astype(np.int32).reshape(-1, n)
-            arrays[f"next_{n}"] = uniq[best[keep], n].astype(np.int32)
-            arrays[f"count_{n}"] = counts[best[keep]].astype(np.uint32)
-            arrays[f"seen_{n}"] = seen[keep].astype(np.uint32)
-        return cls(arrays, vocab_size)
-
-    def save(self, path) -> None:
-        np.savez_compressed(path, **self.arrays)
+            ctx, nxt, count, seen = (_array(arrays, f"{a}_{n}", 2 if a == "context" else 1) for a in ARRAYS)
+            m = len(nxt)
+            if ctx.shape != (m, n) or count.shape != (m,) or seen.shape != (m,):
+                raise ModelFormatError(f"order {n}: context {ctx.shape}, next {nxt.shape}, count {count.shape}, "
+                                       f"seen {seen.shape} do not agree")
+            checked[n] = ctx, nxt, count, seen
+        if sum(len(c[1]) for c in checked.values()) > MAX_CONTEXTS:
+            raise ModelFormatError(f"more than {MAX_CONTEXTS:,} contexts")
+        follow: dict[tuple[int, ...], tuple[int, float]] = {}
+        for n, (ctx, nxt, count, seen) in checked.items():
+            if not len(nxt):
+                continue
+            if min(ctx.min(), nxt.min()) < 0 or max(ctx.max(), nxt.max()) >= vocab_size:
+                raise ModelFormatError(f"order {n}: a token id outside the vocabulary [0, {vocab_size})")
+            if count.min() < 1 or (count > seen).any():
+                raise ModelFormatError(f"order {n}: a follower counted 0 times, or more often than its context")
+            if len(np.unique(ctx, axis=0)) != len(ctx):
+                raise ModelFormatError(f"order {n}: a context is listed twice")
+            chance = count / (seen + 1.0)
+            follow.update(zip(map(tuple, ctx.tolist()), zip(nxt.tolist(), chance.tolist())))
+        return cls(follow)
 
     @classmethod
-    def read(cls, path, vocab_size: int) -> "NgramTable":
-        """The table in `path` (ModelFormatError naming it when it is not one)."""
+    def build(cls, texts: Sequence[Sequence[int]], vocab_size: int, min_count: int = MIN_COUNT) -> "NgramTable":
+        return cls.from_arrays(count_ngrams(texts, min_count), vocab_size)
+
+    @classmethod
+    def read(cls, path, vocab_size: int, contexts: int | None = None) -> "NgramTable":
+        """The table in `path`, holding `contexts` contexts when given (the manifest's count); a
+        ModelFormatError naming the file when it is not one. Only the arrays the table needs are read,
+        each after its header says it is integers of a size a table can have, so a small file cannot
+        unpack into a large allocation."""
         try:
             raw = small_files.read_bytes(Path(path), MAX_FILE_BYTES, ModelFormatError)  # a regular file, bounded
-            z = np.load(io.BytesIO(raw), allow_pickle=False)
-            if not isinstance(z, np.lib.npyio.NpzFile):  # a .npy array under the name
-                raise ModelFormatError("an .npy array, not an .npz archive")
-            with z:
-                arrays = {k: z[k] for k in z.files}
-            return cls(arrays, vocab_size)
-        except (ModelFormatError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+            with zipfile.ZipFile(io.BytesIO(raw)) as z:
+                arrays = {f"{a}_{n}": _member(z, f"{a}_{n}", n if a == "context" else None)
+                          for n in ORDERS for a in ARRAYS}
+            table = cls.from_arrays(arrays, vocab_size)
+        except MemoryError:
+            raise
+        except Exception as e:  # anything the zip or npy layers raise on a damaged file: zlib, lzma, ...
             why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            if "allow_pickle" in why:  # (numpy's advice to load it unsafely is not one to pass on)
+                why = "an array of Python objects"
             raise ModelFormatError(f"{path} is not a valid n-gram table ({why}): convert the model again") from None
+        if contexts is not None and len(table) != contexts:
+            raise ModelFormatError(f"{path} holds {len(table):,} contexts, the manifest says {contexts:,}: convert "
+                                   "the model again")
+        return table
 
     def chain(self, history: Sequence[int], k: int) -> tuple[list[int], list[float]]:
-        """Up to k drafts after `history` and, for each, the chance that it and all before it are accepted."""
-        tail = list(history[-ORDERS[-1]:])
+        """Up to k drafts after `history` and, for each, the chance that it and all before it are accepted.
+        A chain depends on the history's last tokens alone: it is worked out once per tail (up to
+        `MEMO_DRAFTS` drafts; kept for `MEMO_TAILS` tails, then forgotten all at once) and sliced."""
+        tail = tuple(history[-ORDERS[-1]:])
+        if k > MEMO_DRAFTS:
+            return self._chain(tail, k)
+        memo = self._memo.get(tail)
+        if memo is None:
+            if len(self._memo) >= MEMO_TAILS:
+                self._memo = {}  # (threads: each sees a whole dict, the old or the new)
+            memo = self._memo[tail] = self._chain(tail, MEMO_DRAFTS)
+        return memo[0][:k], memo[1][:k]
+
+    def _chain(self, tail: tuple[int, ...], k: int) -> tuple[list[int], list[float]]:
+        follow, longest = self._follow, ORDERS[-1]
         drafts: list[int] = []
         chances: list[float] = []
         chance = 1.0
-        follow = self._follow
         while len(drafts) < k:
-            hit = None
-            for n in ORDERS[::-1]:
-                if len(tail) >= n:
-                    hit = follow.get(tuple(tail[-n:]))
-                    if hit is not None:
-                        break
-            if hit is None or chance * hit[1] < MIN_CHANCE:
+            for i in range(len(tail)):  # the longest context first
+                hit = follow.get(tail[i:])
+                if hit is not None:
+                    break
+            else:
                 break
             chance *= hit[1]
+            if chance < MIN_CHANCE:
+                break
             drafts.append(hit[0])
             chances.append(chance)
-            tail = tail[1:] + [hit[0]] if len(tail) == ORDERS[-1] else tail + [hit[0]]
+            tail = (tail + (hit[0],))[-longest:]
         return drafts, chances
 
 
-def _array(arrays: dict, key: str) -> np.ndarray:
+def _array(arrays: dict, key: str, ndim: int) -> np.ndarray:
     a = arrays.get(key)
     if not isinstance(a, np.ndarray):
         raise ModelFormatError(f"no array {key}")
     if a.dtype.kind not in "iu":
         raise ModelFormatError(f"{key} is {a.dtype}, not integers")
+    if a.ndim != ndim:
+        raise ModelFormatError(f"{key} has {a.ndim} dimensions, not {ndim}")
     return a.astype(np.int64)
+
+
+def _member(z: zipfile.ZipFile, key: str, columns: int | None) -> np.ndarray:
+    """Array `key` of the archive: its .npy header read first, refused unless it holds integers, of
+    `columns` columns (None: a vector) and at most MAX_CONTEXTS rows."""
+    try:
+        info = z.getinfo(key + ".npy")
+    except KeyError:
+        raise ModelFormatError(f"no array {key}") from None
+    with z.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = header(f)
+        want = (MAX_CONTEXTS,) if columns is None else (MAX_CONTEXTS, columns)
+        if dtype.kind not in "iu" or dtype.itemsize > 8:
+            raise ModelFormatError(f"{key} is {dtype}, not integers")
+        if len(shape) != len(want) or shape[0] > MAX_CONTEXTS or shape[1:] != want[1:]:
+            raise ModelFormatError(f"{key} has shape {shape}, not {'(m,)' if columns is None else f'(m, {columns})'} "
+                                   f"with m at most {MAX_CONTEXTS:,}")
+    with z.open(info) as f:
+        return np.lib.format.read_array(f, allow_pickle=False)
 
 
 def sample_text(model, tokens: int, log=lambda msg: None) -> list[list[int]]:
@@ -180,7 +251,7 @@ def sample_text(model, tokens: int, log=lambda msg: None) -> list[list[int]]:
         raise ValueError("the model has no BOS or EOS id to start its own text from")
     texts, total, seed = [], 0, 0
     said = time.monotonic()
-    while total < tokens:
+    while total < tokens and seed < tokens:  # (a model that ends every text at once would never get there)
         n = min(SAMPLE_TOKENS_PER_TEXT, tokens - total)
         ids = list(model.generate([start], max_new_tokens=n, temperature=1.0, top_p=1.0, top_k=0,
                                   seed=seed).token_ids)

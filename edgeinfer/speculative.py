@@ -202,10 +202,13 @@ class SpeculativeStepper:
         scaled by g, this request's calibration: accepted over predicted, and capped at 1) / r[k + 1];
         0 when no k beats plain steps by `margin`. Nothing timed here: the same tokens give the same k."""
         g = self._calib[0] / self._calib[1]
+        if self._ratios is None:
+            self._ratios = self.engine.verify_ratios(self.tuning.k_max)
+        ratios = self._ratios  # r[s - 1]
         best_k, best, expected = 0, 1.0 + self.tuning.margin, 1.0
         for k, chance in enumerate(chances, 1):
             expected += min(1.0, g * chance)
-            gain = expected / self._ratio(k + 1)
+            gain = expected / ratios[min(k, len(ratios) - 1)]
             if gain > best:
                 best_k, best = k, gain
         return best_k

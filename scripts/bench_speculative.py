@@ -1,23 +1,26 @@
 """Decode speed with speculation against plain decoding, side by side in one run.
 
     python scripts/bench_speculative.py -m MODEL [-m MODEL ...] [--rounds 9] [--tokens 200]
-        [--text EVAL_TXT] [--draft DRAFT_MODEL] [--out FILE.json]
+        [--text EVAL_TXT] [--temperature T] [--draft DRAFT_MODEL] [--out FILE.json]
 
 Per model, three kinds of prompt, each run plain and with speculative="ngram" (with --draft:
 speculative="draft", that folder drafting) in alternating order
-(greedy, EOS ignored, `--tokens` new tokens):
+(greedy, or `--temperature` T with each prompt's own seed on both sides; EOS ignored, `--tokens` new
+tokens):
   repeat   text that repeats its input: a chat model (one with a chat template) is asked to repeat,
            fix the typos of, or add type hints to text it is given (paragraphs of `--text`); a story
            model continues its own story (its greedy story, then the story's prompt again)
   random   random token ids (64): nothing repeats, so speculation should cost nothing
+  text     a story model given `--text`: the first 48 tokens of three of its paragraphs (text the model
+           did not write), continued
 Reports, per model and kind, the median over rounds of decode tokens/s (`Completion.timings`) for
 both, their ratio, the lowest, median and highest of the per-round ratios (the two sides of one
 round run within a second of each other: their spread is the box's noise, which on a tiny model
 moves the ratio by more than the differences sought; give more rounds there), speculation's
 acceptance rate and mean accepted drafts per verify call, whether the tokens were identical, and
 `copyable`: the share of plain decoding's tokens that prompt lookup's next draft would have got
-right (the n-gram drafter replayed over prompt and output: how much the text repeats its input,
-which bounds what any rule can gain). JSON out.
+right (the n-gram drafter replayed over prompt and output, without the model's n-gram table: how
+much the text repeats its input, which bounds what prompt lookup alone can gain). JSON out.
 """
 
 from __future__ import annotations
@@ -80,8 +83,13 @@ def random_prompts(m) -> list[list[int]]:
     return [rng.integers(3, v, 64).tolist() for _ in range(3)]
 
 
-def run(m, prompt, n_new, spec):
-    g = m.stream(prompt, max_new_tokens=n_new, temperature=0, ignore_eos=True, speculative=spec)
+def text_prompts(m, text_file: Path) -> list[list[int]]:
+    lines = [ln for ln in Path(text_file).read_text().splitlines() if len(ln.split()) > 40]
+    return [m.tokenizer.encode(ln)[:48] for ln in lines[:3]]
+
+
+def run(m, prompt, n_new, spec, temperature=0.0, seed=0):
+    g = m.stream(prompt, max_new_tokens=n_new, temperature=temperature, seed=seed, ignore_eos=True, speculative=spec)
     c = g.run_to_end()
     return c, g.speculation
 
@@ -102,7 +110,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--text", type=Path, default=None, help="paragraphs for a chat model's tasks")
+    ap.add_argument("--text", type=Path, default=None,
+                    help="paragraphs for a chat model's tasks, or a story model's 'text' prompts")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--draft", default=None, help="a draft model folder: measure speculative='draft'")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -112,7 +122,10 @@ def main() -> None:
         m = edgeinfer.load(path, threads=args.threads)  # the model's default ring
         if args.draft:
             m.set_draft(args.draft)
-        for kind, prompts in (("repeat", repeat_prompts(m, args.text, args.tokens)), ("random", random_prompts(m))):
+        kinds = [("repeat", repeat_prompts(m, args.text, args.tokens)), ("random", random_prompts(m))]
+        if args.text and not m.manifest.tokenizer.chat_template:
+            kinds.append(("text", text_prompts(m, args.text)))
+        for kind, prompts in kinds:
             tps: dict = {None: [], drafter: []}
             drafted = accepted = calls = 0
             same = True
@@ -120,19 +133,20 @@ def main() -> None:
             for r in range(args.rounds):
                 for spec in ((None, drafter) if r % 2 == 0 else (drafter, None)):
                     per = []
-                    for p in prompts:
-                        c, st = run(m, p, args.tokens, spec)
+                    for i, p in enumerate(prompts):
+                        c, st = run(m, p, args.tokens, spec, args.temperature, seed=i)
                         per.append(c.timings.decode_tok_s)
                         if spec and r == 0:
                             drafted, accepted, calls = drafted + st.drafted_tokens, accepted + st.accepted_tokens, \
                                 calls + st.verify_calls
-                            plain_ids = list(run(m, p, args.tokens, None)[0].token_ids)
+                            plain_ids = list(run(m, p, args.tokens, None, args.temperature, seed=i)[0].token_ids)
                             same &= list(c.token_ids) == plain_ids
                             copied.append(copyable(list(p), plain_ids))
                     tps[spec].append(statistics.median(per))
             plain, spec = statistics.median(tps[None]), statistics.median(tps[drafter])
             per_round = sorted(b / a for a, b in zip(tps[None], tps[drafter]))
             row = {"model": str(path), "kind": kind, "prompts": len(prompts), "tokens": args.tokens,
+                   "temperature": args.temperature,
                    "plain_tok_s": round(plain, 1), f"{drafter}_tok_s": round(spec, 1), "speedup": round(spec / plain, 3),
                    "round_speedups": [round(per_round[0], 3), round(statistics.median(per_round), 3),
                                       round(per_round[-1], 3)],

@@ -15,7 +15,7 @@ from conftest import STORIES_FIX, STORIES_SRC
 from edgeinfer import speculative
 from edgeinfer.drafting import NgramDrafter
 from edgeinfer.errors import ConvertError, ModelFormatError
-from edgeinfer.ngram_table import FILE, MIN_CHANCE, NgramTable, sample_text
+from edgeinfer.ngram_table import FILE, MAX_CONTEXTS, MIN_CHANCE, NgramTable, contexts_in, count_ngrams, sample_text
 from edgeinfer.speculative import Tuning
 
 GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
@@ -73,9 +73,13 @@ def test_the_drafter_offers_the_chain_that_promises_more():
 
 
 def test_a_saved_table_reads_back_the_same(tmp_path):
-    t = NgramTable.build([TEXT, [2, 5, 6, 7, 5, 6]], vocab_size=10)
-    t.save(tmp_path / FILE)
-    assert NgramTable.read(tmp_path / FILE, 10)._follow == t._follow
+    arrays = count_ngrams([TEXT, [2, 5, 6, 7, 5, 6]])
+    np.savez_compressed(tmp_path / FILE, **arrays)
+    t = NgramTable.read(tmp_path / FILE, 10, contexts=contexts_in(arrays))
+    n = contexts_in(arrays)
+    assert t._follow == NgramTable.from_arrays(arrays, 10)._follow and len(t) == n > 3
+    with pytest.raises(ModelFormatError, match=f"holds {n} contexts, the manifest says {n + 1}"):
+        NgramTable.read(tmp_path / FILE, 10, contexts=n + 1)
 
 
 def _write(path, **arrays):
@@ -86,12 +90,16 @@ def _write(path, **arrays):
     ({"next_1": np.array([12], np.int32)}, "outside the vocabulary"),
     ({"count_1": np.array([5], np.uint32)}, "more often than its context"),
     ({"count_1": np.array([0], np.uint32)}, "counted 0 times"),
-    ({"next_1": np.array([1.5])}, "not integers"),
-    ({"context_2": np.array([[1]], np.int32)}, "do not agree"),
+    ({"context_2": np.array([[1]], np.int32)}, r"context_2 has shape \(1, 1\), not \(m, 2\)"),
+    ({"count_1": np.array([3, 3], np.uint32)}, "do not agree"),
     ({"seen_3": None}, "no array seen_3"),
+    ({"next_1": np.array([[6]], np.int32)}, r"next_1 has shape \(1, 1\), not \(m,\)"),  # (a review: it loaded, and
+    ({"next_1": np.array(6, np.int32)}, r"next_1 has shape \(\), not \(m,\)"),  # every request then failed)
+    ({"context_3": np.zeros((MAX_CONTEXTS + 1, 3), np.int32)}, "with m at most"),
+    ({"next_1": np.array([6], np.float32)}, "not integers"),
 ])
 def test_a_table_that_does_not_hold_together_is_refused(tmp_path, bad, why):
-    arrays = NgramTable.build([TEXT] * 2, vocab_size=10).arrays
+    arrays = count_ngrams([TEXT] * 2)
     arrays = {**arrays, "context_1": np.array([[5]], np.int32), "next_1": np.array([6], np.int32),
               "count_1": np.array([3], np.uint32), "seen_1": np.array([4], np.uint32)}
     arrays.update(bad)
@@ -206,3 +214,123 @@ def test_a_manifest_whose_table_entry_is_wrong_is_refused(with_table, tmp_path, 
     (folder / MANIFEST_FILE).write_text(json.dumps(d))
     with pytest.raises(ModelFormatError, match=why):
         edgeinfer.load(folder)
+
+
+def test_a_small_file_that_would_unpack_into_a_large_allocation_is_refused_first(tmp_path):
+    """A zip whose member's header declares 10**12 ids (a review: 19 KB asked numpy for 3.6 TiB), and a
+    zip bomb (120 million zero contexts deflate to a few MB; it took 6.5 GB): refused from the headers."""
+    import zipfile
+
+    arrays = count_ngrams([TEXT] * 2)
+    with zipfile.ZipFile(tmp_path / FILE, "w") as z:
+        for key, a in arrays.items():
+            header = a if key != "next_1" else np.lib.stride_tricks.as_strided(a[:1], (10 ** 12,), (0,))
+            with z.open(key + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(header))
+                f.write(a.tobytes())
+    with pytest.raises(ModelFormatError, match=r"next_1 has shape \(1000000000000,\)"):
+        NgramTable.read(tmp_path / FILE, 10)
+    np.savez_compressed(tmp_path / "bomb.npz", **{**arrays, "context_3": np.zeros((3 * MAX_CONTEXTS, 3), np.int32)})
+    assert (tmp_path / "bomb.npz").stat().st_size < 2 ** 22
+    with pytest.raises(ModelFormatError, match="context_3 has shape"):
+        NgramTable.read(tmp_path / "bomb.npz", 10)
+
+
+def test_damaged_archives_are_refused_in_one_line(tmp_path):
+    """Bits flipped anywhere in a compressed table: zlib's errors, an unknown compression method, a bad
+    CRC are a ModelFormatError like any other damage (a review: 89 of 400 flips were zlib tracebacks)."""
+    arrays = count_ngrams([list(range(1, 60)) * 3] * 2)
+    np.savez_compressed(tmp_path / FILE, **arrays)
+    raw = (tmp_path / FILE).read_bytes()
+    rng = np.random.default_rng(0)
+    outcomes = set()
+    for i in range(150):
+        bad = bytearray(raw)
+        bit = int(rng.integers(0, len(bad) * 8))
+        bad[bit // 8] ^= 1 << bit % 8
+        (tmp_path / "bad.npz").write_bytes(bytes(bad))
+        try:
+            NgramTable.read(tmp_path / "bad.npz", 60, contexts=contexts_in(arrays))
+            outcomes.add("read")  # a flip in a part nothing reads (a name's padding, the archive comment)
+        except ModelFormatError as e:
+            assert "not a valid n-gram table" in str(e) or "contexts, the manifest says" in str(e)
+            outcomes.add("refused")
+    assert "refused" in outcomes
+
+
+def test_inspect_verify_reads_the_table_as_load_does(with_table, tmp_path):
+    import shutil
+
+    from edgeinfer.inspect import verify
+    from edgeinfer.integrity import sha256_file
+    from edgeinfer.manifest import CHECKSUM_KEY, MANIFEST_FILE
+
+    folder = tmp_path / "m"
+    shutil.copytree(with_table, folder)
+    arrays = dict(np.load(folder / FILE))
+    arrays["next_1"] = arrays["next_1"].reshape(-1, 1)
+    np.savez_compressed(folder / FILE, **arrays)
+    d = json.loads((folder / MANIFEST_FILE).read_text())
+    d["files"][FILE] = {"bytes": (folder / FILE).stat().st_size, "sha256": sha256_file(folder / FILE)}
+    d.pop(CHECKSUM_KEY)
+    (folder / MANIFEST_FILE).write_text(json.dumps(d))
+    lines = []
+    assert not verify(folder, out=lines.append)
+    assert any(line.startswith("MISMATCH") and "next_1 has shape" in line for line in lines)
+    with pytest.raises(ModelFormatError, match="next_1 has shape"):
+        edgeinfer.load(folder)
+
+
+def test_sampling_ends_when_the_model_ends_every_text_at_once(tmp_path, monkeypatch):
+    """A model whose first token is always EOS adds nothing per text: sampling stops after as many texts
+    as tokens asked (it looped for ever, a review), and convert refuses the empty table in one line."""
+    from types import SimpleNamespace
+
+    from edgeinfer.converters import convert, ngrams
+
+    calls = []
+    silent = SimpleNamespace(manifest=SimpleNamespace(tokenizer=SimpleNamespace(bos_token_id=1, eos_token_ids=(2,))),
+                             generate=lambda ids, **kw: calls.append(kw["seed"]) or SimpleNamespace(token_ids=()))
+    assert sample_text(silent, 50) == [[1]] * 50 and calls == list(range(50))
+    monkeypatch.setattr(ngrams, "sample_text", lambda model, tokens, log: [[1]] * tokens)
+    with pytest.raises(ConvertError, match="hold no context followed twice"):
+        convert(STORIES_SRC, tmp_path / "x", quant="fp32", ngram_tokens=40)
+    assert not (tmp_path / "x").exists() and not list(tmp_path.iterdir())
+
+
+def test_a_model_without_bos_or_eos_is_refused_before_any_work(tmp_path):
+    import shutil
+
+    from edgeinfer.converters import convert
+
+    src = tmp_path / "src"
+    shutil.copytree(STORIES_SRC, src)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((src / name).read_text())
+        (src / name).write_text(json.dumps({**cfg, "bos_token_id": None, "eos_token_id": None}))
+    with pytest.raises(ConvertError, match="no BOS or EOS id"):
+        convert(src, tmp_path / "x", quant="fp32", ngram_tokens=40)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_an_architecture_optimum_exports_refuses_ngram_tokens(tmp_path, monkeypatch):
+    """--via auto hands an architecture the native builder lacks to Optimum, which makes no table: the
+    flag is refused there, not dropped (a review)."""
+    import importlib
+
+    convert_module = importlib.import_module("edgeinfer.converters.convert")
+    monkeypatch.setattr(convert_module, "_needs_optimum", lambda src, log: True)
+    with pytest.raises(ConvertError, match="exported by Optimum"):
+        convert_module.convert(STORIES_SRC, tmp_path / "x", ngram_tokens=40)
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_and_api_take_the_count_as_people_write_it(tmp_path):
+    from edgeinfer.converters import convert
+
+    m = convert(STORIES_SRC, tmp_path / "a", quant="fp32", ngram_tokens=np.int64(2000))  # a numpy integer
+    assert m.ngrams.tokens == 2000
+    for bad in ("\u0663", "1e3", "-5", "0x10", ""):
+        r = subprocess.run([sys.executable, "-m", "edgeinfer", "convert", str(STORIES_SRC), "-o", str(tmp_path / "y"),
+                            "--ngram-tokens", bad], capture_output=True, text=True)
+        assert r.returncode == 2 and "--ngram-tokens: expected a number of tokens" in r.stderr, bad

@@ -49,6 +49,21 @@ def test_drafter_reports_how_far_the_text_agrees_before_its_match():
     assert (d.draft(3), d.match) == ([], 0)
 
 
+def test_the_prompts_index_is_what_pushing_it_token_by_token_leaves():
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 2, 3, 4, 50, 400):
+        ids = rng.integers(0, 6, n).tolist()  # a small vocabulary: n-grams recur
+        pushed = NgramDrafter([])
+        for t in ids:
+            pushed.push(t)
+        for max_n, min_n in ((3, 2), (1, 1), (4, 1)):
+            a, b = NgramDrafter(ids, max_n, min_n), NgramDrafter([], max_n, min_n)
+            for t in ids:
+                b.push(t)
+            assert a.index == b.index and a.history == b.history
+        assert NgramDrafter(ids).index == pushed.index
+
+
 def test_drafter_without_a_match_or_history_drafts_nothing():
     assert NgramDrafter([]).draft(4) == []
     assert NgramDrafter([5]).draft(4) == []  # shorter than n
