@@ -221,8 +221,7 @@ def verify(folder: Path | str, out=print) -> bool:
             Tokenizer(folder, manifest.tokenizer)
             if manifest.ngrams is not None and manifest.portable is None:  # as the engine reads it
                 NgramTable.read(folder / manifest.ngrams.file, manifest.arch.vocab_size, manifest.ngrams.contexts)
-            out("ok        loads (graph inputs and outputs, tokenizer ids" + (", n-gram table" if manifest.ngrams else "")
-                + ": as the manifest describes)")
+            out("ok        loads (graph inputs and outputs, tokenizer ids: as the manifest describes)")
         except EdgeInferError as e:
             ok = False
             out(f"MISMATCH  {MANIFEST_FILE}: {e}")
