@@ -57,11 +57,10 @@ class NgramDrafter:
         self.chances: list[float] = []
 
     def push(self, token: int) -> None:
-        h = self.history
-        end = len(h) - 1  # the old last token: its n-grams become earlier occurrences
-        for n in range(self.min_n, self.max_n + 1):
-            if end - n + 1 >= 0:
-                self.index[tuple(h[end - n + 1:end + 1])] = end
+        h, index = self.history, self.index
+        end = len(h) - 1  # the old last token: its n-grams (the history's last n) become earlier occurrences
+        for n in range(self.min_n, min(self.max_n, len(h)) + 1):
+            index[tuple(h[-n:])] = end
         h.append(int(token))
 
     def draft(self, k: int) -> list[int]:

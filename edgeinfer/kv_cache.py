@@ -146,6 +146,8 @@ class RingKVCache:
             raise InvalidArgumentError(f"rebase_every_tokens must be >= 1, got {rebase_every_tokens}")
         self.logits = np.zeros((1, 1, spec.vocab_size), np.float32)  # the engine writes the last token's here
         self.logits_address = self.logits.ctypes.data  # (reading it costs 1.4 µs: the engine keys its binding on it)
+        self.verify_logits: np.ndarray | None = None  # a speculative verify's rows (`SpeculativeStepper`), kept with
+        # the ring so that the next request's calls find their bindings pointing at it already
         self.bytes = spec.kv_bytes_per_token * rows * self.dtype.itemsize // 4
         self.writes = 0  # calls that may have written rows here (`write_offset`, batched steps), and restores
         self.reset()

@@ -106,8 +106,8 @@ class SpeculativeStepper:
         self.drafter = drafter if drafter is not None else NgramDrafter(history, table=engine.ngrams)
         self.stats = Stats()
         self.budget = max_new_tokens  # tokens this request may still sample (drafting past it is waste)
-        self._rows: np.ndarray | None = None  # logits of the verified draft rows not yet served (a view of _out)
-        self._out: np.ndarray | None = None
+        self._rows: np.ndarray | None = None  # logits of the verified draft rows not yet served (a view of the
+        # ring's verify_logits)
         self._draft: list[int] = []  # the drafts those rows were computed for
         self._next = 0  # index in _draft of the next row to serve
         self._step_s: float | None = None  # a: seconds per plain step (running mean; a draft model's k)
@@ -154,9 +154,11 @@ class SpeculativeStepper:
         if not draft:
             return self._plain(cache, token)
         n = len(draft) + 1  # 3.
-        if self._out is None or self._out.shape[1] < n:  # the verify calls' logits: one buffer, reused
-            self._out = np.empty((1, max(n, self.tuning.k_max + 1), self.engine.spec.vocab_size), np.float32)
-        rows = self.engine.forward(cache, [token] + draft, all_logits=True, commit=False, out=self._out)
+        out = cache.verify_logits  # the verify calls' logits: one buffer per ring, reused
+        if out is None or out.shape[1] < n:
+            out = cache.verify_logits = np.empty((1, max(n, self.tuning.k_max + 1), self.engine.spec.vocab_size),
+                                                 np.float32)
+        rows = self.engine.forward(cache, [token] + draft, all_logits=True, commit=False, out=out)
         cache.commit(1)
         self.stats.verify_calls += 1
         self.stats.drafted_tokens += len(draft)
@@ -204,13 +206,13 @@ class SpeculativeStepper:
         g = self._calib[0] / self._calib[1]
         if self._ratios is None:
             self._ratios = self.engine.verify_ratios(self.tuning.k_max)
-        ratios = self._ratios  # r[s - 1]
+        ratios = self._ratios  # r[s - 1]: ratios[k] is a call of k drafts (k_max + 1 rows at most)
         best_k, best, expected = 0, 1.0 + self.tuning.margin, 1.0
-        for k, chance in enumerate(chances, 1):
-            expected += min(1.0, g * chance)
-            gain = expected / ratios[min(k, len(ratios) - 1)]
-            if gain > best:
-                best_k, best = k, gain
+        for k, chance in enumerate(chances[:len(ratios) - 1], 1):
+            chance *= g
+            expected += chance if chance < 1.0 else 1.0
+            if expected > best * ratios[k]:
+                best_k, best = k, expected / ratios[k]
         return best_k
 
     def k(self) -> int:
