@@ -79,9 +79,9 @@ class Engine(ChunkedSteps):
         self.calls = 0
         self._init_turns("the model's engine")  # lock, waiting, ran (`chunked.ChunkedSteps`)
         self.draft = None  # a `drafting.Draft`: the small model `speculative="draft"` drafts with (Model.set_draft)
-        info = session.manifest.ngrams  # the model's n-gram table: speculative="ngram" drafts from it too
-        self.ngrams = NgramTable.read(session.folder / info.file, spec.vocab_size, info.contexts) \
-            if info is not None else None
+        self._ngrams: NgramTable | None = None  # `ngram_table`, once read
+        self._ngrams_lock = threading.Lock()
+        fork_safety.watch(self, "_ngrams_lock", "the model's n-gram table")  # held while it is read (~10 ms)
         self._ratios: tuple[float, ...] | None = None  # `verify_ratios`, once measured
         self._out_view: tuple | None = None  # (out, n, out[:, :n], its address) of forward's last caller's buffer
         self._ratios_lock = threading.Lock()
@@ -91,6 +91,21 @@ class Engine(ChunkedSteps):
         self._bindings.clear()
         self._io = self.draft = None
         self.session.close()
+
+    def ngram_table(self) -> NgramTable | None:
+        """The model's n-gram table (`ngram_table.py`; None for a folder without one), which
+        speculative="ngram" drafts from: read the first time asked, by the first request that
+        speculates (before it touches its context) or by serve as it starts, and kept for the engine's
+        life. Not at load: plain decoding never pays its read (~10 ms for the bundled model's) or its
+        memory (~300 bytes a context). Its sha256 was checked at load with every file; a table that
+        does not hold together raises ModelFormatError."""
+        info = self.session.manifest.ngrams
+        if info is None:
+            return None
+        with self._ngrams_lock:
+            if self._ngrams is None:
+                self._ngrams = NgramTable.read(self.session.folder / info.file, self.spec.vocab_size, info.contexts)
+            return self._ngrams
 
     def attach_draft(self, draft) -> None:
         """`draft` (a `drafting.Draft`) set, unless the engine is closed (ModelClosedError): under the

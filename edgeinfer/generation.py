@@ -262,6 +262,8 @@ class Request:
             raise InvalidArgumentError("speculative='draft' needs a draft model: model.set_draft(DIR)")
         if opts.speculative == "draft" and draft.engine.closed:  # before begin: the ring keeps what it held
             raise _draft_closed()
+        if opts.speculative == "ngram":
+            engine.ngram_table()  # read now, once: a table that does not hold together is refused before begin
         opts.sampling.check_vocabulary(engine.spec.vocab_size)
         return draft
 

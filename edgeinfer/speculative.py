@@ -103,7 +103,7 @@ class SpeculativeStepper:
         are verified only while it says the cache decodes alone. tuning: None for `TUNING`. drafter:
         None for an `NgramDrafter` over `history`, else one that has seen `history` already."""
         self.engine, self.inner, self.tuning = engine, inner, tuning or TUNING
-        self.drafter = drafter if drafter is not None else NgramDrafter(history, table=engine.ngrams)
+        self.drafter = drafter if drafter is not None else NgramDrafter(history, table=engine.ngram_table())
         self.stats = Stats()
         self.budget = max_new_tokens  # tokens this request may still sample (drafting past it is waste)
         self._rows: np.ndarray | None = None  # logits of the verified draft rows not yet served (a view of the

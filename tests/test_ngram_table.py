@@ -138,10 +138,10 @@ def test_convert_writes_a_table_the_folder_checks(with_table, capsys):
     assert not (with_table / ".edgeinfer-verified.json").exists()  # the converter's own load left no stamp
     assert verify(with_table) and "n-gram table of" in describe(with_table)
     model = edgeinfer.load(with_table)
-    assert model.engine.ngrams is not None and len(model.engine.ngrams) == m.ngrams.contexts
+    assert model.engine.ngram_table() is not None and len(model.engine.ngram_table()) == m.ngrams.contexts
     # the table is what the folder's own model samples: the same seeds, the same counts
     again = NgramTable.build(sample_text(model, 3000), 512)
-    assert again._follow == model.engine.ngrams._follow
+    assert again._follow == model.engine.ngram_table()._follow
 
 
 def test_a_changed_table_is_refused_at_load(with_table, tmp_path):
@@ -277,8 +277,20 @@ def test_inspect_verify_reads_the_table_as_load_does(with_table, tmp_path):
     lines = []
     assert not verify(folder, out=lines.append)
     assert any(line.startswith("MISMATCH") and "next_1 has shape" in line for line in lines)
+    # the table is read by the first request that speculates (plain decoding never pays for it), which is
+    # refused before it touches its context; serve reads it as it starts, and does not start
+    m = edgeinfer.load(folder)
+    before = m.generate("Once", max_new_tokens=5, temperature=0)
+    n_valid = m.cache.n_valid
     with pytest.raises(ModelFormatError, match="next_1 has shape"):
-        edgeinfer.load(folder)
+        m.generate("Lily and Ben", max_new_tokens=5, speculative="ngram")
+    again = m.generate("Once", max_new_tokens=5, temperature=0)
+    assert m.cache.n_valid == n_valid and (again.token_ids, again.text) == (before.token_ids, before.text)
+    from edgeinfer.server.config import ServeConfig
+    from edgeinfer.server.run import build
+
+    with pytest.raises(ModelFormatError, match="next_1 has shape"):
+        build(ServeConfig(model=str(folder), speculative="ngram"))
 
 
 def test_sampling_ends_when_the_model_ends_every_text_at_once(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ from edgeinfer.drafting import NgramDrafter
 from edgeinfer.speculative import Tuning
 
 GOLDEN = json.loads((STORIES_FIX / "golden.json").read_text())
-NO_ENGINE = SimpleNamespace(ngrams=None)  # the engine a hand-computed rule reads nothing else from
+NO_ENGINE = SimpleNamespace(ngram_table=lambda: None)  # the engine a hand-computed rule reads nothing else from
 SAMPLINGS = [dict(temperature=0), dict(temperature=0.8, seed=3), dict(temperature=1.0, top_p=0.9, top_k=40, seed=11,
                                                                       repetition_penalty=1.1)]
 
