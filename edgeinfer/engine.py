@@ -89,7 +89,7 @@ class Engine(ChunkedSteps):
 
     def _drop(self) -> None:  # (`ChunkedSteps.close`) the session's last references, and what pointed into it
         self._bindings.clear()
-        self._io = self.draft = None
+        self._io = self.draft = self._out_view = None
         self.session.close()
 
     def ngram_table(self) -> NgramTable | None:
@@ -100,8 +100,8 @@ class Engine(ChunkedSteps):
         memory (~300 bytes a context). Its sha256 was checked at load with every file; a table that
         does not hold together raises ModelFormatError."""
         info = self.session.manifest.ngrams
-        if info is None:
-            return None
+        if info is None or self._ngrams is not None:
+            return self._ngrams
         with self._ngrams_lock:
             if self._ngrams is None:
                 self._ngrams = NgramTable.read(self.session.folder / info.file, self.spec.vocab_size, info.contexts)
@@ -187,7 +187,7 @@ class Engine(ChunkedSteps):
             logits = np.empty((1, n, self.spec.vocab_size), np.float32)
         else:
             view = self._out_view  # a caller's buffer reused call after call (a speculative verify's) is checked once
-            if view is None or view[0] is not out or view[1] != n:
+            if view is None or view[0] is not out or view[1] != n or not out.flags.writeable:
                 _check_out(out, n, self.spec.vocab_size)
                 view = self._out_view = (out, n, out[:, :n], out.ctypes.data)
             logits = view[2]

@@ -117,3 +117,12 @@ def test_forward_refuses_an_out_buffer_it_cannot_fill(folders):
             m.engine.forward(cache, [5, 6, 7], all_logits=True, out=bad)
         assert re.search(why, str(e.value)), (why, str(e.value))
     assert cache.n_valid == 0 and not read_only.any()  # nothing ran, nothing written
+    # a buffer checked once is not checked again while it comes back, unless it was made read-only since
+    reused = np.zeros((1, 4, v), np.float32)
+    m.engine.forward(cache, [5, 6, 7], all_logits=True, commit=False, out=reused)
+    assert reused.any()
+    reused[:] = 0
+    reused.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        m.engine.forward(cache, [5, 6, 7], all_logits=True, commit=False, out=reused)
+    assert not reused.any()

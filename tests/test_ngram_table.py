@@ -291,6 +291,8 @@ def test_inspect_verify_reads_the_table_as_load_does(with_table, tmp_path):
 
     with pytest.raises(ModelFormatError, match="next_1 has shape"):
         build(ServeConfig(model=str(folder), speculative="ngram"))
+    server = build(ServeConfig(model=str(folder), speculative="draft", draft_model=str(with_table)))  # no table read
+    server.scheduler.close()
 
 
 def test_sampling_ends_when_the_model_ends_every_text_at_once(tmp_path, monkeypatch):

@@ -227,7 +227,8 @@ def build(config: ServeConfig, model=None) -> Server:
         from edgeinfer.speculative import TUNING
 
         model.engine.verify_ratios(TUNING.k_max)  # measured now, not in a request
-        model.engine.ngram_table()  # read now: a bad table stops the start, not every request
+        if config.speculative == "ngram":
+            model.engine.ngram_table()  # read now: a bad table stops the start, not every request
     return Server(model, config)
 
 
