@@ -43,9 +43,9 @@ ARRAYS = ("context", "next", "count", "seen")  # per order n: [m, n], [m], [m], 
 MIN_COUNT = 2  # a context's most frequent follower, seen fewer times than this, is not kept
 MIN_CHANCE = 0.05  # a chain stops at a draft accepted with less chance than this
 SAMPLE_TOKENS_PER_TEXT = 256  # each seed's text ends at EOS or after this many tokens
-MAX_CONTEXTS = 1_000_000  # a table's contexts, all orders: ~250-400 bytes each once loaded (~100,000 tokens
-# of stories260K's text make 11,000; its 2,000,000 about 150,000)
-MAX_FILE_BYTES = 64 * 1024 * 1024  # MAX_CONTEXTS take ~30 MB compressed
+MAX_CONTEXTS = 1_000_000  # a table's contexts, all orders: 225-400 bytes each once read (100,000 tokens of
+# stories260K's text make 10,953)
+MAX_FILE_BYTES = 64 * 1024 * 1024  # MAX_CONTEXTS are at most 24 MB of 32-bit arrays before compression
 MAX_INFO_TOKENS = 10 ** 12
 LOG_EVERY_S = 10.0  # sample_text's progress lines
 MEMO_DRAFTS = 16  # `chain` remembers this many drafts per tail (the stepper asks for 8 at most)
