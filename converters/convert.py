@@ -168,7 +168,8 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
     if ngram_tokens and (target != "cpu" or via == "optimum"):
         raise ConvertError("--ngram-tokens samples the converted model on this machine's CPU to count its n-grams, "
                            "for the speculative drafts of the native cpu graph: " +
-                           (f"--target {target} does not decode speculatively here" if target != "cpu"
+                           ("--target cuda's fp16 graph runs on a CUDA device, not on this CPU" if target == "cuda"
+                            else f"--target {target}'s portable graphs verify no drafts" if target != "cpu"
                             else "--via optimum's graph is not built here"))
     gguf = gguf_import.is_gguf(src)
     if via == "optimum" and gguf:  # (before the options' check: the CLI's default for a GGUF, keep, is not the user's)
