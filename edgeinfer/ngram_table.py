@@ -4,7 +4,7 @@ Prompt lookup (`drafting.NgramDrafter`) drafts only where the prompt or the repl
 A small model's text also repeats the model's own habits ("Once upon a time, there was a little"),
 which its prompt need not hold. So, at convert time (`convert --ngram-tokens N`), the converted
 model samples N tokens of its own text (`sample_text`: temperature 1, from its BOS, seeds 0, 1, ...,
-so a conversion is reproducible), and `NgramTable.build` keeps, for each context of 1 to 3 tokens
+so a conversion is reproducible), and `count_ngrams` keeps, for each context of 1 to 3 tokens
 seen there, the token that followed it most often, how often, and how often the context was seen
 (a context whose most frequent follower was seen fewer than `MIN_COUNT` times is dropped: its draft
 would be a guess). The table is saved beside the graph (`FILE`, an .npz of plain arrays), named in

@@ -101,7 +101,8 @@ class SpeculativeStepper:
                  tuning: Tuning | None = None, drafter=None):
         """inner: the stepper plain steps go through (`batching.SoloStepper` or `DecodeBatcher`); drafts
         are verified only while it says the cache decodes alone. tuning: None for `TUNING`. drafter:
-        None for an `NgramDrafter` over `history`, else one that has seen `history` already."""
+        None for an `NgramDrafter` over `history` and the model's n-gram table (`Engine.ngram_table`),
+        else one that has seen `history` already."""
         self.engine, self.inner, self.tuning = engine, inner, tuning or TUNING
         self.drafter = drafter if drafter is not None else NgramDrafter(history, table=engine.ngram_table())
         self.stats = Stats()
@@ -204,9 +205,7 @@ class SpeculativeStepper:
         scaled by g, this request's calibration: accepted over predicted, and capped at 1) / r[k + 1];
         0 when no k beats plain steps by `margin`. Nothing timed here: the same tokens give the same k."""
         g = self._calib[0] / self._calib[1]
-        if self._ratios is None:
-            self._ratios = self.engine.verify_ratios(self.tuning.k_max)
-        ratios = self._ratios  # r[s - 1]: ratios[k] is a call of k drafts (k_max + 1 rows at most)
+        ratios = self._verify_ratios()  # r[s - 1]: ratios[k] is a call of k drafts (k_max + 1 rows at most)
         best_k, best, expected = 0, 1.0 + self.tuning.margin, 1.0
         for k, chance in enumerate(chances[:len(ratios) - 1], 1):
             chance *= g
@@ -244,9 +243,13 @@ class SpeculativeStepper:
         return self._ratio(s) * self._step_s
 
     def _ratio(self, s: int) -> float:
+        ratios = self._verify_ratios()
+        return ratios[min(s, len(ratios)) - 1]
+
+    def _verify_ratios(self) -> tuple[float, ...]:
         if self._ratios is None:
             self._ratios = self.engine.verify_ratios(self.tuning.k_max)
-        return self._ratios[min(s, len(self._ratios)) - 1]
+        return self._ratios
 
     def _plain(self, cache: RingKVCache, token: int) -> np.ndarray:
         if self.drafter.free and self.tuning.fixed_k is None:  # n-grams: the rule reads the engine's ratios, no time
