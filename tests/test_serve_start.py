@@ -364,3 +364,34 @@ def test_an_empty_path_flag_is_a_usage_error(capsys, flag):
     with pytest.raises(SystemExit) as e:
         main(["serve", flag, ""])
     assert e.value.code == 2 and "an empty path" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_stderr_that_cannot_be_written_does_not_stop_the_daemon():
+    """A log file on a full disk: the start-up lines to stderr failed with ENOSPC and serve exited 1
+    before it listened, with nothing said anywhere, where a disk that fills later costs only log lines
+    (logging's handlers drop what they cannot write)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.Popen(SERVE + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=full)
+    try:
+        deadline, up = time.monotonic() + 60, None
+        while up is None:
+            assert proc.poll() is None, f"serve exited {proc.returncode} on a stderr it cannot write"
+            assert time.monotonic() < deadline
+            with contextlib.suppress(httpx.TransportError):
+                up = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+            time.sleep(0.1)
+        assert up.status_code == 200
+        model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                       json={"model": model, "prompt": "Once upon a time", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

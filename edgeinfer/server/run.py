@@ -334,6 +334,17 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
 
 
+def _start_line(line: str) -> None:
+    """A start-up line on stderr. A stderr that cannot take it (a log file on a full disk) loses the
+    line, not the daemon: every later line goes through `logging`, whose handlers drop a line they
+    cannot write and serve on, and a daemon started onto a full disk exited 1 with nothing said
+    anywhere (a hostile round)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 def serve(config: ServeConfig) -> int:
     faulthandler.enable(file=sys.stderr)  # a fatal signal leaves a line in the log: the model's weights are mapped
     # from its files, and a file rewritten in place under a running server (cp over it) ends it with SIGBUS,
@@ -352,7 +363,7 @@ def serve(config: ServeConfig) -> int:
     s, m = server.scheduler, server.model
     kv_mb = sum(slot.cache.bytes for slot in s.slots) / 2**20
     # the two start-up lines: with --log-format json, JSON like every later line (a log collector reads them)
-    say = log.info if config.log_format == "json" else (lambda line: print(line, file=sys.stderr, flush=True))
+    say = log.info if config.log_format == "json" else _start_line
     say(f"edgeinfer serve: model {m.folder} ({server.model_id}) on {m.session.provider}; "
           f"{len(s.slots)} slots x {m.capacity_tokens} tokens "
           f"= {kv_mb:.1f} MiB of KV cache; queue {config.queue}; overflow {config.overflow}; "
