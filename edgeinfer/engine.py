@@ -97,14 +97,17 @@ class Engine(ChunkedSteps):
         speculative="ngram" drafts from: read the first time asked, by the first request that
         speculates (before it touches its context) or by serve as it starts, and kept for the engine's
         life. Not at load: plain decoding never pays its read (~10 ms for the bundled model's) or its
-        memory (~300 bytes a context). Its sha256 was checked at load with every file; a table that
-        does not hold together raises ModelFormatError."""
+        memory (~300 bytes a context). Its bytes are checked against the manifest's sha256 as they are
+        read (the load hashed every file; this one is read later); a table that does not hold together,
+        or that changed since, raises ModelFormatError."""
         info = self.session.manifest.ngrams
         if info is None or self._ngrams is not None:
             return self._ngrams
         with self._ngrams_lock:
             if self._ngrams is None:
-                self._ngrams = NgramTable.read(self.session.folder / info.file, self.spec.vocab_size, info.contexts)
+                want = self.session.manifest.files.get(info.file)  # (hashed at load: the bytes read now must be those)
+                self._ngrams = NgramTable.read(self.session.folder / info.file, self.spec.vocab_size, info.contexts,
+                                               want["sha256"] if want else None)
             return self._ngrams
 
     def attach_draft(self, draft) -> None:

@@ -24,6 +24,7 @@ changes how fast the tokens come, never which (fp32; see speculative.py for accu
 
 from __future__ import annotations
 
+import hashlib
 import io
 import time
 import zipfile
@@ -152,13 +153,21 @@ class NgramTable:
         return cls.from_arrays(count_ngrams(texts, min_count), vocab_size)
 
     @classmethod
-    def read(cls, path, vocab_size: int, contexts: int | None = None) -> "NgramTable":
-        """The table in `path`, holding `contexts` contexts when given (the manifest's count); a
+    def read(cls, path, vocab_size: int, contexts: int | None = None, sha256: str | None = None) -> "NgramTable":
+        """The table in `path`, holding `contexts` contexts when given (the manifest's count) and the
+        bytes whose hash is `sha256` when given (the manifest's: the file is read once, after the load
+        hashed the folder, and a file replaced or damaged in between is refused, not drafted from); a
         ModelFormatError naming the file when it is not one. Only the arrays the table needs are read,
         each after its header says it is integers of a size a table can have, so a small file cannot
         unpack into a large allocation."""
         try:
             raw = small_files.read_bytes(Path(path), MAX_FILE_BYTES, ModelFormatError)  # a regular file, bounded
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{path} is not a valid n-gram table ({e}): convert the model again") from None
+        if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
+            raise ModelFormatError(f"{path} does not match its sha256 in the manifest: it was changed or damaged "
+                                   "since the model was loaded; load the model again, or convert it again")
+        try:
             with zipfile.ZipFile(io.BytesIO(raw)) as z:
                 arrays = {f"{a}_{n}": _member(z, f"{a}_{n}", n if a == "context" else None)
                           for n in ORDERS for a in ARRAYS}

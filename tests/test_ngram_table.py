@@ -156,6 +156,31 @@ def test_a_changed_table_is_refused_at_load(with_table, tmp_path):
         edgeinfer.load(folder)
 
 
+
+def test_a_table_changed_after_load_is_refused_when_it_is_read(with_table, tmp_path):
+    """The table is read by the first request that speculates, after the load hashed the folder: a
+    file swapped in between (another conversion's table of the same size) was drafted from unchecked.
+    Its bytes are now checked against the manifest as they are read; the request is refused before it
+    touches its context, and plain decoding goes on."""
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(with_table, folder)
+    m = edgeinfer.load(folder)
+    before = m.generate("Once", max_new_tokens=5, temperature=0)
+    n_valid = m.cache.n_valid
+    arrays = dict(np.load(folder / FILE))
+    arrays["next_1"] = (arrays["next_1"] + 1) % 512  # the same contexts, other followers
+    np.savez_compressed(folder / FILE, **arrays)
+    with pytest.raises(ModelFormatError, match=f"{FILE} does not match its sha256"):
+        m.generate("Lily and Ben", max_new_tokens=5, speculative="ngram")
+    again = m.generate("Once", max_new_tokens=5, temperature=0)
+    assert m.cache.n_valid == n_valid and (again.token_ids, again.text) == (before.token_ids, before.text)
+    shutil.copy(with_table / FILE, folder / FILE)  # put back: read and used
+    plain = m.generate("Lily and Ben", max_new_tokens=20, temperature=0)
+    spec = m.generate("Lily and Ben", max_new_tokens=20, temperature=0, speculative="ngram")
+    assert spec.token_ids == plain.token_ids and m.engine.ngram_table() is not None
+
 def test_ngram_tokens_is_refused_where_it_cannot_be_made(tmp_path):
     from edgeinfer.converters import convert
 
