@@ -44,13 +44,21 @@ ARRAYS = ("context", "next", "count", "seen")  # per order n: [m, n], [m], [m], 
 MIN_COUNT = 2  # a context's most frequent follower, seen fewer times than this, is not kept
 MIN_CHANCE = 0.05  # a chain stops at a draft accepted with less chance than this
 SAMPLE_TOKENS_PER_TEXT = 256  # each seed's text ends at EOS or after this many tokens
-MAX_CONTEXTS = 1_000_000  # a table's contexts, all orders: 225-400 bytes each once read (100,000 tokens of
-# stories260K's text make 10,953)
+MAX_CONTEXTS = 1_000_000  # a table's contexts, all orders (100,000 tokens of stories260K's text make 10,953)
 MAX_FILE_BYTES = 64 * 1024 * 1024  # MAX_CONTEXTS are at most 24 MB of 32-bit arrays before compression
 MAX_INFO_TOKENS = 10 ** 12
 LOG_EVERY_S = 10.0  # sample_text's progress lines
 MEMO_DRAFTS = 16  # `chain` remembers this many drafts per tail (the stepper asks for 8 at most)
-MEMO_TAILS = 65_536  # ... for this many tails (a few MB)
+MEMO_TAILS = 16_384  # ... for this many tails: a hit costs 0.25 us, a miss 1.8 us (the bundled table)
+BYTES_PER_CONTEXT = 400  # a context once read, at most (225-400 measured with tracemalloc)
+BYTES_PER_TAIL = 400  # a remembered chain: 397 measured for the bundled table's (4 drafts on average), so
+# 65,536 tails, the bound before, were 26 MB where its comment said a few
+
+
+def memory_bytes(contexts: int) -> int:
+    """What a table of `contexts` contexts holds once read, its memo full: a bound from the figures above
+    (the daemon's memory limit counts it, `cli_serve`)."""
+    return contexts * BYTES_PER_CONTEXT + MEMO_TAILS * BYTES_PER_TAIL
 
 
 @dataclass(frozen=True)

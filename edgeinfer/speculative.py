@@ -75,6 +75,12 @@ class Tuning:
 TUNING = Tuning()  # what requests use
 
 
+def verify_buffer_bytes(vocab_size: int, tuning: Tuning = TUNING) -> int:
+    """The buffer a speculating ring keeps for its verify calls' logits (`RingKVCache.verify_logits`):
+    k_max + 1 rows of float32 logits, 5.5 MB for a 151,936-token vocabulary."""
+    return (tuning.k_max + 1) * vocab_size * 4
+
+
 @dataclass
 class Stats:
     """What speculation did in one request."""

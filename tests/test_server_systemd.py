@@ -131,3 +131,23 @@ def test_paths_the_hardening_hides_are_named():
                                                       "/root/m", "/run/user/1000/m"]
     assert "PrivateTmp=yes" in warnings[0] and "ProtectHome=yes" in warnings[1]
     assert hidden_paths(["/opt/edgeinfer/bin/python", "/var/lib/edgeinfer/model"]) == []
+
+
+def test_the_memory_limit_counts_what_speculation_holds(capsys):
+    """--speculative kept a verify buffer per slot and, with ngram, the model's n-gram table and its memo,
+    none of which the unit's footprint counted (up to 5.5 MB a slot for a 151,936-token vocabulary, and a
+    table of a million contexts about 400 MB): a daemon under load could pass its own MemoryMax."""
+    import edgeinfer
+    from edgeinfer.cli import main
+    from edgeinfer.ngram_table import MEMO_TAILS
+
+    def footprint(*flags) -> int:
+        assert main(["serve", "--print-systemd-unit", "--port", "8080", "--slots", "3", *flags]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("# footprint "))
+        return int(line.split()[2].replace(",", ""))
+
+    manifest = edgeinfer.load().manifest
+    vocab, contexts = manifest.arch.vocab_size, manifest.ngrams.contexts
+    off = footprint()
+    assert footprint("--speculative", "ngram") - off == 3 * 9 * vocab * 4 + contexts * 400 + MEMO_TAILS * 400
+    assert footprint("--speculative", "draft", "--draft-model", str(edgeinfer.load().folder)) - off > 3 * 9 * vocab * 4
