@@ -1,7 +1,7 @@
 """Decode speed with speculation against plain decoding, side by side in one run.
 
     python scripts/bench_speculative.py -m MODEL [-m MODEL ...] [--rounds 9] [--tokens 200]
-        [--text EVAL_TXT] [--temperature T] [--draft DRAFT_MODEL] [--out FILE.json]
+        [--text EVAL_TXT] [--temperature T] [--draft DRAFT_MODEL] [--openings N] [--out FILE.json]
 
 Per model, three kinds of prompt, each run plain and with speculative="ngram" (with --draft:
 speculative="draft", that folder drafting) in alternating order
@@ -11,7 +11,8 @@ ignored, except where a chat model answers):
            fix the typos of, or add type hints to text it is given (paragraphs of `--text`), and its
            reply ends at EOS (past it, the model writes another conversation that copies nothing: with
            EOS ignored, 200 tokens of SmolLM2's 43-112-token replies were mostly that); a story
-           model continues its own story (its greedy story, then the story's prompt again)
+           model continues its own story (its greedy story, then the story's prompt again), one
+           for each of the first `--openings` openings (default 3)
   random   random token ids (64): nothing repeats, so speculation should cost nothing
   text     a story model given `--text`: the first 48 tokens of three of its paragraphs (text the model
            did not write), continued
@@ -47,6 +48,10 @@ TASKS = ("Repeat the following text exactly, word for word:\n\n{text}",
          "    spread = sum(w * (v - mean) ** 2 for v, w in zip(values, weights)) / total\n"
          "    return mean, spread ** 0.5\n```")
 
+OPENINGS = ("Once upon a time", "Lily and Ben", "The little dog",  # a story model's repeat prompts: the first
+            "One day, a girl named Sue", "Tom was a boy who", "There was a big cat",  # `--openings` of these
+            "The sun was shining", "Mia had a red", "A little bird")
+
 
 def typos(text: str, rng: np.random.Generator) -> str:
     words = text.split()
@@ -58,7 +63,7 @@ def typos(text: str, rng: np.random.Generator) -> str:
     return " ".join(words)
 
 
-def repeat_prompts(m, text_file: Path | None, n_new: int) -> list[list[int]]:
+def repeat_prompts(m, text_file: Path | None, n_new: int, openings: int = 3) -> list[list[int]]:
     rng = np.random.default_rng(0)
     if m.manifest.tokenizer.chat_template:
         if text_file is None:
@@ -72,7 +77,7 @@ def repeat_prompts(m, text_file: Path | None, n_new: int) -> list[list[int]]:
             out.append(m.encode_chat([{"role": "user", "content": msg}]))
         return out
     out = []
-    for start in ("Once upon a time", "Lily and Ben", "The little dog"):
+    for start in OPENINGS[:openings]:
         ids = m.tokenizer.encode(start)
         story = m.generate(ids, max_new_tokens=n_new, temperature=0, ignore_eos=True).token_ids
         out.append(ids + list(story) + ids[1:])
@@ -117,6 +122,9 @@ def main() -> None:
                     help="paragraphs for a chat model's tasks, or a story model's 'text' prompts")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--draft", default=None, help="a draft model folder: measure speculative='draft'")
+    ap.add_argument("--openings", type=int, default=3, choices=range(1, len(OPENINGS) + 1), metavar="N",
+                    help=f"a story model's repeat prompts: its stories from the first N of {len(OPENINGS)} openings "
+                         "(default 3)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     drafter = "draft" if args.draft else "ngram"
@@ -125,7 +133,7 @@ def main() -> None:
         m = edgeinfer.load(path, threads=args.threads)  # the model's default ring
         if args.draft:
             m.set_draft(args.draft)
-        kinds = [("repeat", repeat_prompts(m, args.text, args.tokens)), ("random", random_prompts(m))]
+        kinds = [("repeat", repeat_prompts(m, args.text, args.tokens, args.openings)), ("random", random_prompts(m))]
         if args.text and not m.manifest.tokenizer.chat_template:
             kinds.append(("text", text_prompts(m, args.text)))
         for kind, prompts in kinds:
