@@ -182,3 +182,32 @@ def test_top_k_block_skipping_keeps_the_same_candidates(vocab):
             p = SamplingParams(temperature=1.0, top_k=k, top_p=1.0, min_p=0.0)
             got, ref = filter_probs(x, p), reference.filter_probs(x, p)
             assert np.array_equal(got > 0, ref > 0) and np.abs(got - ref).max() < 1e-9
+
+
+@pytest.mark.parametrize("vocab", [2, 41, 512, 4_099, 16_384, 16_385])
+def test_top_k_by_buckets_keeps_the_same_candidates(vocab):
+    """Vocabularies up to TOP_K_BUCKETS_MAX_V (16,384) take top-k by buckets of distance below the max,
+    and fall back to the heap where fewer than k logits lie within the buckets' span or the threshold
+    bucket holds many equal logits: the kept set is the twin's on either side of every limit (ties by
+    the lower id; -inf never kept), with penalties, a bias and top-p after it."""
+    rng = np.random.default_rng(vocab)
+    ramp = np.arange(vocab, dtype=np.float64) * (20.0 / vocab)
+    rows = [rng.standard_normal(vocab) * 3, ramp, -ramp, np.round(rng.standard_normal(vocab) * 2),  # ties
+            np.zeros(vocab), np.arange(vocab) * (40.0 / vocab),  # past the 32-nat span: few ids within it
+            np.where(rng.random(vocab) < 0.5, -np.inf, rng.standard_normal(vocab)),
+            np.concatenate([[5.0], np.full(vocab - 1, -40.0)]),  # one id within the span, the rest far below
+            np.floor(rng.standard_normal(vocab) * 32) / 8]  # values on the buckets' edges (1/8 nat apart)
+    for row in rows:
+        x = row.astype(np.float32)
+        if not np.isfinite(x).any():
+            continue
+        for k in (1, 2, 40, 600, vocab - 1):
+            if k < 1:
+                continue
+            for p in (SamplingParams(temperature=1.0, top_k=k, top_p=1.0, min_p=0.0),
+                      SamplingParams(temperature=0.8, top_k=k, top_p=0.9, min_p=0.0, repetition_penalty=1.3,
+                                     logit_bias={0: 3.0, vocab - 1: -2.0})):
+                history = [0, 1, vocab - 1] if p.repetition_penalty != 1.0 else None
+                got, ref = filter_probs(x, p, history), reference.filter_probs(x, p, history)
+                assert np.array_equal(got > 0, ref > 0), (vocab, k, p)
+                assert np.abs(got - ref).max() < 1e-9

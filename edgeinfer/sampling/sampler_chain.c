@@ -138,7 +138,8 @@ static idx_t filter_logits(ChainState *st, idx_t V, int64_t best, idx_t n_neginf
     idx_t n = 0;
     int identity = 0; /* cand == 0..n-1, until a filter drops or reorders candidates */
     if (p->top_k > 0 && p->top_k < V) {
-        n = top_k_scan(lg, V, p->top_k, cand);
+        n = V <= TOP_K_BUCKETS_MAX_V ? top_k_buckets(lg, V, p->top_k, cand, st->bidx, st->pairs) : -1;
+        if (n < 0) n = top_k_scan(lg, V, p->top_k, cand);
     } else if (n_neginf == 0) {
         for (idx_t i = 0; i < V; i++) cand[i] = (int32_t)i;
         n = V;

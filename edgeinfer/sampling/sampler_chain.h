@@ -19,6 +19,12 @@ typedef ptrdiff_t idx_t;
 #define N_BUCKETS 2048
 #define TOP_P_SPAN 40.0 /* nats below the max logit covered by the top-p buckets; lower ones share the last */
 #define SMALL_SORT 256
+/* top_k_buckets: vocabularies up to this size; buckets over the span below the max logit; the most ids
+ * the threshold bucket may hold (more: many equal logits, which top_k_scan passes over cheaply) */
+#define TOP_K_BUCKETS_MAX_V 16384
+#define TOP_K_N_BUCKETS 256
+#define TOP_K_SPAN 32.0
+#define TOP_K_SORT_MAX 512
 
 typedef struct {
     double temperature, top_p, min_p, typical_p, rep, freq, pres;
@@ -113,6 +119,7 @@ double exp_over(const double *x, double *e, const int32_t *cand, idx_t n, int id
                 double *max_out, double t);
 double log_sum_exp(const double *x, idx_t n, double *xs);
 idx_t top_k_scan(const double *lg, idx_t V, idx_t k, int32_t *cand);
+idx_t top_k_buckets(const double *lg, idx_t V, idx_t k, int32_t *cand, int32_t *bidx, Pair *pairs);
 idx_t prefix_mass(const double *key, const double *e, double sum, int32_t *cand, int32_t *tmp, Pair *pairs,
                   Buckets *bk, int32_t *bidx, idx_t n, double mass);
 idx_t top_p_select(const double *lg, const double *e, double sum, double m, int32_t *cand, int identity,

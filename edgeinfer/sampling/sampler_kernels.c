@@ -278,6 +278,44 @@ VECTOR_CLONES idx_t top_k_scan(const double *lg, idx_t V, idx_t k, int32_t *cand
     return k;
 }
 
+/*
+ * The same k ids as top_k_scan, for a vocabulary of at most TOP_K_BUCKETS_MAX_V: each logit's distance
+ * below the max, bucketed (TOP_K_N_BUCKETS over TOP_K_SPAN nats; a larger logit never lands in a later
+ * bucket, equal ones in the same); the buckets before the one where the count reaches k are kept whole,
+ * and that bucket's ids are sorted (larger logit, then lower id) for the rest. Four passes over the
+ * vocabulary and no branch on the logits, where the heap's cost follows how often an id raises its
+ * floor: every time for logits that rise with the id (61 us at V = 512), and stories260K's own cost it
+ * 25 us against 1 us here. Returns -1, cand unspecified, where top_k_scan must do it: fewer than k
+ * finite logits within the span, or a threshold bucket of more than TOP_K_SORT_MAX ids (many equal
+ * logits, which the heap passes over).
+ */
+idx_t top_k_buckets(const double *lg, idx_t V, idx_t k, int32_t *cand, int32_t *bidx, Pair *pairs) {
+    const double m = lg[argmax_first(lg, V)], scale = (TOP_K_N_BUCKETS - 1) / TOP_K_SPAN;
+    const double last = (double)(TOP_K_N_BUCKETS - 1); /* and every logit below the span, -inf among them */
+    idx_t count[TOP_K_N_BUCKETS] = {0};
+    for (idx_t i = 0; i < V; i++) {
+        double d = (m - lg[i]) * scale;
+        bidx[i] = (int32_t)(d < last ? d : last);
+    }
+    for (idx_t i = 0; i < V; i++) count[bidx[i]]++;
+    idx_t before = 0;
+    int32_t b = 0;
+    while (b < TOP_K_N_BUCKETS - 1 && before + count[b] < k) before += count[b++];
+    if (b == TOP_K_N_BUCKETS - 1 || count[b] > TOP_K_SORT_MAX) return -1;
+    idx_t n = 0, np = 0;
+    for (idx_t i = 0; i < V; i++) {
+        if (bidx[i] < b) {
+            cand[n++] = (int32_t)i;
+        } else if (bidx[i] == b) {
+            pairs[np].key = -lg[i];
+            pairs[np++].id = (int32_t)i;
+        }
+    }
+    sort_pairs(pairs, np); /* key = -logit ascending, then id ascending */
+    for (idx_t j = 0; n < k; j++) cand[n++] = pairs[j].id;
+    return k;
+}
+
 /* put cand[0..n) in ascending id: a sorted prefix is merged with the sorted rest */
 void sort_ids(int32_t *cand, int32_t *tmp, idx_t n) {
     idx_t L = 1;
