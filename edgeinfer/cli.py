@@ -270,8 +270,14 @@ def _interrupt_cause(e: BaseException) -> BaseException | None:
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """A warning as the CLI's other diagnostics read: one line, no source file or code (a library
-    caller keeps Python's own form)."""
-    print(f"edgeinfer: warning: {message}", file=sys.stderr if file is None else file)
+    caller keeps Python's own form). One that cannot be written (standard error on a full disk, a
+    pipe whose reader has gone) is dropped, as Python's own `showwarning` drops it: raised inside a
+    load, it became the load's error ("cannot load model.onnx: No space left on device"), and a daemon
+    whose log could not be written died at start (a review)."""
+    try:
+        print(f"edgeinfer: warning: {message}", file=sys.stderr if file is None else file)
+    except OSError:
+        pass
 
 
 def _standard_streams() -> None:

@@ -374,8 +374,9 @@ def test_a_stderr_that_cannot_be_written_does_not_stop_the_daemon():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with open("/dev/full", "w") as full:
-        proc = subprocess.Popen(SERVE + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=full)
+    with open("/dev/full", "w") as full:  # more threads than cores: a warning while the model loads (raised
+        proc = subprocess.Popen(SERVE + ["--port", str(port), "--threads", str(os.cpu_count() + 1)],  # inside it, its
+                                stdout=subprocess.DEVNULL, stderr=full)  # write error failed the load: a review)
     try:
         deadline, up = time.monotonic() + 60, None
         while up is None:
