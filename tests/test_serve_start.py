@@ -396,3 +396,47 @@ def test_a_stderr_that_cannot_be_written_does_not_stop_the_daemon():
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+@pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_SETPIPE_SZ"), reason="needs Linux pipes")
+def test_a_log_pipe_nobody_reads_costs_lines_not_service():
+    """Standard error a pipe that is not read (a stalled log collector): once it filled, the event loop
+    blocked writing a request's log line, so every request and /health hung, and SIGTERM too; a pipe
+    full before the start kept the server from coming up (a review). The log is written by a thread of
+    its own now: lines are dropped, requests served, and SIGTERM exits 0."""
+    import fcntl
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r, w = os.pipe()
+    try:
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+        os.set_blocking(w, False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(w, b"x" * 512)  # full before the start: not even the start-up lines fit
+        os.set_blocking(w, True)
+        proc = subprocess.Popen(SERVE + ["--port", str(port), "--log-prompts"], stdout=subprocess.DEVNULL, stderr=w)
+    finally:
+        os.close(w)
+    try:
+        deadline, up = time.monotonic() + 60, None
+        while up is None:
+            assert proc.poll() is None and time.monotonic() < deadline
+            with contextlib.suppress(httpx.TransportError):
+                up = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+            time.sleep(0.1)
+        model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+        for i in range(40):  # each logs a request line and its prompt
+            out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                             json={"model": model, "prompt": f"Once upon a time {i}" * 10, "max_tokens": 2})
+            assert out.status_code == 200, out.text
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        os.close(r)

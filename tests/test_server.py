@@ -791,6 +791,7 @@ def test_json_logs_are_json_on_every_line(capsys):
         logging.getLogger("edgeinfer.server").info("prompt %s", json.dumps("Once upon a time"))
         logging.getLogger("edgeinfer.server").info("signal %s: draining (%d in flight), then exiting", 15, 1)
         logging.getLogger("edgeinfer.power").warning("edgeinfer power: %s", "too hot")
+        logging.getLogger("edgeinfer.server").handlers[0].flush()  # (written by the log's own thread)
         lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
         assert [x.get("ttft_ms", "absent") for x in lines[:2]] == [26.0, None]
         assert [x["message"] for x in lines[2:]] == ['prompt "Once upon a time"',
@@ -798,6 +799,7 @@ def test_json_logs_are_json_on_every_line(capsys):
                                                      "edgeinfer power: too hot"]
         setup_logging("text")
         log_request("text", {"status": 499, "ttft_ms": None})
+        logging.getLogger("edgeinfer.server").handlers[0].flush()
         assert capsys.readouterr().err.rstrip().endswith("status=499 ttft_ms=-")
     finally:
         for n, (handlers, level, propagate) in saved.items():

@@ -14,6 +14,7 @@ import faulthandler
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import sys
@@ -189,25 +190,81 @@ class JSONLines(logging.Formatter):
                            "logger": record.name, "message": message})
 
 
+class TextLines(logging.Formatter):
+    """--log-format text: the server's lines after a time stamp; the start-up lines (`plain`), the power
+    controller's notes (their own "edgeinfer power:") and uvicorn's warnings as they are."""
+
+    def __init__(self):
+        super().__init__("%(asctime)s edgeinfer %(message)s")
+        self.as_is = logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        if getattr(record, "plain", False) or record.name != "edgeinfer.server":
+            return self.as_is.format(record)
+        return super().format(record)
+
+
+class BackgroundLog(logging.Handler):
+    """The daemon's log lines, written to `target` by a thread of their own: the thread that logs (the
+    event loop, for every request's line) only queues the line, so a log that cannot keep up costs
+    lines, not service (standard error a pipe nobody read: once it filled, every request and /health
+    hung, and SIGTERM with them; a review). At most `capacity` lines wait; past that a line is dropped
+    and counted (`dropped`). `flush` waits up to FLUSH_S for the lines queued (logging flushes its
+    handlers at exit: the last lines are written if the log can take them)."""
+
+    FLUSH_S = 2.0
+
+    def __init__(self, target: logging.Handler, capacity: int = 10_000):
+        super().__init__()
+        self.target, self.lines, self.dropped = target, queue.Queue(capacity), 0
+        threading.Thread(target=self._write, name="edgeinfer-log", daemon=True).start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        record.msg, record.args = record.getMessage(), None  # its arguments as they are now
+        try:
+            self.lines.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+
+    def _write(self) -> None:
+        while True:
+            record = self.lines.get()
+            try:
+                self.target.handle(record)  # (a write that fails is the target's handleError: dropped)
+            finally:
+                self.lines.task_done()
+
+    def flush(self) -> None:
+        deadline = time.monotonic() + self.FLUSH_S
+        while self.lines.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
 def setup_logging(fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JSONLines() if fmt == "json" else logging.Formatter("%(asctime)s edgeinfer %(message)s"))
-    # JSON: the power controller's notes too, in the same form (as text they keep their own "edgeinfer power:")
-    for name in ("edgeinfer.server", "edgeinfer.power") if fmt == "json" else ("edgeinfer.server",):
-        logger = logging.getLogger(name)
-        logger.handlers[:] = [handler]
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-    if fmt == "json":  # uvicorn's own warnings ("Invalid HTTP request received.") too: `uvicorn_server` then
-        logger = logging.getLogger("uvicorn")  # leaves its loggers alone (log_config=None)
+    """The server's log (its lines, the power controller's, uvicorn's warnings) to standard error, in
+    `fmt`, through one `BackgroundLog`. As text, the power controller's and uvicorn's lines keep their
+    levels (warnings), as they were printed before they went through it."""
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(JSONLines() if fmt == "json" else TextLines())
+    handler = BackgroundLog(stream)
+    for name in ("edgeinfer.server", "edgeinfer.power", "uvicorn"):  # (`uvicorn_server` then leaves uvicorn's
+        logger = logging.getLogger(name)  # loggers alone: log_config=None)
         logger.handlers[:] = [handler]
         logger.propagate = False
+        if name == "edgeinfer.server" or (fmt == "json" and name == "edgeinfer.power"):
+            logger.setLevel(logging.INFO)
 
 
 def json_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """`warnings.showwarning` under --log-format json: a warning met while the model loads (threads past
     the cores, a CUDA fallback) as a JSON line, not the CLI's plain "edgeinfer: warning: ..." (a review)."""
     logging.getLogger("edgeinfer.server").warning("%s", message)
+
+
+def text_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """`warnings.showwarning` under --log-format text: the CLI's "edgeinfer: warning: ..." line, written
+    through the server's log (`BackgroundLog`) like every other line."""
+    logging.getLogger("edgeinfer.server").warning("edgeinfer: warning: %s", message, extra={"plain": True})
 
 
 def build(config: ServeConfig, model=None) -> Server:
@@ -334,24 +391,13 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
 
 
-def _start_line(line: str) -> None:
-    """A start-up line on stderr. A stderr that cannot take it (a log file on a full disk) loses the
-    line, not the daemon: every later line goes through `logging`, whose handlers drop a line they
-    cannot write and serve on, and a daemon started onto a full disk exited 1 with nothing said
-    anywhere (a hostile round)."""
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except OSError:
-        pass
-
-
 def serve(config: ServeConfig) -> int:
     faulthandler.enable(file=sys.stderr)  # a fatal signal leaves a line in the log: the model's weights are mapped
     # from its files, and a file rewritten in place under a running server (cp over it) ends it with SIGBUS,
     # which otherwise left nothing (an ops review)
     setup_logging(config.log_format)
-    if config.log_format == "json":
-        warnings.showwarning = json_warning  # (the CLI's `main` puts its own back when serve returns)
+    warnings.showwarning = json_warning if config.log_format == "json" else text_warning  # (the CLI's `main` puts
+    # its own back when serve returns)
     socks = listen_sockets(config.host, config.port)  # first: a port in use fails at once, not after the load
     try:
         server = build(config)
@@ -362,8 +408,10 @@ def serve(config: ServeConfig) -> int:
         raise
     s, m = server.scheduler, server.model
     kv_mb = sum(slot.cache.bytes for slot in s.slots) / 2**20
-    # the two start-up lines: with --log-format json, JSON like every later line (a log collector reads them)
-    say = log.info if config.log_format == "json" else _start_line
+    # the two start-up lines: with --log-format json, JSON like every later line (a log collector reads them);
+    # as text, without the time stamp. Through the log's own thread: a standard error that cannot take them (a
+    # full disk, a pipe nobody reads) loses them, not the daemon (it exited 1 with nothing said, or never started)
+    say = log.info if config.log_format == "json" else (lambda line: log.info("%s", line, extra={"plain": True}))
     say(f"edgeinfer serve: model {m.folder} ({server.model_id}) on {m.session.provider}; "
           f"{len(s.slots)} slots x {m.capacity_tokens} tokens "
           f"= {kv_mb:.1f} MiB of KV cache; queue {config.queue}; overflow {config.overflow}; "
