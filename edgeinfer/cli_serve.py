@@ -94,8 +94,9 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
         """Weights plus one KV ring per slot (each request holds one, of the draft model too). A
         portable folder on the CPU holds its weights as float32 twice (each graph folds its own:
         `session.session_options`), whatever their size on disk. The served model (not a draft
-        model) under --speculative: each slot's verify buffer, and with ngram its n-gram table read
-        and its memo full."""
+        model) under --speculative: each slot's verify buffer and prompt-lookup index (a request's last
+        2 x `NgramDrafter.window` tokens at most), and with ngram its n-gram table read and its memo full."""
+        from edgeinfer.drafting import NgramDrafter
         from edgeinfer.inspect import kv_at_load, parameter_count
         from edgeinfer.ngram_table import memory_bytes
         from edgeinfer.speculative import verify_buffer_bytes
@@ -109,7 +110,8 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
             weights = max(weights, 2 * 4 * parameter_count(spec))
         speculation = 0
         if served and config.speculative != "off":
-            speculation = config.slots * verify_buffer_bytes(spec.vocab_size)
+            index = 2 * NgramDrafter.window * NgramDrafter.BYTES_PER_TOKEN if config.speculative == "ngram" else 0
+            speculation = config.slots * (verify_buffer_bytes(spec.vocab_size) + index)
             if config.speculative == "ngram" and manifest.ngrams is not None:
                 speculation += memory_bytes(manifest.ngrams.contexts)
         return weights + config.slots * kv_at_load(manifest, cap)[1] + speculation  # a float16 ring, a portable

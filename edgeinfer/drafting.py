@@ -28,7 +28,8 @@ from edgeinfer.ngram_table import NgramTable
 class NgramDrafter:
     """Drafts from the history: the continuation of the most recent earlier occurrence of its last n
     tokens, longest n first. `index` maps every n-gram that ends before the last token to where its
-    latest occurrence ends; `push` keeps it so in O(max_n) per token.
+    latest occurrence ends; `push` keeps it so in O(max_n) per token. The history is the last `window`
+    tokens to `2 * window` (memory bounded: `BYTES_PER_TOKEN` each).
 
     Drafting costs next to nothing (`free`), so the stepper asks for the most it could verify and
     keeps what pays. `draft` sets `chances`: for each draft, the chance that it and every draft before
@@ -43,18 +44,25 @@ class NgramDrafter:
     free = True
     max_match = 32
     match_discount = 2  # tokens of a match that prove nothing
+    window = 8192  # the last tokens searched: a longer history is cut to these when it reaches twice as many
+    BYTES_PER_TOKEN = 256  # the history and its index, per token held (244-250 measured with tracemalloc)
 
     def __init__(self, ids: Sequence[int], max_n: int = 3, min_n: int = 2, table: NgramTable | None = None):
         if not 1 <= min_n <= max_n:
             raise InvalidArgumentError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n, self.table = max_n, min_n, table
-        h = self.history = [int(t) for t in ids]
-        self.index: dict[tuple[int, ...], int] = {}
-        for n in range(min_n, max_n + 1):  # what `push` would leave: each n-gram ending before the last token,
-            grams = zip(*(h[i:len(h) - n + i] for i in range(n)))  # at its latest occurrence (later ends last)
-            self.index.update(zip(grams, range(n - 1, len(h) - 1)))
+        self.history = [int(t) for t in ids[-self.window:]]
+        self._reindex()
         self.match = 0
         self.chances: list[float] = []
+
+    def _reindex(self) -> None:
+        """`index` as `push` would leave it: each n-gram ending before the last token, at its latest
+        occurrence (later ends last)."""
+        h, self.index = self.history, {}
+        for n in range(self.min_n, self.max_n + 1):
+            grams = zip(*(h[i:len(h) - n + i] for i in range(n)))
+            self.index.update(zip(grams, range(n - 1, len(h) - 1)))
 
     def push(self, token: int) -> None:
         h, index = self.history, self.index
@@ -62,6 +70,9 @@ class NgramDrafter:
         for n in range(self.min_n, min(self.max_n, len(h)) + 1):
             index[tuple(h[-n:])] = end
         h.append(int(token))
+        if len(h) >= 2 * self.window:  # a long request: its memory stays bounded (the index held every n-gram
+            self.history = h[-self.window:]  # of everything it had seen, ~250 bytes a token); once per window
+            self._reindex()  # tokens, so a token costs O(1) on average
 
     def draft(self, k: int) -> list[int]:
         """Up to k tokens that may follow the history ([] if none), their `chances` set."""

@@ -49,10 +49,11 @@ MAX_FILE_BYTES = 64 * 1024 * 1024  # MAX_CONTEXTS are at most 24 MB of 32-bit ar
 MAX_INFO_TOKENS = 10 ** 12
 LOG_EVERY_S = 10.0  # sample_text's progress lines
 MEMO_DRAFTS = 16  # `chain` remembers this many drafts per tail (the stepper asks for 8 at most)
-MEMO_TAILS = 16_384  # ... for this many tails: a hit costs 0.25 us, a miss 1.8 us (the bundled table)
-BYTES_PER_CONTEXT = 400  # a context once read, at most (225-400 measured with tracemalloc)
-BYTES_PER_TAIL = 400  # a remembered chain: 397 measured for the bundled table's (4 drafts on average), so
-# 65,536 tails, the bound before, were 26 MB where its comment said a few
+MEMO_TAILS = 8_192  # ... for this many tails: a hit costs 0.25 us, a miss 1.8 us (the bundled table)
+BYTES_PER_CONTEXT = 450  # a context once read (225-405 measured with tracemalloc; reading peaks ~1.4x briefly)
+BYTES_PER_TAIL = 1024  # a remembered chain, at most: 397-465 measured for the bundled table's (4 drafts on
+# average), 1,004 for chains of 16 drafts of a 151,936-id vocabulary; 65,536 tails, the bound before, were
+# 26-66 MB where its comment said a few
 
 
 def memory_bytes(contexts: int) -> int:

@@ -139,6 +139,7 @@ def test_the_memory_limit_counts_what_speculation_holds(capsys):
     table of a million contexts about 400 MB): a daemon under load could pass its own MemoryMax."""
     import edgeinfer
     from edgeinfer.cli import main
+    from edgeinfer.drafting import NgramDrafter
     from edgeinfer.ngram_table import MEMO_TAILS
 
     def footprint(*flags) -> int:
@@ -149,5 +150,6 @@ def test_the_memory_limit_counts_what_speculation_holds(capsys):
     manifest = edgeinfer.load().manifest
     vocab, contexts = manifest.arch.vocab_size, manifest.ngrams.contexts
     off = footprint()
-    assert footprint("--speculative", "ngram") - off == 3 * 9 * vocab * 4 + contexts * 400 + MEMO_TAILS * 400
+    index = 2 * NgramDrafter.window * NgramDrafter.BYTES_PER_TOKEN  # a request's prompt-lookup index, at most
+    assert footprint("--speculative", "ngram") - off == 3 * (9 * vocab * 4 + index) + contexts * 450 + MEMO_TAILS * 1024
     assert footprint("--speculative", "draft", "--draft-model", str(edgeinfer.load().folder)) - off > 3 * 9 * vocab * 4

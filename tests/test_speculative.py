@@ -64,6 +64,25 @@ def test_the_prompts_index_is_what_pushing_it_token_by_token_leaves():
         assert NgramDrafter(ids).index == pushed.index
 
 
+
+def test_a_long_history_is_cut_to_the_window():
+    """The drafter indexed every n-gram of everything a request had seen, ~250 bytes a token for as long
+    as it ran (a review: 270 MB for a million-token reply). It keeps the last `window` tokens to twice
+    as many, and drafts as a drafter made from those tokens would."""
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 5, 400).tolist()
+    assert NgramDrafter(ids).history == ids and NgramDrafter(ids * 50).history == (ids * 50)[-NgramDrafter.window:]
+    d = NgramDrafter(ids[:130])
+    d.window = 50  # (a small window for the test: the cut comes at 100 tokens)
+    longest = 0
+    for i, t in enumerate(ids[130:], 131):
+        d.push(t)
+        longest = max(longest, len(d.history))
+        assert d.history == ids[:i][-len(d.history):] and 50 <= len(d.history) < 100
+        fresh = NgramDrafter(d.history)
+        assert (d.draft(4), d.match) == (fresh.draft(4), fresh.match) and d.index == fresh.index
+    assert longest == 99
+
 def test_drafter_without_a_match_or_history_drafts_nothing():
     assert NgramDrafter([]).draft(4) == []
     assert NgramDrafter([5]).draft(4) == []  # shorter than n
