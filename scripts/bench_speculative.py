@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="a draft model folder: measure speculative='draft'")
     ap.add_argument("--openings", type=int, default=3, choices=range(1, len(OPENINGS) + 1), metavar="N",
                     help=f"a story model's repeat prompts: its stories from the first N of {len(OPENINGS)} openings "
-                         "(default 3)")
+                         "(default 3; a chat model's repeat prompts are its three tasks, whatever N)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     drafter = "draft" if args.draft else "ngram"
@@ -172,6 +172,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     if args.out:
         args.out.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "draft": args.draft,
+                                        "openings": args.openings,
                                         "rows": rows}, indent=1) + "\n")
 
 
