@@ -890,3 +890,37 @@ def test_a_model_closed_under_the_server_is_503_model_closed_and_health_says_so(
         r.stop()
     with pytest.raises(InvalidArgumentError, match="closed"):
         build(ServeConfig(), m)
+
+
+def test_a_log_line_that_does_not_format_is_dropped_not_raised():
+    """The daemon's log is written by its own thread (`BackgroundLog`); the thread that logs (the event
+    loop) must not meet a line's formatting error, nor wait on a log that cannot keep up."""
+    import logging
+
+    from edgeinfer.server.run import BackgroundLog
+
+    class Slow(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.seen, self.gate = [], threading.Event()
+
+        def emit(self, record):
+            self.gate.wait(10)
+            self.seen.append(record.getMessage())
+
+    target = Slow()
+    h = BackgroundLog(target, capacity=3)
+    lg = logging.getLogger("edgeinfer.test.background")
+    lg.handlers[:], lg.propagate = [h], False
+    try:
+        lg.warning("%d items", "not a number")  # does not format: dropped
+        t0 = time.monotonic()
+        for i in range(10):  # the writer holds one line, 3 wait, the rest are dropped at once
+            lg.warning("line %d", i)
+        assert time.monotonic() - t0 < 1.0 and h.dropped >= 6
+        target.gate.set()
+        h.flush()
+        assert target.seen[0] == "line 0" and len(target.seen) == 11 - h.dropped
+    finally:
+        target.gate.set()
+        lg.handlers[:] = []

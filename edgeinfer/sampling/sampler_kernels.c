@@ -284,8 +284,8 @@ VECTOR_CLONES idx_t top_k_scan(const double *lg, idx_t V, idx_t k, int32_t *cand
  * bucket, equal ones in the same); the buckets before the one where the count reaches k are kept whole,
  * and that bucket's ids are sorted (larger logit, then lower id) for the rest. Four passes over the
  * vocabulary and no branch on the logits, where the heap's cost follows how often an id raises its
- * floor: every time for logits that rise with the id (61 us at V = 512), and stories260K's own cost it
- * 25 us against 1 us here. Returns -1, cand unspecified, where top_k_scan must do it: fewer than k
+ * floor: every time for logits that rise with the id (61 us at V = 512); stories260K's own logits cost
+ * it 25 us, and 1 us here. Returns -1, cand unspecified, where top_k_scan must do it: fewer than k
  * finite logits within the span, or a threshold bucket of more than TOP_K_SORT_MAX ids (many equal
  * logits, which the heap passes over).
  */

@@ -220,11 +220,11 @@ class BackgroundLog(logging.Handler):
         threading.Thread(target=self._write, name="edgeinfer-log", daemon=True).start()
 
     def emit(self, record: logging.LogRecord) -> None:
-        record.msg, record.args = record.getMessage(), None  # its arguments as they are now
         try:
+            record.msg, record.args = record.getMessage(), None  # its arguments as they are now
             self.lines.put_nowait(record)
-        except queue.Full:
-            self.dropped += 1
+        except Exception:  # the queue full, or a line that does not format: dropped (`handleError` would
+            self.dropped += 1  # write to standard error from this thread, which may be what cannot keep up)
 
     def _write(self) -> None:
         while True:
