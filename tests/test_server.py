@@ -244,6 +244,16 @@ def test_models_health_metrics_and_unknown_route(srv):
     assert h["status"] == "ok" and h["slots_total"] == 2 and h["model"] == "stories260K-int8"
     m = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
     assert m.status_code == 200 and "edgeinfer_requests_total" in m.text and "edgeinfer_slots_total 2.0" in m.text
+    import logging
+
+    server_log = logging.getLogger("edgeinfer.server")
+    handlers = server_log.handlers[:]
+    try:  # the log's own thread counts the lines it dropped (`BackgroundLog.dropped`)
+        server_log.handlers[:] = handlers + [type("Dropping", (logging.NullHandler,), {"dropped": 5})()]
+        m = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        assert "edgeinfer_log_lines_dropped 5.0" in m.text
+    finally:
+        server_log.handlers[:] = handlers
     r = httpx.get(srv.url + "/v1/nope", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404 and r.json()["error"]["message"]
     bad = httpx.post(srv.url + "/v1/chat/completions", content=b"{not json",

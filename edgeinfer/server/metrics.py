@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -32,6 +34,9 @@ class Metrics:
             lambda: max(0, scheduler.waiting))
         Gauge("edgeinfer_slots_busy", "slots generating now", registry=r).set_function(lambda: scheduler.busy)
         Gauge("edgeinfer_slots_total", "slots", registry=r).set(len(scheduler.slots))
+        Gauge("edgeinfer_log_lines_dropped", "log lines dropped because the log could not keep up (standard "
+              "error a pipe nobody reads, a full disk: `run.BackgroundLog`)", registry=r).set_function(
+            lambda: sum(getattr(h, "dropped", 0) for h in logging.getLogger("edgeinfer.server").handlers))
         if power is not None:
             self._power_gauges(power)
 
