@@ -366,27 +366,36 @@ def test_an_empty_path_flag_is_a_usage_error(capsys, flag):
     assert e.value.code == 2 and "an empty path" in capsys.readouterr().err
 
 
+def _free_port() -> int:
+    """A loopback port free now, for a server whose standard error cannot say which one it got."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _served_model(proc: subprocess.Popen, port: int) -> str:
+    """Wait (up to 60 s) until the server `proc` answers /health with 200 on `port`; its model's id."""
+    deadline, up = time.monotonic() + 60, None
+    while up is None:
+        assert proc.poll() is None, f"serve exited {proc.returncode} before it answered"
+        assert time.monotonic() < deadline
+        with contextlib.suppress(httpx.TransportError):
+            up = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        time.sleep(0.1)
+    assert up.status_code == 200
+    return httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_a_stderr_that_cannot_be_written_does_not_stop_the_daemon():
     """A log file on a full disk: the start-up lines to stderr failed with ENOSPC and serve exited 1
     before it listened, with nothing said anywhere, where a disk that fills later costs only log lines
     (logging's handlers drop what they cannot write)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     with open("/dev/full", "w") as full:  # more threads than cores: a warning while the model loads (raised
         proc = subprocess.Popen(SERVE + ["--port", str(port), "--threads", str(os.cpu_count() + 1)],  # inside it, its
                                 stdout=subprocess.DEVNULL, stderr=full)  # write error failed the load: a review)
     try:
-        deadline, up = time.monotonic() + 60, None
-        while up is None:
-            assert proc.poll() is None, f"serve exited {proc.returncode} on a stderr it cannot write"
-            assert time.monotonic() < deadline
-            with contextlib.suppress(httpx.TransportError):
-                up = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
-            time.sleep(0.1)
-        assert up.status_code == 200
-        model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+        model = _served_model(proc, port)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                        json={"model": model, "prompt": "Once upon a time", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
@@ -406,9 +415,7 @@ def test_a_log_pipe_nobody_reads_costs_lines_not_service():
     its own now: lines are dropped, requests served, and SIGTERM exits 0."""
     import fcntl
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     r, w = os.pipe()
     try:
         fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
@@ -421,13 +428,7 @@ def test_a_log_pipe_nobody_reads_costs_lines_not_service():
     finally:
         os.close(w)
     try:
-        deadline, up = time.monotonic() + 60, None
-        while up is None:
-            assert proc.poll() is None and time.monotonic() < deadline
-            with contextlib.suppress(httpx.TransportError):
-                up = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
-            time.sleep(0.1)
-        model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+        model = _served_model(proc, port)
         for i in range(40):  # each logs a request line and its prompt
             out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                              json={"model": model, "prompt": f"Once upon a time {i}" * 10, "max_tokens": 2})
