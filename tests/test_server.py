@@ -817,6 +817,33 @@ def test_json_logs_are_json_on_every_line(capsys):
             lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
 
 
+def test_serving_again_in_one_process_reuses_its_log_thread(capsys):
+    """Each `setup_logging` (one per `serve`) started a log thread that stayed for good, idle: an
+    application serving ten times kept ten. One thread per process now, writing to standard error as
+    the last call found it, in the last call's format."""
+    import logging
+
+    from edgeinfer.server.run import setup_logging
+
+    saved = {n: (lg.handlers[:], lg.level, lg.propagate) for n in ("edgeinfer.server", "edgeinfer.power", "uvicorn")
+             for lg in [logging.getLogger(n)]}
+    try:
+        setup_logging("text")
+        threads = sum(t.name == "edgeinfer-log" for t in threading.enumerate())  # (other tests' own logs too)
+        for fmt in ("json", "text") * 4 + ("json",):
+            setup_logging(fmt)
+        assert sum(t.name == "edgeinfer-log" for t in threading.enumerate()) == threads
+        server_log = logging.getLogger("edgeinfer.server")
+        assert all(logging.getLogger(n).handlers == server_log.handlers for n in ("edgeinfer.power", "uvicorn"))
+        server_log.info("after ten")
+        server_log.handlers[0].flush()
+        assert json.loads(capsys.readouterr().err.splitlines()[-1])["message"] == "after ten"
+    finally:
+        for n, (handlers, level, propagate) in saved.items():
+            lg = logging.getLogger(n)
+            lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+
+
 def test_prompts_past_max_prompt_tokens_are_refused_once_tokenized(model):
     """Nothing bounded a prompt but the body's size: a 1 MiB body of one-letter messages was 195,025
     tokens and held a slot for 10 minutes, shifting through the ring (an ops review). The default is 8

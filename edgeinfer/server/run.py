@@ -240,13 +240,28 @@ class BackgroundLog(logging.Handler):
             time.sleep(0.01)
 
 
+_background: BackgroundLog | None = None  # the process's one log thread (`setup_logging`)
+_background_lock = threading.Lock()
+
+
 def setup_logging(fmt: str) -> None:
     """The server's log (its lines, the power controller's, uvicorn's warnings) to standard error, in
-    `fmt`, through one `BackgroundLog`. As text, the power controller's and uvicorn's lines keep their
-    levels (warnings), as they were printed before they went through it."""
+    `fmt`, through the process's one `BackgroundLog`: the first call starts its thread, a later one
+    (an application serving again in the same process) waits for the lines queued (as `flush` does)
+    and points it at standard error as it is now, in the new format (a thread per call stayed behind
+    for good: each idle, one per `serve`). Its `dropped` counts from the first call. As text, the power
+    controller's and uvicorn's lines keep their levels (warnings), as they were printed before they
+    went through it."""
+    global _background
     stream = logging.StreamHandler(sys.stderr)
     stream.setFormatter(JSONLines() if fmt == "json" else TextLines())
-    handler = BackgroundLog(stream)
+    with _background_lock:
+        if _background is None:
+            _background = BackgroundLog(stream)
+        else:
+            _background.flush()
+            _background.target = stream
+        handler = _background
     for name in ("edgeinfer.server", "edgeinfer.power", "uvicorn"):  # (`uvicorn_server` then leaves uvicorn's
         logger = logging.getLogger(name)  # loggers alone: log_config=None)
         logger.handlers[:] = [handler]
