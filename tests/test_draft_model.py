@@ -69,6 +69,33 @@ def test_drafter_proposes_the_draft_models_greedy_continuation_after_rejections(
     assert drafter.cache.dropped == 0  # and never shifted
 
 
+def test_a_long_history_is_cut_and_drafts_go_on_as_before(fp32):
+    """The drafter kept every token a request had seen (~36 bytes a token, for as long as it ran). It
+    keeps the last max(window, capacity) tokens to twice as many, and still drafts the draft model's
+    greedy continuation of what its ring holds (a small window for the test)."""
+    d = edgeinfer.load(fp32)
+    ids = d.tokenizer.encode("Once upon a time, there was a little girl named Lily.")
+    drafter = ModelDrafter(Draft(d.engine, 16, 2), ids)
+    drafter.window = 24  # (the cut comes at 48 tokens; the ring restarts whenever a draft would not fit)
+    history, cuts, longest = list(ids), 0, 0
+    rng = np.random.default_rng(1)
+    for round_ in range(80):
+        got = drafter.draft(4)
+        start = len(history) - len(drafter.history) + drafter.base  # the ring's first token in the whole history
+        assert got == greedy(d, history[start:], 4), round_
+        keep = int(rng.integers(0, 5))
+        for t in got[:keep] + [int(rng.integers(3, 512))]:
+            before = len(drafter.history)
+            drafter.push(t)
+            history.append(t)
+            cuts += len(drafter.history) < before
+            longest = max(longest, len(drafter.history))
+            assert drafter.history == history[-len(drafter.history):] and 0 <= drafter.base <= len(drafter.history)
+    assert cuts >= 3 and longest == 47 and drafter.cache.dropped == 0
+    long_prompt = ModelDrafter(Draft(d.engine, 16, 2), list(range(3, 20003)))
+    assert long_prompt.history == list(range(3, 20003))[-ModelDrafter.window:]
+
+
 @pytest.mark.parametrize("capacity", [512, 64])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "top_p+penalty"])
 def test_identical_to_plain_decoding_on_the_golden_prompts(fp32, capacity, sampling):
