@@ -570,6 +570,31 @@ def test_the_logprob_gate_sends_held_bytes_with_the_piece_that_lets_them_out():
     assert run(["", "", ""], True) == ([], [])  # stopped at the first U+FFFD: none
 
 
+def test_at_a_stop_string_held_bytes_go_out_only_as_far_as_the_reply():
+    """SmolLM2 wrote " \U0001f40d" (a stop string "\U0001f40d") as b" \xf0\x9f", b"\x90", b"\x8d": the
+    reply ends in " ", but the held entries went out whole, so the entries' bytes held three of the stop
+    string's (and legacy's last text_offset pointed past the reply; a hostile round). The first is cut
+    to b" " and the other two dropped; a stop string after the whole character keeps all three."""
+    from edgeinfer.server.replies import LogprobGate, token_logprob
+
+    tokens = [token_logprob(b" \xf0\x9f", -0.1, []), token_logprob(b"\x90", -0.2, []), token_logprob(b"\x8d", -0.3, []),
+              token_logprob("!", -0.4, [])]
+
+    def run(texts, stopped, n=3):
+        gate, out = LogprobGate(), []
+        for entry, piece, text in zip(tokens[:n], ("", "", " \U0001f40d", "!")[:n], texts):
+            out += gate.feed(text, entry, piece)
+        return out, gate.finish(stopped)
+
+    cut = {**tokens[0], "token": " ", "bytes": [32]}
+    assert run(["", "", " "], True) == ([], [cut])  # stop "\U0001f40d"
+    assert run(["", "", ""], True) == ([], [])  # stop " \U0001f40d"
+    assert run(["", "", " \U0001f40d", ""], True, 4) == (tokens[:3], [])  # stop "!": the character is the reply's
+    assert run(["", "", ""], False) == ([], tokens[:3])
+    joined = b"".join(bytes(e["bytes"]) for e in run(["", "", " "], True)[1])
+    assert joined == b" "
+
+
 def test_a_message_without_a_role_is_said_so():
     err = refused(parse_chat, body(CHAT, messages=[{"content": "hi"}]))
     assert err.message.startswith("messages[0] has no role (one of system, developer, user, assistant)")

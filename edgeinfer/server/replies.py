@@ -86,26 +86,47 @@ class LogprobGate:
         return out
 
     def finish(self, stopped: bool) -> list[dict]:
-        """What still waits, at the end of the reply (`stopped`: it ended on a stop string)."""
+        """What still waits, at the end of the reply (`stopped`: it ended on a stop string).
+
+        At a stop string the first waiting token with text (the one that runs into it) and the tokens
+        whose bytes wait for its piece (held bytes, before it) share out the reply's text left
+        (`room`): the bytes of theirs that make whole characters within it go out, in order, a token
+        cut where the text ends; the rest is the stop string's and is dropped."""
         waiting, self.pending = list(self.pending), deque()
         if not stopped:
             return [e for e, _ in waiting if e is not None]
-        room = self.text_bytes - self.sent_bytes
-        if room <= 0:  # the stop string begins with what waits: all of it is the stop string's
-            return []
-        out = []
-        for e, piece in waiting:  # tokens whose bytes were held come first in the piece that lets them out
+        group = []  # (entry, its bytes): held entries, then the one whose piece lets them out
+        for e, piece in waiting:
             if not piece:
                 if e is not None:
-                    out.append(e)
+                    group.append((e, bytes(e["bytes"])))
                 continue
-            if e is not None:  # the first token with text left in the reply runs into the stop string
-                own = bytes(e["bytes"]) if out else piece.encode("utf-8")  # after held bytes: its own
-                cut = own[:max(0, room - (len(piece.encode("utf-8")) - len(own)))] if out else own[:room]
-                if cut:
-                    out.append({**e, "token": cut.decode("utf-8", errors="replace"), "bytes": list(cut)})
+            if e is not None:  # after held bytes its token's own bytes, else its piece (a first token's space dropped)
+                group.append((e, bytes(e["bytes"]) if any(b for _, b in group) else piece.encode("utf-8")))
             break
+        end = _whole_text_within(b"".join(b for _, b in group), self.text_bytes - self.sent_bytes)
+        out, at = [], 0
+        for e, own in group:
+            take = own[:max(0, end - at)]
+            if take == own and (own or at < end):
+                out.append(e)
+            elif take:
+                out.append({**e, "token": take.decode("utf-8", errors="replace"), "bytes": list(take)})
+            at += len(own)
         return out
+
+
+def _whole_text_within(data: bytes, room: int) -> int:
+    """The longest prefix of `data` that decodes on its own to text of at most `room` UTF-8 bytes and
+    leaves no character split (decoding it and the rest apart gives the whole's text)."""
+    whole, best = data.decode("utf-8", errors="replace"), 0
+    for j in range(1, len(data) + 1):
+        head = data[:j].decode("utf-8", errors="replace")
+        if len(head.encode("utf-8")) > room:
+            break
+        if head + data[j:].decode("utf-8", errors="replace") == whole:
+            best = j
+    return best
 
 
 def _holds_bytes(entry: dict | None) -> bool:
