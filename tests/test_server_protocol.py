@@ -175,7 +175,10 @@ COMP_BAD = COMMON_BAD + [
     (dict(prompt=[1, -2]), 400, "prompt"),
     (dict(prompt=[1, 2.0]), 400, "prompt"),
     (dict(prompt=[1, True]), 400, "prompt"),
-    (dict(prompt=[[1, 2]]), 400, "prompt"),
+    (dict(prompt=[[1, 2], [3]]), 400, "prompt"),  # a batch: one choice per request
+    (dict(prompt=[[]]), 400, "prompt"),
+    (dict(prompt=[[1, -2]]), 400, "prompt"),
+    (dict(prompt=[["a"]]), 400, "prompt"),
     (dict(prompt=3), 400, "prompt"),
     (dict(logprobs=6), 400, "logprobs"),
     (dict(logprobs=-1), 400, "logprobs"),
@@ -353,9 +356,15 @@ def test_messages_are_normalised_for_the_chat_template():
 
 @pytest.mark.parametrize("prompt,expected", [
     ("abc", "abc"), (["abc"], "abc"), ([0, 1, 2], (0, 1, 2)), ([7], (7,)),
+    ([[0, 1, 2]], (0, 1, 2)),  # a batch of one token array, as ["abc"] is one of one string (it was a 400)
 ])
 def test_completion_prompts(prompt, expected):
     assert comp(prompt=prompt).prompt == expected
+
+
+def test_a_refused_prompt_is_shown_as_sent():
+    """`[""]` was refused as "got ''": the message showed the unwrapped element, not what was sent."""
+    assert "got ['']" in refused(parse_completion, body(COMP, prompt=[""])).message
 
 
 # ---- responses ----------------------------------------------------------------------------------------

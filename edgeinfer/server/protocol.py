@@ -353,15 +353,17 @@ def parse_chat(body, *, model_id: str, max_tokens_limit: int) -> ChatRequest:
 
 
 def _prompt(body: dict) -> str | tuple[int, ...]:
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+    """One prompt: a string or a list of token ids, each alone or as a batch of one (OpenAI's
+    `["text"]` and `[[1, 2, 3]]`; a batch of several is refused: one choice per request)."""
+    sent = p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
     if isinstance(p, str) and p:
         return p
     if isinstance(p, list) and p and all(type(t) is int and t >= 0 for t in p):
         return tuple(p)
-    raise _bad("prompt", "prompt must be a non-empty string, a list of exactly one such string, or a "
-                         f"non-empty list of token ids (integers >= 0), got {shown(p)}")
+    raise _bad("prompt", "prompt must be a non-empty string or a non-empty list of token ids (integers >= 0), "
+                         f"alone or as a list of exactly one, got {shown(sent)}")
 
 
 def parse_completion(body, *, model_id: str, max_tokens_limit: int) -> CompletionRequest:
