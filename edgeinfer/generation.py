@@ -12,10 +12,11 @@ call is made; the steps below run from the first `next()`:
    it (its penalty history), detokenize incrementally, hold back text that may be the start of a
    stop string; stop on EOS / a stop string / max_new_tokens / a full ring that may not shift.
 5. Set `completion` and what a conversation needs next (`unfed`, `cached_text`, `cache_stale`),
-   taking a stop string's tokens back out of the cache; then yield the last chunk (so a caller that
-   stops right after it has the whole completion).
+   taking a stop string's tokens back out of the cache.
 6. Whatever happened (finished, failed, closed or dropped half-way): `end(self)` runs, then the
-   lock is released.
+   lock is released; a finished request then yields its last chunk, so a caller that stops right
+   after it has the whole completion and leaves the context free (a conversation's history holds
+   the reply).
 """
 
 from __future__ import annotations
@@ -220,6 +221,7 @@ class Request:
     def steps(self) -> Iterator[Chunk]:
         begin, end, lock = self._begin, self._end, self._lock
         self._begin = self._end = self._lock = None  # a kept, finished Generation holds no Model through them
+        final = None
         try:
             while lock is not None and self.held is None:  # (a SIGINT handler that does not raise: wait again)
                 with interrupts_held() as held:  # a Ctrl-C while waiting gives up; one as it takes the lock
@@ -230,7 +232,7 @@ class Request:
                     self._check_cancelled()
             self._check_cancelled()  # cancelled before its first next(): begin must not change the context
             draft = self._check_engine()  # so are options this engine cannot run (the ring kept what it held)
-            yield from self._run(begin(self), draft)
+            final = yield from self._run(begin(self), draft)
         except GenerationCancelled:  # abandoned, as a dropped stream is: its rows are sound
             raise
         except Exception:
@@ -247,6 +249,8 @@ class Request:
                     if self.held is not None:
                         self.held = None
                         lock.release(self._token)
+        if final is not None:  # after the release: a caller that stops at the last chunk (its completion
+            yield final  # set) leaves the context free, and a conversation's history holds the reply
 
     def _check_engine(self):
         """Refuse options this engine cannot run, before `begin` touches the context; the draft model
@@ -328,8 +332,7 @@ class Request:
                             prefill_tok_s=len(feed) / max(t_prefill - t0, 1e-9),
                             decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
                             paced_ms=self.pacer.paced_s * 1e3 if self.pacer is not None else 0.0))
-        if final is not None:
-            yield final
+        return final  # `steps` yields it once the context is released
 
     def _check_cancelled(self) -> None:
         if self.cancelled.is_set():

@@ -81,6 +81,33 @@ def test_second_live_stream_in_one_thread_is_refused_and_the_first_stays_right(m
     assert isinstance(ContextBusyError("x"), edgeinfer.EdgeInferError)
 
 
+@pytest.mark.parametrize("stop", [None, [" a"]])
+def test_a_stream_read_to_its_completion_frees_the_model(model, alone, stop):
+    """A caller that stops at the chunk that sets `completion` (the request has ended) left the context
+    held until it called next() once more or dropped the stream: the same thread was refused, another
+    waited, and a conversation's history lacked the reply (a hostile round). Length and stop finishes."""
+    opts = dict(GREEDY, max_new_tokens=12, stop=stop)
+    s = model.stream(PROMPTS[0], **opts)
+    for _ in s:
+        if s.completion is not None:
+            break
+    assert s.completion.finish_reason == ("stop" if stop else "length")
+    assert model.generate(PROMPTS[1], **GREEDY).token_ids == alone[PROMPTS[1]]  # this thread: not refused
+    done = []
+    t = threading.Thread(target=lambda: done.append(model.generate(PROMPTS[1], **GREEDY).token_ids))
+    t.start()
+    t.join(30)
+    assert done == [alone[PROMPTS[1]]]  # another thread: did not wait for the stream to be dropped
+    conv = model.conversation()
+    turn = conv.stream_say(PROMPTS[2], **opts)
+    for _ in turn:
+        if turn.completion is not None:
+            break
+    assert [m["role"] for m in conv.messages] == ["user", "assistant"]
+    assert conv.messages[1]["content"] == turn.completion.text
+    assert list(s) == [] and list(turn) == []  # and the streams end
+
+
 def test_a_dropped_stream_frees_the_model(model, alone):
     s = model.stream(PROMPTS[2], **GREEDY)
     next(s)
