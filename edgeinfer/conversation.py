@@ -9,7 +9,9 @@ rendered history.
 A turn's prompt is the whole conversation: `_held`, its ids so far, then its new ones. Its
 penalties count them all and its usage says so (prompt_tokens: all of them, as a stateless request
 would count them; cached_tokens: those earlier turns fed), so a turn gives the tokens that plain
-decoding of the same ids gives.
+decoding of the same ids gives while they fit the ring (once the conversation has outgrown it, its
+turns attend only to the sinks and the last tokens, while a prefill of the same ids sees the whole
+prompt in each call: the two may differ).
 
 A turn's new text is encoded as the whole rendering encodes it (`Tokenizer.encode_continuation`), so a
 conversation continued turn by turn feeds the ids that a fresh one renders from its messages, except
