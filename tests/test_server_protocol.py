@@ -604,6 +604,25 @@ def test_at_a_stop_string_held_bytes_go_out_only_as_far_as_the_reply():
     assert joined == b" "
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_a_two_byte_character_before_a_stop_string_keeps_its_entry(split):
+    """The reply " caf\u00e9" then the stop string ".": the token "\u00e9." (or its bytes b"\xc3" held, then
+    b"\xa9.") keeps "\u00e9". The first fix dropped it: a cut inside the character decodes to U+FFFD, 3
+    bytes, more than the character's 2 (a review)."""
+    from edgeinfer.server.replies import LogprobGate, token_logprob
+
+    gate = LogprobGate()
+    out = gate.feed(" caf", token_logprob(" caf", -0.1, []), " caf")
+    if split:
+        out += gate.feed("", token_logprob(b"\xc3", -0.2, []), "")
+        out += gate.feed("\u00e9", token_logprob(b"\xa9.", -0.3, []), "\u00e9.")
+    else:
+        out += gate.feed("\u00e9", token_logprob("\u00e9.", -0.2, []), "\u00e9.")
+    out += gate.finish(True)
+    assert b"".join(bytes(e["bytes"]) for e in out) == " caf\u00e9".encode()
+    assert [e["logprob"] for e in out] == ([-0.1, -0.2, -0.3] if split else [-0.1, -0.2])
+
+
 def test_a_message_without_a_role_is_said_so():
     err = refused(parse_chat, body(CHAT, messages=[{"content": "hi"}]))
     assert err.message.startswith("messages[0] has no role (one of system, developer, user, assistant)")

@@ -122,9 +122,9 @@ def _whole_text_within(data: bytes, room: int) -> int:
     whole, best = data.decode("utf-8", errors="replace"), 0
     for j in range(1, len(data) + 1):
         head = data[:j].decode("utf-8", errors="replace")
-        if len(head.encode("utf-8")) > room:
-            break
-        if head + data[j:].decode("utf-8", errors="replace") == whole:
+        if head + data[j:].decode("utf-8", errors="replace") == whole:  # (a split character's U+FFFD may be
+            if len(head.encode("utf-8")) > room:  # longer than the character: room is checked at whole ones)
+                break
             best = j
     return best
 
