@@ -96,6 +96,10 @@ class Generation:
                 self._close_steps()
 
     def _next(self) -> Chunk:
+        unsent = self._request.unsent
+        if unsent is not None and self._steps.gi_frame is None and not self._closing:  # the request finished but
+            self._request.unsent = None  # a Ctrl-C (or an error in `end`) ended its steps before the last chunk
+            return unsent  # went out: it goes out now, so that the chunks still join to the completion
         if self._error is not None:
             if self._closing and isinstance(self._error, GenerationCancelled):
                 raise StopIteration  # closed: ended, whether the close's cancel reached a running next() or not
@@ -105,6 +109,8 @@ class Generation:
         except StopIteration:
             raise
         except Exception as e:  # not KeyboardInterrupt and the like: those stop the caller, not the request
+            if self._request.unsent is not None:  # the request finished, its `end` failed: raised once, then
+                raise  # its last chunk, then the end
             try:  # a copy, made as pickle makes one: the error itself holds a traceback through this frame (a cycle)
                 self._error = copy.copy(e)
             except Exception:  # a class that cannot be rebuilt from its args: a plain one with its message
@@ -217,6 +223,8 @@ class Request:
         self.held: ContextLock | None = None  # the context's lock while the steps hold it
         self._token = 0  # its holding of the context's lock (`ContextLock.acquire`)
         self.failed = False  # it ended in an error (not finished, abandoned or interrupted): its rows may be bad
+        self.unsent: Chunk | None = None  # the finished request's last chunk while step 6 runs: where a Ctrl-C
+        # (or an error in `end`) ends the steps there, the next `Generation.__next__` returns it
 
     def steps(self) -> Iterator[Chunk]:
         begin, end, lock = self._begin, self._end, self._lock
@@ -232,7 +240,7 @@ class Request:
                     self._check_cancelled()
             self._check_cancelled()  # cancelled before its first next(): begin must not change the context
             draft = self._check_engine()  # so are options this engine cannot run (the ring kept what it held)
-            final = yield from self._run(begin(self), draft)
+            final = self.unsent = yield from self._run(begin(self), draft)
         except GenerationCancelled:  # abandoned, as a dropped stream is: its rows are sound
             raise
         except Exception:
@@ -250,7 +258,8 @@ class Request:
                         self.held = None
                         lock.release(self._token)
         if final is not None:  # after the release: a caller that stops at the last chunk (its completion
-            yield final  # set) leaves the context free, and a conversation's history holds the reply
+            self.unsent = None  # set) leaves the context free, and a conversation's history holds the reply
+            yield final
 
     def _check_engine(self):
         """Refuse options this engine cannot run, before `begin` touches the context; the draft model

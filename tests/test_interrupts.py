@@ -121,6 +121,38 @@ def test_ctrl_c_while_the_engine_rebinds_to_another_ring_leaves_no_half_binding(
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals go to the main thread")
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals go to the main thread")
+@pytest.mark.parametrize("fails", ["ctrl-c", "error"])
+def test_a_ctrl_c_or_an_error_as_a_finished_request_ends_keeps_its_last_chunk(fp32, ctrl_c_raises, monkeypatch, fails):
+    """The context is released before the last chunk goes out (step 6). A Ctrl-C that lands while the
+    request's `end` runs (or an error from it) came instead of that chunk, and the stream then ended, so
+    its chunks no longer joined to its completion (a review). The next next() now returns the chunk."""
+    import edgeinfer.model as model_module
+
+    m = _fresh(fp32)
+    want = m.generate(A, max_new_tokens=8, temperature=0)
+    ends = model_module.held_after
+
+    def end_then_fail(*a, **kw):
+        out = ends(*a, **kw)
+        if fails == "ctrl-c":
+            signal.raise_signal(signal.SIGINT)  # held back until the release is whole, then raised
+        else:
+            raise RuntimeError("end failed")
+        return out
+
+    monkeypatch.setattr(model_module, "held_after", end_then_fail)
+    s, got = m.stream(A, max_new_tokens=8, temperature=0), []
+    with pytest.raises(KeyboardInterrupt if fails == "ctrl-c" else RuntimeError):
+        for c in s:
+            got.append(c.text)
+    assert len(got) == 7 and s.completion.text == want.text
+    got += [c.text for c in s]
+    assert "".join(got) == want.text and list(s) == []
+    monkeypatch.setattr(model_module, "held_after", ends)
+    assert m.generate(A, max_new_tokens=8, temperature=0).token_ids == want.token_ids  # the context is free
+
+
 def test_a_sigint_handler_that_does_not_raise_never_lets_a_request_in_without_the_lock(fp32):
     """A review: a wait given up on SIGINT went on into the request when the program's handler
     returned (its own Ctrl-C handling), running on a context another thread held."""
