@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -838,6 +840,49 @@ def test_serving_again_in_one_process_reuses_its_log_thread(capsys):
         server_log.info("after ten")
         server_log.handlers[0].flush()
         assert json.loads(capsys.readouterr().err.splitlines()[-1])["message"] == "after ten"
+    finally:
+        for n, (handlers, level, propagate) in saved.items():
+            lg = logging.getLogger(n)
+            lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() only")
+@pytest.mark.parametrize("again", [False, True])
+def test_a_forked_child_writes_its_own_log(tmp_path, monkeypatch, again):
+    """The process's one log thread is not in a forked child: the child's lines waited in a queue nobody
+    read, and each flush (at exit too) waited its full 2 s (a review). The child starts its own, whether
+    it sets the log up again or logs through the one it inherited."""
+    import logging
+
+    from edgeinfer.server.run import setup_logging
+
+    saved = {n: (lg.handlers[:], lg.level, lg.propagate) for n in ("edgeinfer.server", "edgeinfer.power", "uvicorn")
+             for lg in [logging.getLogger(n)]}
+    log_file = tmp_path / "log.txt"
+    try:
+        with open(log_file, "w") as f:
+            monkeypatch.setattr(sys, "stderr", f)
+            setup_logging("text")
+            server_log = logging.getLogger("edgeinfer.server")
+            server_log.info("parent line")
+            server_log.handlers[0].flush()
+            pid = os.fork()
+            if pid == 0:  # the child: a line, a flush that must not wait its 2 s, and out
+                code = 1
+                try:
+                    if again:
+                        setup_logging("text")
+                    t0 = time.monotonic()
+                    server_log.info("child line")
+                    server_log.handlers[0].flush()
+                    code = 0 if time.monotonic() - t0 < 1.0 else 2
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        lines = [line.split(" edgeinfer ")[-1] for line in log_file.read_text().splitlines()]
+        assert [line for line in lines if line.endswith(" line")] == ["parent line", "child line"]  # (other
+        # tests' servers may log beside it: the power controller's notes)
     finally:
         for n, (handlers, level, propagate) in saved.items():
             lg = logging.getLogger(n)

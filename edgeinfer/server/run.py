@@ -216,7 +216,13 @@ class BackgroundLog(logging.Handler):
 
     def __init__(self, target: logging.Handler, capacity: int = 10_000):
         super().__init__()
-        self.target, self.lines, self.dropped = target, queue.Queue(capacity), 0
+        self.target, self.capacity, self.dropped = target, capacity, 0
+        self.start()
+
+    def start(self) -> None:
+        """An empty queue and a thread that writes it (again in a forked child, which has no thread of
+        its parent's: lines the parent had queued are the parent's to write)."""
+        self.lines = queue.Queue(self.capacity)
         threading.Thread(target=self._write, name="edgeinfer-log", daemon=True).start()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -242,6 +248,18 @@ class BackgroundLog(logging.Handler):
 
 _background: BackgroundLog | None = None  # the process's one log thread (`setup_logging`)
 _background_lock = threading.Lock()
+
+
+def _log_again_in_child() -> None:
+    """After fork() in the child: the log's thread was the parent's; start the child's own."""
+    global _background_lock
+    _background_lock = threading.Lock()  # (it may have been held by another thread of the parent)
+    if _background is not None:
+        _background.start()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_log_again_in_child)
 
 
 def setup_logging(fmt: str) -> None:
