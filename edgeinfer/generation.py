@@ -96,31 +96,41 @@ class Generation:
                 self._close_steps()
 
     def _next(self) -> Chunk:
-        unsent = self._request.unsent
-        if unsent is not None and self._steps.gi_frame is None and not self._closing:  # the request finished but
-            self._request.unsent = None  # a Ctrl-C (or an error in `end`) ended its steps before the last chunk
-            return unsent  # went out: it goes out now, so that the chunks still join to the completion
+        request = self._request
+        if self._unsent_ready():  # a Ctrl-C ended the finished request's steps before its last chunk went out:
+            chunk, request.unsent = request.unsent, None  # it goes out now, so that the chunks still join to
+            return chunk  # the completion
         if self._error is not None:
             if self._closing and isinstance(self._error, GenerationCancelled):
                 raise StopIteration  # closed: ended, whether the close's cancel reached a running next() or not
             raise copy.copy(self._error)
         try:
-            return next(self._steps)
+            chunk = next(self._steps)
+            if chunk is request.unsent:
+                request.unsent = None
+            return chunk
         except StopIteration:
             raise
         except Exception as e:  # not KeyboardInterrupt and the like: those stop the caller, not the request
-            if self._request.unsent is not None:  # the request finished, its `end` failed: raised once, then
-                raise  # its last chunk, then the end
             try:  # a copy, made as pickle makes one: the error itself holds a traceback through this frame (a cycle)
                 self._error = copy.copy(e)
             except Exception:  # a class that cannot be rebuilt from its args: a plain one with its message
                 self._error = EdgeInferError(f"{type(e).__name__}: {e}")
+            if self._unsent_ready():  # the request finished and its `end` failed: its last chunk first, then
+                chunk, request.unsent = request.unsent, None  # the error on each later call
+                return chunk
             raise
         except BaseException as e:  # a Ctrl-C inside the step ended the request (its steps closed): say so later
             if self._steps.gi_frame is None and self.completion is None:  # (one in the caller's own code does not)
                 self._error = GenerationCancelled(f"this stream was interrupted ({type(e).__name__}) and ended "
                                                   "unfinished; start another")
             raise
+
+    def _unsent_ready(self) -> bool:
+        """Whether the request finished (its completion set) and its steps ended before its last chunk was
+        yielded (`Request.unsent`), and the stream was not closed."""
+        return (self._request.unsent is not None and self._steps.gi_frame is None and not self._closing
+                and self.completion is not None)
 
     def run_to_end(self) -> Completion | None:
         """Consume every chunk; the completion (the fold `generate`, `chat` and `say` are)."""
@@ -223,8 +233,9 @@ class Request:
         self.held: ContextLock | None = None  # the context's lock while the steps hold it
         self._token = 0  # its holding of the context's lock (`ContextLock.acquire`)
         self.failed = False  # it ended in an error (not finished, abandoned or interrupted): its rows may be bad
-        self.unsent: Chunk | None = None  # the finished request's last chunk while step 6 runs: where a Ctrl-C
-        # (or an error in `end`) ends the steps there, the next `Generation.__next__` returns it
+        self.unsent: Chunk | None = None  # the finished request's last chunk from just before `completion` is
+        # set until `Generation` has it: where a Ctrl-C (or an error in `end`) ends the steps first, the
+        # next `Generation.__next__` returns it
 
     def steps(self) -> Iterator[Chunk]:
         begin, end, lock = self._begin, self._end, self._lock
@@ -240,7 +251,7 @@ class Request:
                     self._check_cancelled()
             self._check_cancelled()  # cancelled before its first next(): begin must not change the context
             draft = self._check_engine()  # so are options this engine cannot run (the ring kept what it held)
-            final = self.unsent = yield from self._run(begin(self), draft)
+            final = yield from self._run(begin(self), draft)
         except GenerationCancelled:  # abandoned, as a dropped stream is: its rows are sound
             raise
         except Exception:
@@ -258,8 +269,7 @@ class Request:
                         self.held = None
                         lock.release(self._token)
         if final is not None:  # after the release: a caller that stops at the last chunk (its completion
-            self.unsent = None  # set) leaves the context free, and a conversation's history holds the reply
-            yield final
+            yield final  # set) leaves the context free, and a conversation's history holds the reply
 
     def _check_engine(self):
         """Refuse options this engine cannot run, before `begin` touches the context; the draft model
@@ -332,6 +342,7 @@ class Request:
             self.cached_text = text[:kept[-1][1]] if kept else ""
             self.cached_ids = tuple(generated[:kept[-1][0]]) if kept else ()
         n, decode_s = len(generated), t_end - t_first
+        self.unsent = final
         self.completion = Completion(
             text=text, token_ids=tuple(generated), finish_reason=finish,
             usage=Usage(len(self.prefix) + self.cut + len(prompt_ids), n,

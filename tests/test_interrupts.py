@@ -121,7 +121,6 @@ def test_ctrl_c_while_the_engine_rebinds_to_another_ring_leaves_no_half_binding(
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals go to the main thread")
-@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals go to the main thread")
 @pytest.mark.parametrize("fails", ["ctrl-c", "error"])
 def test_a_ctrl_c_or_an_error_as_a_finished_request_ends_keeps_its_last_chunk(fp32, ctrl_c_raises, monkeypatch, fails):
     """The context is released before the last chunk goes out (step 6). A Ctrl-C that lands while the
@@ -146,13 +145,62 @@ def test_a_ctrl_c_or_an_error_as_a_finished_request_ends_keeps_its_last_chunk(fp
     with pytest.raises(KeyboardInterrupt if fails == "ctrl-c" else RuntimeError):
         for c in s:
             got.append(c.text)
-    assert len(got) == 7 and s.completion.text == want.text
-    got += [c.text for c in s]
-    assert "".join(got) == want.text and list(s) == []
+    assert s.completion.text == want.text
+    if fails == "ctrl-c":  # raised at once (a Ctrl-C is not held back for the chunk); the chunk comes next
+        assert len(got) == 7
+        got += [c.text for c in s]
+        assert list(s) == []
+    else:  # the chunk first, then the error on each later call, as a failed stream raises it
+        assert len(got) == 8
+        with pytest.raises(RuntimeError, match="end failed"):
+            next(s)
+    assert "".join(got) == want.text
     monkeypatch.setattr(model_module, "held_after", ends)
     assert m.generate(A, max_new_tokens=8, temperature=0).token_ids == want.token_ids  # the context is free
 
 
+@pytest.mark.parametrize("where", ["        return final  #", "            yield final  #"])
+def test_a_ctrl_c_at_any_line_around_the_last_chunk_keeps_it(fp32, where):
+    """KeyboardInterrupt raised at the lines between the completion being set and the last chunk going
+    out (a trace function stands in for the signal): the chunks still join to the completion (a review
+    found two such lines that lost it)."""
+    import inspect
+    import sys
+
+    import edgeinfer.generation as generation
+
+    source, _ = inspect.getsourcelines(generation)
+    line = next(i + 1 for i, text in enumerate(source) if text.startswith(where))
+    m = _fresh(fp32)
+    want = m.generate(A, max_new_tokens=8, temperature=0)
+    fired = []
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename != generation.__file__:
+            return None
+
+        def at_line(f, e, a):
+            if e == "line" and f.f_lineno == line and not fired:
+                fired.append(1)
+                raise KeyboardInterrupt
+            return at_line
+        return at_line
+
+    s, got = m.stream(A, max_new_tokens=8, temperature=0), []
+    sys.settrace(trace)
+    try:
+        for c in s:
+            got.append(c.text)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    got += [c.text for c in s]
+    assert fired and s.completion is not None and "".join(got) == s.completion.text == want.text
+    assert m.generate(A, max_new_tokens=8, temperature=0).token_ids == want.token_ids  # the context is free
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals go to the main thread")
 def test_a_sigint_handler_that_does_not_raise_never_lets_a_request_in_without_the_lock(fp32):
     """A review: a wait given up on SIGINT went on into the request when the program's handler
     returned (its own Ctrl-C handling), running on a context another thread held."""
