@@ -5,8 +5,8 @@ same ring would interleave their tokens and both get wrong output. So each conte
 `ContextLock`: a caller in another thread waits its turn (calls serialise), while the same thread
 asking again before its own stream is finished is refused with `ContextBusyError` (waiting would
 deadlock, sharing would corrupt). A stream holds the lock from its first `next()` until its request
-ends (the lock is released before its last chunk is returned), is closed, or is dropped (freed at once by reference counting: `generation.Generation`); its holder
-is the thread that advanced it last (`hand_to`), so a stream handed to another thread makes that
+ends (released before its last chunk is returned), is closed, or is dropped (freed at once by
+reference counting: `generation.Generation`); its holder is the thread that advanced it last (`hand_to`), so a stream handed to another thread makes that
 thread's own second call a refusal, not a wait on itself. (An executor that runs a stream's `next()`
 and other calls on its pool threads may so refuse a call on a thread that last advanced the stream:
 give each concurrent task its own conversation.)

@@ -17,8 +17,9 @@ The caller samples each position exactly as plain decoding would (same sampler, 
 the same order) and feeds the sampled token back, so the tokens equal plain decoding's: a draft only
 decides which logits are computed ahead. Their exactness is the graph's: a call of several rows
 computes the same logits as one-row calls up to float rounding in fp32 (accuracy level 0); at
-accuracy level 4 (int8 activations) the multi-row path rounds differently (most rows within 1e-5, a few by up
-to ~0.25 on the bundled int8; see `chunked.prefill_chunks`), so a near-tie may resolve the other way.
+accuracy level 4 (int8 activations) the multi-row path rounds differently (most rows within 1e-5, a
+few by up to ~0.25 on the bundled int8; see `chunked.prefill_chunks`), so a near-tie may resolve the
+other way.
 
 The ring: a draft never runs past the ring's free slots (so no verified row evicts a token that a
 plain step would still attend to, and a rejected row needs no undo: uncommitted rows past the valid

@@ -266,10 +266,10 @@ def setup_logging(fmt: str) -> None:
     """The server's log (its lines, the power controller's, uvicorn's warnings) to standard error, in
     `fmt`, through the process's one `BackgroundLog`: the first call starts its thread, a later one
     (an application serving again in the same process) waits for the lines queued (as `flush` does)
-    and points it at standard error as it is now, in the new format (a thread per call stayed behind
-    for good: each idle, one per `serve`). Its `dropped` counts from the first call. As text, the power
-    controller's and uvicorn's lines keep their levels (warnings), as they were printed before they
-    went through it."""
+    and points it at standard error as it is now, in the new format, rather than leave an idle thread
+    behind for each `serve`. Its `dropped` counts from the first call. As text, the power controller's
+    and uvicorn's lines keep their levels (warnings), as they were printed before they went through
+    it."""
     global _background
     stream = logging.StreamHandler(sys.stderr)
     stream.setFormatter(JSONLines() if fmt == "json" else TextLines())
