@@ -112,10 +112,28 @@ def _cmd_power(args: argparse.Namespace) -> int:
         time.sleep(interval_s)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, except that help and --version that cannot be written to standard output (a
+    full disk, a closed pipe) raise as a command's output does, rather than exit 0 with nothing
+    written (argparse drops the error)."""
+
+    def _print_message(self, message, file=None):
+        file = file or sys.stderr
+        if not message or file is None:  # (a closed standard stream: nothing to say it on)
+            return
+        try:
+            file.write(message)
+            if file is sys.stdout:
+                file.flush()
+        except OSError:
+            if file is sys.stdout:  # `main` says so (a full disk: exit 1; a closed pipe: 141)
+                raise
+
+
 def build_parser() -> argparse.ArgumentParser:
     from edgeinfer import __version__
 
-    ap = argparse.ArgumentParser(prog="edgeinfer", description="Run small quantized language models on device.")
+    ap = Parser(prog="edgeinfer", description="Run small quantized language models on device.")
     ap.add_argument("--version", action="version", version=f"edgeinfer {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser = _numbers_as_values(sub.add_parser)
@@ -210,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         # (`edgeinfer.interrupts`: met inside one it could become numpy's ImportError, or be lost and the
         # command run on). So an import that hangs cannot be interrupted; none is known to.
         with interrupts_held():
-            args = build_parser().parse_args(argv)
+            args = build_parser().parse_args(argv)  # (--help and --version that cannot be written: `Parser`)
             # the command's compiled libraries (numpy, ONNX Runtime; convert's onnx): a model's unless it sets `imports`
             for module in getattr(args, "imports", MODEL_IMPORTS):
                 importlib.import_module(module)

@@ -121,10 +121,13 @@ def test_closed_pipe_ends_quietly():
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-@pytest.mark.parametrize("extra", [[], ["--stream"]])
+@pytest.mark.parametrize("extra", [["generate", "Once", "--max-tokens", "20"],
+                                   ["generate", "Once", "--max-tokens", "20", "--stream"],
+                                   ["--help"], ["--version"], ["inspect", "--help"]])
 def test_output_to_a_full_disk_is_one_line(extra):
-    """`edgeinfer generate ... > /dev/full`: an OSError traceback (twice: again at exit) before."""
-    argv = [sys.executable, "-m", "edgeinfer", "generate", "Once", "--max-tokens", "20", *extra]
+    """`edgeinfer generate ... > /dev/full`: an OSError traceback (twice: again at exit) before. --help
+    and --version exited 0 with nothing written (a hostile round)."""
+    argv = [sys.executable, "-m", "edgeinfer", *extra]
     with open("/dev/full", "w") as full:
         r = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, timeout=120)
     err = r.stderr.decode()
