@@ -97,9 +97,9 @@ class Generation:
 
     def _next(self) -> Chunk:
         request = self._request
-        if self._unsent_ready():  # a Ctrl-C ended the finished request's steps before its last chunk went out:
-            chunk, request.unsent = request.unsent, None  # it goes out now, so that the chunks still join to
-            return chunk  # the completion
+        if request.unsent is not None and self._unsent_ready():  # (None at every token but the last) a Ctrl-C
+            chunk, request.unsent = request.unsent, None  # ended the finished request's steps before its last
+            return chunk  # chunk went out: it goes out now, so that the chunks still join to the completion
         if self._error is not None:
             if self._closing and isinstance(self._error, GenerationCancelled):
                 raise StopIteration  # closed: ended, whether the close's cancel reached a running next() or not
