@@ -22,7 +22,7 @@ from edgeinfer import __version__
 from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import gguf_import
 from edgeinfer.converters.calibration import plan
-from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_decoder
+from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_decoder, check_embedding_blocks
 from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.hf_config import read_config
@@ -295,6 +295,8 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
         spec = spec_from_config(read_config(src))
         ckpt = Checkpoint(src)
     check_spec(spec, "the GGUF metadata" if gguf else "config.json")
+    if not keep and portable is None:  # (keep: stored as its GGUF types say; a portable graph's host gathers rows)
+        check_embedding_blocks(spec, scheme)
     trained = spec.max_position_embeddings
     if portable is not None and portable.capacity_tokens > trained:  # a ring past it attends over untrained distances
         if capacity_given:

@@ -137,6 +137,14 @@ def tied_head(spec: ArchSpec, ckpt) -> bool:
     return spec.tie_word_embeddings
 
 
+def check_embedding_blocks(spec: ArchSpec, scheme: QuantScheme) -> None:
+    """ConvertError when the scheme quantizes the embedding by blocks that do not divide its rows
+    (GatherBlockQuantized takes whole blocks); `convert` calls it before any work."""
+    if scheme.embedding in ("int4", "int8") and spec.hidden_size % scheme.block_size:
+        raise ConvertError(f"hidden size {spec.hidden_size} is not a multiple of block {scheme.block_size}: "
+                           "use --embedding fp32 or fp16, or a --block-size that divides it")
+
+
 def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: QuantScheme,
                        input_ids: str, calibrated: bool = False) -> tuple[str, callable]:
     """Returns the embedded ids [B, S, D] and head(x, x_cal=None), which maps normed hidden [B, N, D]
@@ -204,9 +212,7 @@ def embedding_and_head(g: G.Graph, spec: ArchSpec, src: TensorSource, scheme: Qu
             (data,) = g.node("Reshape", [qw, g.const("shape_emb_packed", np.array([V, D * bits // 8], np.int64))],
                              f"{p_emb}/Reshape")
         else:
-            if D % scheme.block_size:
-                raise ConvertError(f"hidden size {D} is not a multiple of block {scheme.block_size}: "
-                                   "use --embedding fp32 or fp16")
+            check_embedding_blocks(spec, scheme)
             packed, scales, zp = quantize_blockwise(emb, bits, scheme.block_size, scheme.symmetric, scheme.recipe)
             data = g.weight("model.embed_tokens.qweight", packed.reshape(V, -1))
             sc = G.block_scales(g, "model.embed_tokens.scales", scales, scheme)

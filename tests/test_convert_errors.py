@@ -470,6 +470,20 @@ def test_flags_the_conversion_would_ignore_are_refused(capsys, src, tmp_path, fl
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_embedding_blocks_that_do_not_divide_the_hidden_size_are_refused_before_any_work(capsys, src, tmp_path,
+                                                                                        quant):
+    """Hidden size 64, block 128: refused before the tokenizer or the calibration text was read (it
+    was refused once the graph's embedding was built, after the calibration line); an fp32 embedding
+    converts (the projections' last block is zero-padded)."""
+    rc = main(["convert", str(src), "-o", str(tmp_path / "out"), "--quant", quant, "--block-size", "128"])
+    assert_user_error(rc, capsys.readouterr().err, "hidden size 64 is not a multiple of block 128")
+    assert not (tmp_path / "out").exists()
+    assert_no_partial(tmp_path)
+    assert main(["convert", str(src), "-o", str(tmp_path / "out"), "--quant", quant, "--block-size", "128",
+                 "--embedding", "fp32", "-q"]) == 0
+
+
 def test_a_projection_named_twice_is_one_choice():
     from edgeinfer.converters import default_scheme
 
