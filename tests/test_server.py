@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -887,6 +888,45 @@ def test_a_forked_child_writes_its_own_log(tmp_path, monkeypatch, again):
         for n, (handlers, level, propagate) in saved.items():
             lg = logging.getLogger(n)
             lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+
+
+CHILD_OF_A_BLOCKED_LOG = r"""
+import logging, os, sys, time
+import edgeinfer.server.run as run
+from edgeinfer.server.run import setup_logging
+setup_logging("text")
+log = logging.getLogger("edgeinfer.server")
+for i in range(2000):
+    log.info("parent %d %s", i, "x" * 1000)  # 2 MB: far past what the pipe holds
+time.sleep(0.5)  # the log thread is now inside a write to the full pipe
+print("forking", run._background.lines.unfinished_tasks, flush=True)
+pid = os.fork()
+if pid == 0:
+    log.info("CHILD-LINE")
+    logging.shutdown()  # (its flush waits up to 2 s for the line)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_the_log_thread_waits_on_a_full_pipe_still_logs():
+    """The parent's thread was inside a write to standard error, a pipe nobody read yet, when the
+    process forked. A review feared that the stream's buffer lock would stay held in the child and
+    its lines be lost; they are not (the child's thread writes once the pipe is read), and this keeps
+    it so."""
+    p = subprocess.Popen([sys.executable, "-c", CHILD_OF_A_BLOCKED_LOG], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    try:
+        word, waiting = p.stdout.readline().split()
+        assert word == b"forking" and int(waiting) > 1000  # (lines the parent's thread had not yet written)
+        time.sleep(0.3)  # the child has logged, into the full pipe
+        err = p.stderr.read()
+        assert p.wait(timeout=30) == 0
+    finally:
+        p.kill()
+    assert b"CHILD-LINE" in err
+    assert err.count(b" parent ") == 2000  # (the parent's lines, all written once the pipe was read)
 
 
 def test_prompts_past_max_prompt_tokens_are_refused_once_tokenized(model):
