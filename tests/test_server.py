@@ -793,7 +793,7 @@ def test_json_logs_are_json_on_every_line(capsys):
     import logging
 
     from edgeinfer.server.answer import log_request
-    from edgeinfer.server.run import setup_logging
+    from edgeinfer.server.log import setup_logging
 
     saved = {n: (lg.handlers[:], lg.level, lg.propagate) for n in ("edgeinfer.server", "edgeinfer.power", "uvicorn")
              for lg in [logging.getLogger(n)]}
@@ -826,7 +826,7 @@ def test_serving_again_in_one_process_reuses_its_log_thread(capsys):
     the last call found it, in the last call's format."""
     import logging
 
-    from edgeinfer.server.run import setup_logging
+    from edgeinfer.server.log import setup_logging
 
     saved = {n: (lg.handlers[:], lg.level, lg.propagate) for n in ("edgeinfer.server", "edgeinfer.power", "uvicorn")
              for lg in [logging.getLogger(n)]}
@@ -855,7 +855,7 @@ def test_a_forked_child_writes_its_own_log(tmp_path, monkeypatch, again):
     it sets the log up again or logs through the one it inherited."""
     import logging
 
-    from edgeinfer.server.run import setup_logging
+    from edgeinfer.server.log import setup_logging
 
     saved = {n: (lg.handlers[:], lg.level, lg.propagate) for n in ("edgeinfer.server", "edgeinfer.power", "uvicorn")
              for lg in [logging.getLogger(n)]}
@@ -892,14 +892,14 @@ def test_a_forked_child_writes_its_own_log(tmp_path, monkeypatch, again):
 
 CHILD_OF_A_BLOCKED_LOG = r"""
 import logging, os, sys, time
-import edgeinfer.server.run as run
-from edgeinfer.server.run import setup_logging
+import edgeinfer.server.log as log_module
+from edgeinfer.server.log import setup_logging
 setup_logging("text")
 log = logging.getLogger("edgeinfer.server")
 for i in range(2000):
     log.info("parent %d %s", i, "x" * 1000)  # 2 MB: far past what the pipe holds
 time.sleep(0.5)  # the log thread is now inside a write to the full pipe
-print("forking", run._background.lines.unfinished_tasks, flush=True)
+print("forking", log_module._background.lines.unfinished_tasks, flush=True)
 pid = os.fork()
 if pid == 0:
     log.info("CHILD-LINE")
@@ -1019,7 +1019,7 @@ def test_a_log_line_that_does_not_format_is_dropped_not_raised():
     loop) must not meet a line's formatting error, nor wait on a log that cannot keep up."""
     import logging
 
-    from edgeinfer.server.run import BackgroundLog
+    from edgeinfer.server.log import BackgroundLog
 
     class Slow(logging.Handler):
         def __init__(self):

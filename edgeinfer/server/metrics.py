@@ -35,7 +35,7 @@ class Metrics:
         Gauge("edgeinfer_slots_busy", "slots generating now", registry=r).set_function(lambda: scheduler.busy)
         Gauge("edgeinfer_slots_total", "slots", registry=r).set(len(scheduler.slots))
         Gauge("edgeinfer_log_lines_dropped", "log lines dropped because the log could not keep up (standard "
-              "error a pipe nobody reads, a full disk: `run.BackgroundLog`)", registry=r).set_function(
+              "error a pipe nobody reads, a full disk: `log.BackgroundLog`)", registry=r).set_function(
             lambda: sum(getattr(h, "dropped", 0) for h in logging.getLogger("edgeinfer.server").handlers))
         if power is not None:
             self._power_gauges(power)
