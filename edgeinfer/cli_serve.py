@@ -86,36 +86,8 @@ CUDA_RUNTIME_BYTES = 1 << 30  # a cuda folder's MemoryMax allowance for the CUDA
 def _print_systemd_unit(args: argparse.Namespace, config) -> int:
     from edgeinfer.manifest import read_manifest
     from edgeinfer.model import default_model_path
-    from edgeinfer.overflow import resolve_capacity
-    from edgeinfer.platforms import device_capacity_tokens
+    from edgeinfer.server import footprint
     from edgeinfer.server.systemd import hidden_paths, systemd_unit
-
-    def footprint(folder: Path, capacity: int | None, served: bool = True) -> int:
-        """Weights plus one KV ring per slot (each request holds one, of the draft model too). A
-        portable folder on the CPU holds its weights as float32 twice (each graph folds its own:
-        `session.session_options`), whatever their size on disk. The served model (not a draft
-        model) under --speculative: each slot's verify buffer and prompt-lookup index (a request's last
-        2 x `NgramDrafter.window` tokens at most), and with ngram its n-gram table read and its memo full."""
-        from edgeinfer.drafting import NgramDrafter
-        from edgeinfer.inspect import kv_at_load, parameter_count
-        from edgeinfer.ngram_table import memory_bytes
-        from edgeinfer.speculative import verify_buffer_bytes
-
-        manifest = read_manifest(folder)
-        spec = manifest.arch
-        cap = resolve_capacity(manifest.default_capacity_tokens, spec, capacity,
-                               device_capacity_tokens(manifest.portable is not None))
-        weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-        if manifest.portable is not None:
-            weights = max(weights, 2 * 4 * parameter_count(spec))
-        speculation = 0
-        if served and config.speculative != "off":
-            index = 2 * NgramDrafter.window * NgramDrafter.BYTES_PER_TOKEN if config.speculative == "ngram" else 0
-            speculation = config.slots * (verify_buffer_bytes(spec.vocab_size) + index)
-            if config.speculative == "ngram" and manifest.ngrams is not None:
-                speculation += memory_bytes(manifest.ngrams.contexts)
-        return weights + config.slots * kv_at_load(manifest, cap)[1] + speculation  # a float16 ring, a portable
-        # graph's R
 
     if config.port == 0:
         raise EdgeInferError("port 0 lets the system pick a free port at each start, which no client of a service "
@@ -136,7 +108,8 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
             argv += [flag, str(value)]
     if args.log_prompts is not None:
         argv.append("--log-prompts" if args.log_prompts else "--no-log-prompts")
-    total = footprint(folder, config.capacity) + sum(footprint(f, None, served=False) for f in folders[1:])
+    total = footprint.footprint_bytes(config, folders)  # (the service's own checks as it starts, here: a refusal
+    # would restart it in a loop)
     if any(read_manifest(f).target == "cuda" for f in folders):  # once per process, draft model or not
         total += CUDA_RUNTIME_BYTES
     needed = [sys.executable, *(str(f) for f in folders),  # what the service reads

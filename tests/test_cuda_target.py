@@ -144,23 +144,26 @@ def test_memory_check_counts_fp16_elements_and_portable_rows(monkeypatch):
 
 def test_the_systemd_unit_sizes_a_float16_ring_as_load_allocates_it(folders, monkeypatch):
     """The unit's MemoryMax counted a cuda folder's float16 ring at float32 size (review): its
-    footprint is the weights plus, per slot, what `load` allocates (inspect.kv_at_load)."""
+    footprint is what loading took (measured; held fixed here) plus, per slot, what `load` allocates
+    (inspect.kv_at_load), plus a prefill's attention scores."""
     import edgeinfer.server.systemd as systemd
     from edgeinfer.cli import main
     from edgeinfer.inspect import kv_at_load
+    from edgeinfer.server import footprint as fp
 
     folder = folders(TINY / "llama2_gqa_tied", "cuda")
     m = read_manifest(folder)
     sized = []
     monkeypatch.setattr(systemd, "systemd_unit", lambda **kw: sized.append(kw["memory_max_bytes"]) or "")
+    monkeypatch.setattr(fp, "loaded_bytes", lambda config: 12345)
     assert main(["serve", "-m", str(folder), "--port", "8080", "--slots", "3", "--capacity", "64",
                  "--print-systemd-unit"]) == 0
-    weights = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     rows, ring = kv_at_load(m, 64)
     assert ring == m.arch.kv_bytes_per_token // 2 * rows  # float16: half the float32 bytes
     from edgeinfer.cli_serve import CUDA_RUNTIME_BYTES
 
-    assert sized == [weights + 3 * ring + CUDA_RUNTIME_BYTES]  # the CUDA runtime's libraries: a Jetson review
+    scores = m.arch.num_heads * 64 * rows * 4  # (a chunk of at most the capacity)
+    assert sized == [12345 + 3 * ring + scores + CUDA_RUNTIME_BYTES]  # the CUDA runtime's libraries: a Jetson review
 
 
 def test_the_systemd_unit_lets_a_cuda_or_pi_service_open_its_devices(folders, monkeypatch, capsys):

@@ -165,6 +165,10 @@ def test_set_draft_refusals(fp32, converted, tmp_path):
     write_manifest(other, manifest)
     with pytest.raises(InvalidArgumentError, match="does not have this model's tokenizer"):
         m.set_draft(other)
+    from edgeinfer.cli import main  # a service unit for that pair is refused as its start would be (a docs round)
+
+    assert main(["serve", "-m", str(fp32), "--port", "8080", "--speculative", "draft", "--draft-model", str(other),
+                 "--print-systemd-unit"]) == 1
     m.set_draft(converted(TINY / "llama2_gqa_tied", "fp32"))  # a random model over stories260K's tokenizer: fine
     with pytest.raises(InvalidArgumentTypeError, match="draft must be a Model, a folder or None"):
         m.set_draft(42)

@@ -644,6 +644,19 @@ def test_serve_with_speculation_on_a_portable_folder_is_refused_at_start(folders
         build(ServeConfig(model=str(folders("p32")), speculative="ngram"))
 
 
+def test_a_service_unit_is_refused_for_settings_its_start_would_refuse(folders, capsys):
+    """`--print-systemd-unit` printed a unit (exit 0) for settings the service then refused as it
+    started, so systemd would restart it in a loop (a docs round): speculation on a portable folder,
+    a ring past the trained length. It now loads the model as the service does, and says why not."""
+    from edgeinfer.cli import main
+
+    for flags, needle in ((["-m", str(folders("p32")), "--speculative", "ngram"], "portable graph"),
+                          (["--capacity", "100000"], "more than this model's trained length")):
+        assert main(["serve", "--port", "8080", *flags, "--print-systemd-unit"]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == "" and needle in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
 def test_eval_of_a_portable_folder_says_it_scored_the_decode_graph(folders, tmp_path):
     """Its forward gives one position's logits per call, so every window runs token by token: the
     result said "prefill"."""

@@ -177,25 +177,44 @@ def _quiet_accept_errors():
 
 
 def build(config: ServeConfig, model=None) -> Server:
-    import edgeinfer
-
     if model is None:
-        model = edgeinfer.load(config.model, threads=config.threads, capacity_tokens=config.capacity,
-                               overflow=config.overflow, power=config.power_policy())
-        if config.draft_model is not None:
-            model.set_draft(config.draft_model)
+        model = load_served(config)
     elif model.closed:
         raise InvalidArgumentError("the model was closed (Model.close): serve an open one")
+    check_speculative(config, model)
     if config.speculative != "off":
-        if not hasattr(model.engine, "verify_ratios"):  # every request would be refused
-            raise InvalidArgumentError(f"speculative = {config.speculative} needs a fused graph; {config.model} is a "
-                                       "portable graph (--target coreml/nnapi) that verifies no drafts")
         from edgeinfer.speculative import TUNING
 
         model.engine.verify_ratios(TUNING.k_max)  # measured now, not in a request
-        if config.speculative == "ngram":
-            model.engine.ngram_table()  # read now: a bad table stops the start, not every request
     return Server(model, config)
+
+
+def load_served(config: ServeConfig, power: bool = True):
+    """The model `config` serves, loaded as `build` loads it (its draft model attached), with its power
+    controller unless `power` is False (`--print-systemd-unit` loads it to check and measure it)."""
+    import edgeinfer
+
+    model = edgeinfer.load(config.model, threads=config.threads, capacity_tokens=config.capacity,
+                           overflow=config.overflow, power=config.power_policy() if power else None)
+    try:
+        if config.draft_model is not None:
+            model.set_draft(config.draft_model)
+    except BaseException:
+        model.close()
+        raise
+    return model
+
+
+def check_speculative(config: ServeConfig, model) -> None:
+    """--speculative's refusals that need the model: a portable graph verifies no drafts (every request
+    would be refused), and a bad n-gram table stops the start, not every request."""
+    if config.speculative == "off":
+        return
+    if not hasattr(model.engine, "verify_ratios"):
+        raise InvalidArgumentError(f"speculative = {config.speculative} needs a fused graph; {config.model} is a "
+                                   "portable graph (--target coreml/nnapi) that verifies no drafts")
+    if config.speculative == "ngram":
+        model.engine.ngram_table()
 
 
 def connection_cap() -> int:

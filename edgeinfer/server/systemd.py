@@ -7,9 +7,10 @@ the machine. Contract of the text:
   dedicated `user` (User= and Group= both that name), restarted 5 s after a failure;
 - the API key is never in it: it comes from `EnvironmentFile=-<env_file>` (a line
   `EDGEINFER_API_KEY=...`, mode 0600, owned by root); `exec_start` holding `--api-key` is refused;
-- `MemoryMax=` is the footprint rounded up to MiB plus `MEMORY_MARGIN_FRACTION` of it plus
-  `MEMORY_MARGIN_MIB` (Python, ONNX Runtime's arenas and the HTTP stack, which a footprint of
-  weights + KV rings does not count), written as an integer with the `M` suffix;
+- `MemoryMax=` is the footprint (`server.footprint`: the model as loaded, measured, plus its KV
+  rings, attention scores and speculation's buffers) rounded up to MiB plus `MEMORY_MARGIN_FRACTION`
+  of it plus `MEMORY_MARGIN_MIB` (Python, ONNX Runtime's libraries and the HTTP stack, which the
+  footprint does not count), written as an integer with the `M` suffix;
 - `KillSignal=SIGTERM` and `TimeoutStopSec=` = the server's grace period + `STOP_MARGIN_S`, so
   systemd waits for requests in flight to finish before it sends SIGKILL;
 - hardening that leaves a virtual environment under /opt working (it is only read):

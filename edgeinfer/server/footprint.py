@@ -1,0 +1,121 @@
+"""What a served model holds in memory, for the systemd unit's MemoryMax (`serve --print-systemd-unit`).
+
+`footprint_bytes(config, folders)` = `loaded_bytes(config)`, measured, plus `held_per_request(...)`
+of each folder, computed:
+
+1. Measured: a child process loads the model as the service does (`server.run.load_served`: its draft
+   model attached; no power controller, no slots), checks --speculative against it, and reports the
+   growth of its anonymous resident memory (RssAnon; elsewhere all resident memory). That counts the
+   weights as ONNX Runtime holds them, which is not their size on disk: SmolLM2-135M's int4 folder
+   (76 MiB) held 135 MiB (its blocks prepacked), its fp16 one (258 MiB) 538 MiB (cast to float32);
+   a unit that counted the folder was killed by its own MemoryMax as the fp16 service started (a
+   docs round). A child, so that the measure starts from a fresh heap (a process that has freed
+   memory reuses it, and measured a load at less than it takes) and the printing process does not
+   keep the model. The child raises what the service's start would (a capacity past the trained
+   length, a draft model of another tokenizer, --speculative on a portable graph), here.
+2. Computed, per folder: one KV ring per slot (each request holds one, of the draft model too),
+   committed as the server starts or as requests come; the scores of a prefill call's attention,
+   which ONNX Runtime's arena keeps at their largest (heads x chunk x ring rows x 4 bytes: 38 MiB for
+   SmolLM2's default ring); for the served model under --speculative, each slot's verify buffer and
+   prompt-lookup index (a request's last 2 x `NgramDrafter.window` tokens at most), and with ngram
+   its n-gram table read and its memo full.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from edgeinfer import errors
+from edgeinfer.errors import EdgeInferError
+
+FIELDS = ("model", "threads", "capacity", "overflow", "draft_model", "speculative")  # what loading reads
+
+
+def footprint_bytes(config, folders: list[Path]) -> int:
+    """The served model's memory (folders[0]; folders[1], its draft model) as the module doc says."""
+    return loaded_bytes(config) + held_per_request(folders[0], config, served=True) + sum(
+        held_per_request(f, config, served=False) for f in folders[1:])
+
+
+def loaded_bytes(config) -> int:
+    """Step 1: what loading the model took, measured in a child process; its refusal raised here as the
+    same error."""
+    import edgeinfer
+
+    fields = {k: getattr(config, k) for k in FIELDS}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(edgeinfer.__file__).parent.parent),
+                                                                       os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", "from edgeinfer.server.footprint import _child; _child()"],
+                          input=json.dumps(fields, default=str), capture_output=True, text=True, env=env)
+    try:
+        answer = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise EdgeInferError(f"measuring the model's memory failed: {last}") from None
+    if "error" in answer:
+        kind = getattr(errors, answer["error"], EdgeInferError)
+        raise (kind if isinstance(kind, type) and issubclass(kind, EdgeInferError) else EdgeInferError)(
+            answer["message"])
+    return answer["bytes"]
+
+
+def _child() -> None:
+    """The child of `loaded_bytes`: the fields on standard input, one JSON line out."""
+    from types import SimpleNamespace
+
+    import onnxruntime  # noqa: F401  (the libraries before the measure: the unit's margin counts them)
+
+    from edgeinfer.server.run import check_speculative, load_served
+
+    config = SimpleNamespace(**json.loads(sys.stdin.read()))
+    before = _anon_bytes()
+    try:
+        model = load_served(config, power=False)
+        try:
+            check_speculative(config, model)
+            answer = {"bytes": max(0, _anon_bytes() - before)}
+        finally:
+            model.close()
+    except EdgeInferError as e:
+        answer = {"error": type(e).__name__, "message": str(e)}
+    print(json.dumps(answer), flush=True)
+
+
+def _anon_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+
+def held_per_request(folder: Path, config, served: bool) -> int:
+    """Step 2 for one folder (`served`: the served model, else its draft model)."""
+    from edgeinfer.drafting import NgramDrafter
+    from edgeinfer.inspect import kv_at_load
+    from edgeinfer.manifest import read_manifest
+    from edgeinfer.ngram_table import memory_bytes
+    from edgeinfer.overflow import DEFAULT_PREFILL_CHUNK, resolve_capacity
+    from edgeinfer.platforms import device_capacity_tokens
+    from edgeinfer.speculative import verify_buffer_bytes
+
+    manifest = read_manifest(folder)
+    spec = manifest.arch
+    cap = resolve_capacity(manifest.default_capacity_tokens, spec, config.capacity if served else None,
+                           device_capacity_tokens(manifest.portable is not None))
+    rows, ring = kv_at_load(manifest, cap)  # (a float16 ring, a portable graph's R)
+    chunk = manifest.portable.prefill_tokens if manifest.portable is not None else min(DEFAULT_PREFILL_CHUNK, cap)
+    scores = spec.num_heads * chunk * rows * 4
+    speculation = 0
+    if served and config.speculative != "off":
+        index = 2 * NgramDrafter.window * NgramDrafter.BYTES_PER_TOKEN if config.speculative == "ngram" else 0
+        speculation = config.slots * (verify_buffer_bytes(spec.vocab_size) + index)
+        if config.speculative == "ngram" and manifest.ngrams is not None:
+            speculation += memory_bytes(manifest.ngrams.contexts)
+    return config.slots * ring + scores + speculation
