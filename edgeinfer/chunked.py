@@ -14,7 +14,7 @@ from edgeinfer import fork_safety
 from edgeinfer.interrupts import interrupts_held
 from edgeinfer.errors import ForkedBusyError, ModelClosedError
 from edgeinfer.kv_cache import RingKVCache
-from edgeinfer.ort_lifecycle import hold_at_exit, return_freed_memory
+from edgeinfer.ort_lifecycle import check_thread, hold_at_exit, return_freed_memory
 
 
 def prefill_chunks(n: int, chunk: int, cache: RingKVCache | None = None) -> list[tuple[int, int]]:
@@ -112,7 +112,8 @@ class ChunkedSteps:
         raise NotImplementedError
 
     def _check_open(self) -> None:
-        """Under `lock`, before a graph call."""
+        """Under `lock`, before a graph call (at the interpreter's exit, only its thread goes on)."""
+        check_thread()
         if self.closed:
             raise ModelClosedError()
 

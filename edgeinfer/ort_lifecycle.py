@@ -8,12 +8,16 @@
    there, and its memory is the child's until it exits. Sessions the child makes itself are its own.
 2. At interpreter exit, a daemon thread still generating was killed inside a graph call, in C++
    code: "terminate called without an active exception" and SIGABRT (6 of 10 runs of an app that
-   quit while a thread generated). At exit (`atexit`) the lock around session creation
-   (`new_session`) and each engine's lock (held around every graph call) are taken, waiting up to
-   EXIT_WAIT_S in all for a call in flight, and then stand in for themselves as `_ExitingOnly`: the
-   exiting thread (later atexit handlers, a __del__ at finalization) still loads and generates, one
-   call at a time; any other thread that tries waits for good on a Python lock, not inside ONNX
-   Runtime. This makes such an abort rare, not impossible: a review saw 1-2 in 25 exits with four
+   quit while a thread generated). At exit (`atexit`) the exiting thread is recorded, then the lock
+   around session creation (`new_session`) and each engine's lock (held around every graph call)
+   are taken and released, waiting up to EXIT_WAIT_S in all for a call in flight. From then on the
+   exiting thread (later atexit handlers, a __del__ at finalization) still loads and generates; any
+   other thread is ended at its next call, under the lock and before ONNX Runtime (`check_thread`,
+   which each graph call and session creation asks), by a SystemExit: its `finally` blocks run (a model's context it held is released), `except Exception` does not catch
+   it, and threading reports nothing. Such threads were parked for good on the lock exit kept,
+   which hung the process for ever when an atexit handler that runs after ours (one registered
+   before the first load) joined that thread or generated on a context it held (a hostile round).
+   This makes such an abort rare, not impossible: a review saw 1-2 in 25 exits with four
    daemon threads each starting generations in a loop, and 1 in 10 with a daemon thread loading and
    dropping models in a loop (a session freed, or an IO binding made, outside these locks); a call
    longer than EXIT_WAIT_S is still cut.
@@ -44,6 +48,7 @@ def new_session(make: Callable[[], T]) -> T:
     """`make()` (which makes an ONNX Runtime InferenceSession) run under the lock exit takes, its
     session registered to be kept in a forked child; returns it."""
     with _CREATING:
+        check_thread()
         session = make()
     with _GUARD:
         _SESSIONS.add(session)
@@ -73,28 +78,17 @@ def hold_at_exit(engine: object) -> None:
         _ENGINES.add(engine)
 
 
-class _ExitingOnly:
-    """A lock once exit has taken it: the exiting thread still takes it (a private lock, one call at
-    a time); any other thread waits for good on the lock exit kept."""
+THREAD_ENDED = "the interpreter is exiting: only the thread that runs its exit may use a model"
 
-    def __init__(self, kept: threading.Lock):
-        self.kept, self.own, self.exiting = kept, threading.Lock(), threading.get_ident()
 
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if threading.get_ident() != self.exiting:
-            self.kept.acquire()  # never released: this thread is parked until the process is gone
-        return self.own.acquire(blocking, timeout)
+_exiting: int | None = None  # the thread running the interpreter's exit, once it has begun
 
-    __enter__ = acquire
 
-    def __exit__(self, *exc) -> None:
-        self.own.release()
-
-    def release(self) -> None:
-        self.own.release()
-
-    def locked(self) -> bool:
-        return self.own.locked()
+def check_thread() -> None:
+    """Under a graph call's lock, before ONNX Runtime: once exit has begun, SystemExit in any thread but
+    the exiting one (SystemExit itself: threading reports any other exception, a subclass too)."""
+    if _exiting is not None and threading.get_ident() != _exiting:
+        raise SystemExit(THREAD_ENDED)
 
 
 def _after_fork_in_child() -> None:
@@ -106,21 +100,21 @@ def _after_fork_in_child() -> None:
     _SESSIONS.clear()
 
 
-def _taken(lock, deadline: float):
-    """`lock` taken (by `deadline`) and standing in for itself as `_ExitingOnly`; else `lock`."""
+def _wait_for(lock, deadline: float) -> None:
+    """Take and release `lock` (by `deadline`): the call it guarded has ended."""
     if isinstance(lock, type(threading.Lock())) and lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-        return _ExitingOnly(lock)
-    return lock  # (a forked child's refusing stand-in, or a call longer than the wait)
+        lock.release()  # (a forked child's refusing stand-in is left alone; a call longer than the wait, cut)
 
 
 def _hold_at_exit() -> None:
-    global _CREATING
+    global _exiting
+    _exiting = threading.get_ident()
     deadline = time.monotonic() + EXIT_WAIT_S
-    _CREATING = _taken(_CREATING, deadline)
+    _wait_for(_CREATING, deadline)
     with _GUARD:
         engines = list(_ENGINES)
     for engine in engines:
-        engine.lock = _taken(engine.lock, deadline)
+        _wait_for(engine.lock, deadline)
 
 
 if hasattr(os, "register_at_fork"):

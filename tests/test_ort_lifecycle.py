@@ -83,8 +83,9 @@ def test_a_forked_child_exits_after_dropping_a_portable_model(tmp_path):
 
 def test_exit_stops_daemon_threads_outside_graph_calls_and_lets_the_exiting_thread_run():
     """At exit, a daemon thread still generating was killed inside a graph call: SIGABRT in 6 of 10
-    runs of an app that quit so. Exit now takes the engines' locks, so such a thread makes no more
-    calls (it waits on a Python lock), while the exiting thread still generates. (Whether a given
+    runs of an app that quit so. Exit now waits for the call in flight, and such a thread makes no
+    more calls (it is ended at its next, before ONNX Runtime), while the exiting thread still
+    generates. (Whether a given
     exit aborts is left to chance by the thread's other C++ calls, a tokenizer's say: made rare, not
     impossible, so what is checked is the mechanism.)"""
     r = subprocess.run([sys.executable, "-c", EXIT_HOLD], capture_output=True, text=True, timeout=120)
@@ -105,3 +106,37 @@ def test_an_atexit_handler_that_runs_after_ours_can_still_generate():
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "4", (r.returncode, r.stdout, r.stderr)
+
+
+EXIT_HOOK_WAITS = textwrap.dedent("""
+    import atexit, sys, threading, time
+    stop = threading.Event()
+    def app_exit():  # registered before the first load, so it runs after edgeinfer's own
+        stop.set()
+        if sys.argv[1] == "join":
+            worker.join()
+            print("joined", flush=True)
+        else:  # one more answer on the context the worker was streaming on
+            print(len(m.generate("The end", max_new_tokens=5, ignore_eos=True).token_ids), flush=True)
+    atexit.register(app_exit)
+    import edgeinfer
+    m = edgeinfer.load(threads=1)
+    def work():
+        while not stop.is_set():
+            for _ in m.stream("Once upon a time", max_new_tokens=400, ignore_eos=True):
+                pass
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    time.sleep(0.5)
+""")
+
+
+@pytest.mark.parametrize("hook", ["join", "generate"])
+def test_an_exit_hook_that_waits_for_a_generating_thread_lets_the_process_exit(hook):
+    """Exit parked every other thread for good at its next graph call: an app whose own exit hook (run
+    after ours) joined its daemon worker, or generated on the context that worker held mid-stream, hung
+    for ever (a hostile round). That thread is now ended at its next call (a SystemExit, which
+    threading reports nothing of), its context released."""
+    r = subprocess.run([sys.executable, "-c", EXIT_HOOK_WAITS, hook], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == ("joined" if hook == "join" else "5"), (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and "Exception in thread" not in r.stderr, r.stderr
