@@ -204,11 +204,15 @@ def test_a_ctrl_c_while_close_waits_leaves_it_whole():
     Now the Ctrl-C is raised once close has finished."""
     m = edgeinfer.load()
     session = weakref.ref(m.session.session)
-    m.engine.lock.acquire()  # a graph call in flight, as close sees it
-    threading.Timer(0.2, signal.raise_signal, (signal.SIGINT,)).start()
-    threading.Timer(0.6, m.engine.lock.release).start()
-    with pytest.raises(KeyboardInterrupt):
-        m.close()
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (ignored in tests started in the background)
+    try:
+        m.engine.lock.acquire()  # a graph call in flight, as close sees it
+        threading.Timer(0.2, signal.raise_signal, (signal.SIGINT,)).start()
+        threading.Timer(0.6, m.engine.lock.release).start()
+        with pytest.raises(KeyboardInterrupt):
+            m.close()
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert m.closed and freed(session)
 
 

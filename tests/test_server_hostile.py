@@ -1166,7 +1166,8 @@ def test_a_stream_nobody_reads_is_cancelled_and_frees_its_slot(small_buffers, mo
 def test_sighup_drains_as_sigterm_does():
     """Hostile round: closing the terminal (or the ssh session) of a server started by hand sends
     SIGHUP, which killed it at once: rc -1, no log line, its stream cut with no error and no [DONE]."""
-    proc, port, url = _start_process("--grace-s", "0.5")
+    proc, port, url = _start_process("--grace-s", "0.5",  # (under nohup, SIGHUP is ignored on purpose: a server
+                                     preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # runs on)
     s = socket.create_connection(("127.0.0.1", port))
     try:
         s.sendall(_raw({"model": MODEL, "prompt": "Once", "max_tokens": 20_000, "ignore_eos": True, "stream": True}))
