@@ -313,3 +313,38 @@ def test_a_stream_freed_by_the_cycle_collector_keeps_its_context_until_its_clean
     # the cleanup ran whole before the other got in, or (taken back first) not at all: never interleaved
     assert order in ([("other", 2)], ["end begins", "end ends", ("other", 2)]), order
     assert not m.lock._lock.locked() and m.lock._token == 0
+
+
+def test_one_ctrl_c_in_nested_held_blocks_reaches_an_event_loop_once():
+    """Each block's end raised the signal again, and each raise wrote the process's wakeup fd, which
+    asyncio, Qt and GLib read: one Ctrl-C inside two nested blocks (as `Model.close` nests them) was
+    three to the app, whose second often means "force quit" (a hostile round). Now the program's
+    handler is called once, as the blocks end, and the fd holds the one byte the signal wrote."""
+    import socket
+
+    from edgeinfer.interrupts import interrupts_held
+
+    r, w = socket.socketpair()
+    r.setblocking(False)
+    w.setblocking(False)
+    calls = []
+    old_fd = signal.set_wakeup_fd(w.fileno())
+    old = signal.signal(signal.SIGINT, lambda *a: calls.append(a[0]))  # as asyncio's add_signal_handler does
+    try:
+        with interrupts_held() as outer:
+            with interrupts_held() as inner:
+                signal.raise_signal(signal.SIGINT)
+                assert inner.pending() and not calls
+            assert outer.pending() and not calls  # (the inner block's end handed it on)
+        assert calls == [signal.SIGINT]
+        assert len(r.recv(100)) == 1
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with pytest.raises(KeyboardInterrupt):  # under Python's own handler: KeyboardInterrupt as the blocks end
+            with interrupts_held():
+                with interrupts_held():
+                    signal.raise_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, old)
+        signal.set_wakeup_fd(old_fd)
+        r.close()
+        w.close()
