@@ -26,7 +26,8 @@ def check_messages(messages: Sequence[dict]) -> list[dict]:
         raise InvalidArgumentError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES \
+                or not isinstance(m.get("content"), str):  # (a role not a string: an array's `in` raised ValueError)
             raise InvalidArgumentError(f"message {i} must be a dict with role in {ROLES} and string content")
         check_utf8(m["content"], f"message {i} ({m['role']})")  # here, the position the message's own (the
         # rendering's encode would name its place in the rendering)

@@ -235,6 +235,9 @@ def check_pair(target, draft) -> None:
                                    "token strings differ)")
 
 
-def _draft_closed() -> ModelClosedError:
-    return ModelClosedError("the draft model was closed (Model.close): attach an open one with set_draft, or "
-                            "detach it with set_draft(None)")
+def _draft_closed() -> InvalidArgumentError:
+    """A request for drafts from an attached draft model that was closed: InvalidArgumentError, as
+    `set_draft` of a closed one is; ModelClosedError says this Model was closed, and an app that loads
+    its model again on it reloaded the wrong one (a hostile round)."""
+    return InvalidArgumentError("the draft model was closed (Model.close): attach an open one with set_draft, or "
+                                "detach it with set_draft(None)")

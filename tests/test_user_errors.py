@@ -207,6 +207,17 @@ def test_error_types_and_exports():
 
     with pytest.raises(InvalidArgumentError, match="messages"):
         check_messages("hi")
+    import numpy as np
+
+    class EqualToAll:
+        __hash__ = object.__hash__
+
+        def __eq__(self, other):
+            return True
+
+    for role in (np.array(["user", "user"]), EqualToAll(), None):  # an array's `in` raised ValueError, the other
+        with pytest.raises(InvalidArgumentError, match="message 0 must be a dict with role"):  # AttributeError
+            check_messages([{"role": role, "content": "hi"}])  # (a hostile round)
     with pytest.raises(InvalidArgumentError, match="provider"):
         resolve_provider("tpu")
     with pytest.raises(edgeinfer.ModelFormatError, match="does not parse"):
