@@ -22,7 +22,13 @@ DEFAULT_PREFILL_CHUNK = 256  # `load`'s tokens per prefill call: also the overfl
 
 
 class ContextOverflowError(EdgeInferError, ValueError):
-    """The prompt (or prompt plus requested tokens) does not fit the ring under overflow="error"."""
+    """The prompt (or prompt plus requested tokens) does not fit the ring under overflow="error".
+    `counts`: what did not fit, without the remedy the message adds (a server names its own flags)."""
+
+    def __init__(self, counts: str, remedy: str = "overflow='error'; use 'shift' or 'truncate', or a larger "
+                                                  "capacity_tokens"):
+        super().__init__(f"{counts} ({remedy})")
+        self.counts = counts
 
 
 def check_policy(overflow) -> str:
@@ -102,10 +108,8 @@ def fit_prompt(cache, ids: list[int], overflow: str, max_new_tokens: int) -> tup
     if overflow == "shift" or len(ids) <= room and overflow == "error":
         return ids, 0
     if overflow == "error":
-        raise ContextOverflowError(
-            f"prompt of {len(ids)} tokens does not fit: the context holds {cache.n_valid} of "
-            f"{cache.capacity} tokens, {room} free (overflow='error'; use 'shift' or 'truncate', or a larger "
-            f"capacity_tokens)")
+        raise ContextOverflowError(f"prompt of {len(ids)} tokens does not fit: the context holds {cache.n_valid} of "
+                                   f"{cache.capacity} tokens, {room} free")
     budget = max(1, room - truncate_reserve(cache.capacity, max_new_tokens))
     if len(ids) <= budget:
         return ids, 0

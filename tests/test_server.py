@@ -290,8 +290,10 @@ def test_overflow_error_is_a_400_with_counts_and_dropped_tokens_are_reported(mod
     small = edgeinfer.load(capacity_tokens=32, overflow="error")
     r = Running(ServeConfig(slots=1, queue=1), model=small)
     try:
-        with pytest.raises(openai.BadRequestError, match="does not fit"):
+        with pytest.raises(openai.BadRequestError, match="does not fit") as e:
             r.client(key=None).completions.create(model="stories260K-int8", prompt="word " * 60, max_tokens=4)
+        assert "--overflow shift or truncate, or a larger --capacity" in e.value.message  # the server's flags, not
+        assert "capacity_tokens" not in e.value.message  # load's arguments (a docs round)
     finally:
         r.stop()
     shifting = edgeinfer.load(capacity_tokens=32, overflow="shift")

@@ -85,8 +85,10 @@ class Reply:
 
     def _failure(self, exc: BaseException) -> APIError:
         """The error of a request that failed in its steps (not cancelled)."""
-        if isinstance(exc, ContextOverflowError):
-            return APIError(400, str(exc), param="messages" if self.chat else "prompt", code="context_length_exceeded")
+        if isinstance(exc, ContextOverflowError):  # (the library's remedy named load's arguments, not the server's)
+            return APIError(400, f"{exc.counts} (the server runs with --overflow error: send a shorter prompt, or "
+                                 "its operator may use --overflow shift or truncate, or a larger --capacity)",
+                            param="messages" if self.chat else "prompt", code="context_length_exceeded")
         if isinstance(exc, ModelFormatError):  # the model's own fault (non-finite logits): not the request's
             log.error("generation failed: %s", exc)
             return APIError(500, str(exc), type="server_error")
