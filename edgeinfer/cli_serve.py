@@ -4,6 +4,7 @@ daemon itself is `edgeinfer.server`."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -112,9 +113,14 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
     # would restart it in a loop)
     if any(read_manifest(f).target == "cuda" for f in folders):  # once per process, draft model or not
         total += CUDA_RUNTIME_BYTES
-    needed = [sys.executable, *(str(f) for f in folders),  # what the service reads
+    import edgeinfer
+
+    needed = [sys.executable, os.path.realpath(sys.executable),  # what the service reads: the interpreter a venv's
+              # link leads to (pyenv's, uv's, conda's: often under /root or /home), the package (an editable
+              # install's source), the model folders, the files
+              str(Path(edgeinfer.__file__).resolve().parent), *(str(f) for f in folders),
               *(str(Path(f).resolve()) for f in (args.config, args.api_key_file, config.api_key_file) if f)]
-    for warning in hidden_paths(needed):
+    for warning in hidden_paths(list(dict.fromkeys(needed))):
         print(f"edgeinfer: warning: {warning}", file=sys.stderr)
     from edgeinfer.platforms import detect
 

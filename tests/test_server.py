@@ -235,6 +235,20 @@ def test_wrong_or_missing_key_is_401(srv):
     assert httpx.get(srv.url + "/health").status_code == 200  # health needs no key
 
 
+def test_a_model_given_as_dot_is_named_by_its_folder(monkeypatch):
+    """`serve -m .` from inside the folder listed the model as "" and refused its folder's name with
+    404 model_not_found (a docs round: "the folder's name is the model's id")."""
+    from edgeinfer.model import default_model_path
+    from edgeinfer.server.app import Server
+
+    monkeypatch.chdir(default_model_path())
+    m = edgeinfer.load(".")
+    try:
+        assert Server(m, ServeConfig(slots=1, queue=1)).model_id == default_model_path().name
+    finally:
+        m.close()
+
+
 def test_models_health_metrics_and_unknown_route(srv):
     cl = srv.client()
     assert [m.id for m in cl.models.list()] == ["stories260K-int8"]

@@ -211,3 +211,23 @@ def test_the_unit_leaves_room_for_what_the_service_takes(tmp_path, capsys):
             proc.wait()
             proc.stderr.close()
         assert peak_mib < limit_mib, (quant, peak_mib, limit_mib)
+
+
+def test_the_unit_warns_of_an_interpreter_a_venv_links_to_under_a_hidden_folder(monkeypatch, capsys):
+    """The check read the venv's python as a path: a venv under /opt whose python links to pyenv's
+    under /root (uv's, conda's: often under /home) printed no warning, and ProtectHome hid the
+    interpreter from the service (a docs round). The link's target is checked too."""
+    import os
+
+    from edgeinfer.cli import main
+    from edgeinfer.server import footprint as fp
+
+    monkeypatch.setattr(fp, "loaded_bytes", lambda config: 1 << 20)
+    monkeypatch.setattr(sys, "executable", "/opt/edgeinfer/bin/python")
+    real = os.path.realpath
+    monkeypatch.setattr(os.path, "realpath", lambda p, **kw: "/root/.pyenv/versions/3.11.7/bin/python3.11"
+                        if p == "/opt/edgeinfer/bin/python" else real(p, **kw))
+    assert main(["serve", "--port", "8080", "--print-systemd-unit"]) == 0
+    err = capsys.readouterr().err
+    assert "/root/.pyenv/versions/3.11.7/bin/python3.11 is under /root" in err and "ProtectHome=yes" in err
+    assert "/opt/edgeinfer/bin/python is under" not in err

@@ -28,6 +28,7 @@ import hmac
 import json
 import logging
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -63,7 +64,7 @@ class Server:
 
     def __init__(self, model, config: ServeConfig):
         self.model, self.config = model, config
-        self.model_id = model.folder.name
+        self.model_id = Path(model.folder).resolve().name  # (resolved: `-m .` was the id "", and "fp32" a 404)
         self.max_prompt_tokens = config.max_prompt_tokens or PROMPT_RINGS * model.capacity_tokens
         self.created = int(time.time())
         self.scheduler = Scheduler(model, config.slots, config.queue)
