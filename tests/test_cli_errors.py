@@ -97,6 +97,22 @@ def test_chat_says_what_a_full_context_did_as_generate_does():
     # decoded line by line: the line is refused before it becomes a message)
 
 
+def test_a_prompt_many_contexts_long_under_shift_is_said_to_take_its_time_before_the_work(capsys):
+    """`cat doc.txt | edgeinfer generate -` of 1 MiB ran 2 min 25 s on the bundled model with no word
+    until its end (a docs round): the whole prompt runs through the ring under shift. A prompt of two
+    contexts or more now gets a note first, naming truncate; a shorter one, or truncate, gets none."""
+    from edgeinfer.cli import main
+
+    long_prompt = "a b " * 200  # 400 tokens and more: over twice the 64-token context
+    assert main(["generate", long_prompt, "--capacity", "64", "--max-tokens", "1", "--temperature", "0"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("edgeinfer: note: the prompt is ") and "times the 64-token context" in err[0], err
+    assert "--overflow truncate keeps those and starts at once" in err[0] and "tokens were dropped" in err[1]
+    for prompt, flags in ((long_prompt, ["--overflow", "truncate"]), ("a b " * 20, [])):
+        assert main(["generate", prompt, "--capacity", "64", "--max-tokens", "1", *flags]) == 0
+        assert "the prompt is" not in capsys.readouterr().err
+
+
 def test_chat_stdin_that_is_not_utf8():
     """Under a strict UTF-8 stdin, a bad byte skips that input with one error line."""
     r = subprocess.run([sys.executable, "-m", "edgeinfer", "chat", "--max-tokens", "3"], input=b"hi\xff\n",
