@@ -167,9 +167,12 @@ def _long_prompt_note(model, prompt: str, overflow: str) -> str | None:
     last tokens (a 1 MiB stdin prompt took 2 min 25 s on the bundled model with no word, 1.1 s under
     truncate; a docs round). (Counted only past `capacity` bytes: a token is at least a byte.)"""
     capacity = model.capacity_tokens
-    if overflow != "shift" or len(prompt.encode("utf-8")) < LONG_PROMPT_RINGS * capacity:
+    if overflow != "shift" or len(prompt.encode("utf-8", "surrogatepass")) < LONG_PROMPT_RINGS * capacity:
         return None
-    n = len(model.tokenizer.encode(prompt))
+    try:
+        n = len(model.tokenizer.encode(prompt))
+    except (EdgeInferError, UnicodeError):  # (not text the model takes: its refusal comes next, in its words)
+        return None
     if n < LONG_PROMPT_RINGS * capacity:
         return None
     return (f"the prompt is {n:,} tokens, {n / capacity:.0f} times the {capacity}-token context: under --overflow "

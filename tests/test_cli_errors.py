@@ -54,10 +54,11 @@ def test_any_integer_seed_is_accepted(capsys, seed):
     assert capsys.readouterr().out == first.out
 
 
-def test_non_utf8_prompt_is_one_line():
+@pytest.mark.parametrize("prompt", [b"Once \xff", b"Once \xff" + b" a b" * 300])  # (the second: long enough for
+def test_non_utf8_prompt_is_one_line(prompt):  # the long-prompt note's count, which raised on it)
     """A byte that is not UTF-8 on the command line reaches Python as a lone surrogate."""
-    r = subprocess.run([sys.executable, "-m", "edgeinfer", "generate", b"Once \xff", "--max-tokens", "3"],
-                       capture_output=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "edgeinfer", "generate", prompt, "--max-tokens", "3",
+                        "--capacity", "64"], capture_output=True, timeout=120)
     err = r.stderr.decode("utf-8", "replace")
     assert r.returncode == 1 and "Traceback" not in err
     _one_error_line(err, "not valid UTF-8")
