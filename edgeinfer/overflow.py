@@ -28,7 +28,10 @@ class ContextOverflowError(EdgeInferError, ValueError):
     def __init__(self, counts: str, remedy: str = "overflow='error'; use 'shift' or 'truncate', or a larger "
                                                   "capacity_tokens"):
         super().__init__(f"{counts} ({remedy})")
-        self.counts = counts
+        self.counts, self.remedy = counts, remedy
+
+    def __reduce__(self):  # copy and pickle make it from its parts (from `args`, the whole message, the remedy
+        return type(self), (self.counts, self.remedy), self.__dict__  # came twice: a stream copies its error)
 
 
 def check_policy(overflow) -> str:

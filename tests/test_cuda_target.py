@@ -155,7 +155,7 @@ def test_the_systemd_unit_sizes_a_float16_ring_as_load_allocates_it(folders, mon
     m = read_manifest(folder)
     sized = []
     monkeypatch.setattr(systemd, "systemd_unit", lambda **kw: sized.append(kw["memory_max_bytes"]) or "")
-    monkeypatch.setattr(fp, "loaded_bytes", lambda config: 12345)
+    monkeypatch.setattr(fp, "loaded_bytes", lambda config, folders: 12345)
     assert main(["serve", "-m", str(folder), "--port", "8080", "--slots", "3", "--capacity", "64",
                  "--print-systemd-unit"]) == 0
     rows, ring = kv_at_load(m, 64)

@@ -235,7 +235,7 @@ def test_wrong_or_missing_key_is_401(srv):
     assert httpx.get(srv.url + "/health").status_code == 200  # health needs no key
 
 
-def test_a_model_given_as_dot_is_named_by_its_folder(monkeypatch):
+def test_a_model_given_as_dot_is_named_by_its_folder(monkeypatch, tmp_path):
     """`serve -m .` from inside the folder listed the model as "" and refused its folder's name with
     404 model_not_found (a docs round: "the folder's name is the model's id")."""
     from edgeinfer.model import default_model_path
@@ -245,6 +245,13 @@ def test_a_model_given_as_dot_is_named_by_its_folder(monkeypatch):
     m = edgeinfer.load(".")
     try:
         assert Server(m, ServeConfig(slots=1, queue=1)).model_id == default_model_path().name
+    finally:
+        m.close()
+    link = tmp_path / "current"  # a link repointed at each update keeps its name as the id (a review: resolving
+    link.symlink_to(default_model_path())  # it made every client's id a 404 after an update)
+    m = edgeinfer.load(link)
+    try:
+        assert Server(m, ServeConfig(slots=1, queue=1)).model_id == "current"
     finally:
         m.close()
 

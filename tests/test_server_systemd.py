@@ -8,6 +8,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -144,7 +145,7 @@ def test_the_memory_limit_counts_what_speculation_holds(capsys, monkeypatch):
     from edgeinfer.ngram_table import MEMO_TAILS
     from edgeinfer.server import footprint as fp
 
-    monkeypatch.setattr(fp, "loaded_bytes", lambda config: 1 << 20)
+    monkeypatch.setattr(fp, "loaded_bytes", lambda config, folders: 1 << 20)
 
     def footprint(*flags) -> int:
         assert main(["serve", "--print-systemd-unit", "--port", "8080", "--slots", "3", *flags]) == 0
@@ -222,7 +223,7 @@ def test_the_unit_warns_of_an_interpreter_a_venv_links_to_under_a_hidden_folder(
     from edgeinfer.cli import main
     from edgeinfer.server import footprint as fp
 
-    monkeypatch.setattr(fp, "loaded_bytes", lambda config: 1 << 20)
+    monkeypatch.setattr(fp, "loaded_bytes", lambda config, folders: 1 << 20)
     monkeypatch.setattr(sys, "executable", "/opt/edgeinfer/bin/python")
     real = os.path.realpath
     monkeypatch.setattr(os.path, "realpath", lambda p, **kw: "/root/.pyenv/versions/3.11.7/bin/python3.11"
@@ -231,3 +232,25 @@ def test_the_unit_warns_of_an_interpreter_a_venv_links_to_under_a_hidden_folder(
     err = capsys.readouterr().err
     assert "/root/.pyenv/versions/3.11.7/bin/python3.11 is under /root" in err and "ProtectHome=yes" in err
     assert "/opt/edgeinfer/bin/python is under" not in err
+
+
+def test_a_unit_is_refused_for_an_interpreter_that_cannot_import_edgeinfer(tmp_path, monkeypatch, capsys):
+    """The measuring child ran from the current folder with the package's folder on PYTHONPATH, so an
+    interpreter that found edgeinfer only in a source checkout got a unit (exit 0) whose service then
+    failed at each start with "No module named edgeinfer" (a review). The child now starts as the
+    service does (from /, isolated), and the unit is refused in one line."""
+    import numpy
+
+    from edgeinfer.cli import main
+    from edgeinfer.model import default_model_path
+
+    venv = tmp_path / "v"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    (site / "deps.pth").write_text(str(Path(numpy.__file__).parent.parent) + "\n")  # the dependencies, and not
+    # edgeinfer's own install (a .pth in a folder a .pth adds is not read)
+    monkeypatch.setattr(sys, "executable", str(venv / "bin" / "python"))
+    monkeypatch.chdir(Path(__file__).parent.parent)  # the checkout: edgeinfer importable from here alone
+    assert main(["serve", "-m", str(default_model_path()), "--port", "8080", "--print-systemd-unit"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot import edgeinfer" in err[0] and "started as the service will be" in err[0], err

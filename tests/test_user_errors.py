@@ -228,10 +228,23 @@ def test_error_types_and_exports():
 
 
 def test_context_overflow_is_an_edgeinfer_error():
+    import copy
+    import pickle
+
     m = edgeinfer.load(capacity_tokens=16, overflow="error")
     with pytest.raises(EdgeInferError, match="does not fit") as info:
         m.generate(list(range(3, 40)), max_new_tokens=5)
     assert isinstance(info.value, ContextOverflowError) and isinstance(info.value, ValueError)
+    e = info.value  # copied and pickled, the same message (a review: its remedy came twice, and a stream,
+    for again in (copy.copy(e), copy.deepcopy(e), pickle.loads(pickle.dumps(e))):  # which copies its error
+        assert str(again) == str(e) and again.counts == e.counts  # at each later next(), thrice)
+    s = m.stream(list(range(3, 40)), max_new_tokens=5)
+    seen = []
+    for _ in range(2):
+        with pytest.raises(ContextOverflowError) as info:
+            next(s)
+        seen.append(str(info.value))
+    assert seen == [str(e)] * 2
 
 
 def test_top_k_beyond_the_vocabulary_keeps_every_token(bundled):

@@ -24,7 +24,6 @@ of each folder, computed:
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,25 +35,30 @@ FIELDS = ("model", "threads", "capacity", "overflow", "draft_model", "speculativ
 
 
 def footprint_bytes(config, folders: list[Path]) -> int:
-    """The served model's memory (folders[0]; folders[1], its draft model) as the module doc says."""
-    return loaded_bytes(config) + held_per_request(folders[0], config, served=True) + sum(
+    """The served model's memory (folders[0]; folders[1], its draft model: absolute paths) as the
+    module doc says."""
+    return loaded_bytes(config, folders) + held_per_request(folders[0], config, served=True) + sum(
         held_per_request(f, config, served=False) for f in folders[1:])
 
 
-def loaded_bytes(config) -> int:
-    """Step 1: what loading the model took, measured in a child process; its refusal raised here as the
-    same error."""
-    import edgeinfer
-
+def loaded_bytes(config, folders: list[Path]) -> int:
+    """Step 1: what loading the model took, measured in a child process started as the service is (the
+    same interpreter, from /, in isolated mode: no PYTHONPATH, no user site, no current folder on the
+    path), so that an edgeinfer the service could not import is said here (a review: the child found
+    it through the current folder, and the unit printed was for a service that failed to start); its
+    refusal raised here as the same error."""
     fields = {k: getattr(config, k) for k in FIELDS}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(edgeinfer.__file__).parent.parent),
-                                                                       os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", "from edgeinfer.server.footprint import _child; _child()"],
-                          input=json.dumps(fields, default=str), capture_output=True, text=True, env=env)
+    fields.update(model=str(folders[0]), draft_model=str(folders[1]) if len(folders) > 1 else None)
+    done = subprocess.run([sys.executable, "-I", "-c", "from edgeinfer.server.footprint import _child; _child()"],
+                          input=json.dumps(fields, default=str), capture_output=True, text=True, cwd="/")
     try:
         answer = json.loads(done.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        if "No module named 'edgeinfer" in last:
+            raise EdgeInferError(f"{sys.executable}, started as the service will be (from /, no PYTHONPATH), cannot "
+                                 "import edgeinfer: install it into that environment (pip install, not a source "
+                                 "folder on the path)") from None
         raise EdgeInferError(f"measuring the model's memory failed: {last}") from None
     if "error" in answer:
         kind = getattr(errors, answer["error"], EdgeInferError)
