@@ -1,10 +1,10 @@
 """`interrupts_held`: a Ctrl-C recorded, not raised, while a block changes state that must stay whole
 (a lock's owner, a ring lent, the imports a command needs), then raised once the block ends.
 
-Its own module, importing nothing but `_signal`, `sys` and `threading`, so that the entry point can hold a
-Ctrl-C before the CLI's modules are imported: met inside an import, a KeyboardInterrupt can be lost
-(raised in a weak reference's callback of the import machinery it is printed as "Exception ignored"
-and the program runs on) or turned into an ImportError (numpy's compiled initialisation).
+Its own module, importing nothing but `_signal`, `sys` and `threading`, so that the entry point can
+hold a Ctrl-C before the CLI's modules are imported: met inside an import, a KeyboardInterrupt can
+be lost (raised in a weak reference's callback of the import machinery it is printed as "Exception
+ignored" and the program runs on) or turned into an ImportError (numpy's compiled initialisation).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ class interrupts_held:
     """`with interrupts_held() as held:` SIGINT is recorded, not raised, until the block ends; then the
     handler the program had is called with it (KeyboardInterrupt there, under Python's default).
     `held.pending()` says whether one came. Only the main thread gets KeyboardInterrupt: elsewhere, and
-    where SIGINT is ignored or handled outside Python, it holds nothing back. The handler is swapped with `_signal`'s
-    C functions: no Python code of the `signal` module runs (and checks for signals) in between."""
+    where SIGINT is ignored or handled outside Python, it holds nothing back. The handler is swapped
+    with `_signal`'s C functions: no Python code of the `signal` module runs (and checks for signals)
+    in between."""
 
     __slots__ = ("_pending", "_old")
 

@@ -13,8 +13,9 @@
    are taken and released, waiting up to EXIT_WAIT_S in all for a call in flight. From then on the
    exiting thread (later atexit handlers, a __del__ at finalization) still loads and generates; any
    other thread is ended at its next call, under the lock and before ONNX Runtime (`check_thread`,
-   which each graph call and session creation asks), by a SystemExit: its `finally` blocks run (a model's context it held is released), `except Exception` does not catch
-   it, and threading reports nothing. Such threads were parked for good on the lock exit kept,
+   which each graph call and session creation asks), by a SystemExit: its `finally` blocks run (a
+   model's context it held is released), `except Exception` does not catch it, and threading
+   reports nothing. Such threads were parked for good on the lock exit kept,
    which hung the process for ever when an atexit handler that runs after ours (one registered
    before the first load) joined that thread or generated on a context it held (a hostile round).
    This makes such an abort rare, not impossible: a review saw 1-2 in 25 exits with four

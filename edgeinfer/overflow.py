@@ -30,8 +30,8 @@ class ContextOverflowError(EdgeInferError, ValueError):
         super().__init__(f"{counts} ({remedy})")
         self.counts, self.remedy = counts, remedy
 
-    def __reduce__(self):  # copy and pickle make it from its parts (from `args`, the whole message, the remedy
-        return type(self), (self.counts, self.remedy), self.__dict__  # came twice: a stream copies its error)
+    def __reduce__(self):  # copy and pickle rebuild it from its parts: from `args` (the whole message) the remedy
+        return type(self), (self.counts, self.remedy), self.__dict__  # came twice, and a stream copies its error
 
 
 def check_policy(overflow) -> str:

@@ -1,9 +1,10 @@
 """What a served model holds in memory, for the systemd unit's MemoryMax (`serve --print-systemd-unit`).
 
-`footprint_bytes(config, folders)` = `loaded_bytes(config)`, measured, plus `held_per_request(...)`
-of each folder, computed:
+`footprint_bytes(config, folders)` = `loaded_bytes(config, folders)`, measured, plus
+`held_per_request(...)` of each folder, computed:
 
-1. Measured: a child process loads the model as the service does (`server.run.load_served`: its draft
+1. Measured: a child process, started as the service is (from /, isolated), loads the model as the
+   service does (`server.run.load_served`: its draft
    model attached; no power controller, no slots), checks --speculative against it, and reports the
    growth of its anonymous resident memory (RssAnon; elsewhere all resident memory). That counts the
    weights as ONNX Runtime holds them, which is not their size on disk: SmolLM2-135M's int4 folder
