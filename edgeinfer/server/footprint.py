@@ -4,8 +4,8 @@
 `held_per_request(...)` of each folder, computed:
 
 1. Measured: a child process, started as the service is (from /, isolated), loads the model as the
-   service does (`server.run.load_served`: its draft
-   model attached; no power controller, no slots), checks --speculative against it, and reports the
+   service does (`server.run.load_served`: its draft model attached; no power controller, no slots),
+   checks --speculative against it, and reports the
    growth of its anonymous resident memory (RssAnon; elsewhere all resident memory). That counts the
    weights as ONNX Runtime holds them, which is not their size on disk: SmolLM2-135M's int4 folder
    (76 MiB) held 135 MiB (its blocks prepacked), its fp16 one (258 MiB) 538 MiB (cast to float32);
