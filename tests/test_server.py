@@ -952,6 +952,32 @@ def test_a_child_forked_while_the_log_thread_waits_on_a_full_pipe_still_logs():
     assert err.count(b" parent ") == 2000  # (the parent's lines, all written once the pipe was read)
 
 
+def test_a_refused_prompt_s_ids_are_freed_with_its_answer(model):
+    """A refusal's traceback held the frame that awaited the tokenizing thread, and that frame held the
+    future, which held the refusal: a cycle, which kept the prompt's ids (449,305 of them for 1 MiB)
+    and its body until the cycle collector ran. Ten 1 MiB prompts refused one after another took the
+    bundled model's service from 88 to 252 MiB, past its unit's MemoryMax (a review). With the cycle
+    collector off, the ids are now gone once the answer is."""
+    import gc
+    import re
+
+    r = Running(ServeConfig(slots=1, queue=1, max_prompt_tokens=100), model=model)
+    gc.collect()
+    gc.disable()
+    try:
+        resp = httpx.post(r.url + "/v1/completions", timeout=60,
+                          json={"model": "stories260K-int8", "prompt": "word " * 3000, "max_tokens": 2})
+        assert resp.status_code == 400
+        n = int(re.search(r"the prompt is (\d+) tokens", resp.json()["error"]["message"]).group(1))
+        deadline = time.monotonic() + 5  # (the handler may still be ending as the client reads)
+        while [o for o in gc.get_objects() if type(o) is list and len(o) == n] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [o for o in gc.get_objects() if type(o) is list and len(o) == n]
+    finally:
+        gc.enable()
+        r.stop()
+
+
 def test_prompts_past_max_prompt_tokens_are_refused_once_tokenized(model):
     """Nothing bounded a prompt but the body's size: a 1 MiB body of one-letter messages was 195,025
     tokens and held a slot for 10 minutes, shifting through the ring (an ops review). The default is 8
