@@ -165,7 +165,8 @@ def _long_prompt_note(model, prompt: str, overflow: str) -> str | None:
     """Before the work: a prompt of LONG_PROMPT_RINGS contexts or more under --overflow shift runs whole
     through the context, for a time in proportion to its length, though what follows sees only its
     last tokens (a 1 MiB stdin prompt took 2 min 25 s on the bundled model with no word, 1.1 s under
-    truncate; a docs round). (Counted only past `capacity` bytes: a token is at least a byte.)"""
+    truncate; a docs round). (Tokens are counted only for a prompt of that many bytes: a token is at
+    least a byte.)"""
     capacity = model.capacity_tokens
     if overflow != "shift" or len(prompt.encode("utf-8", "surrogatepass")) < LONG_PROMPT_RINGS * capacity:
         return None

@@ -6,17 +6,18 @@ same ring would interleave their tokens and both get wrong output. So each conte
 asking again before its own stream is finished is refused with `ContextBusyError` (waiting would
 deadlock, sharing would corrupt). A stream holds the lock from its first `next()` until its request
 ends (released before its last chunk is returned), is closed, or is dropped (freed at once by
-reference counting: `generation.Generation`); its holder is the thread that advanced it last (`hand_to`), so a stream handed to another thread makes that
-thread's own second call a refusal, not a wait on itself. (An executor that runs a stream's `next()`
-and other calls on its pool threads may so refuse a call on a thread that last advanced the stream:
-give each concurrent task its own conversation.)
+reference counting: `generation.Generation`); its holder is the thread that advanced it last
+(`hand_to`), so a stream handed to another thread makes that thread's own second call a refusal, not
+a wait on itself. (An executor that runs a stream's `next()` and other calls on its pool threads
+may so refuse a call on a thread that last advanced the stream: give each concurrent task its own
+conversation.)
 
 Ctrl-C (KeyboardInterrupt, raised in the main thread between any two bytecodes) must not land
 between taking the lock and recording its owner, or between the two halves of a release: a hostile
 round's real signals left the lock held by nobody (every later call waited for ever, ~1 in 800
 interrupts) or owned by a thread that had let it go (its every later call refused). So the lock's
 state changes run with the interrupt held back (`interrupts_held`: SIGINT's handler swapped for
-one that records it, then restored and the signal raised again once the state is whole), and a
+one that records it, then restored and called with it once the state is whole), and a
 wait for another thread's turn gives up at once on Ctrl-C. What that cannot cover (the few
 bytecodes before a release swaps the handler) is recovered: the lock records its holder (a
 Request, or a with-block's `hold()`) by weak reference, and takes itself back once the holder is

