@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections import namedtuple
 
 import numpy as np
