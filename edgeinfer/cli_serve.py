@@ -88,7 +88,7 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
     from edgeinfer.manifest import read_manifest
     from edgeinfer.model import default_model_path
     from edgeinfer.server import footprint
-    from edgeinfer.server.systemd import hidden_paths, systemd_unit
+    from edgeinfer.server.systemd import check_command, hidden_paths, systemd_unit
 
     if config.port == 0:
         raise EdgeInferError("port 0 lets the system pick a free port at each start, which no client of a service "
@@ -109,6 +109,7 @@ def _print_systemd_unit(args: argparse.Namespace, config) -> int:
             argv += [flag, str(value)]
     if args.log_prompts is not None:
         argv.append("--log-prompts" if args.log_prompts else "--no-log-prompts")
+    check_command(argv, [str(f) for f in folders])  # before the load that sizes the unit (seconds)
     total = footprint.footprint_bytes(config, folders)  # (the service's own checks as it starts, here: a refusal
     # would restart it in a loop)
     if any(read_manifest(f).target == "cuda" for f in folders):  # once per process, draft model or not

@@ -246,3 +246,23 @@ def test_a_unit_is_refused_for_an_interpreter_that_cannot_import_edgeinfer(tmp_p
     assert main(["serve", "-m", str(default_model_path()), "--port", "8080", "--print-systemd-unit"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot import edgeinfer" in err[0] and "started as the service will be" in err[0], err
+
+
+def test_an_argument_the_unit_cannot_carry_is_refused_before_the_model_is_loaded(tmp_path, monkeypatch, capsys):
+    """The unit's words were checked only once the model had been loaded to size it (seconds for a
+    real model, and its memory for that long), so a model folder whose name holds a quote waited for a
+    load it could never use. The command is now checked first."""
+    from edgeinfer.cli import main
+    from edgeinfer.model import default_model_path
+    from edgeinfer.server import footprint as fp
+
+    folder = tmp_path / "bob's model"
+    shutil.copytree(default_model_path(), folder)
+
+    def never(config, folders):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(fp, "loaded_bytes", never)
+    assert main(["serve", "-m", str(folder), "--port", "8080", "--print-systemd-unit"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "\"'\"" in err[0] and "would interpret" in err[0], err

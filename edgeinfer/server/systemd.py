@@ -88,6 +88,23 @@ def hidden_paths(paths: Sequence[str]) -> list[str]:
     return out
 
 
+def check_command(exec_start: Sequence[str], writable_paths: Sequence[str] = (),
+                  env_file: str = "/etc/edgeinfer/edgeinfer.env") -> tuple[list[str], list[str]]:
+    """`systemd_unit`'s checks of the command and the writable paths, alone (InvalidArgumentError), so
+    that `serve --print-systemd-unit` refuses an argument the unit cannot carry before it loads the
+    model to size the unit; returns both as lists."""
+    if isinstance(exec_start, str) or not exec_start:
+        raise InvalidArgumentError("exec_start must be a non-empty list of strings (the program, then its arguments)")
+    args = [_check_word("exec_start argument", a) for a in exec_start]
+    _check_path("exec_start[0] (the program)", args[0])
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in args):
+        raise InvalidArgumentError(f"the API key must not be on the command line (anyone can read it there): "
+                                   f"put {API_KEY_ENV}=... in {env_file} instead")
+    if isinstance(writable_paths, str):
+        raise InvalidArgumentError("writable_paths must be a list of paths, not one string")
+    return args, [_check_path("writable path", p) for p in writable_paths]
+
+
 def systemd_unit(*, exec_start: Sequence[str], memory_max_bytes: int, user: str = "edgeinfer",
                  env_file: str = "/etc/edgeinfer/edgeinfer.env", working_dir: str | None = None,
                  writable_paths: Sequence[str] = (), grace_s: float = 30,
@@ -99,13 +116,7 @@ def systemd_unit(*, exec_start: Sequence[str], memory_max_bytes: int, user: str 
     grace_s: the server's SIGTERM grace period, in seconds (TimeoutStopSec is larger);
     supplementary_groups: groups whose devices the service needs (`video` on a Pi and a Jetson).
     InvalidArgumentError for anything the unit could not carry faithfully."""
-    if isinstance(exec_start, str) or not exec_start:
-        raise InvalidArgumentError("exec_start must be a non-empty list of strings (the program, then its arguments)")
-    args = [_check_word("exec_start argument", a) for a in exec_start]
-    _check_path("exec_start[0] (the program)", args[0])
-    if any(a == "--api-key" or a.startswith("--api-key=") for a in args):
-        raise InvalidArgumentError(f"the API key must not be on the command line (anyone can read it there): "
-                                   f"put {API_KEY_ENV}=... in {env_file} instead")
+    args, writable = check_command(exec_start, writable_paths, env_file)
     if not isinstance(user, str) or not _USER.match(user):
         raise InvalidArgumentError(f"user must be a system user name ([a-z_][a-z0-9_-]*, at most 31), got {user!r}")
     if user == "root":
@@ -113,9 +124,6 @@ def systemd_unit(*, exec_start: Sequence[str], memory_max_bytes: int, user: str 
     _check_path("env_file", env_file)
     if working_dir is not None:
         _check_path("working_dir", working_dir)
-    if isinstance(writable_paths, str):
-        raise InvalidArgumentError("writable_paths must be a list of paths, not one string")
-    writable = [_check_path("writable path", p) for p in writable_paths]
     if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not 0 <= grace_s < 86400:
         raise InvalidArgumentError(f"grace_s must be a number of seconds in [0, 86400), got {grace_s!r}")
     mem = memory_max_mib(memory_max_bytes)
