@@ -22,7 +22,7 @@ interleave safely. One cache must be driven by one caller at a time (its owner's
 from __future__ import annotations
 
 from collections.abc import Sequence
-
+import dataclasses
 import threading
 import time
 import weakref
@@ -112,7 +112,11 @@ class Engine(ChunkedSteps):
 
     def attach_draft(self, draft) -> None:
         """`draft` (a `drafting.Draft`) set, unless the engine is closed (ModelClosedError): under the
-        lock, so that a close cannot come between the check and the setting."""
+        lock, so that a close cannot come between the check and the setting. A model that drafts for
+        itself is held by a weak reference: a strong one made a cycle that kept its session and thread
+        pool, once the model was dropped without `close`, until the cycle collector ran."""
+        if draft.engine is self:
+            draft = dataclasses.replace(draft, engine=weakref.proxy(self))
         with self.in_call, self.lock:
             self._check_open()
             self.draft = draft

@@ -329,3 +329,24 @@ def test_systemd_unit_carries_the_draft_model(tmp_path, capsys, monkeypatch):
     def mem(u):
         return int(next(x for x in u.splitlines() if x.startswith("MemoryMax="))[len("MemoryMax="):-1])
     assert mem(unit) > mem(plain)
+
+
+def test_a_model_that_drafts_for_itself_is_freed_when_dropped(fp32):
+    """set_draft(model) with the model itself made a cycle (its engine held a Draft that held the
+    engine), so a model dropped without close() kept its session and thread pool until the cycle
+    collector ran (a hostile round: 20 such models kept 20 sessions with the collector off). It drafts
+    for itself as before, its tokens plain decoding's."""
+    import gc
+    import weakref
+
+    m = edgeinfer.load(fp32)
+    want = m.generate("Once upon a time", max_new_tokens=40, temperature=0).text
+    assert m.set_draft(m) is m
+    assert m.generate("Once upon a time", max_new_tokens=40, temperature=0, speculative="draft").text == want
+    engine = weakref.ref(m.engine)
+    gc.disable()
+    try:
+        del m
+        assert engine() is None
+    finally:
+        gc.enable()
