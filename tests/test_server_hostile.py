@@ -224,9 +224,9 @@ def test_client_gone_mid_body_is_not_logged_as_an_internal_error(srv):
 def test_a_body_that_never_arrives_is_answered_408_and_its_connection_closed(srv, monkeypatch):
     """A client declares Content-Length: 400, sends 10 bytes and waits with the connection open (a
     slow-loris): the server answers 408 when the body is late, instead of holding it for ever."""
-    import edgeinfer.server.app as app
+    import edgeinfer.server.body as body
 
-    monkeypatch.setattr(app, "BODY_READ_S", 0.5)
+    monkeypatch.setattr(body, "BODY_READ_S", 0.5)
     s = socket.create_connection(("127.0.0.1", srv.port))
     try:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode()
@@ -1218,3 +1218,52 @@ def test_sighup_ignored_at_start_stays_ignored():
         assert proc.poll() is None and httpx.get(url + "/health").status_code == 200
     finally:
         _stop(proc)
+
+
+def test_a_burst_of_bodies_holds_no_more_of_them_than_there_are_places(model, monkeypatch):
+    """Every body was read and parsed as JSON on arrival, then waited for the one tokenizing thread,
+    so a burst held one parsed body per client: 40 concurrent 1 MiB chats of one-letter messages (8 MiB
+    each as Python objects) took the bundled model's service from 81 to 725 MiB (its unit: 150M), and
+    more clients took more. Now a request for which no place (slots + queue) is left, counting the
+    bodies in hand, is answered 429 before its body is read (its connection then closed), and bodies
+    are parsed in the tokenizing thread, one at a time. Here the tokenizing thread is held on the
+    first request: of six more, one waits in hand (2 places) and five are answered 429 at once."""
+    from edgeinfer.server.app import Server
+
+    entered, release = threading.Event(), threading.Event()
+    prepare = Server._prepare
+
+    def held(self, raw, chat):
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+        return prepare(self, raw, chat)
+
+    monkeypatch.setattr(Server, "_prepare", held)
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=8), model=model)
+    try:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+        answers: dict[int, httpx.Response] = {}
+
+        def post(i: int) -> None:
+            answers[i] = httpx.post(r.url + "/v1/completions", json=body, timeout=60)
+
+        first = threading.Thread(target=post, args=(0,))
+        first.start()
+        assert entered.wait(20)
+        rest = [threading.Thread(target=post, args=(i,)) for i in range(1, 7)]
+        for t in rest:
+            t.start()
+        assert _wait(lambda: len(answers) == 5, 20), answers  # while the first is still held
+        busy = [a for a in answers.values() if a.status_code == 429]
+        assert len(busy) == 5 and all(a.headers.get("connection") == "close" and _shaped(a) for a in busy)
+        assert busy[0].json()["error"]["code"] == "queue_full" and busy[0].headers.get("retry-after") == "1"
+        release.set()
+        first.join(30)
+        for t in rest:
+            t.join(30)
+        assert sorted(a.status_code for a in answers.values()) == [200, 200, 429, 429, 429, 429, 429]
+        assert r.server.in_hand == 0
+    finally:
+        release.set()
+        r.stop()

@@ -8,14 +8,16 @@ Every error is OpenAI-shaped ({"error": {"message", "type", "param", "code"}}) w
 429 queue full (with Retry-After), 499 (logged and counted only) the client left, 503 shutting down or a background request (header
 x-edgeinfer-priority) the power plan refuses (with Retry-After), 500 a bug (logged, the server goes on).
 
-Request path: the body is read (at most max_body_bytes); a request that could not be admitted now
-is answered 429 at once; the rest are parsed (`protocol`) and tokenized in the tokenizing thread
-pool, not on the event loop (a large prompt takes most of a second: other streams and /health go on
-meanwhile); TOKENIZE_THREADS at once, the others wait their turn holding only their body, so many
-large bodies cannot take more than that many cores, nor more memory than their bodies, before
-admission, and one whose client leaves meanwhile is dropped untokenized. Then a place is reserved
-(`Scheduler.admit`, else 429 at once), and a
-`Job` runs in a worker thread; its chunks come back through an asyncio queue. A streamed reply
+Request path: a request for which no place (a slot or the queue) could be left, counting those
+admitted and those whose bodies are in hand, is answered 429 before its body is read; the rest have
+their body read (at most max_body_bytes, `body.py`); a request that could not be admitted now is
+answered 429 at once; the rest are parsed as JSON and by `protocol`, and tokenized, in the
+tokenizing thread pool, not on the event loop (a large prompt takes most of a second: other streams
+and /health go on meanwhile); TOKENIZE_THREADS at once, the others wait their turn holding only
+their body's bytes, so a burst of large bodies cannot take more than that many cores, nor more
+memory than `places` bodies' bytes and one body parsed, before admission, and one whose client
+leaves meanwhile is dropped untokenized. Then a place is reserved (`Scheduler.admit`, else 429 at
+once), and a `Job` runs in a worker thread; its chunks come back through an asyncio queue. A streamed reply
 waits for the first event before answering, so a refused prompt is still a plain 400; the stream
 then stops when the client goes away (the job is cancelled within one token and its slot freed).
 """
@@ -25,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import os
 import time
@@ -36,12 +37,13 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError
 from edgeinfer.server import protocol, replies
+from edgeinfer.server.body import DRAIN_CHECK_S, parse_json, read_body
 from edgeinfer.server.config import PROMPT_RINGS, ServeConfig, is_loopback
 from edgeinfer.server.metrics import Metrics
 from edgeinfer.server.protocol import APIError
@@ -49,8 +51,6 @@ from edgeinfer.server.answer import JSON, Reply, cancel_on_disconnect, error_res
 from edgeinfer.server.scheduler import Closed, Job, QueueFull, Scheduler
 
 log = logging.getLogger("edgeinfer.server")
-BODY_READ_S = 30.0  # the most a request body may take to arrive (a 1 MiB body at 35 kB/s)
-DRAIN_CHECK_S = 0.25  # how often a body still arriving looks whether the server began to drain
 
 
 PRIORITY_HEADER = "x-edgeinfer-priority"  # interactive (default) | background
@@ -73,6 +73,9 @@ class Server:
         self.pool = ThreadPoolExecutor(max_workers=config.slots + config.queue, thread_name_prefix="edgeinfer-job")
         self.tokenize_pool = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="edgeinfer-tokenize")
         self.draining = False
+        self.places = config.slots + config.queue  # requests generating or queued, at most
+        self.in_hand = 0  # requests whose body is being read, parsed or tokenized, not yet admitted: at most
+        # `places` less those admitted (`_generate`), so that a burst holds that many bodies, not one per client
         self._key = config.api_key.encode() if config.api_key else None
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
@@ -99,11 +102,13 @@ class Server:
         self.log_refusal(request.method, request.url.path, exc.status_code, code)
         return error_response(APIError(exc.status_code, msg, code=code), headers=exc.headers)  # 405: Allow
 
-    def _refused(self, request: Request, endpoint: str, err: APIError, t0: float) -> Response:
-        """A completion request answered with `err` before it was admitted: counted, logged, answered."""
+    def _refused(self, request: Request, endpoint: str, err: APIError, t0: float, unread: bool = False) -> Response:
+        """A completion request answered with `err` before it was admitted: counted, logged, answered
+        (`unread`: its body was not read, so its connection closes after the answer, as for a 413)."""
         self.metrics.request(endpoint, err.status)
         self.log_refusal(request.method, request.url.path, err.status, err.code or err.param, t0)
-        return error_response(err, {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else None)
+        headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else {}
+        return error_response(err, {**headers, "Connection": "close"} if unread else headers or None)
 
     def log_refusal(self, method: str, path: str, status: int, why: str | None, t0: float | None = None) -> None:
         """The log line of a request refused before generating (a generated reply logs its own)."""
@@ -122,46 +127,6 @@ class Server:
         given = request.headers.get("authorization", "")  # decoded as latin-1: the raw bytes back below
         scheme, _, token = given.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self._key)
-
-    async def read_json(self, request: Request) -> dict:
-        limit = self.config.max_body_bytes
-        coding = request.headers.get("content-encoding", "identity").strip().lower()
-        if coding not in ("", "identity"):  # a gzip body was read as JSON and refused as "not valid JSON"
-            raise APIError(415, f"Content-Encoding {coding[:40]!r} is not supported: send the body uncompressed",
-                           code="unsupported_content_encoding")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"request body of {declared} bytes is over the limit of {limit}", code="body_too_large")
-        body = bytearray()
-
-        async def read() -> None:
-            async for part in request.stream():
-                body.extend(part)
-                if len(body) > limit:
-                    raise APIError(413, f"request body is over the limit of {limit} bytes", code="body_too_large")
-
-        reading = asyncio.ensure_future(read())
-        deadline = time.monotonic() + BODY_READ_S  # a client that declares more than it sends would hold on for ever
-        try:
-            while not reading.done():
-                await asyncio.wait({reading}, timeout=DRAIN_CHECK_S)
-                if self.draining and not reading.done():  # SIGTERM: a body still coming is not served, and
-                    raise APIError(503, "the server is shutting down; retry on another instance or later",
-                                   type="server_error", code="shutting_down")  # not cut off with a traceback later
-                if time.monotonic() > deadline and not reading.done():
-                    raise APIError(408, f"the request body did not arrive within {BODY_READ_S:g} s",
-                                   code="request_timeout")
-            reading.result()
-        except ClientDisconnect:  # nobody will read the answer; not a server error
-            raise APIError(499, "the client went away while sending its body", code="client_closed") from None
-        finally:
-            reading.cancel()
-        try:
-            return json.loads(body)
-        except RecursionError:
-            raise APIError(400, "the body is not valid JSON: nested too deeply") from None
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's digit limit
-            raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
 
     def _check_priority(self, request: Request) -> bool:
         """Whether the request is marked background (PRIORITY_HEADER); such a one is refused with 503 and
@@ -236,15 +201,16 @@ class Server:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
 
-    def _prepare(self, body: dict, chat: bool) -> tuple:
+    def _prepare(self, raw: bytearray, chat: bool) -> tuple:
         """The parsed request, its prompt's token ids, its logprobs setting and a chat's generation cue
-        (`Scheduler.cue_for`: a template rendered twice, here rather than on the loop). Runs in `tokenize_pool`,
-        off the event loop. Safe from several threads at once: `Model.encode_*`, the tokenizer wrapper
+        (`Scheduler.cue_for`: a template rendered twice, here rather than on the loop), of the body's
+        bytes (parsed here: `body.py` says why). Runs in `tokenize_pool`, off the event loop. Safe from several threads at once: `Model.encode_*`, the tokenizer wrapper
         and both back ends only read what loading set (SentencePiece's encoder is const; `tokenizers`'
         is Sync), and a compiled Jinja template renders each call in a fresh context. Both back ends
         release the GIL while they encode (`tokenizers` in its `encode_batch`, which the wrapper uses).
         Raises what those raise (APIError, EdgeInferError), as when it ran on the loop."""
         limit = self.config.max_tokens_limit
+        body = parse_json(raw)
         if chat:
             req = protocol.parse_chat(body, model_id=self.model_id, max_tokens_limit=limit)
         else:
@@ -268,7 +234,7 @@ class Server:
         cue = self.scheduler.cue_for(req.template_variables) if chat else None
         return req, prompt, (req.top_logprobs if req.logprobs else None) if chat else req.logprobs, cue
 
-    async def _prepared(self, request: Request, body: dict, chat: bool) -> tuple:
+    async def _prepared(self, request: Request, raw: bytearray, chat: bool) -> tuple:
         """`_prepare` in the tokenizing thread, for a request that could be admitted now (else 429 at
         once, before any tokenizing: a busy server turns away a backlog without encoding it).
         While it waits for that thread (or is in it), a request is given up when the client leaves
@@ -277,7 +243,7 @@ class Server:
         and uvicorn would cut the rest off with a traceback when it stops)."""
         if self.scheduler.full:
             raise self._queue_full()
-        waiting = asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self._prepare, body, chat)
+        waiting = asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self._prepare, raw, chat)
         while not waiting.done():
             await asyncio.wait({waiting}, timeout=DRAIN_CHECK_S)
             if waiting.done():
@@ -307,15 +273,23 @@ class Server:
         endpoint = "chat" if chat else "completions"
         try:
             background = self._check_priority(request)
-            body = await self.read_json(request)
-            req, prompt, logprobs, cue = await self._prepared(request, body, chat)
+            if not self.draining and self.in_hand + self.scheduler.in_flight >= self.places:
+                # before its body is read: no more bodies in hand than places
+                return self._refused(request, endpoint, self._queue_full(), t0, unread=True)
+            self.in_hand += 1
             try:
-                ticket = self.scheduler.admit()
-            except Closed:
-                raise APIError(503, "the server is shutting down; retry on another instance or later",
-                               type="server_error", code="shutting_down") from None
-            except QueueFull:
-                raise self._queue_full() from None
+                raw = await read_body(request, self.config.max_body_bytes, lambda: self.draining)
+                req, prompt, logprobs, cue = await self._prepared(request, raw, chat)
+                del raw
+                try:
+                    ticket = self.scheduler.admit()
+                except Closed:
+                    raise APIError(503, "the server is shutting down; retry on another instance or later",
+                                   type="server_error", code="shutting_down") from None
+                except QueueFull:
+                    raise self._queue_full() from None
+            finally:
+                self.in_hand -= 1
         except APIError as e:
             return self._refused(request, endpoint, e, t0)
         except ModelFormatError as e:  # the model's own (a chat template that does not parse): not the client's
