@@ -174,7 +174,9 @@ def test_the_unit_leaves_room_for_what_the_service_takes(tmp_path, capsys):
     prefill's attention scores (heads x chunk x ring rows): the fp16 service's unit said 691M and it
     took 787 MiB at rest, so the kernel would have killed it as it started, again and again (a docs
     round). Now the service's peak resident memory, after a prompt past its ring, stays under the
-    limit its unit gives, for both."""
+    limit its unit gives, for both. And for int4 (the smaller unit), after a body of 1 MiB of digits
+    too (refused: too long), whose tokenizing alone took 417 MiB, which the unit did not count: the
+    int4 service went from 463 to 888 MiB against its unit's 671M (`--slots 1`, default capacity)."""
     import httpx
 
     from edgeinfer.cli import main
@@ -198,6 +200,10 @@ def test_the_unit_leaves_room_for_what_the_service_takes(tmp_path, capsys):
                            json={"model": quant, "prompt": "The quick brown fox jumps over the lazy dog. " * 70,
                                  "max_tokens": 2})
             assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 600  # past the ring of 512
+            if quant == "int4":  # a body of the default max-body-bytes (1 MiB), a token a byte
+                r = httpx.post(url + "/v1/completions", timeout=300, json={
+                    "model": quant, "prompt": ("0123456789" * 110_000)[:(1 << 20) - 100], "max_tokens": 2})
+                assert r.status_code == 400 and "1048476 tokens" in r.json()["error"]["message"], r.text[:300]
             peak_mib = _status_mib(proc.pid, "VmHWM")
         finally:
             proc.kill()

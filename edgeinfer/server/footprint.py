@@ -1,7 +1,7 @@
 """What a served model holds in memory, for the systemd unit's MemoryMax (`serve --print-systemd-unit`).
 
 `footprint_bytes(config, folders)` = `loaded_bytes(config, folders)`, measured, plus
-`held_per_request(...)` of each folder, computed:
+`held_per_request(...)` of each folder and the bodies in hand, computed:
 
 1. Measured: a child process, started as the service is (from /, isolated), loads the model as the
    service does (`server.run.load_served`: its draft model attached; no power controller, no slots),
@@ -13,13 +13,18 @@
    docs round). A child, so that the measure starts from a fresh heap (a process that has freed
    memory reuses it, and measured a load at less than it takes) and the printing process does not
    keep the model. The child raises what the service's start would (a capacity past the trained
-   length, a draft model of another tokenizer, --speculative on a portable graph), here.
+   length, a draft model of another tokenizer, --speculative on a portable graph), here. Then it
+   tokenizes a prompt of max_body_bytes digits (`BODY_TEXT`) and adds the peak growth: the daemon
+   tokenizes one body at a time, and the most a body's tokens can take is many times its bytes
+   (SmolLM2: 1 MiB of digits, 417 MiB; the bundled model: 55 MiB).
 2. Computed, per folder: one KV ring per slot (each request holds one, of the draft model too),
    committed as the server starts or as requests come; the scores of a prefill call's attention,
    which ONNX Runtime's arena keeps at their largest (heads x chunk x ring rows x 4 bytes: 38 MiB for
    SmolLM2's default ring); for the served model under --speculative, each slot's verify buffer and
    prompt-lookup index (a request's last 2 x `NgramDrafter.window` tokens at most), and with ngram
    its n-gram table read and its memo full.
+3. Computed: slots + queue bodies of max_body_bytes, the most the daemon holds unparsed before
+   admission (server/app.py, `body.py`).
 """
 
 from __future__ import annotations
@@ -32,18 +37,24 @@ from pathlib import Path
 from edgeinfer import errors
 from edgeinfer.errors import EdgeInferError
 
-FIELDS = ("model", "threads", "capacity", "overflow", "draft_model", "speculative")  # what loading reads
+FIELDS = ("model", "threads", "capacity", "overflow", "draft_model", "speculative",  # what loading reads
+          "max_body_bytes")  # (and the body the child tokenizes)
+BODY_TEXT = "0123456789"  # the text of the body the child tokenizes: digits, a token each in SmolLM2's vocabulary,
+# so the most tokens a body can give (1 MiB of them took its tokenizing to 417 MiB; of "the cat sat on a mat",
+# 169 MiB; of punctuation, 154 MiB; the bundled model's 55, 43 MiB)
 
 
 def footprint_bytes(config, folders: list[Path]) -> int:
     """The served model's memory (folders[0]; folders[1], its draft model: absolute paths) as the
     module doc says."""
-    return loaded_bytes(config, folders) + held_per_request(folders[0], config, served=True) + sum(
-        held_per_request(f, config, served=False) for f in folders[1:])
+    return (loaded_bytes(config, folders) + held_per_request(folders[0], config, served=True)
+            + sum(held_per_request(f, config, served=False) for f in folders[1:])
+            + (config.slots + config.queue) * config.max_body_bytes)  # the bodies in hand (server/app.py)
 
 
 def loaded_bytes(config, folders: list[Path]) -> int:
-    """Step 1: what loading the model took, measured in a child process started as the service is (the
+    """Step 1: what loading the model took, and then the most that tokenizing a body of max_body_bytes
+    took (the daemon tokenizes one at a time), measured in a child process started as the service is (the
     same interpreter, from /, in isolated mode: no PYTHONPATH, no user site, no current folder on the
     path), so that an edgeinfer the service could not import is said here (a review: the child found
     it through the current folder, and the unit printed was for a service that failed to start); its
@@ -82,12 +93,34 @@ def _child() -> None:
         model = load_served(config, power=False)
         try:
             check_speculative(config, model)
-            answer = {"bytes": max(0, _anon_bytes() - before)}
+            answer = {"bytes": max(0, _anon_bytes() - before) + _tokenizing_bytes(model, config.max_body_bytes)}
         finally:
             model.close()
     except EdgeInferError as e:
         answer = {"error": type(e).__name__, "message": str(e)}
     print(json.dumps(answer), flush=True)
+
+
+def _tokenizing_bytes(model, body_bytes: int) -> int:
+    """The peak growth of resident memory while `model` tokenizes a prompt of `body_bytes` (BODY_TEXT):
+    the peak reset through /proc/self/clear_refs (Linux); where that cannot be, the growth of RssAnon
+    while the ids are still held."""
+    text = (BODY_TEXT * (body_bytes // len(BODY_TEXT) + 1))[:body_bytes]
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        start, key = _status_bytes("VmHWM"), "VmHWM"
+    except OSError:
+        start, key = _anon_bytes(), None
+    ids = model.encode_prompt(text)
+    grown = (_status_bytes(key) if key else _anon_bytes()) - start
+    del ids
+    return max(0, grown)
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
 def _anon_bytes() -> int:
