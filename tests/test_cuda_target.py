@@ -163,7 +163,9 @@ def test_the_systemd_unit_sizes_a_float16_ring_as_load_allocates_it(folders, mon
     from edgeinfer.cli_serve import CUDA_RUNTIME_BYTES
 
     scores = m.arch.num_heads * 64 * rows * 4  # (a chunk of at most the capacity)
-    assert sized == [12345 + 3 * ring + scores + CUDA_RUNTIME_BYTES]  # the CUDA runtime's libraries: a Jetson review
+    bodies = (3 + 8) * (1 << 20)  # slots + queue bodies of max-body-bytes in hand (the defaults)
+    assert sized == [12345 + 3 * ring + scores + bodies + CUDA_RUNTIME_BYTES]  # the CUDA runtime's libraries: a
+    # Jetson review
 
 
 def test_the_systemd_unit_lets_a_cuda_or_pi_service_open_its_devices(folders, monkeypatch, capsys):
