@@ -25,6 +25,7 @@ from edgeinfer.converters.calibration import plan
 from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_decoder, check_embedding_blocks
 from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
 from edgeinfer.converters.families import spec_from_config
+from edgeinfer.converters.gguf_header import read_header
 from edgeinfer.converters.hf_config import read_config
 from edgeinfer.converters.hf_tokenizer import TOKENIZER_FILES, check_tokenizer, tokenizer_info
 from edgeinfer.converters.ngrams import MAX_TOKENS as MAX_NGRAM_TOKENS, add_ngram_table, check_can_sample
@@ -54,6 +55,32 @@ MAX_DEFAULT_CAPACITY = 4096
 VIAS = ("auto", "native", "optimum")  # `convert --via`
 
 
+NARROW_HIDDEN = 128  # int4's default block below this hidden size: 16, so that a row of the residual's width
+# keeps at least 4 blocks (stories260K, hidden 64: blocks of 32 gave each row 2 scales; blocks of 16 took its
+# default int4 from +7.0 % to +4.8 % perplexity, +3.8 to +4.8 % in four orders of the calibration text, for
+# 10 % more bytes and 0.9x its decode speed; docs/quantization.md). Wider models keep 32: on SmolLM2's shape,
+# blocks of 16 decoded at 0.66x the speed of 32
+
+
+def default_block_size(src: Path | str, quant: str | None, target: str = "cpu", recipe: str | None = None) -> int:
+    """The block size `convert` uses when none is given: 16 for int4 (the cpu and cuda graphs' default
+    quantization, None) of a model narrower than NARROW_HIDDEN, unless the recipe is q4_1 (llama.cpp's
+    blocks of 32), else 32. The hidden size is read from the source's config.json or GGUF metadata; a
+    source that cannot be read gets 32 (the conversion itself then says what is wrong with it)."""
+    if quant not in (None, "int4") or target in PORTABLE_TARGETS or recipe == "q4_1":
+        return 32
+    src = Path(src)
+    try:
+        if gguf_import.is_gguf(src):
+            meta, _ = read_header(src)
+            hidden = meta.get(f"{meta.get('general.architecture')}.embedding_length")
+        else:
+            hidden = read_config(src).get("hidden_size")
+    except (OSError, ValueError, ConvertError):
+        return 32
+    return 16 if is_integer(hidden) and 0 < hidden < NARROW_HIDDEN else 32
+
+
 def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | None = None,
                    embedding: str | None = None, symmetric: bool = True,
                    int8_tensors: tuple[str, ...] = (), recipe: str | None = None,
@@ -66,7 +93,8 @@ def default_scheme(quant: str, block_size: int = 32, *, accuracy_level: int | No
     default) is "gptq": asym's storage (integer zero points), so asym's decode speed, with the grid
     fitted to the inputs the weights meet on a shipped calibration text and the rounding errors fed
     forward (converters/gptq.py): the most accurate recipe that keeps the decode speed (perplexity
-    stories260K +12.2 % -> +7.0 %, SmolLM2 +21.5 % -> +3.0 % against asym; docs/quantization.md).
+    stories260K +12.2 % -> +7.0 %, SmolLM2 +21.5 % -> +3.0 % against asym; docs/quantization.md;
+    stories260K +4.8 % in the blocks of 16 `convert` takes for it, `default_block_size`).
     int8 is symmetric round-to-nearest. fp16 / fp32: plain weights. `int8_tensors` keeps chosen int4
     projections at int8.
     """
@@ -128,7 +156,8 @@ def _check_source(src: Path) -> None:
         raise ConvertError(f"no tokenizer in {src} (need tokenizer.model or tokenizer.json)")
 
 
-def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block_size: int = 32, target: str = "cpu",
+def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block_size: int | None = None,
+            target: str = "cpu",
             force: bool = False, scheme: QuantScheme | None = None, attention: str = "auto",
             capacity_tokens: int | None = None, prefill_tokens: int | None = None, ort_format: bool = False,
             accuracy_level: int | None = None, via: str = "auto", ngram_tokens: int = 0,
@@ -138,6 +167,7 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
 
     Every refusal (see `_check_destination`) happens before any work; every failure, OSError
     included, raises ConvertError and leaves no temporary folder and an existing `dst` untouched.
+    block_size: int4/int8 blocks; None: `default_block_size` (a `scheme` given keeps its own).
     quant: None is int4 for cpu/cuda and the portable target's default (coreml fp16, nnapi int8); for a
     GGUF file on cpu, "keep" (its Q8_0/Q4_0/Q4_1 blocks taken over exactly, other types as
     `TensorSource` says); accuracy_level: with "keep", MatMulNBits' (default 0, float activations).
@@ -188,10 +218,10 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
                                "the other convert options are for the native graphs")
         from edgeinfer.converters.optimum_export import convert_via_optimum
 
-        return convert_via_optimum(src, dst, quant=quant or "int4", block_size=block_size, force=force, log=log)
+        return convert_via_optimum(src, dst, quant=quant or "int4", block_size=block_size or 32, force=force, log=log)
     if quant is None and gguf and target == "cpu" and scheme is None:
         quant = "keep"
-    if quant == "keep" and block_size != 32:
+    if quant == "keep" and block_size not in (None, 32):
         raise ConvertError(f"--quant keep stores the GGUF's own blocks of 32: --block-size {block_size} does not apply")
     if quant == "keep" and (not gguf or target != "cpu" or scheme is not None):
         choices = {"coreml": "fp16 or fp32", "nnapi": "int8, fp16 or fp32"}.get(target, "int4, int8, fp16 or fp32")
@@ -209,7 +239,8 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
         _check_source(src)
         _check_destination(src, dst, force, log)
         if quant != "keep":
-            scheme = scheme or default_scheme(quant, block_size, accuracy_level=accuracy_level)
+            scheme = scheme or default_scheme(quant, block_size or default_block_size(src, quant, target),
+                                              accuracy_level=accuracy_level)
             if target == "cuda" and scheme.scale_dtype != "float32":  # the fp16 graph pass keeps its own scales
                 scheme = dataclasses.replace(scheme, scale_dtype="float32")
             if target != "cpu" and scheme.recipe == "q4_1":

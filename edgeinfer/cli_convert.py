@@ -25,7 +25,8 @@ def add_convert_parser(sub) -> None:
     c.add_argument("--quant", choices=("keep", "fp32", "fp16", "int8", "int4"), default=None,
                    help="weights (default: int4; coreml fp16; nnapi int8; a GGUF file: keep, its Q8_0/Q4_0/Q4_1 "
                    "blocks taken over exactly and other types stored at the nearest width)")
-    c.add_argument("--block-size", type=int, choices=(16, 32, 64, 128), default=None, help="int4/int8 blocks (32)")
+    c.add_argument("--block-size", type=int, choices=(16, 32, 64, 128), default=None,
+                   help="int4/int8 blocks (32; int4 of a model of hidden size under 128: 16)")
     c.add_argument("--embedding", choices=("fp32", "fp16", "int8", "int4"), default=None,
                    help="precision of the token embedding and lm_head (default: measured per --quant)")
     c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from edgeinfer.converters import convert, default_scheme
+    from edgeinfer.converters.convert import default_block_size
     from edgeinfer.converters.gguf_import import is_gguf
     from edgeinfer.errors import EdgeInferError
     from edgeinfer.inspect import describe
@@ -133,11 +135,12 @@ def _run(args: argparse.Namespace) -> int:
         raise EdgeInferError(f"{', '.join(given)}: --quant {args.quant} stores plain weights; these flags are for "
                              "--quant int4 and int8")
     elif scheme_flags:
-        scheme = default_scheme(args.quant or "int4", args.block_size or 32, accuracy_level=args.accuracy_level,
+        block = args.block_size or default_block_size(args.src, args.quant or "int4", args.target, args.recipe)
+        scheme = default_scheme(args.quant or "int4", block, accuracy_level=args.accuracy_level,
                                 embedding=args.embedding, symmetric=not args.asymmetric,
                                 int8_tensors=tuple(args.int8_tensors or ()), recipe=args.recipe)
     log = (lambda msg: print(msg, file=sys.stderr)) if not args.quiet else (lambda msg: None)
-    convert(args.src, args.output, quant="keep" if keep else args.quant, block_size=args.block_size or 32,
+    convert(args.src, args.output, quant="keep" if keep else args.quant, block_size=args.block_size,
             target=args.target, force=args.force, scheme=scheme, attention=args.attention, capacity_tokens=args.capacity,
             prefill_tokens=args.prefill_tokens, ort_format=args.ort_format,
             accuracy_level=args.accuracy_level if scheme is None else None, via=args.via,

@@ -4,6 +4,9 @@ and the real model it converts against asym's perplexity."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -326,3 +329,36 @@ def test_the_same_bytes_on_one_core_as_on_all(tmp_path):
     for cores in ("one", "all"):
         subprocess.run([sys.executable, "-c", child, str(tmp_path / cores), cores], check=True, timeout=300)
     assert (tmp_path / "one" / "model.onnx.data").read_bytes() == (tmp_path / "all" / "model.onnx.data").read_bytes()
+
+
+def test_the_default_block_size_follows_the_model_s_width(tmp_path, capsys):
+    """int4 of a model of hidden size under 128 (a row of 64 inputs: two blocks of 32) takes blocks of
+    16 by default, from `convert` and the CLI alike, other flags or not, for the cpu and cuda graphs; a
+    wider model, int8, a portable target, q4_1 (llama.cpp's blocks of 32), a --block-size given and an
+    unreadable source keep 32 or what was given."""
+    from conftest import STORIES_SRC, smollm2_gguf
+    from edgeinfer.cli import main
+    from edgeinfer.converters.convert import default_block_size
+    from edgeinfer.manifest import read_manifest
+
+    assert default_block_size(STORIES_SRC, "int4") == default_block_size(STORIES_SRC, None) == 16  # hidden 64
+    assert default_block_size(TINY / "llama2_gqa_tied", None) == 16
+    assert default_block_size(STORIES_SRC, "int4", "cuda") == 16  # the cuda graph is the cpu one's in fp16
+    assert default_block_size(STORIES_SRC, "int8") == default_block_size(STORIES_SRC, None, "nnapi") == 32
+    assert default_block_size(STORIES_SRC, "int4", recipe="q4_1") == 32
+    assert default_block_size(tmp_path / "missing", "int4") == 32
+    gguf = Path(__file__).parent / "fixtures" / "gguf" / "stories260K-Q4_0.gguf"
+    assert default_block_size(gguf, "int4") == 16
+    if smollm2_gguf() is not None:
+        assert default_block_size(smollm2_gguf(), "int4") == 32  # hidden 576
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    cfg = json.loads((STORIES_SRC / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**cfg, "hidden_size": 128}))
+    assert default_block_size(wide, "int4") == 32
+    for flags, block in (([], 16), (["--embedding", "int8"], 16), (["--recipe", "asym"], 16),
+                         (["--recipe", "q4_1"], 32), (["--block-size", "32"], 32), (["--quant", "int8"], 32)):
+        out = tmp_path / "-".join(["m", *flags]).replace("--", "")
+        assert main(["convert", str(STORIES_SRC), "-o", str(out), "-q", *flags]) == 0, flags
+        assert read_manifest(out).quantization.block_size == block, flags
+    capsys.readouterr()
