@@ -827,9 +827,12 @@ def test_json_logs_are_json_on_every_line(capsys):
         logging.getLogger("edgeinfer.server").info("prompt %s", json.dumps("Once upon a time"))
         logging.getLogger("edgeinfer.server").info("signal %s: draining (%d in flight), then exiting", 15, 1)
         logging.getLogger("edgeinfer.power").warning("edgeinfer power: %s", "too hot")
+        log_request("json", {})
         logging.getLogger("edgeinfer.server").handlers[0].flush()  # (written by the log's own thread)
         lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
         assert [x.get("ttft_ms", "absent") for x in lines[:2]] == [26.0, None]
+        assert all(abs(x["time"] - time.time()) < 60 for x in lines)  # request lines too (they had none: a soak)
+        assert list(lines[0]) == ["time", "status", "ttft_ms", "total_ms"] and list(lines.pop()) == ["time"]
         assert [x["message"] for x in lines[2:]] == ['prompt "Once upon a time"',
                                                      "signal 15: draining (1 in flight), then exiting",
                                                      "edgeinfer power: too hot"]

@@ -15,14 +15,16 @@ import time
 
 
 class JSONLines(logging.Formatter):
-    """--log-format json: a request's line as it is (already a JSON object), any other line (a prompt
-    with --log-prompts, the drain on SIGTERM, the power controller's notes) as {"time", "level",
-    "logger", "message"}: every line one JSON object."""
+    """--log-format json: a request's line (already a JSON object) with "time" put first, any other
+    line (a prompt with --log-prompts, the drain on SIGTERM, the power controller's notes) as {"time",
+    "level", "logger", "message"}: every line one JSON object, each with its time (seconds since the
+    epoch; a request's line had none: a soak)."""
 
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
         if message.startswith("{"):
-            return message
+            rest = message[1:].lstrip()
+            return f'{{"time": {round(record.created, 3)}' + ("}" if rest.startswith("}") else ", " + rest)
         return json.dumps({"time": round(record.created, 3), "level": record.levelname.lower(),
                            "logger": record.name, "message": message})
 
