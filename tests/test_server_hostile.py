@@ -1222,9 +1222,9 @@ def test_sighup_ignored_at_start_stays_ignored():
 
 def test_a_burst_of_bodies_holds_no_more_of_them_than_there_are_places(model, monkeypatch):
     """Every body was read and parsed as JSON on arrival, then waited for the one tokenizing thread,
-    so a burst held one parsed body per client: 40 concurrent 1 MiB chats of one-letter messages (8 MiB
-    each as Python objects) took the bundled model's service from 81 to 725 MiB (its unit: 150M), and
-    more clients took more. Now a request for which no place (slots + queue) is left, counting the
+    so a burst held one parsed body per client: 40 concurrent bodies of about 1 MiB took the bundled
+    model's service from 81 to 725 MiB (a prompt of 240,000 empty objects, 17 MiB each as Python
+    objects; 29,000 one-letter chat messages: 257 MiB; its unit: 145M), and more clients took more. Now a request for which no place (slots + queue) is left, counting the
     bodies in hand, is answered 429 before its body is read (its connection then closed), and bodies
     are parsed in the tokenizing thread, one at a time. Here the tokenizing thread is held on the
     first request: of six more, one waits in hand (2 places) and five are answered 429 at once."""

@@ -175,8 +175,8 @@ def test_the_unit_leaves_room_for_what_the_service_takes(tmp_path, capsys):
     took 787 MiB at rest, so the kernel would have killed it as it started, again and again (a docs
     round). Now the service's peak resident memory, after a prompt past its ring, stays under the
     limit its unit gives, for both. And for int4 (the smaller unit), after a body of 1 MiB of digits
-    too (refused: too long), whose tokenizing alone took 417 MiB, which the unit did not count: the
-    int4 service went from 463 to 888 MiB against its unit's 671M (`--slots 1`, default capacity)."""
+    too (refused: too long), whose tokenizing alone took 417 MiB, which the unit did not count: here
+    the int4 service peaked at 733 MiB against its unit's 402M."""
     import httpx
 
     from edgeinfer.cli import main

@@ -5,7 +5,8 @@ one at a time becomes Python objects.
 Why parsing waits for that thread: JSON's objects cost many times their text (a 1 MiB list of empty
 objects is 17 MiB of dicts; 29,000 one-letter chat messages, 8 MiB), and a burst of such bodies, all
 parsed as they arrived while the tokenizing thread took them one by one, took the bundled model's
-service from 81 to 725 MiB with 40 requests (its unit: 150M), and without bound with more.
+service from 81 to 725 MiB with 40 requests of the first kind (257 MiB of the second; its unit:
+145M), and without bound with more.
 """
 
 from __future__ import annotations
