@@ -58,7 +58,7 @@ VIAS = ("auto", "native", "optimum")  # `convert --via`
 NARROW_HIDDEN = 128  # int4's default block below this hidden size: 16, so that a row of the residual's width
 # keeps at least 4 blocks (stories260K, hidden 64: blocks of 32 gave each row 2 scales; blocks of 16 took its
 # default int4 from +7.0 % to +4.8 % perplexity, +3.8 to +4.8 % in four orders of the calibration text, for
-# 10 % more bytes and 0.9x its decode speed; docs/quantization.md). Wider models keep 32: on SmolLM2's shape,
+# 10 % more bytes and 0.89-0.98x its decode speed; docs/quantization.md). Wider models keep 32: on SmolLM2's shape,
 # blocks of 16 decoded at 0.66x the speed of 32
 
 
@@ -167,7 +167,8 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
 
     Every refusal (see `_check_destination`) happens before any work; every failure, OSError
     included, raises ConvertError and leaves no temporary folder and an existing `dst` untouched.
-    block_size: int4/int8 blocks; None: `default_block_size` (a `scheme` given keeps its own).
+    block_size: int4/int8 blocks; None: `default_block_size` (a `scheme` given keeps its own; Optimum's
+    export, 32).
     quant: None is int4 for cpu/cuda and the portable target's default (coreml fp16, nnapi int8); for a
     GGUF file on cpu, "keep" (its Q8_0/Q4_0/Q4_1 blocks taken over exactly, other types as
     `TensorSource` says); accuracy_level: with "keep", MatMulNBits' (default 0, float activations).

@@ -26,7 +26,7 @@ def add_convert_parser(sub) -> None:
                    help="weights (default: int4; coreml fp16; nnapi int8; a GGUF file: keep, its Q8_0/Q4_0/Q4_1 "
                    "blocks taken over exactly and other types stored at the nearest width)")
     c.add_argument("--block-size", type=int, choices=(16, 32, 64, 128), default=None,
-                   help="int4/int8 blocks (32; int4 of a model of hidden size under 128: 16)")
+                   help="int4/int8 blocks (32; the native graphs' int4 of a model of hidden size under 128: 16)")
     c.add_argument("--embedding", choices=("fp32", "fp16", "int8", "int4"), default=None,
                    help="precision of the token embedding and lm_head (default: measured per --quant)")
     c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
@@ -135,7 +135,8 @@ def _run(args: argparse.Namespace) -> int:
         raise EdgeInferError(f"{', '.join(given)}: --quant {args.quant} stores plain weights; these flags are for "
                              "--quant int4 and int8")
     elif scheme_flags:
-        block = args.block_size or default_block_size(args.src, args.quant or "int4", args.target, args.recipe)
+        block = args.block_size or (32 if args.via == "optimum" else  # (Optimum's export keeps its 32)
+                                    default_block_size(args.src, args.quant or "int4", args.target, args.recipe))
         scheme = default_scheme(args.quant or "int4", block, accuracy_level=args.accuracy_level,
                                 embedding=args.embedding, symmetric=not args.asymmetric,
                                 int8_tensors=tuple(args.int8_tensors or ()), recipe=args.recipe)

@@ -362,3 +362,19 @@ def test_the_default_block_size_follows_the_model_s_width(tmp_path, capsys):
         assert main(["convert", str(STORIES_SRC), "-o", str(out), "-q", *flags]) == 0, flags
         assert read_manifest(out).quantization.block_size == block, flags
     capsys.readouterr()
+
+
+def test_optimum_s_export_keeps_blocks_of_32_whatever_the_flags(tmp_path, monkeypatch):
+    """`--via optimum --recipe rtn` built a scheme in blocks of 16 for a narrow model, which the export
+    took, where `--via optimum` alone gave 32 (a review): Optimum's export keeps 32 either way. (The
+    export needs torch: the CLI's call is caught before it.)"""
+    import edgeinfer.converters as converters
+    from conftest import STORIES_SRC
+    from edgeinfer.cli import main
+
+    calls = []
+    monkeypatch.setattr(converters, "convert", lambda src, dst, **kw: calls.append(kw))
+    for flags in ([], ["--recipe", "rtn"]):
+        assert main(["convert", str(STORIES_SRC), "-o", str(tmp_path / "o"), "-q", "--via", "optimum", *flags]) == 0
+    assert calls[0]["block_size"] is None and calls[0]["scheme"] is None  # convert's optimum branch: 32
+    assert calls[1]["scheme"].block_size == 32

@@ -272,3 +272,19 @@ def test_an_argument_the_unit_cannot_carry_is_refused_before_the_model_is_loaded
     assert main(["serve", "-m", str(folder), "--port", "8080", "--print-systemd-unit"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "\"'\"" in err[0] and "would interpret" in err[0], err
+
+
+def test_a_large_max_body_is_measured_on_a_mebibyte_and_scaled(monkeypatch):
+    """The unit measured tokenizing a whole max-body-bytes of digits, which has no upper limit: 8 MiB
+    took the bundled model's child to 552 MiB, and 64 MiB of SmolLM2's would take 27 GB on the device
+    being set up (a review). It tokenizes at most MEASURED_BODY_BYTES and scales (the cost is linear
+    in the text)."""
+    from edgeinfer.server import footprint as fp
+
+    seen, readings = [], iter([5_000, 5_100])
+    monkeypatch.setattr(fp, "MEASURED_BODY_BYTES", 1000)
+    monkeypatch.setattr(fp, "_status_bytes", lambda key: next(readings))
+    monkeypatch.setattr(fp, "_anon_bytes", lambda: next(readings))  # (where clear_refs cannot be written)
+    model = type("M", (), {"encode_prompt": lambda self, text: seen.append(text) or [0]})()
+    assert fp._tokenizing_bytes(model, 8000) == 800 and [len(t) for t in seen] == [1000]
+    assert set(seen[0]) <= set(fp.BODY_TEXT)

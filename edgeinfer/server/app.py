@@ -8,16 +8,16 @@ Every error is OpenAI-shaped ({"error": {"message", "type", "param", "code"}}) w
 429 queue full (with Retry-After), 499 (logged and counted only) the client left, 503 shutting down or a background request (header
 x-edgeinfer-priority) the power plan refuses (with Retry-After), 500 a bug (logged, the server goes on).
 
-Request path: a request for which no place (a slot or the queue) could be left, counting those
-admitted and those whose bodies are in hand, is answered 429 before its body is read; the rest have
-their body read (at most max_body_bytes, `body.py`); a request that could not be admitted now is
+Request path: a request that could not be admitted now is answered 429 before its body is read;
+the rest have their body read (at most max_body_bytes, `body.py`), its bytes counted as they arrive
+against a budget of slots + queue bodies (429 past it); a request that could not be admitted now is
 answered 429 at once; the rest are parsed as JSON and by `protocol`, and tokenized, in the
 tokenizing thread pool, not on the event loop (a large prompt takes most of a second: other streams
 and /health go on meanwhile); TOKENIZE_THREADS at once, the others wait their turn holding only
 their body's bytes, so a burst of large bodies cannot take more than that many cores, nor more
-memory than `places` bodies' bytes and one body parsed, before admission, and one whose client
-leaves meanwhile is dropped untokenized. Then a place is reserved (`Scheduler.admit`, else 429 at
-once), and a `Job` runs in a worker thread; its chunks come back through an asyncio queue. A streamed reply
+memory than the budget's bytes and one body parsed, before admission, and one whose client leaves
+meanwhile is dropped untokenized (its body emptied). Then a place is reserved (`Scheduler.admit`,
+else 429 at once), and a `Job` runs in a worker thread; its chunks come back through an asyncio queue. A streamed reply
 waits for the first event before answering, so a refused prompt is still a plain 400; the stream
 then stops when the client goes away (the job is cancelled within one token and its slot freed).
 """
@@ -43,7 +43,7 @@ from starlette.routing import Route
 
 from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatError
 from edgeinfer.server import protocol, replies
-from edgeinfer.server.body import DRAIN_CHECK_S, parse_json, read_body
+from edgeinfer.server.body import DRAIN_CHECK_S, BodyBudget, drop, parse_json, read_body
 from edgeinfer.server.config import PROMPT_RINGS, ServeConfig, is_loopback
 from edgeinfer.server.metrics import Metrics
 from edgeinfer.server.protocol import APIError
@@ -73,9 +73,8 @@ class Server:
         self.pool = ThreadPoolExecutor(max_workers=config.slots + config.queue, thread_name_prefix="edgeinfer-job")
         self.tokenize_pool = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="edgeinfer-tokenize")
         self.draining = False
-        self.places = config.slots + config.queue  # requests generating or queued, at most
-        self.in_hand = 0  # requests whose body is being read, parsed or tokenized, not yet admitted: at most
-        # `places` less those admitted (`_generate`), so that a burst holds that many bodies, not one per client
+        self.bodies = BodyBudget((config.slots + config.queue) * config.max_body_bytes)  # the bytes of bodies read,
+        # parsed or tokenized, not yet admitted (`_generate`): a burst holds that many, not a body per client
         self._key = config.api_key.encode() if config.api_key else None
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
@@ -250,10 +249,12 @@ class Server:
                 break
             if self.draining:
                 waiting.cancel()
+                drop(raw)
                 raise APIError(503, "the server is shutting down; retry on another instance or later",
                                type="server_error", code="shutting_down")
             if await request.is_disconnected():
                 waiting.cancel()
+                drop(raw)
                 raise APIError(499, "the client closed the request", code="client_closed")
         try:
             return waiting.result()
@@ -271,14 +272,13 @@ class Server:
     async def _generate(self, request: Request, chat: bool) -> Response:
         t0 = time.perf_counter()
         endpoint = "chat" if chat else "completions"
+        hold = self.bodies.hold()
         try:
             background = self._check_priority(request)
-            if not self.draining and self.in_hand + self.scheduler.in_flight >= self.places:
-                # before its body is read: no more bodies in hand than places
+            if self.scheduler.full:  # before its body is read (it is not read at all)
                 return self._refused(request, endpoint, self._queue_full(), t0, unread=True)
-            self.in_hand += 1
-            try:
-                raw = await read_body(request, self.config.max_body_bytes, lambda: self.draining)
+            with hold:
+                raw = await read_body(request, self.config.max_body_bytes, lambda: self.draining, hold)
                 req, prompt, logprobs, cue = await self._prepared(request, raw, chat)
                 del raw
                 try:
@@ -288,10 +288,8 @@ class Server:
                                    type="server_error", code="shutting_down") from None
                 except QueueFull:
                     raise self._queue_full() from None
-            finally:
-                self.in_hand -= 1
         except APIError as e:
-            return self._refused(request, endpoint, e, t0)
+            return self._refused(request, endpoint, e, t0, unread=hold.over)
         except ModelFormatError as e:  # the model's own (a chat template that does not parse): not the client's
             log.error("cannot prepare the prompt: %s", e)
             return self._refused(request, endpoint, APIError(500, str(e), type="server_error"), t0)

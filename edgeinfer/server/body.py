@@ -1,6 +1,7 @@
-"""A request's body: read within its limits on the event loop (`read_body`), parsed as JSON in the
-tokenizing thread (`parse_json`), so that the bodies a burst brings are held as their bytes and only
-one at a time becomes Python objects.
+"""A request's body: read within its limits on the event loop (`read_body`), its bytes counted against
+the server's `BodyBudget` as they arrive, parsed as JSON in the tokenizing thread (`parse_json`), so
+that the bodies a burst brings are held as their bytes, at most the budget's, and only one at a
+time becomes Python objects.
 
 Why parsing waits for that thread: JSON's objects cost many times their text (a 1 MiB list of empty
 objects is 17 MiB of dicts; 29,000 one-letter chat messages, 8 MiB), and a burst of such bodies, all
@@ -24,10 +25,50 @@ BODY_READ_S = 30.0  # the most a request body may take to arrive (a 1 MiB body a
 DRAIN_CHECK_S = 0.25  # how often a body still arriving looks whether the server began to drain
 
 
-async def read_body(request: Request, limit: int, draining: Callable[[], bool]) -> bytearray:
-    """The body's bytes, at most `limit` (413 past it, before reading where Content-Length says so);
-    415 for a compressed body, 408 past BODY_READ_S, 503 once `draining()` (SIGTERM) while it still
-    arrives, 499 when the client leaves meanwhile: each an APIError."""
+class BodyBudget:
+    """The bytes of request bodies the server holds before their requests are admitted or refused, at
+    most `capacity_bytes` (slots + queue bodies of max_body_bytes: what the systemd unit counts).
+    Bytes are counted as they arrive, not as Content-Length declares them, so a slow upload holds
+    what it sent (counting whole bodies from the start, ten stalled uploads of ten bytes turned every
+    other request away for 30 s: a review). Used from the event loop only."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.held_bytes = 0
+
+    def hold(self) -> "BodyHold":
+        return BodyHold(self)
+
+
+class BodyHold:
+    """One request's share of a BodyBudget: `take(n)` as its bytes arrive (APIError 429, with `over`
+    set, when they would pass the capacity), all given back on leaving the `with` block."""
+
+    def __init__(self, budget: BodyBudget):
+        self.budget, self.held_bytes, self.over = budget, 0, False
+
+    def take(self, n: int) -> None:
+        if self.budget.held_bytes + n > self.budget.capacity_bytes:
+            self.over = True
+            raise APIError(429, f"the server holds as many request bodies as it takes "
+                                f"({self.budget.capacity_bytes} bytes); retry shortly", type="rate_limit_error",
+                           code="queue_full")
+        self.budget.held_bytes += n
+        self.held_bytes += n
+
+    def __enter__(self) -> "BodyHold":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.budget.held_bytes -= self.held_bytes
+        self.held_bytes = 0
+
+
+async def read_body(request: Request, limit: int, draining: Callable[[], bool], hold: BodyHold) -> bytearray:
+    """The body's bytes, at most `limit` (413 past it, before reading where Content-Length says so),
+    each part taken from `hold` as it arrives (429 past the budget); 415 for a compressed body, 408
+    past BODY_READ_S, 503 once `draining()` (SIGTERM) while it still arrives, 499 when the client
+    leaves meanwhile: each an APIError."""
     coding = request.headers.get("content-encoding", "identity").strip().lower()
     if coding not in ("", "identity"):  # a gzip body was read as JSON and refused as "not valid JSON"
         raise APIError(415, f"Content-Encoding {coding[:40]!r} is not supported: send the body uncompressed",
@@ -39,9 +80,10 @@ async def read_body(request: Request, limit: int, draining: Callable[[], bool]) 
 
     async def read() -> None:
         async for part in request.stream():
-            body.extend(part)
-            if len(body) > limit:
+            if len(body) + len(part) > limit:
                 raise APIError(413, f"request body is over the limit of {limit} bytes", code="body_too_large")
+            hold.take(len(part))
+            body.extend(part)
 
     reading = asyncio.ensure_future(read())
     deadline = time.monotonic() + BODY_READ_S  # a client that declares more than it sends would hold on for ever
@@ -60,6 +102,17 @@ async def read_body(request: Request, limit: int, draining: Callable[[], bool]) 
     finally:
         reading.cancel()
     return body
+
+
+def drop(body: bytearray) -> None:
+    """Empty a body whose request was given up while it waited for the tokenizing thread: the
+    executor's queue keeps the call, and so the body, until that thread reaches it (bodies of
+    clients that left piled up there past the budget: a review). One the thread is reading now is
+    left to it."""
+    try:
+        body.clear()
+    except BufferError:
+        pass
 
 
 def parse_json(body: bytes | bytearray):
