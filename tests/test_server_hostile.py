@@ -1220,67 +1220,83 @@ def test_sighup_ignored_at_start_stays_ignored():
         _stop(proc)
 
 
-def test_a_burst_of_bodies_holds_no_more_of_their_bytes_than_its_budget(model, monkeypatch):
+def test_a_burst_of_bodies_holds_no_more_of_their_bytes_than_its_budget(model):
     """Every body was read and parsed as JSON on arrival, then waited for the one tokenizing thread,
     so a burst held one parsed body per client: 40 concurrent bodies of about 1 MiB took the bundled
     model's service from 81 to 725 MiB (a prompt of 240,000 empty objects, 17 MiB each as Python
     objects; 29,000 one-letter chat messages: 257 MiB; its unit: 145M), and more clients took more.
     Now bodies are parsed in the tokenizing thread, one at a time, and the bytes of bodies not yet
     admitted are held to slots + queue bodies of max-body-bytes, counted as they arrive: past that, a
-    429 (its connection then closed). Here the tokenizing thread is held on the first request: two
-    more bodies fit beside it, the next two are answered 429 at once; uploads that stall hold only
-    what they sent, so they do not turn others away (a review: counting whole bodies from the start,
-    two stalled uploads of ten bytes did)."""
+    429 (its connection then closed). Uploads that stall hold what they sent and no place, so a
+    small request still gets through beside them (a review: counting whole requests from the start,
+    two stalled uploads of ten bytes turned every other request away for 30 s)."""
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=8, max_body_bytes=100_000), model=model)
+    budget, stalled = r.server.bodies, []
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 95000\r\n\r\n")
+    try:
+        for _ in range(2):  # 180,000 of the budget's 200,000 bytes, held by uploads that stall
+            stalled.append(socket.create_connection(("127.0.0.1", r.port)))
+            stalled[-1].sendall(head + b" " * 90_000)
+        assert _wait(lambda: budget.held_bytes == 180_000, 10), budget.held_bytes
+        ok = httpx.post(r.url + "/v1/completions", timeout=60,
+                        json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0})
+        assert ok.status_code == 200 and budget.held_bytes == 180_000
+        over = httpx.post(r.url + "/v1/completions", timeout=60, headers={"Content-Type": "application/json"},
+                          content=json.dumps({"model": MODEL, "prompt": "x" * 30_000}).encode())
+        assert over.status_code == 429 and over.headers.get("connection") == "close" and _shaped(over)
+        assert over.json()["error"]["code"] == "queue_full" and over.headers.get("retry-after") == "1"
+        assert budget.held_bytes == 180_000
+        for s in stalled:
+            s.close()
+        assert _wait(lambda: budget.held_bytes == 0, 10), budget.held_bytes
+    finally:
+        for s in stalled:
+            s.close()
+        r.stop()
+
+
+def test_a_burst_of_small_bodies_is_turned_away_before_it_is_tokenized(model, monkeypatch):
+    """With the bodies' bytes the only bound, a burst of small requests all waited for the tokenizing
+    thread and were each parsed, rendered and tokenized before their 429 (a review: 150 chats of 900
+    bytes, 152 `_prepare` calls, and a request after them waited 0.43 s). Those preparing count
+    against the places with those admitted: here, the tokenizing thread held on the first request, one
+    more waits and four are answered 429 at once, unprepared."""
     from edgeinfer.server.app import Server
 
-    entered, release = threading.Event(), threading.Event()
+    entered, release, calls = threading.Event(), threading.Event(), []
     prepare = Server._prepare
 
     def held(self, raw, chat):
+        calls.append(1)
         if not entered.is_set():
             entered.set()
             release.wait(30)
         return prepare(self, raw, chat)
 
     monkeypatch.setattr(Server, "_prepare", held)
-    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=8, max_body_bytes=100_000), model=model)
-    budget = r.server.bodies
+    r = Running(ServeConfig(slots=1, queue=1, max_tokens_limit=8), model=model)
     try:
-        body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0,
-                           "user": "x" * 60_000}).encode()
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
         answers: dict[int, httpx.Response] = {}
 
         def post(i: int) -> None:
-            answers[i] = httpx.post(r.url + "/v1/completions", content=body, timeout=60,
-                                    headers={"Content-Type": "application/json"})
+            answers[i] = httpx.post(r.url + "/v1/completions", json=body, timeout=60)
 
-        threads = []
-        for i in range(5):
-            threads.append(threading.Thread(target=post, args=(i,)))
-            threads[-1].start()
-            if i == 0:
-                assert entered.wait(20)
-            want = len(body) * min(i + 1, 3)  # three bodies fit in 200,000 bytes, four do not
-            assert _wait(lambda: budget.held_bytes == want and len(answers) == max(0, i - 2), 20), (
-                i, budget.held_bytes, answers)
-        busy = [answers[3], answers[4]]
-        assert all(a.status_code == 429 and a.headers.get("connection") == "close" and _shaped(a) for a in busy)
-        assert busy[0].json()["error"]["code"] == "queue_full" and busy[0].headers.get("retry-after") == "1"
+        threads = [threading.Thread(target=post, args=(0,))]
+        threads[0].start()
+        assert entered.wait(20)
+        threads += [threading.Thread(target=post, args=(i,)) for i in range(1, 6)]
+        for t in threads[1:]:
+            t.start()
+        assert _wait(lambda: len(answers) == 4, 20), answers  # while the first is still held
+        assert all(a.status_code == 429 and a.json()["error"]["code"] == "queue_full" for a in answers.values())
+        assert r.server.preparing == 2 and len(calls) == 1
         release.set()
         for t in threads:
             t.join(30)
-        assert [answers[i].status_code for i in range(2)] == [200, 200] and budget.held_bytes == 0
-        assert answers[2].status_code in (200, 429)  # 429 if the first still ran when it came to be admitted
-        stalled = [socket.create_connection(("127.0.0.1", r.port)) for _ in range(3)]
-        for s in stalled:  # each declares 90,000 bytes (three would pass the budget) and sends ten
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 90000\r\n\r\n{\"model\": ")
-        assert _wait(lambda: budget.held_bytes == 30, 10), budget.held_bytes
-        post(5)
-        assert answers[5].status_code == 200
-        for s in stalled:
-            s.close()
-        assert _wait(lambda: budget.held_bytes == 0, 10), budget.held_bytes
+        assert sorted(a.status_code for a in answers.values()) == [200, 200, 429, 429, 429, 429]
+        assert len(calls) == 2 and r.server.preparing == 0 and r.server.bodies.held_bytes == 0
     finally:
         release.set()
         r.stop()

@@ -10,8 +10,9 @@ x-edgeinfer-priority) the power plan refuses (with Retry-After), 500 a bug (logg
 
 Request path: a request that could not be admitted now is answered 429 before its body is read;
 the rest have their body read (at most max_body_bytes, `body.py`), its bytes counted as they arrive
-against a budget of slots + queue bodies (429 past it); a request that could not be admitted now is
-answered 429 at once; the rest are parsed as JSON and by `protocol`, and tokenized, in the
+against a budget of slots + queue bodies (429 past it); a request for which no place is left,
+counting those admitted and those preparing, is answered 429 at once; the rest are parsed as JSON
+and by `protocol`, and tokenized, in the
 tokenizing thread pool, not on the event loop (a large prompt takes most of a second: other streams
 and /health go on meanwhile); TOKENIZE_THREADS at once, the others wait their turn holding only
 their body's bytes, so a burst of large bodies cannot take more than that many cores, nor more
@@ -75,6 +76,9 @@ class Server:
         self.draining = False
         self.bodies = BodyBudget((config.slots + config.queue) * config.max_body_bytes)  # the bytes of bodies read,
         # parsed or tokenized, not yet admitted (`_generate`): a burst holds that many, not a body per client
+        self.places = config.slots + config.queue
+        self.preparing = 0  # requests whose whole body waits for or is in the tokenizing thread: with those
+        # admitted, at most `places` (a burst of small bodies was all parsed and tokenized before its 429s: a review)
         self._key = config.api_key.encode() if config.api_key else None
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
@@ -234,14 +238,13 @@ class Server:
         return req, prompt, (req.top_logprobs if req.logprobs else None) if chat else req.logprobs, cue
 
     async def _prepared(self, request: Request, raw: bytearray, chat: bool) -> tuple:
-        """`_prepare` in the tokenizing thread, for a request that could be admitted now (else 429 at
-        once, before any tokenizing: a busy server turns away a backlog without encoding it).
+        """`_prepare` in the tokenizing thread, for a request that could be admitted now (`_generate`
+        counts those admitted and those preparing against the places; else 429 at once, before any
+        tokenizing: a busy server turns away a backlog without encoding it).
         While it waits for that thread (or is in it), a request is given up when the client leaves
         (499: it is never tokenized, or its tokenization finishes unread) or when SIGTERM begins the
         drain (503 at once, as for a body still arriving: the drain counts only admitted requests,
         and uvicorn would cut the rest off with a traceback when it stops)."""
-        if self.scheduler.full:
-            raise self._queue_full()
         waiting = asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self._prepare, raw, chat)
         while not waiting.done():
             await asyncio.wait({waiting}, timeout=DRAIN_CHECK_S)
@@ -279,15 +282,21 @@ class Server:
                 return self._refused(request, endpoint, self._queue_full(), t0, unread=True)
             with hold:
                 raw = await read_body(request, self.config.max_body_bytes, lambda: self.draining, hold)
-                req, prompt, logprobs, cue = await self._prepared(request, raw, chat)
-                del raw
+                if self.preparing + self.scheduler.in_flight >= self.places:
+                    raise self._queue_full()  # (after the body: an upload that stalls holds no place)
+                self.preparing += 1
                 try:
-                    ticket = self.scheduler.admit()
-                except Closed:
-                    raise APIError(503, "the server is shutting down; retry on another instance or later",
-                                   type="server_error", code="shutting_down") from None
-                except QueueFull:
-                    raise self._queue_full() from None
+                    req, prompt, logprobs, cue = await self._prepared(request, raw, chat)
+                    del raw
+                    try:
+                        ticket = self.scheduler.admit()
+                    except Closed:
+                        raise APIError(503, "the server is shutting down; retry on another instance or later",
+                                       type="server_error", code="shutting_down") from None
+                    except QueueFull:
+                        raise self._queue_full() from None
+                finally:
+                    self.preparing -= 1
         except APIError as e:
             return self._refused(request, endpoint, e, t0, unread=hold.over)
         except ModelFormatError as e:  # the model's own (a chat template that does not parse): not the client's
