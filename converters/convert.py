@@ -58,8 +58,8 @@ VIAS = ("auto", "native", "optimum")  # `convert --via`
 NARROW_HIDDEN = 128  # int4's default block below this hidden size: 16, so that a row of the residual's width
 # keeps at least 4 blocks (stories260K, hidden 64: blocks of 32 gave each row 2 scales; blocks of 16 took its
 # default int4 from +7.0 % to +4.8 % perplexity, +3.8 to +4.8 % in four orders of the calibration text, for
-# 10 % more bytes and 0.89-0.98x its decode speed; docs/quantization.md). Wider models keep 32: on SmolLM2's shape,
-# blocks of 16 decoded at 0.66x the speed of 32
+# 10 % more bytes and 0.89-0.98x its decode speed; docs/quantization.md). Wider models keep 32: on SmolLM2's
+# shape, blocks of 16 decoded at 0.66x the speed of 32
 
 
 def default_block_size(src: Path | str, quant: str | None, target: str = "cpu", recipe: str | None = None) -> int:

@@ -12,15 +12,15 @@ Request path: a request that could not be admitted now is answered 429 before it
 the rest have their body read (at most max_body_bytes, `body.py`), its bytes counted as they arrive
 against a budget of slots + queue bodies (429 past it); a request for which no place is left,
 counting those admitted and those preparing, is answered 429 at once; the rest are parsed as JSON
-and by `protocol`, and tokenized, in the
-tokenizing thread pool, not on the event loop (a large prompt takes most of a second: other streams
-and /health go on meanwhile); TOKENIZE_THREADS at once, the others wait their turn holding only
-their body's bytes, so a burst of large bodies cannot take more than that many cores, nor more
-memory than the budget's bytes and one body parsed, before admission, and one whose client leaves
-meanwhile is dropped untokenized (its body emptied). Then a place is reserved (`Scheduler.admit`,
-else 429 at once), and a `Job` runs in a worker thread; its chunks come back through an asyncio queue. A streamed reply
-waits for the first event before answering, so a refused prompt is still a plain 400; the stream
-then stops when the client goes away (the job is cancelled within one token and its slot freed).
+and by `protocol`, and tokenized, in the tokenizing thread pool, not on the event loop (a large
+prompt takes most of a second: other streams and /health go on meanwhile); TOKENIZE_THREADS at
+once, the others wait their turn holding only their body's bytes, so a burst of large bodies cannot
+take more than that many cores, nor more memory than the budget's bytes and one body parsed, before
+admission, and one whose client leaves meanwhile is dropped untokenized (its body emptied). Then a
+place is reserved (`Scheduler.admit`, else 429 at once), and a `Job` runs in a worker thread; its
+chunks come back through an asyncio queue. A streamed reply waits for the first event before
+answering, so a refused prompt is still a plain 400; the stream then stops when the client goes
+away (the job is cancelled within one token and its slot freed).
 """
 
 from __future__ import annotations
@@ -207,11 +207,12 @@ class Server:
     def _prepare(self, raw: bytearray, chat: bool) -> tuple:
         """The parsed request, its prompt's token ids, its logprobs setting and a chat's generation cue
         (`Scheduler.cue_for`: a template rendered twice, here rather than on the loop), of the body's
-        bytes (parsed here: `body.py` says why). Runs in `tokenize_pool`, off the event loop. Safe from several threads at once: `Model.encode_*`, the tokenizer wrapper
-        and both back ends only read what loading set (SentencePiece's encoder is const; `tokenizers`'
-        is Sync), and a compiled Jinja template renders each call in a fresh context. Both back ends
-        release the GIL while they encode (`tokenizers` in its `encode_batch`, which the wrapper uses).
-        Raises what those raise (APIError, EdgeInferError), as when it ran on the loop."""
+        bytes (parsed here: `body.py` says why). Runs in `tokenize_pool`, off the event loop. Safe
+        from several threads at once: `Model.encode_*`, the tokenizer wrapper and both back ends only
+        read what loading set (SentencePiece's encoder is const; `tokenizers`' is Sync), and a
+        compiled Jinja template renders each call in a fresh context. Both back ends release the GIL
+        while they encode (`tokenizers` in its `encode_batch`, which the wrapper uses). Raises what
+        those raise (APIError, EdgeInferError), as when it ran on the loop."""
         limit = self.config.max_tokens_limit
         body = parse_json(raw)
         if chat:

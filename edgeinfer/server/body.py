@@ -29,8 +29,8 @@ class BodyBudget:
     """The bytes of request bodies the server holds before their requests are admitted or refused, at
     most `capacity_bytes` (slots + queue bodies of max_body_bytes: what the systemd unit counts).
     Bytes are counted as they arrive, not as Content-Length declares them, so a slow upload holds
-    what it sent (counting whole bodies from the start, ten stalled uploads of ten bytes turned every
-    other request away for 30 s: a review). Used from the event loop only."""
+    what it sent (counting whole requests from the start, slots + queue stalled uploads of ten bytes
+    turned every other request away for 30 s: a review). Used from the event loop only."""
 
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes

@@ -14,9 +14,10 @@
    memory reuses it, and measured a load at less than it takes) and the printing process does not
    keep the model. The child raises what the service's start would (a capacity past the trained
    length, a draft model of another tokenizer, --speculative on a portable graph), here. Then it
-   tokenizes a prompt of max_body_bytes digits (`BODY_TEXT`) and adds the peak growth: the daemon
-   tokenizes one body at a time, and the most a body's tokens can take is many times its bytes
-   (SmolLM2: 1 MiB of digits, 417 MiB; the bundled model: 55 MiB).
+   tokenizes a prompt of max_body_bytes digits (`BODY_TEXT`; at most MEASURED_BODY_BYTES of it, the
+   peak scaled) and adds the peak growth: the daemon tokenizes one body at a time, and the most a
+   body's tokens can take is many times its bytes (SmolLM2: 1 MiB of digits, 417 MiB; the bundled
+   model: 55 MiB).
 2. Computed, per folder: one KV ring per slot (each request holds one, of the draft model too),
    committed as the server starts or as requests come; the scores of a prefill call's attention,
    which ONNX Runtime's arena keeps at their largest (heads x chunk x ring rows x 4 bytes: 38 MiB for
