@@ -74,8 +74,8 @@ class Server:
         self.pool = ThreadPoolExecutor(max_workers=config.slots + config.queue, thread_name_prefix="edgeinfer-job")
         self.tokenize_pool = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="edgeinfer-tokenize")
         self.draining = False
-        self.bodies = BodyBudget((config.slots + config.queue) * config.max_body_bytes)  # the bytes of bodies read,
-        # parsed or tokenized, not yet admitted (`_generate`): a burst holds that many, not a body per client
+        self.bodies = BodyBudget(config.body_budget_bytes)  # the bytes of bodies read, parsed or tokenized,
+        # not yet admitted (`_generate`): a burst holds that many, not a body per client
         self.places = config.slots + config.queue
         self.preparing = 0  # requests whose whole body waits for or is in the tokenizing thread: with those
         # admitted, at most `places` (a burst of small bodies was all parsed and tokenized before its 429s: a review)

@@ -59,6 +59,12 @@ class ServeConfig:
     power_budget_w: float | None = None
     max_tokens_per_s: float | None = None
 
+    @property
+    def body_budget_bytes(self) -> int:
+        """The most bytes of request bodies the server holds before admission (`body.BodyBudget`), and
+        what the systemd unit counts for them: slots + queue bodies of max_body_bytes."""
+        return (self.slots + self.queue) * self.max_body_bytes
+
     def power_policy(self):
         """The power Policy these settings give (None for power = "off"); checked in __post_init__."""
         from edgeinfer.power.policy import Policy

@@ -50,7 +50,7 @@ def footprint_bytes(config, folders: list[Path]) -> int:
     module doc says."""
     return (loaded_bytes(config, folders) + held_per_request(folders[0], config, served=True)
             + sum(held_per_request(f, config, served=False) for f in folders[1:])
-            + (config.slots + config.queue) * config.max_body_bytes)  # the bodies in hand (server/app.py)
+            + config.body_budget_bytes)  # the bodies in hand (server/body.py)
 
 
 def loaded_bytes(config, folders: list[Path]) -> int:
@@ -133,8 +133,7 @@ def _status_bytes(key: str) -> int:
 
 def _anon_bytes() -> int:
     try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+        return _status_bytes("RssAnon")
     except (OSError, StopIteration, ValueError, IndexError):
         import psutil
 
