@@ -65,6 +65,49 @@ def test_the_prompts_index_is_what_pushing_it_token_by_token_leaves():
 
 
 
+def reference_draft(history: list[int], k: int, max_n: int = 3, min_n: int = 2, max_match: int = 32,
+                    discount: int = 2) -> tuple[list[int], int, list[float]]:
+    """The drafter's copy as its docstring defines it, searched afresh: (drafts, match, chances)."""
+    for n in range(max_n, min_n - 1, -1):
+        ends = [e for e in range(n - 1, len(history) - 1) if history[e - n + 1:e + 1] == history[len(history) - n:]]
+        if len(history) >= n and ends:
+            end, m = ends[-1], n
+            while m < max_match and m <= end and history[end - m] == history[-1 - m]:
+                m += 1
+            copied = history[end + 1:end + 1 + k]
+            r = max(0, m - discount) + 1
+            return copied, m, [r / (r + j) for j in range(1, len(copied) + 1)]
+    return [], 0, []
+
+
+def test_the_drafter_drafts_what_a_fresh_search_finds_whatever_was_pushed_between():
+    """`_copy` carries a copy's agreement over from its last draft (d tokens pushed since, the same
+    occurrence moved on by d): the drafts, match and chances must be those of a search from scratch,
+    for any run of pushes between drafts (a verify call's accepted drafts are pushed one by one, then
+    one draft), through long exact copies (the cap), copies that break, and the window's cuts."""
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        base = rng.integers(0, 4 if trial % 2 else 30, int(rng.integers(5, 60))).tolist()
+        ids = base * int(rng.integers(1, 6))  # long copies, and their agreement past the cap
+        for i in rng.choice(len(ids), size=len(ids) // 15, replace=False):
+            ids[i] = int(rng.integers(0, 30))  # broken here and there
+        max_n, min_n = ((3, 2), (4, 1), (2, 2))[trial % 3]
+        d = NgramDrafter(ids[:3], max_n, min_n)
+        if trial % 4 == 0:
+            d.window = 40  # cuts at 80 tokens
+        at = 3
+        while at < len(ids):
+            step = int(rng.choice([1, 1, 1, 2, 3, 5, 9]))
+            for t in ids[at:at + step]:
+                d.push(t)
+            at += step
+            k = int(rng.integers(0, 10))
+            want = reference_draft(d.history, k, max_n, min_n)
+            assert (d.draft(k), d.match, d.chances) == want, (trial, at)
+            if rng.random() < 0.2:  # drafted twice with nothing pushed between
+                assert (d.draft(k), d.match, d.chances) == want
+
+
 def test_a_long_history_is_cut_to_the_window():
     """The drafter indexed every n-gram of everything a request had seen, ~250 bytes a token for as long
     as it ran (a review: 270 MB for a million-token reply). It keeps the last `window` tokens to twice
