@@ -221,8 +221,10 @@ MEMORY_HINTS = {"serve": "a smaller --capacity or fewer --slots needs less",
 def main(argv: list[str] | None = None) -> int:
     args = None
     _standard_streams()
-    show = warnings.showwarning
+    show, err = warnings.showwarning, sys.stderr
     warnings.showwarning = _show_warning
+    if not isinstance(err, Diagnostics):
+        sys.stderr = Diagnostics(err)
     try:
         # The imports run from here on, inside the handlers, with a Ctrl-C held until they are whole
         # (`edgeinfer.interrupts`: met inside one it could become numpy's ImportError, or be lost and the
@@ -233,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
             for module in getattr(args, "imports", MODEL_IMPORTS):
                 importlib.import_module(module)
         if sys.stdout is None:  # started with its standard output closed (`>&-`)
-            print("edgeinfer: error: cannot write the output: standard output is closed", file=sys.stderr)
-            return 1
+            if getattr(args, "writes_stdout", lambda a: True)(args):
+                print("edgeinfer: error: cannot write the output: standard output is closed", file=sys.stderr)
+                return 1
+            sys.stdout = open(os.devnull, "w")  # (a command that prints nothing there: convert -q, serve)
         rc = args.func(args)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
         return rc
@@ -270,7 +274,46 @@ def main(argv: list[str] | None = None) -> int:
         _drop_stdout()  # what is still buffered would fail again at exit, with a traceback
         return 1
     finally:
-        warnings.showwarning = show
+        warnings.showwarning, sys.stderr = show, err
+
+
+class Diagnostics:
+    """Standard error while a command runs: its progress lines, notes and errors. One that cannot be
+    written (standard error on a full disk, a pipe whose reader has gone) is dropped, and standard
+    error pointed at os.devnull for the rest of the command (what is still buffered then goes there,
+    not into a failure at exit), rather than raised into the command: convert's first progress line
+    ended a conversion with no folder, blaming "disk full while writing" on the destination, chat
+    died on its banner, and generate's note after a whole reply turned its exit into 1 (a hostile
+    round). Everything else is the stream's own."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError):  # (ValueError: the stream closed)
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except (OSError, ValueError):
+            self._drop()
+
+    def _drop(self) -> None:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self.stream.fileno())
+            finally:
+                os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # no descriptor of its own (io.UnsupportedOperation is both)
+            self.stream = open(os.devnull, "w")
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 def _interrupt_cause(e: BaseException) -> BaseException | None:

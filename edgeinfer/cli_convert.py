@@ -66,7 +66,7 @@ def add_convert_parser(sub) -> None:
     c.add_argument("--force", action="store_true",
                    help="replace an existing edgeinfer model folder (never one holding SRC or the current folder)")
     c.add_argument("-q", "--quiet", action="store_true", help="print no progress and no summary of the result (errors still go to stderr)")
-    c.set_defaults(func=run, imports=("edgeinfer.converters",))
+    c.set_defaults(func=run, imports=("edgeinfer.converters",), writes_stdout=lambda a: not a.quiet)
 
 
 def _ngram_tokens(text: str) -> int:

@@ -18,7 +18,8 @@ from edgeinfer.server.config import POWER_CHOICES
 def add_serve_parser(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (loopback unless an API key is given)")
     _serve_args(sv)
-    sv.set_defaults(func=_cmd_serve, imports=("edgeinfer.model", "edgeinfer.server.run"))
+    sv.set_defaults(func=_cmd_serve, imports=("edgeinfer.model", "edgeinfer.server.run"),
+                    writes_stdout=lambda a: a.print_systemd_unit)  # (its log is standard error)
 
 
 # serve flags: (flag, setting, type, help, the values it takes or None); None defaults so that a TOML
