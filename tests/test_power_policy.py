@@ -62,7 +62,8 @@ LOAD = Load(max_threads=4, tokens_per_s=20.0, unpaced_tokens_per_s=20.0)
     {"min_battery_pct": 101}, {"power_budget_w": 0}, {"power_budget_w": -3}, {"max_tokens_per_s": 0},
     {"max_tokens_per_s": "fast"}, {"hysteresis_c": 10, "warm_band_c": 5}, {"hold_s": -1}, {"max_temp_c": True},
     {"name": "performance", "min_battery_pct": 30},
-])
+    {"hold_s": None}, {"hysteresis_c": None}, {"warm_band_c": None},  # (no "default" for these: hold_s=None was
+])  # taken, and the first plan change failed for good; the other two a bare TypeError: a hostile round)
 def test_bad_policies_are_refused_at_configuration(kwargs):
     with pytest.raises(InvalidArgumentError):
         Policy(**kwargs)
@@ -534,6 +535,36 @@ def test_power_watch_plans_as_the_running_model_does():
     made = [runtime.tick().as_dict() for _ in seq]
     assert [p["admit_background"] for p in shown] == [p["admit_background"] for p in made] == [False] * 6
     assert [p["reason"] for p in shown] == [p["reason"] for p in made]
+
+
+def test_a_stopped_controller_limits_no_cores_and_refuses_a_new_policy():
+    """After `model.close()`, `model.power.set_policy(...)` read the sensors and confined the whole
+    process to 1 core, and nothing gave them back (its sampling had stopped): a model loaded later
+    without power control ran on one core (a hostile round)."""
+    from edgeinfer.errors import ModelClosedError
+
+    on_battery = Script(Readings(battery_pct=80.0, on_ac=False, cpu_count=4))
+    ctl = PowerController(Policy("battery"), on_battery, cores())
+    assert ctl.tick().threads == 2 and ctl.cores.applied == 2  # the battery policy halves the cores
+    ctl.stop()
+    assert ctl.cores.applied == 4  # given back
+    assert ctl.tick().threads == 2 and ctl.cores.applied == 4  # decided, not applied
+    with pytest.raises(ModelClosedError):
+        ctl.set_policy(Policy("battery"))
+    assert ctl.cores.applied == 4
+
+
+def test_performance_names_the_limit_it_holds():
+    """At 95 °C on a Pi 5 (throttle 80, critical 110) performance's plan said "95.0 °C >= 79.0 °C" while
+    it ran flat out: a limit it does not hold (a hostile round). It says what it holds."""
+    r = Readings(temp_c=95.0, throttle_temp_c=80.0, critical_temp_c=110.0, cpu_count=4)
+    perf = decide(r, Policy("performance"), Load(max_threads=4))
+    assert perf.max_tokens_per_s is None and perf.admit_background
+    assert perf.reason == "95.0 °C >= 79.0 °C; performance holds only 105.0 °C (5 °C under the critical point)"
+    no_critical = decide(replace(r, critical_temp_c=None), Policy("performance"), Load(max_threads=4))
+    assert "performance holds no temperature" in no_critical.reason
+    assert "performance" not in decide(r, Policy("balanced"), Load(max_threads=4)).reason
+    assert decide(replace(r, temp_c=50.0), Policy("performance"), Load(max_threads=4)).reason == "50.0 °C"
 
 
 def test_performance_does_not_say_it_reduced_load_for_under_voltage():

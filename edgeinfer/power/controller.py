@@ -32,7 +32,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, replace
 
-from edgeinfer.errors import InvalidArgumentTypeError
+from edgeinfer.errors import InvalidArgumentTypeError, ModelClosedError
 from edgeinfer.power.policy import MIN_TOKENS_PER_S, Load, Plan, Policy, decide, safe_plan
 from edgeinfer.power.readings import Readings
 from edgeinfer.power.threads import CoreLimit
@@ -115,6 +115,7 @@ class PowerController:
         self._rates: tuple[float | None, float | None] = (None, None)  # (paced, unpaced) tok/s in force
         self._warned: set[str] = warned if warned is not None else set()
         self._stop = threading.Event()
+        self.stopped = False  # `stop` was called (the Model closed): no core limit is applied again
         self._thread: threading.Thread | None = None
         self._forks_seen = _FORKS[0]  # the forks its sampling thread belongs to (`_own_process`)
         _CONTROLLERS.add(self)
@@ -141,8 +142,8 @@ class PowerController:
             readings, plan = self.readings, safe_plan(load, f"power control failed: {type(e).__name__}",
                                                        self.policy, self.plan)
         self.readings, self.plan, self._planned_at = readings, plan, now
-        if plan.threads != self.cores.applied:
-            self.cores.apply(plan.threads)
+        if plan.threads != self.cores.applied and not self.stopped:  # (after `stop`, a limit set here stayed
+            self.cores.apply(plan.threads)  # on the whole process for good: nothing ticks to lift it)
         return plan
 
     def _smoothed(self, r: Readings) -> Readings:
@@ -177,7 +178,10 @@ class PowerController:
             self._warn(f"the {self.policy.name} policy paces nothing for heat: no temperature can be read on this device")
 
     def set_policy(self, policy: Policy) -> Plan:
-        """Switch policy now (e.g. the user changed a limit); the next plan is decided at once."""
+        """Switch policy now (e.g. the user changed a limit); the next plan is decided at once.
+        ModelClosedError once stopped (its Model closed)."""
+        if self.stopped:
+            raise ModelClosedError("the model was closed, and its power control stopped with it")
         self._own_process()
         if not isinstance(policy, Policy):
             raise InvalidArgumentTypeError(f"set_policy takes a Policy, got {type(policy).__name__}")  # (a TypeError)
@@ -247,6 +251,7 @@ class PowerController:
         self._thread.start()
 
     def stop(self) -> None:
+        self.stopped = True
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)

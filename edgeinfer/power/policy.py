@@ -52,6 +52,7 @@ KP_PER_C = 0.3
 KI_PER_C_S = 0.005
 CRITICAL_GUARD_C = 5.0
 LOG_MAX_CAP = math.log(1e6)
+REQUIRED = ("hysteresis_c", "hold_s", "warm_band_c")  # the Policy fields that have no None (no "the default")
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,8 @@ class Policy:
                               ("margin_c", 0.0, 30.0), ("hysteresis_c", 0.0, 20.0), ("hold_s", 0.0, 3600.0),
                               ("warm_band_c", 0.5, 40.0)):
             v = getattr(self, field)
-            if v is None:
-                continue
+            if v is None and field not in REQUIRED:  # (hold_s=None was taken, and the first plan change then
+                continue  # failed for good: the safe plan, and no heat pacing at 95 °C; a hostile round)
             try:  # a numpy number (np.float32 was refused) as a plain float, judged as one (np.float16(0.1) passed as
                 x = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else None  # 0.1, kept as 0.09998)
             except OverflowError:  # an int past a float's range (10**400): out of range, as it was before the float
@@ -179,6 +180,15 @@ def thermal_level(r: Readings, policy: Policy, previous: Plan | None) -> tuple[s
         if policy.name == "performance":  # it reduces nothing for the device's own report (a Pi review)
             forced = forced.removesuffix(", load reduced") + "; performance reduces no load for it"
         return "hot", forced
+    level, why = _temperature_level(r, policy, previous)
+    if policy.name == "performance" and level != "cool" and r.temp_c is not None:  # the limit named is the
+        guard = _thermal_target_c(r, policy)  # device's, which performance does not hold (a hostile round)
+        why += (f"; performance holds only {guard:.1f} °C ({CRITICAL_GUARD_C:g} °C under the critical point)"
+                if guard is not None else "; performance holds no temperature (the device gives no critical point)")
+    return level, why
+
+
+def _temperature_level(r: Readings, policy: Policy, previous: Plan | None) -> tuple[str, str]:
     before = previous.level if previous is not None else "cool"
     if r.temp_c is None:
         return before, "no temperature reading"
