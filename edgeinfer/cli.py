@@ -221,11 +221,15 @@ MEMORY_HINTS = {"serve": "a smaller --capacity or fewer --slots needs less",
 def main(argv: list[str] | None = None) -> int:
     args = None
     _standard_streams()
-    show, err = warnings.showwarning, sys.stderr
+    # (each put back at the end only by the call that set it: a main() in another thread meanwhile
+    # left the wrapper, or the devnull stdout, in place for good; a review)
+    show = warnings.showwarning if warnings.showwarning is not _show_warning else None
     warnings.showwarning = _show_warning
-    if not isinstance(err, Diagnostics):
-        sys.stderr = Diagnostics(err)
+    err = sys.stderr if not isinstance(sys.stderr, Diagnostics) else None
+    no_stdout = False
     try:
+        if err is not None:
+            sys.stderr = Diagnostics(err)
         # The imports run from here on, inside the handlers, with a Ctrl-C held until they are whole
         # (`edgeinfer.interrupts`: met inside one it could become numpy's ImportError, or be lost and the
         # command run on). So an import that hangs cannot be interrupted; none is known to.
@@ -238,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, "writes_stdout", lambda a: True)(args):
                 print("edgeinfer: error: cannot write the output: standard output is closed", file=sys.stderr)
                 return 1
-            sys.stdout = open(os.devnull, "w")  # (a command that prints nothing there: convert -q, serve)
+            sys.stdout, no_stdout = open(os.devnull, "w"), True  # (a command that prints nothing there: convert
+            # -q, serve)
         rc = args.func(args)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
         return rc
@@ -274,35 +279,50 @@ def main(argv: list[str] | None = None) -> int:
         _drop_stdout()  # what is still buffered would fail again at exit, with a traceback
         return 1
     finally:
-        warnings.showwarning, sys.stderr = show, err
+        if show is not None:
+            warnings.showwarning = show
+        if err is not None:
+            if isinstance(sys.stderr, Diagnostics):  # (a Ctrl-C may come before it was set)
+                sys.stderr.settle()
+            sys.stderr = err
+        if no_stdout:
+            sys.stdout.close()
+            sys.stdout = None
 
 
 class Diagnostics:
-    """Standard error while a command runs: its progress lines, notes and errors. One that cannot be
-    written (standard error on a full disk, a pipe whose reader has gone) is dropped, and standard
-    error pointed at os.devnull for the rest of the command (what is still buffered then goes there,
-    not into a failure at exit), rather than raised into the command: convert's first progress line
-    ended a conversion with no folder, blaming "disk full while writing" on the destination, chat
-    died on its banner, and generate's note after a whole reply turned its exit into 1 (a hostile
-    round). Everything else is the stream's own."""
+    """Standard error while a command runs: its progress lines, notes and errors. A write that fails
+    (standard error on a full disk, a pipe whose reader has gone) is dropped rather than raised into
+    the command: convert's first progress line ended a conversion with no folder, blaming "disk full
+    while writing" on the destination; chat died on its banner; generate's note after a whole reply
+    turned its exit into 1 (a hostile round). Each write is tried (a disk freed again, a log rotated:
+    serve's log lines go on), and at the command's end (`settle`) what a failed write left buffered
+    goes to os.devnull, not into a failed flush at exit. Everything else is the stream's own."""
 
     def __init__(self, stream):
-        self.stream = stream
+        self.stream, self.failed = stream, False
 
     def write(self, text: str) -> int:
         try:
             return self.stream.write(text)
-        except (OSError, ValueError):  # (ValueError: the stream closed)
-            self._drop()
+        except (OSError, ValueError):  # (ValueError: closed, or a character its encoding lacks)
+            self.failed = True
             return len(text)
 
     def flush(self) -> None:
         try:
             self.stream.flush()
         except (OSError, ValueError):
-            self._drop()
+            self.failed = True
 
-    def _drop(self) -> None:
+    def settle(self) -> None:
+        if not self.failed:
+            return
+        try:
+            self.stream.flush()
+            return
+        except (OSError, ValueError):
+            pass
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             try:
@@ -310,7 +330,7 @@ class Diagnostics:
             finally:
                 os.close(devnull)
         except (OSError, ValueError, AttributeError):  # no descriptor of its own (io.UnsupportedOperation is both)
-            self.stream = open(os.devnull, "w")
+            pass
 
     def __getattr__(self, name: str):
         return getattr(self.stream, name)
