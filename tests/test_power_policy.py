@@ -552,6 +552,10 @@ def test_a_stopped_controller_limits_no_cores_and_refuses_a_new_policy():
     with pytest.raises(ModelClosedError):
         ctl.set_policy(Policy("battery"))
     assert ctl.cores.applied == 4
+    ctl.pacer().pace()  # a stream left open across close(): its next step applied the plan (a review)
+    assert ctl.cores.applied == 4
+    with pytest.raises(ModelClosedError):  # started again after stop: it waited 10 s, then took a core
+        ctl.start()
 
 
 def test_performance_names_the_limit_it_holds():

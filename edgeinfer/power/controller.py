@@ -116,6 +116,7 @@ class PowerController:
         self._warned: set[str] = warned if warned is not None else set()
         self._stop = threading.Event()
         self.stopped = False  # `stop` was called (the Model closed): no core limit is applied again
+        self._stop_lock = threading.Lock()  # `stopped` and the limit it forbids, set together
         self._thread: threading.Thread | None = None
         self._forks_seen = _FORKS[0]  # the forks its sampling thread belongs to (`_own_process`)
         _CONTROLLERS.add(self)
@@ -142,9 +143,17 @@ class PowerController:
             readings, plan = self.readings, safe_plan(load, f"power control failed: {type(e).__name__}",
                                                        self.policy, self.plan)
         self.readings, self.plan, self._planned_at = readings, plan, now
-        if plan.threads != self.cores.applied and not self.stopped:  # (after `stop`, a limit set here stayed
-            self.cores.apply(plan.threads)  # on the whole process for good: nothing ticks to lift it)
+        if plan.threads != self.cores.applied:
+            self._apply(plan.threads)
         return plan
+
+    def _apply(self, threads: int) -> None:
+        """Confine the process to `threads` cores, unless stopped: after `stop` (the Model closed) a
+        limit set by a tick, a policy change or an open stream's next step stayed on the whole process
+        for good, nothing ticking to lift it (a model loaded later ran on one core: a hostile round)."""
+        with self._stop_lock:  # (checked and applied under the lock `stop` takes: a tick between its check and
+            if not self.stopped:  # its apply could set a limit after `stop` gave the cores back; a review)
+                self.cores.apply(threads)
 
     def _smoothed(self, r: Readings) -> Readings:
         """What a plan decides on: temp_c the median of the last TEMP_MEDIAN_OF temperatures read (a
@@ -201,7 +210,9 @@ class PowerController:
         """Sample now and every interval_s on a daemon thread (started again in a forked child when a
         generation there first uses it: `_own_process`), waiting for the first plan up to FIRST_READ_S:
         a read that blocks longer (a hung sensor file) leaves the safe plan in force until it returns,
-        said once (it hung `load` and `serve` for good: a hostile round)."""
+        said once (it hung `load` and `serve` for good: a hostile round). ModelClosedError once stopped."""
+        if self.stopped:
+            raise ModelClosedError("the model was closed, and its power control stopped with it")
         first = threading.Event()
         self._spawn(first_wait=False, first_done=first)
         if not first.wait(FIRST_READ_S):
@@ -212,7 +223,7 @@ class PowerController:
             with self._lock:
                 if self.plan is None:  # (the reading may have come meanwhile)
                     self.plan, self._planned_at = plan, self.clock()
-                    self.cores.apply(plan.threads)
+                    self._apply(plan.threads)
         return self
 
     def _own_process(self) -> None:
@@ -251,11 +262,13 @@ class PowerController:
         self._thread.start()
 
     def stop(self) -> None:
-        self.stopped = True
+        with self._stop_lock:
+            self.stopped = True
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        self.cores.apply(self.cores.max_threads)
+        with self._stop_lock:
+            self.cores.apply(self.cores.max_threads)
 
     def __del__(self):  # a dropped Model: stop sampling, give the process its cores back
         self._stop.set()
@@ -321,7 +334,7 @@ class Pacer:
         c._own_process()  # a stream opened before a fork and continued in the child
         plan = c.plan
         if plan is not None and plan.threads != c.cores.applied:
-            c.cores.apply(plan.threads)
+            c._apply(plan.threads)
         clock = c.clock
         now = clock()
         if self._started is not None:
@@ -378,6 +391,7 @@ def _reset_locks_in_child() -> None:
             c = ref()
             if c is not None:
                 c._lock._at_fork_reinit()
+                c._stop_lock._at_fork_reinit()
                 c._stop._at_fork_reinit()  # its condition's lock: the lost thread waited on it
                 c.cores._lock._at_fork_reinit()
     finally:
