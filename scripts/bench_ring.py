@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
+    if a.tokens < 2000:  # the early window is tokens 1,001-2,000 (below that, an IndexError)
+        ap.error("--tokens must be at least 2000 (speed is compared over tokens 1,001-2,000 and the last 1,000)")
     result = {"ring": ring_run(a.model, a.tokens, a.capacity, a.threads)}
     big_cap = min(4096, edgeinfer.load(a.model).capacity_tokens)  # its default ring: within the trained length
     small_cap = min(256, big_cap)

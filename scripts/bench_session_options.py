@@ -47,8 +47,8 @@ def load(model: str, variant: str):
     threads, tweak = VARIANTS[variant]
     original = session_mod.session_options
 
-    def patched(t, spin_duration_us=None):
-        so = original(t, spin_duration_us)
+    def patched(*args, **kwargs):  # session.session_options as it is called, whatever its arguments
+        so = original(*args, **kwargs)
         tweak(so)
         return so
 

@@ -19,7 +19,8 @@ ignored, except where a chat model answers):
 Reports, per model and kind, the median over rounds of decode tokens/s (`Completion.timings`) for
 both, their ratio, the lowest, median and highest of the per-round ratios (the two sides of one
 round run within a second of each other: their spread is the box's noise, which on a tiny model
-moves the ratio by more than the differences sought; give more rounds there), speculation's
+moves the ratio by more than the differences sought; give more rounds there; the first prompt of
+each kind runs once each way first, uncounted), speculation's
 acceptance rate and mean accepted drafts per verify call, whether the tokens were identical, and
 `copyable`: the share of plain decoding's tokens that prompt lookup's next draft would have got
 right (the n-gram drafter replayed over prompt and output, without the model's n-gram table: how
@@ -143,6 +144,9 @@ def main() -> None:
             drafted = accepted = calls = 0
             same = True
             copied = []
+            for spec in (None, drafter):  # a warm-up, not counted: the first speculative request measures the
+                run(m, prompts[0], args.tokens, spec, args.temperature, 0, ignore_eos)  # engine's verify ratios and
+                # reads the n-gram table (~0.5 s: round 1's ratio was 0.3x with them in it)
             for r in range(args.rounds):
                 for spec in ((None, drafter) if r % 2 == 0 else (drafter, None)):
                     per = []

@@ -26,7 +26,7 @@
 #      onnxruntime, tokenizers ... from PyPI; the sampler's C extension compiled by the root's gcc);
 #   7. checks that the C extension built: edgeinfer.sampling.BACKEND must be "c" (the extension is
 #      optional=True in setup.py, so a failed compile would otherwise pass silently);
-#   8. runs the README's test command, `python -m pytest` (arguments given to this script are
+#   8. runs the README's test command, `python -m pytest` (arguments given to this script, but -h and --help, are
 #      passed on to pytest, e.g. `scripts/check_arm64.sh tests/test_sampling.py`).
 # Takes (2 x86-64 cores, measured 2026-11-30): first run 5-7 min before the tests (debootstrap
 #        ~1.5 min, apt-get in the root ~2.5 min, venv and pip ~2.5 min), a re-run ~1 min before the
@@ -42,6 +42,10 @@
 # LOG_DIR (/var/tmp/edgeinfer-arm64-logs),
 # FRESH=1 (delete the root and start over).
 set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # (pytest's arguments follow; --help went to the
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'  # root job itself: a scripts round)
+    exit 0
+fi
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 ARM64_ROOT=${ARM64_ROOT:-/var/tmp/edgeinfer-arm64}

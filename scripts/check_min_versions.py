@@ -7,7 +7,9 @@ Each runtime dependency `name>=X` in pyproject.toml is pinned as `name==X` (a ma
 pyproject.toml names; pip picks their versions, within those pins: httpx's h11 is let through, the one
 runtime floor a test extra raises) into a fresh virtual environment (`--venv`, default
 /tmp/edgeinfer-min-versions, made anew; a folder that exists must be a venv). Then edgeinfer is installed
-from this checkout without its dependencies; `pip check`, the versions installed, and pytest. The exit
+from this checkout without its dependencies (editable, so it rebuilds the compiled sampler in this
+checkout's edgeinfer/sampling/ with that venv's tools, and rewrites edgeinfer.egg-info: afterwards,
+`pip install --no-deps -e .` in your own venv builds it again there); `pip check`, the versions installed, and pytest. The exit
 status is pytest's, or the failing step's. Not run by CI (it doubles CI's time); run it when a floor
 changes. The floors are old: use Python 3.11 (or `--python python3.10`) with a C compiler (psutil 5.9.0
 has no 3.11 wheel; numpy 1.24.0 has none for 3.12, onnx 1.16.0 none for 3.13). It found onnxruntime

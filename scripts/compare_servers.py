@@ -7,7 +7,12 @@ Each server runs alone on a free loopback port (one at a time, so they never sha
 in alternating passes (edgeinfer, llama.cpp, edgeinfer, ...). Per pass, over /v1/completions with
 streaming, temperature 0 and EOS banned by logit_bias (both servers take it):
   ttft_ms        time to the first streamed token, a ~512-token text prompt (prefill dominated)
-  decode_tok_s   tokens 2..128 over their arrival times, a short prompt
+  decode_tok_s   128 tokens over the time from the request to the last chunk, a short prompt (its
+                 prefill is about a step): the tokens are the 128 asked for, EOS being banned, or the
+                 usage's count where a server sends one. Counting chunks of text counted 102-114 of
+                 our 128 tokens (a chunk may carry several tokens, or none while a character's bytes
+                 are incomplete), and timing from the first chunk left out the tokens it carried
+                 (a server merges the tokens a client has not read yet: 38 chunks for 128)
 Medians over passes. llama-cpp-python runs from its own interpreter (--llama-python), since it
 is not a dependency of edgeinfer.
 """
@@ -20,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -34,7 +40,8 @@ def free_port() -> int:
 
 
 def start(cmd: list[str], port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tempfile.TemporaryFile()  # the server's output, shown if it does not start (a missing llama_cpp
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)  # said only "server exited")
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         try:
@@ -43,16 +50,22 @@ def start(cmd: list[str], port: int) -> subprocess.Popen:
         except httpx.TransportError:
             pass
         if proc.poll() is not None:
-            raise SystemExit(f"server exited: {' '.join(cmd)}")
+            raise SystemExit(f"server exited: {' '.join(cmd)}\n{_tail(log)}")
         time.sleep(0.3)
     proc.kill()
-    raise SystemExit(f"server did not start: {' '.join(cmd)}")
+    raise SystemExit(f"server did not start: {' '.join(cmd)}\n{_tail(log)}")
 
 
-def stream(url: str, model: str, prompt: str, max_tokens: int) -> list[float]:
+def _tail(log, n: int = 2000) -> str:
+    log.seek(0)
+    return log.read().decode(errors="replace")[-n:]
+
+
+def stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[list[float], int]:
+    """Arrival times of the chunks with text, and the tokens generated (the usage's, else max_tokens)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "logit_bias": {"2": -100}}
-    t0, stamps = time.perf_counter(), []
+            "logit_bias": {"2": -100}, "stream_options": {"include_usage": True}}
+    t0, stamps, tokens = time.perf_counter(), [], max_tokens
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -60,14 +73,16 @@ def stream(url: str, model: str, prompt: str, max_tokens: int) -> list[float]:
                 ev = json.loads(line[6:])
                 if any(c.get("text") for c in ev.get("choices", [])):
                     stamps.append(time.perf_counter() - t0)
-    return stamps
+                if (ev.get("usage") or {}).get("completion_tokens"):
+                    tokens = ev["usage"]["completion_tokens"]
+    return stamps, tokens
 
 
 def measure(url: str, model: str, long_prompt: str, short_prompt: str) -> dict:
     stream(url, model, short_prompt, 4)  # warm-up
-    ttft = stream(url, model, long_prompt, 2)[0]
-    s = stream(url, model, short_prompt, 128)
-    return {"ttft_ms": ttft * 1e3, "decode_tok_s": (len(s) - 1) / (s[-1] - s[0]), "tokens": len(s)}
+    ttft = stream(url, model, long_prompt, 2)[0][0]
+    s, tokens = stream(url, model, short_prompt, 128)
+    return {"ttft_ms": ttft * 1e3, "decode_tok_s": tokens / s[-1], "tokens": tokens, "text_chunks": len(s)}
 
 
 def main() -> None:

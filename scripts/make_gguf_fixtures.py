@@ -134,7 +134,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "gguf")
     ap.add_argument("--max-f32-bytes", type=int, default=1_200_000, help="keep the F32 GGUF only up to this size")
     args = ap.parse_args()
-    import llama_cpp
+    try:
+        import llama_cpp
+    except ModuleNotFoundError:  # (a traceback: a scripts round)
+        raise SystemExit("this script needs llama-cpp-python (pip install llama-cpp-python): it quantizes with "
+                         "llama.cpp's own code") from None
 
     gguf, gguf_version = import_gguf(args.llama_convert)
     text, golden_path, ppl_json = (args.shared / n for n in ("eval.txt", "golden.json", "eval_ppl.json"))

@@ -31,9 +31,12 @@ from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
-import torch
-import transformers
-from transformers import AutoModelForCausalLM, GemmaConfig, Phi3Config
+try:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, GemmaConfig, Phi3Config
+except ModuleNotFoundError as e:  # (a traceback, even for --help: a scripts round)
+    raise SystemExit(f"this script needs {e.name}: pip install -e '.[optimum]' (torch 2.13, CPU)") from None
 
 from edgeinfer.converters.optimum_export import convert_via_optimum
 

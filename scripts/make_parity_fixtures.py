@@ -18,9 +18,12 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
-import transformers
-from transformers import AutoModelForCausalLM
+try:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+except ModuleNotFoundError as e:  # (a traceback, even for --help: a scripts round)
+    raise SystemExit(f"this script needs {e.name}: pip install torch==2.13.0 transformers") from None
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -109,6 +109,7 @@ def main() -> None:
     ap.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python (skipped without)")
     ap.add_argument("--out", type=Path, required=True, help="prefix of OUT.json, OUT.md, OUT.png")
     a = ap.parse_args()
+    failed = None
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         rows = ours(a.gguf, a.text, work)
@@ -125,6 +126,7 @@ def main() -> None:
             rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
             if out.returncode:
                 print(out.stderr[-2000:], file=sys.stderr)
+                failed = f"llama.cpp's rows are missing: its child ({a.llama_python}) failed, above"
     for r in rows:
         r["above_reference_pct"] = round((r["perplexity"] / a.reference - 1) * 100, 3)
     a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -138,6 +140,10 @@ def main() -> None:
     print("\n".join(lines))
     if chart(rows, a.reference, a.out.with_suffix(".png")):
         print(f"chart: {a.out.with_suffix('.png')}")
+    else:
+        print("no chart: matplotlib is not installed", file=sys.stderr)
+    if failed:  # (the table went out without them, and the exit was 0: a scripts round)
+        raise SystemExit(failed)
 
 
 if __name__ == "__main__":
