@@ -62,12 +62,14 @@ NARROW_HIDDEN = 128  # int4's default block below this hidden size: 16, so that 
 # shape, blocks of 16 decoded at 0.66x the speed of 32
 
 
-def default_block_size(src: Path | str, quant: str | None, target: str = "cpu", recipe: str | None = None) -> int:
+def default_block_size(src: Path | str, quant: str | None, target: str = "cpu", recipe: str | None = None,
+                       via: str = "auto") -> int:
     """The block size `convert` uses when none is given: 16 for int4 (the cpu and cuda graphs' default
     quantization, None) of a model narrower than NARROW_HIDDEN, unless the recipe is q4_1 (llama.cpp's
-    blocks of 32), else 32. The hidden size is read from the source's config.json or GGUF metadata; a
-    source that cannot be read gets 32 (the conversion itself then says what is wrong with it)."""
-    if quant not in (None, "int4") or target in PORTABLE_TARGETS or recipe == "q4_1":
+    blocks of 32) or the export is Optimum's (`via`, its own 32), else 32. The hidden size is read
+    from the source's config.json or GGUF metadata; a source that cannot be read gets 32 (the
+    conversion itself then says what is wrong with it)."""
+    if quant not in (None, "int4") or target in PORTABLE_TARGETS or recipe == "q4_1" or via == "optimum":
         return 32
     src = Path(src)
     try:

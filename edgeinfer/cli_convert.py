@@ -135,8 +135,8 @@ def _run(args: argparse.Namespace) -> int:
         raise EdgeInferError(f"{', '.join(given)}: --quant {args.quant} stores plain weights; these flags are for "
                              "--quant int4 and int8")
     elif scheme_flags:
-        block = args.block_size or (32 if args.via == "optimum" else  # (Optimum's export keeps its 32)
-                                    default_block_size(args.src, args.quant or "int4", args.target, args.recipe))
+        block = args.block_size or default_block_size(args.src, args.quant or "int4", args.target, args.recipe,
+                                                      args.via)
         scheme = default_scheme(args.quant or "int4", block, accuracy_level=args.accuracy_level,
                                 embedding=args.embedding, symmetric=not args.asymmetric,
                                 int8_tensors=tuple(args.int8_tensors or ()), recipe=args.recipe)

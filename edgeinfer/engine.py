@@ -21,11 +21,11 @@ interleave safely. One cache must be driven by one caller at a time (its owner's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import dataclasses
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 
 import numpy as np
 
