@@ -269,11 +269,11 @@ def parent_main(a) -> None:
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
             "threads": a.threads, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "runs": a.runs,
             "date": datetime.date.today().isoformat(), "notes": notes, "versions": versions()}
+    if not chart(results, out / "peers.png"):  # before the files, so that its note is in them
+        notes.append("matplotlib not installed: no chart")
     (out / "peers.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     md = markdown(results, meta) + "".join(f"\nNote: {n}" for n in notes)
     (out / "peers.md").write_text(md + "\n")
-    if not chart(results, out / "peers.png"):
-        notes.append("matplotlib not installed: no chart")
     print(md)
 
 

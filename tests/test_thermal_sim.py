@@ -165,7 +165,17 @@ def test_cli_writes_json_and_plots(tmp_path):
     assert set(doc["by_throttled_power_fraction"]) == {"1", "0.5"}
     entry = doc["by_throttled_power_fraction"]["1"]
     assert set(entry["policies"]) == {name for name, _ in ts.POLICIES}
-    assert "budget" in entry["policies"]["balanced+budget 4.5 W"]
+    budget = entry["policies"]["balanced+budget 4.5 W"]["budget"]
+    assert budget["window_s"] == 60.0  # a 1-minute run averages its whole minute, not "the last 8"
     pytest.importorskip("matplotlib")
     assert (tmp_path / "sim-fraction-1.png").stat().st_size > 0
     assert (tmp_path / "sim-fraction-0.5.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("minutes", ["0.1", "0", "nan"])
+def test_cli_refuses_a_run_too_short_for_its_figures(minutes, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        ts.main(["--minutes", minutes, "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert "--minutes must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "sim-results.json").exists()
