@@ -219,13 +219,19 @@ class ModelDrafter:
 
 def check_pair(target, draft) -> None:
     """Refuse (InvalidArgumentError) a draft Model that cannot draft for the `target` Model: a closed
-    one, a portable graph on either side (it verifies or feeds no drafts), or another tokenizer (the
-    same tokenizer files and settings, else every id mapped to the same token: `Tokenizer.same_as`)."""
+    one, a portable graph on either side (it verifies or feeds no drafts), a graph of another vocabulary
+    size (its ids would index past the other's embedding: the same tokenizer files with a padded or
+    cut embedding passed, and every request then failed in ONNX Runtime's Gather), or another
+    tokenizer (the same tokenizer files and settings, else every id mapped to the same token:
+    `Tokenizer.same_as`)."""
     if draft.closed:
         raise InvalidArgumentError("the draft model was closed (Model.close): give an open one")
     if not isinstance(draft.engine, Engine) or not isinstance(target.engine, Engine):
         raise InvalidArgumentError("speculative decoding needs fused graphs (a portable one verifies nothing)")
     a, b = target.manifest, draft.manifest
+    if a.arch.vocab_size != b.arch.vocab_size:
+        raise InvalidArgumentError(f"the draft model {draft.folder} has a vocabulary of {b.arch.vocab_size} ids, this "
+                                   f"model {a.arch.vocab_size}: a draft model needs the same tokenizer and vocabulary")
     tok_files = [n for n in sorted(set(a.files) | set(b.files)) if n.startswith("tokenizer")]
     same_files = tok_files and all(a.files.get(n, {}).get("sha256") == b.files.get(n, {}).get("sha256")
                                    for n in tok_files)

@@ -152,6 +152,25 @@ def test_conversations_and_threads_share_one_draft(fp32):
     assert not errors and got == want
 
 
+def resized_vocabulary(src, dst, rows: int):
+    """`src` (a tied model) with its embedding cut to `rows` ids or padded with random rows to them."""
+    import shutil
+
+    from conftest import write_safetensors
+    from edgeinfer.converters.safetensors_io import Checkpoint
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("reference.npz", "*.safetensors"))
+    ckpt = Checkpoint(src)
+    tensors = {n: ckpt.read(n) for n in ckpt.tensors}
+    e = tensors["model.embed_tokens.weight"]
+    pad = np.random.default_rng(0).normal(size=(max(rows - len(e), 0), e.shape[1])).astype(np.float32)
+    tensors["model.embed_tokens.weight"] = np.concatenate([e, pad])[:rows]
+    write_safetensors(dst / "model.safetensors", tensors)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "vocab_size": rows}))
+    return dst
+
+
 def test_set_draft_refusals(fp32, converted, tmp_path):
     m = edgeinfer.load(fp32)
     with pytest.raises(InvalidArgumentError, match="needs a draft model"):
@@ -170,6 +189,10 @@ def test_set_draft_refusals(fp32, converted, tmp_path):
     assert main(["serve", "-m", str(fp32), "--port", "8080", "--speculative", "draft", "--draft-model", str(other),
                  "--print-systemd-unit"]) == 1
     m.set_draft(converted(TINY / "llama2_gqa_tied", "fp32"))  # a random model over stories260K's tokenizer: fine
+    for rows in (640, 480):  # that model with its embedding padded or cut: the same tokenizer files (a hostile round)
+        with pytest.raises(InvalidArgumentError, match=f"has a vocabulary of {rows} ids, this model 512"):
+            m.set_draft(converted(resized_vocabulary(TINY / "llama2_gqa_tied", tmp_path / f"src-{rows}", rows), "fp32"))
+    assert m.generate("Once", max_new_tokens=5, speculative="draft").usage.completion_tokens == 5  # the draft kept
     with pytest.raises(InvalidArgumentTypeError, match="draft must be a Model, a folder or None"):
         m.set_draft(42)
     d = m.set_draft(default_model_path())
