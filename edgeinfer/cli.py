@@ -25,7 +25,10 @@ from edgeinfer.errors import EdgeInferError
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from edgeinfer.evaluate import perplexity, stream_perplexity
+    from edgeinfer.model import default_model_path
 
+    if args.model is None:  # as generate, chat and bench: the bundled model
+        args.model = str(default_model_path())
     if args.stream:
         if args.path is not None:
             raise EdgeInferError("--stream scores each story through the ring (chunks, then one token at a time): "
@@ -143,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_parser(sub)
 
     e = sub.add_parser("eval", help="perplexity of a model on a text file (one story per line)")
-    e.add_argument("-m", "--model", type=path_arg, required=True, help="edgeinfer model folder")
+    e.add_argument("-m", "--model", type=path_arg, default=None, help="edgeinfer model folder (default: bundled)")
     e.add_argument("--text", type=path_arg, required=True, help="UTF-8 text to score, one story or document per line")
     e.add_argument("--window", type=int, default=None, help="tokens per scored window (default 512, or the "
                    "model's context or a portable model's ring if shorter)")

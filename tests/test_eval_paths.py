@@ -196,3 +196,17 @@ def test_stream_scoring_is_not_said_to_have_windows(capsys):
                  "--capacity", "64"]) == 0
     out = capsys.readouterr().out
     assert "(16 stories, each a stream through the ring, " in out and "window" not in out, out
+
+
+def test_without_a_model_eval_scores_the_bundled_one(capsys):
+    """As generate, chat and bench do (README; the docs' `edgeinfer eval --text ...` had exited 2: -m was
+    required, a docs round)."""
+    import os
+
+    from edgeinfer.cli import main
+    from edgeinfer.model import default_model_path
+
+    assert main(["eval", "--text", str(EVAL), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == os.path.abspath(default_model_path())
+    assert out["perplexity"] == pytest.approx(perplexity(default_model_path(), EVAL).perplexity, rel=1e-12)
