@@ -39,7 +39,9 @@ def format_platform(data: dict) -> str:
         f"  providers     {', '.join(p['providers'])} (first available wins"
         + ("; edgeinfer itself drives cpu and cuda, the app the others)" if set(p["providers"]) - {"cpu", "cuda"} else ")"),
         f"  graph         {p['flavour']} flavour: edgeinfer convert --target {p['convert_target']} "
-        f"--quant {p['quantization']}",
+        f"--quant {p['quantization']}" + ("" if p["convert_target"] in ("cpu", "cuda") else
+                                          " (for the app's provider; edgeinfer's Python API and daemon run on "
+                                          "the CPU here: --target cpu)"),
         f"  threads       {threads}",
         f"  capacity      {p['capacity_tokens']} tokens",
         f"  daemon slots  {p['daemon_slots']}",

@@ -328,6 +328,13 @@ def test_cli_inspect_platform_recorded_device(capsys):
                  "  chose raspberry-pi-4: the model names a Raspberry Pi 4"):
         assert line in out, line
     assert "  here " not in out and "  note " not in out  # a recorded device: this machine's providers do not apply
+    assert "for the app's provider" not in out
+    for device, target in (("apple-silicon-mac", "coreml"), ("android-arm64", "nnapi")):
+        # the portable graph is the app's; what edgeinfer itself runs there wants the cpu one (docs/platforms.md;
+        # the line named only the portable one, a docs round)
+        assert main(["inspect", "--platform", "--root", str(FIX / device)]) == 0
+        assert (f"edgeinfer convert --target {target} --quant " in (out := capsys.readouterr().out)
+                and "edgeinfer's Python API and daemon run on the CPU here: --target cpu)" in out), device
 
     assert main(["inspect", "--platform", "--root", str(FIX / "unknown-riscv-board"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
