@@ -63,7 +63,8 @@ def load(path: str | Path | None = None, *, provider: str = "auto", threads: int
 
     provider: "auto" (the detected device profile's, `platforms.detect`) | "cpu" | "cuda"; threads: None
     (the device profile's count, or onnxruntime's default where the profile says "auto") or a positive int;
-    capacity_tokens: the KV ring's size, an int in [2, the model's trained length T] (default: the
+    capacity_tokens: the KV ring's size, an int in [2, the model's trained length T] and more than
+    n_sink (so at least 5 with the default 4 sinks; default: the
     manifest's, capped at the device profile's and at T less a sixteenth, the room a full ring
     re-bases in; a larger one re-bases more often, with a warning); n_sink: first tokens the ring
     never overwrites, in [0, capacity_tokens) (default 4). A model with a sliding window W < T attends to its last W tokens only, exactly as

@@ -22,7 +22,8 @@ DEFAULT_PREFILL_CHUNK = 256  # `load`'s tokens per prefill call: also the overfl
 
 
 class ContextOverflowError(EdgeInferError, ValueError):
-    """The prompt (or prompt plus requested tokens) does not fit the ring under overflow="error".
+    """The prompt does not fit the ring's free slots under overflow="error" (a reply that then fills
+    the ring ends there with finish_reason "length", as under "truncate": only "shift" runs on).
     `counts`: what did not fit, without the remedy the message adds (a server names its own flags)."""
 
     def __init__(self, counts: str, remedy: str = "overflow='error'; use 'shift' or 'truncate', or a larger "
