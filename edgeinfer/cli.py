@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_parser(sub)
 
-    e = sub.add_parser("eval", help="perplexity of a model on a text file (one story per line)")
+    e = sub.add_parser("eval", help="perplexity of a model on a text file (one story per line; no -m: bundled model)")
     e.add_argument("-m", "--model", type=path_arg, default=None, help="edgeinfer model folder (default: bundled)")
     e.add_argument("--text", type=path_arg, required=True, help="UTF-8 text to score, one story or document per line")
     e.add_argument("--window", type=int, default=None, help="tokens per scored window (default 512, or the "

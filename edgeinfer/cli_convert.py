@@ -26,7 +26,8 @@ def add_convert_parser(sub) -> None:
                    help="weights (default: int4; coreml fp16; nnapi int8; a GGUF file: keep, its Q8_0/Q4_0/Q4_1 "
                    "blocks taken over exactly and other types stored at the nearest width)")
     c.add_argument("--block-size", type=int, choices=(16, 32, 64, 128), default=None,
-                   help="int4/int8 blocks (32; the native graphs' int4 of a model of hidden size under 128: 16)")
+                   help="int4/int8 blocks (32; the native graphs' int4 of a model of hidden size under 128: 16, "
+                   "unless from a GGUF of mostly Q4_0/Q4_1 layers)")
     c.add_argument("--embedding", choices=("fp32", "fp16", "int8", "int4"), default=None,
                    help="precision of the token embedding and lm_head (default: measured per --quant)")
     c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,

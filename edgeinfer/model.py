@@ -391,13 +391,16 @@ class Model:
         briefly (a draft's pool spinning between its bursts took 25 % of the target's speed on 2 cores,
         measured). Drafts are checked by this model, so the tokens are this model's whatever the draft
         says; each request gets its own ring of the draft model (the draft's capacity). Refused
-        (InvalidArgumentError) unless both map every id to the same token (`Tokenizer.same_as`), and the draft
-        runs the fused graph (a portable one cannot feed drafts); a closed draft is refused too."""
+        (InvalidArgumentError) unless both map every id to the same token (`Tokenizer.same_as`) and have
+        the same vocabulary size (a padded embedding too: `drafting.check_pair`), and the draft runs the
+        fused graph (a portable one cannot feed drafts); a closed draft is refused too. A folder refused
+        so is closed again, its memory given back."""
         self._check_open()
         if draft is None:
             self.engine.draft = None
             return None
-        if isinstance(draft, (str, os.PathLike)):
+        loaded = isinstance(draft, (str, os.PathLike))
+        if loaded:
             if not str(draft):
                 raise InvalidArgumentError("the draft model's folder is empty: give its path")
             try:
@@ -408,8 +411,13 @@ class Model:
                 raise type(e)(f"the draft model: {e}") from None
         if not isinstance(draft, Model):
             raise InvalidArgumentTypeError(f"draft must be a Model, a folder or None, got {type(draft).__name__}")
-        check_pair(self, draft)
-        self.engine.attach_draft(Draft(draft.engine, draft.capacity_tokens, draft.n_sink))  # unless closed meanwhile
+        try:
+            check_pair(self, draft)
+            self.engine.attach_draft(Draft(draft.engine, draft.capacity_tokens, draft.n_sink))  # unless closed meanwhile
+        except BaseException:
+            if loaded:
+                draft.close()  # loaded here for this model alone: nothing else holds it
+            raise
         return draft
 
     def power_state(self) -> PowerState | None:

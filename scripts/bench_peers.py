@@ -220,6 +220,14 @@ def markdown(results: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_results(out: Path, meta: dict, results: dict, notes: list[str]) -> str:
+    """peers.json and peers.md (with `notes`, which meta holds too) into `out`; returns the markdown."""
+    (out / "peers.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    md = markdown(results, meta) + "".join(f"\nNote: {n}" for n in notes)
+    (out / "peers.md").write_text(md + "\n")
+    return md
+
+
 def chart(results: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -269,11 +277,14 @@ def parent_main(a) -> None:
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
             "threads": a.threads, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "runs": a.runs,
             "date": datetime.date.today().isoformat(), "notes": notes, "versions": versions()}
-    if not chart(results, out / "peers.png"):  # before the files, so that its note is in them
-        notes.append("matplotlib not installed: no chart")
-    (out / "peers.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-    md = markdown(results, meta) + "".join(f"\nNote: {n}" for n in notes)
-    (out / "peers.md").write_text(md + "\n")
+    md = write_results(out, meta, results, notes)  # before the chart: a chart that fails loses no results
+    try:
+        drawn, why = chart(results, out / "peers.png"), "matplotlib not installed"
+    except Exception as e:  # matplotlib's own failure (a backend, a font): the results are written already
+        drawn, why = False, f"the chart failed ({type(e).__name__}: {e})"
+    if not drawn:
+        notes.append(f"{why}: no chart")
+        md = write_results(out, meta, results, notes)  # again, with the note
     print(md)
 
 

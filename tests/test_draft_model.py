@@ -171,7 +171,7 @@ def resized_vocabulary(src, dst, rows: int):
     return dst
 
 
-def test_set_draft_refusals(fp32, converted, tmp_path):
+def test_set_draft_refusals(fp32, converted, tmp_path, monkeypatch):
     m = edgeinfer.load(fp32)
     with pytest.raises(InvalidArgumentError, match="needs a draft model"):
         m.generate("Once", speculative="draft")
@@ -189,9 +189,21 @@ def test_set_draft_refusals(fp32, converted, tmp_path):
     assert main(["serve", "-m", str(fp32), "--port", "8080", "--speculative", "draft", "--draft-model", str(other),
                  "--print-systemd-unit"]) == 1
     m.set_draft(converted(TINY / "llama2_gqa_tied", "fp32"))  # a random model over stories260K's tokenizer: fine
+    closed = []
+    close = edgeinfer.Model.close
+    monkeypatch.setattr(edgeinfer.Model, "close", lambda self: closed.append(self.folder) or close(self))
     for rows in (640, 480):  # that model with its embedding padded or cut: the same tokenizer files (a hostile round)
+        folder = converted(resized_vocabulary(TINY / "llama2_gqa_tied", tmp_path / f"src-{rows}", rows), "fp32")
         with pytest.raises(InvalidArgumentError, match=f"has a vocabulary of {rows} ids, this model 512"):
-            m.set_draft(converted(resized_vocabulary(TINY / "llama2_gqa_tied", tmp_path / f"src-{rows}", rows), "fp32"))
+            m.set_draft(folder)
+        assert closed == [folder]  # the folder it loaded to check is let go of (a review: it stayed loaded)
+        closed.clear()
+        d = edgeinfer.load(folder)  # a Model the caller gave stays the caller's, open
+        with pytest.raises(InvalidArgumentError, match="has a vocabulary of"):
+            m.set_draft(d)
+        assert not d.closed and closed == []
+        d.close()
+        closed.clear()
     assert m.generate("Once", max_new_tokens=5, speculative="draft").usage.completion_tokens == 5  # the draft kept
     with pytest.raises(InvalidArgumentTypeError, match="draft must be a Model, a folder or None"):
         m.set_draft(42)
