@@ -13,6 +13,7 @@ interleaving on the Engine's lock.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -415,8 +416,10 @@ class Model:
             check_pair(self, draft)
             self.engine.attach_draft(Draft(draft.engine, draft.capacity_tokens, draft.n_sink))  # unless closed meanwhile
         except BaseException:
-            if loaded:
-                draft.close()  # loaded here for this model alone: nothing else holds it
+            attached = self.engine.draft is not None and self.engine.draft.engine is draft.engine  # (a Ctrl-C
+            if loaded and not attached:  # after the attach leaves it attached, and open)
+                with contextlib.suppress(Exception):  # the refusal is what the caller must see
+                    draft.close()  # loaded here for this model alone: nothing else holds it
             raise
         return draft
 

@@ -279,10 +279,11 @@ def parent_main(a) -> None:
             "date": datetime.date.today().isoformat(), "notes": notes, "versions": versions()}
     md = write_results(out, meta, results, notes)  # before the chart: a chart that fails loses no results
     try:
-        drawn, why = chart(results, out / "peers.png"), "matplotlib not installed"
+        drawn, why = chart(results, out / "peers.png"), "matplotlib cannot be imported"
     except Exception as e:  # matplotlib's own failure (a backend, a font): the results are written already
-        drawn, why = False, f"the chart failed ({type(e).__name__}: {e})"
+        drawn, why = False, f"the chart failed ({type(e).__name__}: {' '.join(str(e).split())})"
     if not drawn:
+        (out / "peers.png").unlink(missing_ok=True)  # an older run's, or what a failed savefig left
         notes.append(f"{why}: no chart")
         md = write_results(out, meta, results, notes)  # again, with the note
     print(md)

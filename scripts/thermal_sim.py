@@ -249,11 +249,12 @@ def summarize(sim: PiSim, flat_tokens: int | None, policy: Policy | None) -> dic
         tail = [r for r in sim.timeline if r[0] > d - window_s]
         avg = sum(r[2] for r in tail) / len(tail)
         tens = [sum(r[2] for r in tail[i:i + 10]) / 10 for i in range(0, len(tail) - 9, 10)]
-        out["budget"] = {"budget_w": b, "window_s": window_s, "avg_power_w": round(avg, 3),  # over the window
+        out["budget"] = {"budget_w": b, "window_s": window_s, "window_avg_power_w": round(avg, 3),
                          "error_vs_budget": round(avg / b - 1, 4),
-                         "power_1s_range_w": [round(min(r[2] for r in tail), 2), round(max(r[2] for r in tail), 2)],
-                         "power_10s_range_w": [round(min(tens), 3), round(max(tens), 3)],
-                         "power_10s_stdev_w": round(statistics.pstdev(tens), 3)}
+                         "window_power_1s_range_w": [round(min(r[2] for r in tail), 2),
+                                                     round(max(r[2] for r in tail), 2)],
+                         "window_power_10s_range_w": [round(min(tens), 3), round(max(tens), 3)],
+                         "window_power_10s_stdev_w": round(statistics.pstdev(tens), 3)}
     return out
 
 
@@ -338,7 +339,7 @@ def main(argv=None) -> int:
         doc["by_throttled_power_fraction"][f"{f:g}"] = entry
         print(f"throttled power fraction {f:g}:")
         for name, r in results.items():
-            extra = f"  budget: last {r['budget']['window_s'] / 60:g} min {r['budget']['avg_power_w']} W " \
+            extra = f"  budget: last {r['budget']['window_s'] / 60:g} min {r['budget']['window_avg_power_w']} W " \
                     f"({r['budget']['error_vs_budget']:+.1%})" if "budget" in r else ""
             print(f"  {name:24s} tokens {r['tokens']:6d} ({r['tokens_vs_flat_out']:.3f}x)  max "
                   f"{r['max_temp_c']:.1f} °C  throttled {r['throttled_s']:5.1f} s  {r['avg_power_w']:.2f} W{extra}")

@@ -385,3 +385,36 @@ def test_a_model_that_drafts_for_itself_is_freed_when_dropped(fp32):
         assert engine() is None
     finally:
         gc.enable()
+
+
+def test_set_draft_s_cleanup_never_closes_what_it_attached_nor_hides_the_refusal(fp32, monkeypatch):
+    """A folder set_draft loaded is closed when it is refused, but (a review of that fix) a Ctrl-C that
+    comes once the attach is done leaves it attached and open, and a close that fails does not hide the
+    refusal."""
+    import edgeinfer.model as em
+    from edgeinfer.engine import Engine
+
+    m = edgeinfer.load(fp32)
+    attach = Engine.attach_draft
+
+    def attach_then_interrupt(self, draft):
+        attach(self, draft)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "attach_draft", attach_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        m.set_draft(default_model_path())
+    monkeypatch.setattr(Engine, "attach_draft", attach)
+    assert not m.engine.draft.engine.closed
+    assert m.generate("Once", max_new_tokens=5, speculative="draft").usage.completion_tokens == 5
+
+    def refuse(target, draft):
+        raise InvalidArgumentError("refused")
+
+    def failing_close(self):
+        raise OSError("close failed")
+
+    monkeypatch.setattr(em, "check_pair", refuse)
+    monkeypatch.setattr(em.Model, "close", failing_close)
+    with pytest.raises(InvalidArgumentError, match="refused"):
+        m.set_draft(default_model_path())
