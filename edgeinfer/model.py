@@ -416,8 +416,9 @@ class Model:
             check_pair(self, draft)
             self.engine.attach_draft(Draft(draft.engine, draft.capacity_tokens, draft.n_sink))  # unless closed meanwhile
         except BaseException:
-            attached = self.engine.draft is not None and self.engine.draft.engine is draft.engine  # (a Ctrl-C
-            if loaded and not attached:  # after the attach leaves it attached, and open)
+            held = getattr(self.engine, "draft", None)  # a portable engine has none
+            attached = held is not None and held.engine is draft.engine  # a Ctrl-C came after the attach: keep it
+            if loaded and not attached:
                 with contextlib.suppress(Exception):  # the refusal is what the caller must see
                     draft.close()  # loaded here for this model alone: nothing else holds it
             raise
