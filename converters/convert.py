@@ -40,6 +40,7 @@ from edgeinfer.converters.source_files import regular_file
 from edgeinfer.converters.widen import WidenedSource, choose_kv_mode, widened_spec
 from edgeinfer.errors import ConvertError
 from edgeinfer.fields import FieldError
+from edgeinfer.kv_cache import binding_window
 from edgeinfer.kv_mode import PORTABLE
 from edgeinfer.interface import graph_interface, portable_interface
 from edgeinfer.manifest import MODEL_FILE, Manifest, Origin
@@ -351,6 +352,13 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
                                f"{trained} or less")
         portable = dataclasses.replace(portable, capacity_tokens=trained,
                                        prefill_tokens=min(portable.prefill_tokens, trained))
+    window = binding_window(spec)  # a sliding window W under T: load's ring holds at most W - 1 (kv_cache)
+    if portable is not None and window is not None and not capacity_given:  # so the default is cut to it too
+        # (a hostile round: 320 rows built for a 15-token ring); a --prefill-tokens given keeps its chunk
+        cap = max(window - 1, MIN_PORTABLE_CAPACITY, portable.prefill_tokens if prefill_given else 0)
+        if portable.capacity_tokens > cap:
+            portable = dataclasses.replace(portable, capacity_tokens=cap,
+                                           prefill_tokens=min(portable.prefill_tokens, cap))
     src_tensors = TensorSource(ckpt, keep=keep)
     mode = PORTABLE
     if portable is None:

@@ -229,6 +229,33 @@ def test_a_family_the_portable_graph_cannot_express_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_sliding_window_model_s_default_ring_is_the_window_less_one(tmp_path, converted):
+    """load's ring of a model whose window W is under its trained length holds at most W - 1, so the
+    default portable ring is cut to that (it was the trained length: 320 rows built for a 15-token
+    ring, prefill 6x slower; a hostile round); a --prefill-tokens given keeps its chunk. The tokens
+    are the cpu folder's."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(TINY / "mistral_gqa_untied_fp16", src, ignore=shutil.ignore_patterns("reference.npz"))
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "sliding_window": 16}))
+    convert(src, tmp_path / "default", target="coreml", quant="fp32")
+    assert (read_manifest(tmp_path / "default").portable.capacity_tokens,
+            read_manifest(tmp_path / "default").portable.prefill_tokens) == (15, 15)
+    convert(src, tmp_path / "chunk", target="coreml", quant="fp32", prefill_tokens=32)
+    assert read_manifest(tmp_path / "chunk").portable.capacity_tokens == 32
+    convert(src, tmp_path / "given", target="coreml", quant="fp32", capacity_tokens=100)
+    assert read_manifest(tmp_path / "given").portable.capacity_tokens == 100
+    a, b = edgeinfer.load(tmp_path / "default"), edgeinfer.load(converted(src, "fp32"))
+    assert a.capacity_tokens == b.capacity_tokens == 15
+    rng = np.random.default_rng(0)
+    for n in (1, 9, 40):  # within the ring, and a prompt that shifts through it
+        ids = rng.integers(3, 500, n).tolist()
+        assert (a.generate(ids, max_new_tokens=60, temperature=0, ignore_eos=True).token_ids ==
+                b.generate(ids, max_new_tokens=60, temperature=0, ignore_eos=True).token_ids)
+
+
 def test_capacity_above_the_built_one_is_refused_at_load(portable):
     folder = portable(STORIES_SRC, "coreml", "fp32", capacity_tokens=64, prefill_tokens=16)
     assert read_manifest(folder).portable.capacity_tokens == 64
