@@ -354,8 +354,11 @@ def _convert(src: Path, dst: Path, scheme: QuantScheme | None, target: str, atte
                                        prefill_tokens=min(portable.prefill_tokens, trained))
     window = binding_window(spec)  # a sliding window W under T: load's ring holds at most W - 1 (kv_cache)
     if portable is not None and window is not None and not capacity_given:  # so the default is cut to it too
-        # (a hostile round: 320 rows built for a 15-token ring); a --prefill-tokens given keeps its chunk
-        cap = max(window - 1, MIN_PORTABLE_CAPACITY, portable.prefill_tokens if prefill_given else 0)
+        cap = max(window - 1, MIN_PORTABLE_CAPACITY)  # (a hostile round: 320 rows built for a 15-token ring)
+        if prefill_given and portable.prefill_tokens > cap:  # as a chunk over a ring given is (_check_portable)
+            raise ConvertError(f"--prefill-tokens {portable.prefill_tokens} is over the ring this model can use (its "
+                               f"sliding window of {window} less one: {cap} tokens): a larger chunk gains nothing and "
+                               f"every prompt pays for all of it; give at most {cap}")
         if portable.capacity_tokens > cap:
             portable = dataclasses.replace(portable, capacity_tokens=cap,
                                            prefill_tokens=min(portable.prefill_tokens, cap))

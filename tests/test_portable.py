@@ -232,8 +232,8 @@ def test_a_family_the_portable_graph_cannot_express_is_refused(tmp_path):
 def test_a_sliding_window_model_s_default_ring_is_the_window_less_one(tmp_path, converted):
     """load's ring of a model whose window W is under its trained length holds at most W - 1, so the
     default portable ring is cut to that (it was the trained length: 320 rows built for a 15-token
-    ring, prefill 6x slower; a hostile round); a --prefill-tokens given keeps its chunk. The tokens
-    are the cpu folder's."""
+    ring, prefill 6x slower; a hostile round); a --prefill-tokens over that is refused, as over a ring
+    given. The tokens are the cpu folder's."""
     import shutil
 
     src = tmp_path / "src"
@@ -243,8 +243,13 @@ def test_a_sliding_window_model_s_default_ring_is_the_window_less_one(tmp_path, 
     convert(src, tmp_path / "default", target="coreml", quant="fp32")
     assert (read_manifest(tmp_path / "default").portable.capacity_tokens,
             read_manifest(tmp_path / "default").portable.prefill_tokens) == (15, 15)
-    convert(src, tmp_path / "chunk", target="coreml", quant="fp32", prefill_tokens=32)
-    assert read_manifest(tmp_path / "chunk").portable.capacity_tokens == 32
+    convert(src, tmp_path / "chunk", target="coreml", quant="fp32", prefill_tokens=8)
+    assert (read_manifest(tmp_path / "chunk").portable.capacity_tokens,
+            read_manifest(tmp_path / "chunk").portable.prefill_tokens) == (15, 8)
+    with pytest.raises(ConvertError, match="--prefill-tokens 32 is over the ring this model can use .* window of 16 "
+                                           "less one: 15 tokens"):  # (a review: it grew the ring to 32)
+        convert(src, tmp_path / "big-chunk", target="coreml", quant="fp32", prefill_tokens=32)
+    assert not (tmp_path / "big-chunk").exists()
     convert(src, tmp_path / "given", target="coreml", quant="fp32", capacity_tokens=100)
     assert read_manifest(tmp_path / "given").portable.capacity_tokens == 100
     a, b = edgeinfer.load(tmp_path / "default"), edgeinfer.load(converted(src, "fp32"))
