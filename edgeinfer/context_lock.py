@@ -38,7 +38,7 @@ import time
 import weakref
 
 from edgeinfer import fork_safety
-from edgeinfer.errors import EdgeInferError
+from edgeinfer.errors import EdgeInferError, ModelClosedError
 from edgeinfer.interrupts import interrupts_held
 
 
@@ -47,8 +47,13 @@ class ContextBusyError(EdgeInferError, RuntimeError):
 
 
 class ContextLock:
-    def __init__(self, what: str):
+    def __init__(self, what: str, closed=None):
+        """what: names the context in errors. closed: None, or a callable that says the model is
+        closed: a wait for another thread's turn then raises ModelClosedError (within `POLL_S`), as
+        any call on a closed model does, rather than waiting for a stream that may never be
+        finished (an open stream kept by its holder)."""
         self.what = what  # names the context in the error message
+        self._closed = closed
         self._lock = threading.Lock()
         # the holder's Thread object (not its ident: the OS reuses a finished thread's ident, and a new
         # thread must wait, not be refused); only the holder sets it to itself
@@ -71,8 +76,9 @@ class ContextLock:
         """Take the lock (waiting for another thread's turn) and own it for `holder` (an object that
         lives as long as the use: the lock is taken back once it is gone); returns the holding's token
         for `settle` and `release`, or 0, not holding it, when `give_up()` (polled while waiting) said
-        so. Callers run it inside `interrupts_held` with give_up polling held.pending, and record the token
-        inside that block too (`Generation.steps`)."""
+        so; ModelClosedError, not holding it, when the model closes while it waits. Callers run it inside
+        `interrupts_held` with give_up polling held.pending, and record the token inside that block too
+        (`Generation.steps`)."""
         me = threading.current_thread()
         self._reclaim()
         if self._owner is me:
@@ -88,6 +94,8 @@ class ContextLock:
             self._reclaim()
             if give_up is not None and give_up():
                 return 0
+            if self._closed is not None and self._closed():
+                raise ModelClosedError()
             if time.monotonic() >= collect_at:  # the holder may be a dropped stream in a reference cycle
                 self._collect()
                 collect_at = time.monotonic() + self.COLLECT_EVERY_S

@@ -70,7 +70,8 @@ class Conversation:
         self.model = model
         self.template_variables = check_variables(template_variables)  # checked now, defused at each rendering
         self.cache = model.new_cache()
-        self.lock = ContextLock("this conversation")
+        engine = model.engine
+        self.lock = ContextLock("this conversation", closed=lambda: engine.closed)
         self.messages: list[dict] = []
         self._forget()
 

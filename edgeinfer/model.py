@@ -168,7 +168,8 @@ class Model:
         self.cache = self.new_cache()
         self.held: list[int] | None = None  # the ids the default cache holds, in order (None: not known)
         self.lent_to: str | None = None  # who took the default ring for good (`lend_default_cache`)
-        self.lock = ContextLock("the model's default context (generate/stream)")
+        engine = self.engine  # (not self: the lock would make a cycle that keeps a dropped model until gc runs)
+        self.lock = ContextLock("the model's default context (generate/stream)", closed=lambda: engine.closed)
         tk = self.manifest.tokenizer
         self.template = ChatTemplate(tk.chat_template, self._piece(tk.bos_token_id),
                                      self._piece((tk.eos_token_ids or (None,))[0]))

@@ -104,6 +104,50 @@ def test_close_from_another_thread_stops_a_generation_in_flight():
     assert freed(session)
 
 
+def test_close_wakes_the_calls_waiting_for_a_context_that_a_paused_stream_holds():
+    """Waiting for another thread's turn on the default context (generate, snapshot) or a
+    conversation's (say) ends with ModelClosedError soon after close, not when the holder's paused
+    stream is next advanced, which may be never (a hostile round: they waited until it was)."""
+    m = edgeinfer.load()
+    conv = m.conversation()
+    held = {}
+
+    def holder() -> None:  # another thread opens two streams and pauses them, as an app may keep one
+        held["stream"] = m.stream(PROMPT, max_new_tokens=50)
+        next(held["stream"])
+        held["turn"] = conv.stream_say("Hi", max_new_tokens=50)
+        next(held["turn"])
+
+    t = threading.Thread(target=holder)
+    t.start()
+    t.join(30)
+    results: dict[str, BaseException | str] = {}
+
+    def call(name, f) -> None:
+        try:
+            f()
+            results[name] = "returned"
+        except BaseException as e:  # noqa: BLE001 (the test reads it)
+            results[name] = e
+
+    waiters = [threading.Thread(target=call, args=(name, f), daemon=True) for name, f in (
+        ("generate", lambda: m.generate("Lily", max_new_tokens=4)), ("snapshot", lambda: m.snapshot("Lily")),
+        ("say", lambda: conv.say("And then?", max_new_tokens=4)))]
+    for w in waiters:
+        w.start()
+    time.sleep(0.3)
+    assert results == {}  # they wait their turn while the model is open
+    m.close()
+    for w in waiters:
+        w.join(10)
+    try:
+        assert set(results) == {"generate", "snapshot", "say"}, results
+        assert all(isinstance(e, ModelClosedError) for e in results.values()), results
+    finally:
+        held["stream"].close()
+        held["turn"].close()
+
+
 def test_a_conversation_refuses_after_close_and_keeps_its_history():
     m = edgeinfer.load()
     c = m.conversation()
