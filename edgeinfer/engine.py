@@ -97,7 +97,7 @@ class Engine(ChunkedSteps):
         speculative="ngram" drafts from: read the first time asked, by the first request that
         speculates (before it touches its context) or by serve as it starts, and kept for the engine's
         life. Not at load: plain decoding never pays its read (~10 ms for the bundled model's) or its
-        memory (~300 bytes a context). Its bytes are checked against the manifest's sha256 as they are
+        memory (~100 bytes a context). Its bytes are checked against the manifest's sha256 as they are
         read (the load hashed every file; this one is read later); a table that does not hold together,
         or that changed since, raises ModelFormatError."""
         info = self.session.manifest.ngrams

@@ -50,7 +50,8 @@ MAX_INFO_TOKENS = 10 ** 12
 LOG_EVERY_S = 10.0  # sample_text's progress lines
 MEMO_DRAFTS = 16  # `chain` remembers this many drafts per tail (the stepper asks for 8 at most)
 MEMO_TAILS = 8_192  # ... for this many tails: a hit costs 0.25 us, a miss 1.8 us (the bundled table)
-BYTES_PER_CONTEXT = 450  # a context once read (225-405 measured with tracemalloc; reading peaks ~1.4x briefly)
+BYTES_PER_CONTEXT = 260  # a context at its read's peak (tracemalloc: 259-260); held once read: 102-120 (packed
+# ints; 298-403 as tuples before)
 BYTES_PER_TAIL = 1024  # a remembered chain, at most: 397-465 measured for the bundled table's (4 drafts on
 # average), 1,004 for chains of 16 drafts of a 151,936-id vocabulary; 65,536 tails, the bound before, were
 # 26-66 MB where its comment said a few
@@ -119,14 +120,45 @@ def contexts_in(arrays: dict[str, np.ndarray]) -> int:
 
 class NgramTable:
     """Context (a tuple of 1-3 ids) -> (most frequent follower, chance it follows). Read-only once
-    made: requests on several threads share one."""
+    made: requests on several threads share one.
 
-    def __init__(self, follow: dict[tuple[int, ...], tuple[int, float]]):
-        self._follow = follow
+    Held packed, one small Python int a key and one a value (~100 bytes a context against ~300 as
+    tuples): a context's key is its ids plus one, `bits` bits each (the vocabulary's bit length),
+    the last id lowest, so that the key of a context's last n ids is its key's low n * bits bits
+    and contexts of different orders never share a key; its value is follower | count << bits |
+    seen << (bits + 32), and the chance count / (seen + 1) is worked out where it is read (the same
+    float as one stored)."""
+
+    def __init__(self, follow: dict[int, int], bits: int):
+        self._follow, self._bits = follow, bits
+        self._masks = [(1 << (bits * n)) - 1 for n in range(ORDERS[-1], 0, -1)]  # a key's last 3, 2, 1 ids
         self._memo: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}  # `chain`'s, per tail
 
     def __len__(self) -> int:
         return len(self._follow)
+
+    def get(self, context: Sequence[int]) -> tuple[int, float] | None:
+        """The follower of `context` (1-3 ids) and its chance, or None when the table does not hold it."""
+        key = 0
+        for t in context:
+            key = (key << self._bits) | (int(t) + 1)
+        hit = self._follow.get(key) if 0 < len(context) <= ORDERS[-1] else None
+        return None if hit is None else self._unpack(hit)
+
+    def _unpack(self, value: int) -> tuple[int, float]:
+        b = self._bits
+        return value & ((1 << b) - 1), ((value >> b) & 0xFFFFFFFF) / ((value >> (b + 32)) + 1.0)
+
+    def contexts(self) -> dict[tuple[int, ...], tuple[int, float]]:
+        """Every context and its (follower, chance), unpacked: for tests and tools, not per token."""
+        out, b = {}, self._bits
+        for key, value in self._follow.items():
+            ids = []
+            while key:
+                ids.append((key & ((1 << b) - 1)) - 1)
+                key >>= b
+            out[tuple(reversed(ids))] = self._unpack(value)
+        return out
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], vocab_size: int) -> "NgramTable":
@@ -143,7 +175,8 @@ class NgramTable:
             checked[n] = ctx, nxt, count, seen
         if sum(len(c[1]) for c in checked.values()) > MAX_CONTEXTS:
             raise ModelFormatError(f"more than {MAX_CONTEXTS:,} contexts")
-        follow: dict[tuple[int, ...], tuple[int, float]] = {}
+        bits = max(1, int(vocab_size).bit_length())  # ids + 1 fit: the largest is vocab_size
+        follow: dict[int, int] = {}
         for n, (ctx, nxt, count, seen) in checked.items():
             if not len(nxt):
                 continue
@@ -151,11 +184,16 @@ class NgramTable:
                 raise ModelFormatError(f"order {n}: a token id outside the vocabulary [0, {vocab_size})")
             if count.min() < 1 or (count > seen).any():
                 raise ModelFormatError(f"order {n}: a follower counted 0 times, or more often than its context")
+            if seen.max() >= 2 ** 32:
+                raise ModelFormatError(f"order {n}: a context seen 2**32 times or more")
             if len(np.unique(ctx, axis=0)) != len(ctx):
                 raise ModelFormatError(f"order {n}: a context is listed twice")
-            chance = count / (seen + 1.0)
-            follow.update(zip(map(tuple, ctx.tolist()), zip(nxt.tolist(), chance.tolist())))
-        return cls(follow)
+            keys = [0] * len(nxt)
+            for column in ctx.T.tolist():  # (Python ints: n * bits may pass 64)
+                keys = [(k << bits) | (t + 1) for k, t in zip(keys, column)]
+            follow.update(zip(keys, [f | (c << bits) | (v << (bits + 32)) for f, c, v in
+                                     zip(nxt.tolist(), count.tolist(), seen.tolist())]))
+        return cls(follow, bits)
 
     @classmethod
     def build(cls, texts: Sequence[Sequence[int]], vocab_size: int, min_count: int = MIN_COUNT) -> "NgramTable":
@@ -208,23 +246,28 @@ class NgramTable:
         return memo[0][:k], memo[1][:k]
 
     def _chain(self, tail: tuple[int, ...], k: int) -> tuple[list[int], list[float]]:
-        follow, longest = self._follow, ORDERS[-1]
+        follow, b, masks = self._follow, self._bits, self._masks
+        low, low32, top = (1 << b) - 1, 0xFFFFFFFF, b + 32
+        key = 0
+        for t in tail:
+            key = (key << b) | (t + 1)
         drafts: list[int] = []
         chances: list[float] = []
         chance = 1.0
-        while len(drafts) < k:
-            for i in range(len(tail)):  # the longest context first
-                hit = follow.get(tail[i:])
+        while len(drafts) < k and key:
+            for mask in masks:  # the longest context first
+                hit = follow.get(key & mask)
                 if hit is not None:
                     break
             else:
                 break
-            chance *= hit[1]
+            chance *= ((hit >> b) & low32) / ((hit >> top) + 1.0)
             if chance < MIN_CHANCE:
                 break
-            drafts.append(hit[0])
+            token = hit & low
+            drafts.append(token)
             chances.append(chance)
-            tail = (tail + (hit[0],))[-longest:]
+            key = ((key << b) | (token + 1)) & masks[0]
         return drafts, chances
 
 

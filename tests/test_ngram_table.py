@@ -27,18 +27,18 @@ def test_build_keeps_each_contexts_most_frequent_follower():
     and 8 once (7: 2 / 4); "5 6" by 7, 8, 7 (2 / 4); "1 5 6" by 7 once (1 / 2); the last token's
     context, "6 7" at the end, is followed by nothing there."""
     t = NgramTable.build([TEXT], vocab_size=10, min_count=1)
-    f = t._follow
+    f = t.contexts()
     assert f[(5,)] == (6, 0.75) and f[(6,)] == (7, 0.5) and f[(5, 6)] == (7, 0.5) and f[(1, 5, 6)] == (7, 0.5)
     assert f[(6, 7)] == (5, 0.5)  # seen twice, followed once
     assert len(t) == 18  # 5 + 6 + 7 distinct contexts of orders 1, 2, 3
     # min_count 2 (the default): only followers seen twice or more
     t = NgramTable.build([TEXT], vocab_size=10)
-    assert t._follow == {(5,): (6, 0.75), (6,): (7, 0.5), (5, 6): (7, 0.5)}
+    assert t.contexts() == {(5,): (6, 0.75), (6,): (7, 0.5), (5, 6): (7, 0.5)}
 
 
 def test_ties_go_to_the_lowest_id_and_texts_do_not_run_together():
     t = NgramTable.build([[4, 9], [4, 2], [4, 9], [4, 2]], vocab_size=10)
-    assert t._follow == {(4,): (2, 2 / 5)}  # 9 and 2 twice each in 4: the lowest id; no (9, 4) or (2, 4)
+    assert t.contexts() == {(4,): (2, 2 / 5)}  # 9 and 2 twice each in 4: the lowest id; no (9, 4) or (2, 4)
     assert len(NgramTable.build([], vocab_size=10)) == 0
     assert len(NgramTable.build([[3], [3, 3]], vocab_size=10)) == 0  # one bigram, seen once
 
@@ -77,7 +77,7 @@ def test_a_saved_table_reads_back_the_same(tmp_path):
     np.savez_compressed(tmp_path / FILE, **arrays)
     t = NgramTable.read(tmp_path / FILE, 10, contexts=contexts_in(arrays))
     n = contexts_in(arrays)
-    assert t._follow == NgramTable.from_arrays(arrays, 10)._follow and len(t) == n > 3
+    assert t.contexts() == NgramTable.from_arrays(arrays, 10).contexts() and len(t) == n > 3
     with pytest.raises(ModelFormatError, match=f"holds {n} contexts, the manifest says {n + 1}"):
         NgramTable.read(tmp_path / FILE, 10, contexts=n + 1)
 
@@ -141,7 +141,7 @@ def test_convert_writes_a_table_the_folder_checks(with_table, capsys):
     assert model.engine.ngram_table() is not None and len(model.engine.ngram_table()) == m.ngrams.contexts
     # the table is what the folder's own model samples: the same seeds, the same counts
     again = NgramTable.build(sample_text(model, 3000), 512)
-    assert again._follow == model.engine.ngram_table()._follow
+    assert again.contexts() == model.engine.ngram_table().contexts()
 
 
 def test_a_changed_table_is_refused_at_load(with_table, tmp_path):
