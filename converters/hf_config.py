@@ -97,7 +97,8 @@ def parse_rope(cfg: dict) -> RopeSpec:
                                    "keep the one the model was trained with")
     merged = {**scaling, **params}
     for k in ("rope_theta", "original_max_position_embeddings"):
-        if k in cfg and k in merged and cfg[k] != merged[k]:
+        # (NaN in both is no disagreement: _positive refuses the value below, with its own words)
+        if k in cfg and k in merged and cfg[k] != merged[k] and not (cfg[k] != cfg[k] and merged[k] != merged[k]):
             raise ConvertError(f"config.json: {k} is {cfg[k]!r:.40} at the top level but {merged[k]!r:.40} in the "
                                "rope block: keep the one the model was trained with")
     if "original_max_position_embeddings" in cfg:

@@ -82,6 +82,13 @@ def tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
         add_bos = (src / "tokenizer.model").exists() or _post_processor_adds(src / "tokenizer.json", bos)
     if not isinstance(add_bos, bool):  # "false" read as true (any non-empty string did)
         raise ConvertError(f"{cfg_path}: add_bos_token must be true or false, got {add_bos!r:.40}")
+    add_eos = cfg.get("add_eos_token")
+    if not isinstance(add_eos, bool | None):
+        raise ConvertError(f"{cfg_path}: add_eos_token must be true or false, got {add_eos!r:.40}")
+    if add_eos:  # transformers appends EOS to every prompt then; the runtime never does: refused, as from a GGUF
+        raise ConvertError(f"{cfg_path}: add_eos_token is true: every prompt would end with EOS, which a text "
+                           "generator cannot continue (an embedding model's or a training setting): not supported; "
+                           "if the model generates text, set it to false")
     return TokenizerInfo(kind=kind, add_bos=add_bos, bos_token_id=bos, eos_token_ids=tuple(eos),
                          chat_template=template)
 

@@ -10,6 +10,7 @@ reports a command killed by SIGPIPE). None of them prints a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import os
@@ -121,7 +122,10 @@ class Parser(argparse.ArgumentParser):
     written (argparse drops the error)."""
 
     def _print_message(self, message, file=None):
-        file = file or sys.stderr
+        if file is None and sys.stdout is None and sys.stderr is not None:  # help or --version for a closed
+            # standard output (argparse passes sys.stdout, None there; its errors go to sys.stderr, set):
+            # `main` says so and exits 1, as any command's output would (it had gone to stderr, exit 0)
+            raise OSError(errno.EBADF, "standard output is closed")
         if not message or file is None:  # (a closed standard stream: nothing to say it on)
             return
         try:
@@ -379,6 +383,8 @@ def _standard_streams() -> None:
 
 
 def _drop_stdout() -> None:
+    if sys.stdout is None:  # (closed from the start: nothing buffered)
+        return
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
 

@@ -221,6 +221,22 @@ def test_a_closed_or_read_only_standard_output_is_one_line(redirect):
     _one_error_line(err, "cannot write the output")
 
 
+@pytest.mark.parametrize("args", ["--version", "--help", "convert --help"])
+@pytest.mark.parametrize("redirect", [">&-", "1</dev/null"])
+def test_help_and_version_for_a_closed_standard_output_say_so_as_commands_do(args, redirect):
+    """With `>&-` help and --version went to standard error and exited 0 (argparse hands its printer
+    sys.stdout, None there; a hostile round); with `1</dev/null` they said so and exited 1, as a command
+    does; and a closed `2>&-` keeps them where they belong."""
+    r = subprocess.run(["sh", "-c", f'exec "{sys.executable}" -m edgeinfer {args} {redirect}'], capture_output=True,
+                       timeout=120)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "Traceback" not in err, err
+    _one_error_line(err, "cannot write the output")
+    r = subprocess.run(["sh", "-c", f'exec "{sys.executable}" -m edgeinfer {args} 2>&-'], capture_output=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.decode().startswith("edgeinfer 0." if args == "--version" else "usage:")
+
+
 def test_a_closed_standard_error_keeps_errors_out_of_the_output():
     """With `2>&-`, Python's print(file=sys.stderr) falls back to standard output: the error line
     landed in the data a pipeline reads (hostile CLI test)."""

@@ -156,6 +156,9 @@ def test_unsupported_architecture_lists_supported(capsys, src, tmp_path):
     # held in float32, but RoPE's angles are not finite there by the last position: NaN logits from it on
     ({"rope_scaling": {"rope_type": "linear", "factor": 1e-37}}, "RoPE's angles (theta 10000, type linear) are not"),
     ({"rope_theta": 1e-45, "max_position_embeddings": 131072}, "not finite in float32 by position 131071"),
+    # NaN in both places (Python's json writes it): refused as a value, not as copies that disagree (a hostile round)
+    ({"rope_theta": float("nan"), "rope_parameters": {"rope_theta": float("nan"), "rope_type": "default"}},
+     "'rope_theta' must be a finite positive number, got nan"),
 ])
 def test_unsupported_config_field(capsys, src, tmp_path, changes, needle):
     edit_config(src, **changes)
@@ -415,6 +418,10 @@ def test_bad_option_values(capsys, src, tmp_path):
     ("generation_config.json", json.dumps({"eos_token_id": "x"}), "must be token ids"),
     ("generation_config.json", json.dumps({"bos_token_id": 10 ** 6}), "must be token ids"),
     ("tokenizer.model", "\x00\x01garbage" * 10, "tokenizer cannot be used"),
+    # transformers would end every prompt with EOS; the runtime never did, silently (a hostile round); a GGUF's is
+    # refused alike
+    ("tokenizer_config.json", json.dumps({"add_eos_token": True}), "add_eos_token is true"),
+    ("tokenizer_config.json", json.dumps({"add_eos_token": "yes"}), "add_eos_token must be true or false"),
 ])
 def test_settings_and_tokenizer_files_the_folder_could_not_use_are_refused(capsys, src, tmp_path, name, content,
                                                                            needle):
