@@ -79,6 +79,12 @@ def check_rope_range(spec: ArchSpec) -> None:
                            "theta or scaling factor is too small")
 
 
+def _same(a, b) -> bool:
+    """Two copies of a value agree; NaN in both does too: the value is refused below, in its own words,
+    not as copies that disagree."""
+    return a == b or (a != a and b != b)
+
+
 def parse_rope(cfg: dict) -> RopeSpec:
     """transformers 5 writes `rope_parameters`; 4.x writes `rope_theta` and `rope_scaling`. A config
     with both, or a top-level value beside the block's, is read only where they agree: transformers
@@ -91,14 +97,13 @@ def parse_rope(cfg: dict) -> RopeSpec:
     params, scaling = _rope_block(params), _rope_block(scaling)
     if params and scaling:
         for k in sorted(params.keys() & scaling.keys() | ({"rope_type"} & (params.keys() | scaling.keys()))):
-            if params.get(k, "default") != scaling.get(k, "default"):
+            if not _same(params.get(k, "default"), scaling.get(k, "default")):
                 raise ConvertError(f"config.json: rope_parameters and rope_scaling disagree on {k!r} "
                                    f"({params.get(k, 'default')!r:.40} against {scaling.get(k, 'default')!r:.40}): "
                                    "keep the one the model was trained with")
     merged = {**scaling, **params}
     for k in ("rope_theta", "original_max_position_embeddings"):
-        # (NaN in both is no disagreement: _positive refuses the value below, with its own words)
-        if k in cfg and k in merged and cfg[k] != merged[k] and not (cfg[k] != cfg[k] and merged[k] != merged[k]):
+        if k in cfg and k in merged and not _same(cfg[k], merged[k]):
             raise ConvertError(f"config.json: {k} is {cfg[k]!r:.40} at the top level but {merged[k]!r:.40} in the "
                                "rope block: keep the one the model was trained with")
     if "original_max_position_embeddings" in cfg:

@@ -85,10 +85,10 @@ def tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
     add_eos = cfg.get("add_eos_token")
     if not isinstance(add_eos, bool | None):
         raise ConvertError(f"{cfg_path}: add_eos_token must be true or false, got {add_eos!r:.40}")
-    if add_eos:  # transformers appends EOS to every prompt then; the runtime never does: refused, as from a GGUF
-        raise ConvertError(f"{cfg_path}: add_eos_token is true: every prompt would end with EOS, which a text "
-                           "generator cannot continue (an embedding model's or a training setting): not supported; "
-                           "if the model generates text, set it to false")
+    if add_eos:  # a fine-tuning recipe's setting that save_pretrained kept: transformers' encode() then ends
+        # every prompt with EOS, its chat templates (add_special_tokens=False) do not, and neither does the runtime
+        log(f"note: {cfg_path.name} sets add_eos_token (a training setting): prompts are not ended with EOS here, "
+            "as transformers' chat templates do not end them")
     return TokenizerInfo(kind=kind, add_bos=add_bos, bos_token_id=bos, eos_token_ids=tuple(eos),
                          chat_template=template)
 

@@ -386,7 +386,10 @@ def _drop_stdout() -> None:
     if sys.stdout is None:  # (closed from the start: nothing buffered)
         return
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)  # (the dup stays; each in-process call on an error path leaked one descriptor)
 
 
 if __name__ == "__main__":

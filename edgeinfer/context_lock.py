@@ -72,11 +72,12 @@ class ContextLock:
     COLLECT_EVERY_S = 30.0  # ... and again at this interval while it goes on
     COLLECT_WAIT_S = 2.0  # how long `_collect` retries while other threads' collections make its own a no-op
 
-    def acquire(self, holder, give_up=None) -> int:
+    def acquire(self, holder, give_up=None, refuse_closed: bool = True) -> int:
         """Take the lock (waiting for another thread's turn) and own it for `holder` (an object that
         lives as long as the use: the lock is taken back once it is gone); returns the holding's token
         for `settle` and `release`, or 0, not holding it, when `give_up()` (polled while waiting) said
-        so; ModelClosedError, not holding it, when the model closes while it waits. Callers run it inside
+        so; ModelClosedError, not holding it, when the model closes while it waits (unless not
+        `refuse_closed`: a use that a closed model allows, a conversation's reset). Callers run it inside
         `interrupts_held` with give_up polling held.pending, and record the token inside that block too
         (`Generation.steps`)."""
         me = threading.current_thread()
@@ -94,7 +95,7 @@ class ContextLock:
             self._reclaim()
             if give_up is not None and give_up():
                 return 0
-            if self._closed is not None and self._closed():
+            if refuse_closed and self._closed is not None and self._closed():
                 raise ModelClosedError()
             if time.monotonic() >= collect_at:  # the holder may be a dropped stream in a reference cycle
                 self._collect()
@@ -156,10 +157,10 @@ class ContextLock:
                 self._holder, self._owner, self._token = None, None, 0
                 self._lock.release()
 
-    def hold(self) -> "_Hold":
+    def hold(self, refuse_closed: bool = True) -> "_Hold":
         """`with lock.hold():` the lock for a block (the `_Hold` is its holder: the with statement keeps
-        it alive while the block runs)."""
-        return _Hold(self)
+        it alive while the block runs); refuse_closed: as `acquire`'s."""
+        return _Hold(self, refuse_closed)
 
 
 def _settled() -> bool:  # the holder of a lock whose release has begun: never taken back
@@ -178,16 +179,16 @@ gc.callbacks.append(_note_collection)
 
 
 class _Hold:
-    __slots__ = ("lock", "token", "__weakref__")
+    __slots__ = ("lock", "token", "refuse_closed", "__weakref__")
 
-    def __init__(self, lock: ContextLock):
-        self.lock, self.token = lock, 0
+    def __init__(self, lock: ContextLock, refuse_closed: bool = True):
+        self.lock, self.token, self.refuse_closed = lock, 0, refuse_closed
 
     def __enter__(self) -> "_Hold":
         try:
             while not self.token:  # a SIGINT handler that does not raise: wait again
                 with interrupts_held() as held:
-                    self.token = self.lock.acquire(self, give_up=held.pending)
+                    self.token = self.lock.acquire(self, give_up=held.pending, refuse_closed=self.refuse_closed)
         except BaseException:
             self.lock.release(self.token)  # the interrupt came as it took the lock: the block will not run
             raise

@@ -107,8 +107,10 @@ class Conversation:
         return bool(prompt_text) or rebuild
 
     def reset(self) -> None:
-        """Forget the messages and the cache (`ContextBusyError` while this thread has a turn open)."""
-        with self.lock.hold(), interrupts_held():
+        """Forget the messages and the cache (`ContextBusyError` while this thread has a turn open).
+        Allowed once the model is closed (the ring is the conversation's own), also after a wait for
+        another thread's turn."""
+        with self.lock.hold(refuse_closed=False), interrupts_held():
             self.messages = []
             self._forget()
 

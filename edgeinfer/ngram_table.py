@@ -50,8 +50,8 @@ MAX_INFO_TOKENS = 10 ** 12
 LOG_EVERY_S = 10.0  # sample_text's progress lines
 MEMO_DRAFTS = 16  # `chain` remembers this many drafts per tail (the stepper asks for 8 at most)
 MEMO_TAILS = 8_192  # ... for this many tails: a hit costs 0.25 us, a miss 1.8 us (the bundled table)
-BYTES_PER_CONTEXT = 260  # a context at its read's peak (tracemalloc: 259-260); held once read: 102-120 (packed
-# ints; 298-403 as tuples before)
+BYTES_PER_CONTEXT = 300  # a context at its read's peak (tracemalloc: 193-261, the most for counts near 2**32);
+# held once read: 96-121 (packed ints; 298-403 as tuples before)
 BYTES_PER_TAIL = 1024  # a remembered chain, at most: 397-465 measured for the bundled table's (4 drafts on
 # average), 1,004 for chains of 16 drafts of a 151,936-id vocabulary; 65,536 tails, the bound before, were
 # 26-66 MB where its comment said a few
@@ -129,8 +129,8 @@ class NgramTable:
     seen << (bits + 32), and the chance count / (seen + 1) is worked out where it is read (the same
     float as one stored)."""
 
-    def __init__(self, follow: dict[int, int], bits: int):
-        self._follow, self._bits = follow, bits
+    def __init__(self, follow: dict[int, int], bits: int, vocab_size: int):
+        self._follow, self._bits, self._vocab = follow, bits, vocab_size
         self._masks = [(1 << (bits * n)) - 1 for n in range(ORDERS[-1], 0, -1)]  # a key's last 3, 2, 1 ids
         self._memo: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}  # `chain`'s, per tail
 
@@ -139,10 +139,12 @@ class NgramTable:
 
     def get(self, context: Sequence[int]) -> tuple[int, float] | None:
         """The follower of `context` (1-3 ids) and its chance, or None when the table does not hold it."""
+        if not 0 < len(context) <= ORDERS[-1] or not all(0 <= t < self._vocab for t in context):
+            return None  # (an id past the vocabulary would run into its neighbour's bits)
         key = 0
         for t in context:
             key = (key << self._bits) | (int(t) + 1)
-        hit = self._follow.get(key) if 0 < len(context) <= ORDERS[-1] else None
+        hit = self._follow.get(key)
         return None if hit is None else self._unpack(hit)
 
     def _unpack(self, value: int) -> tuple[int, float]:
@@ -188,12 +190,18 @@ class NgramTable:
                 raise ModelFormatError(f"order {n}: a context seen 2**32 times or more")
             if len(np.unique(ctx, axis=0)) != len(ctx):
                 raise ModelFormatError(f"order {n}: a context is listed twice")
-            keys = [0] * len(nxt)
-            for column in ctx.T.tolist():  # (Python ints: n * bits may pass 64)
-                keys = [(k << bits) | (t + 1) for k, t in zip(keys, column)]
+            if n * bits <= 62:  # (int64 in numpy: fewer Python objects at the read's peak)
+                packed = np.zeros(len(nxt), np.int64)
+                for column in ctx.T:
+                    packed = (packed << bits) | (column.astype(np.int64) + 1)
+                keys = packed.tolist()
+            else:  # a vocabulary past 2**20 ids: Python ints
+                keys = [0] * len(nxt)
+                for column in ctx.T.tolist():
+                    keys = [(k << bits) | (t + 1) for k, t in zip(keys, column)]
             follow.update(zip(keys, [f | (c << bits) | (v << (bits + 32)) for f, c, v in
                                      zip(nxt.tolist(), count.tolist(), seen.tolist())]))
-        return cls(follow, bits)
+        return cls(follow, bits, int(vocab_size))
 
     @classmethod
     def build(cls, texts: Sequence[Sequence[int]], vocab_size: int, min_count: int = MIN_COUNT) -> "NgramTable":
@@ -246,11 +254,11 @@ class NgramTable:
         return memo[0][:k], memo[1][:k]
 
     def _chain(self, tail: tuple[int, ...], k: int) -> tuple[list[int], list[float]]:
-        follow, b, masks = self._follow, self._bits, self._masks
+        follow, b, masks, vocab = self._follow, self._bits, self._masks, self._vocab
         low, low32, top = (1 << b) - 1, 0xFFFFFFFF, b + 32
         key = 0
-        for t in tail:
-            key = (key << b) | (t + 1)
+        for t in tail:  # (an id past the vocabulary: no context holds it, those after it may match)
+            key = (key << b) | (t + 1) if 0 <= t < vocab else 0
         drafts: list[int] = []
         chances: list[float] = []
         chance = 1.0

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import edgeinfer
 from conftest import TINY, write_manifest
 from edgeinfer.cli import main
 
@@ -418,9 +419,6 @@ def test_bad_option_values(capsys, src, tmp_path):
     ("generation_config.json", json.dumps({"eos_token_id": "x"}), "must be token ids"),
     ("generation_config.json", json.dumps({"bos_token_id": 10 ** 6}), "must be token ids"),
     ("tokenizer.model", "\x00\x01garbage" * 10, "tokenizer cannot be used"),
-    # transformers would end every prompt with EOS; the runtime never did, silently (a hostile round); a GGUF's is
-    # refused alike
-    ("tokenizer_config.json", json.dumps({"add_eos_token": True}), "add_eos_token is true"),
     ("tokenizer_config.json", json.dumps({"add_eos_token": "yes"}), "add_eos_token must be true or false"),
 ])
 def test_settings_and_tokenizer_files_the_folder_could_not_use_are_refused(capsys, src, tmp_path, name, content,
@@ -429,6 +427,20 @@ def test_settings_and_tokenizer_files_the_folder_could_not_use_are_refused(capsy
     (src / name).write_text(content)
     assert_user_error(*run_convert(capsys, src, tmp_path / "out"), needle)
     assert_no_partial(tmp_path)
+
+
+def test_add_eos_token_converts_with_a_note_and_prompts_end_without_eos(capsys, src, tmp_path):
+    """add_eos_token true (a fine-tuning recipe's setting that save_pretrained keeps) was ignored
+    silently (a hostile round): it converts, with a note saying prompts are not ended with EOS, as
+    transformers' chat templates (add_special_tokens=False) do not end them."""
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_eos_token": True}))
+    assert main(["convert", str(src), "-o", str(tmp_path / "out"), "--quant", "int8"]) == 0
+    err = capsys.readouterr().err
+    assert "note: tokenizer_config.json sets add_eos_token" in err and "error" not in err, err
+    model, bundled = edgeinfer.load(tmp_path / "out"), edgeinfer.load()
+    ids = model.tokenizer.encode("Once upon a time")
+    assert ids == bundled.tokenizer.encode("Once upon a time") and ids[-1] not in model.manifest.tokenizer.eos_token_ids
 
 
 def test_chat_templates_in_hugging_face_s_forms_convert_and_load(capsys, src, tmp_path):

@@ -143,9 +143,16 @@ def test_close_wakes_the_calls_waiting_for_a_context_that_a_paused_stream_holds(
     try:
         assert set(results) == {"generate", "snapshot", "say"}, results
         assert all(isinstance(e, ModelClosedError) for e in results.values()), results
+        # but a reset, which a closed model allows (the ring is the conversation's), waits its turn and runs
+        resetting = threading.Thread(target=call, args=("reset", conv.reset), daemon=True)
+        resetting.start()
+        time.sleep(0.3)
+        assert "reset" not in results
     finally:
         held["stream"].close()
         held["turn"].close()
+    resetting.join(10)
+    assert results["reset"] == "returned" and conv.messages == []
 
 
 def test_a_conversation_refuses_after_close_and_keeps_its_history():

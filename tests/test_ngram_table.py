@@ -36,6 +36,16 @@ def test_build_keeps_each_contexts_most_frequent_follower():
     assert t.contexts() == {(5,): (6, 0.75), (6,): (7, 0.5), (5, 6): (7, 0.5)}
 
 
+def test_ids_outside_the_vocabulary_match_no_context():
+    """The table packs a context's ids into one int, `bits` bits each: an id past the vocabulary ran into
+    its neighbour's bits, and (1, 16) found (2, 0)'s follower (a review). Such an id is in no context;
+    those after it still match, as with tuples."""
+    t = NgramTable.build([[2, 0, 5] * 3], vocab_size=10)
+    assert t.get((2, 0)) == (5, 0.75) and t.get((1, 16)) is None and t.get((-1,)) is None and t.get(()) is None
+    assert t.chain([1, 16], 4) == ([], []) and t.chain([16], 4) == ([], [])
+    assert t.chain([16, 2, 0], 1) == t.chain([2, 0], 1) == ([5], [0.75])
+
+
 def test_ties_go_to_the_lowest_id_and_texts_do_not_run_together():
     t = NgramTable.build([[4, 9], [4, 2], [4, 9], [4, 2]], vocab_size=10)
     assert t.contexts() == {(4,): (2, 2 / 5)}  # 9 and 2 twice each in 4: the lowest id; no (9, 4) or (2, 4)

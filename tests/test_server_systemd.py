@@ -157,7 +157,7 @@ def test_the_memory_limit_counts_what_speculation_holds(capsys, monkeypatch):
     vocab, contexts = manifest.arch.vocab_size, manifest.ngrams.contexts
     off = footprint()
     index = 2 * NgramDrafter.window * NgramDrafter.BYTES_PER_TOKEN  # a request's prompt-lookup index, at most
-    assert footprint("--speculative", "ngram") - off == 3 * (9 * vocab * 4 + index) + contexts * 260 + MEMO_TAILS * 1024
+    assert footprint("--speculative", "ngram") - off == 3 * (9 * vocab * 4 + index) + contexts * 300 + MEMO_TAILS * 1024
     assert footprint("--speculative", "draft", "--draft-model", str(edgeinfer.load().folder)) - off > 3 * 9 * vocab * 4
 
 
