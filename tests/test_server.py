@@ -797,6 +797,25 @@ def test_the_config_file_in_the_docs_loads(monkeypatch, tmp_path):
     assert (config.host, config.slots, config.speculative, config.log_format) == ("0.0.0.0", 2, "draft", "json")
 
 
+def test_cors_origins_are_kept_as_browsers_send_them_and_what_none_could_equal_is_refused(tmp_path):
+    """An entry is compared with a request's Origin, which a browser sends as scheme://host[:port] (lower
+    case, no default port, no slash): "http://Example.com/" matched nothing, and "*" made the preflight
+    say yes to every page and each request then 403 (a hostile round)."""
+    from edgeinfer.errors import InvalidArgumentError
+    from edgeinfer.server.config import load_config
+
+    (tmp_path / "serve.toml").write_text('cors-origins = ["HTTP://Example.com/", "https://a.test:443", '
+                                         '"http://[::1]:8080", "http://b.test:8000"]\n')
+    assert load_config(str(tmp_path / "serve.toml"), {}).cors_origins == (
+        "http://example.com", "https://a.test", "http://[::1]:8080", "http://b.test:8000")
+    for entry, why in (("*", "wildcard"), ("null", "not an origin"), ("example.com", "not an origin"),
+                       ("http://a.test/app", "not an origin"), ("ftp://a.test", "not an origin"),
+                       ("http://u:p@a.test", "not an origin"), ("http://a.test:99999", "not an origin")):
+        (tmp_path / "serve.toml").write_text(f'cors-origins = ["{entry}"]\n')
+        with pytest.raises(InvalidArgumentError, match=f"cors-origins entry .*{why}"):
+            load_config(str(tmp_path / "serve.toml"), {})
+
+
 @pytest.mark.parametrize("line, key", [('capacity = "256"', "capacity"), ("capacity = 1", "capacity"),
                                        ('slots = "2"', "slots"), ("queue = -1", "queue")])
 def test_a_bad_value_in_the_config_file_is_named_by_its_key(tmp_path, line, key):

@@ -354,6 +354,19 @@ def test_messages_are_normalised_for_the_chat_template():
     assert check_messages(r.messages) == list(r.messages)
 
 
+def test_an_assistant_turn_that_refused_is_its_refusal_s_text():
+    """A history replayed from OpenAI's API may hold a refusal: content null with `refusal` beside it,
+    or a content part of type "refusal". It was a 400 that blamed the content (a hostile round)."""
+    said = {"role": "user", "content": "Hi"}
+    r = chat(messages=[said, {"role": "assistant", "content": None, "refusal": "I can't help with that."}, said])
+    assert r.messages[1] == {"role": "assistant", "content": "I can't help with that."}
+    r = chat(messages=[said, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}, said])
+    assert r.messages[1] == {"role": "assistant", "content": "No."}
+    for m in ({"role": "user", "content": [{"type": "refusal", "refusal": "No."}]},  # a user's refusal part: no such thing
+              {"role": "assistant", "content": None}, {"role": "assistant", "content": None, "refusal": 3}):
+        assert "messages" == refused(parse_chat, body(CHAT, messages=[m])).param
+
+
 @pytest.mark.parametrize("prompt,expected", [
     ("abc", "abc"), (["abc"], "abc"), ([0, 1, 2], (0, 1, 2)), ([7], (7,)),
     ([[0, 1, 2]], (0, 1, 2)),  # a batch of one token array, as ["abc"] is one of one string (it was a 400)

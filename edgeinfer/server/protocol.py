@@ -291,7 +291,13 @@ def _options(body: dict, max_names: tuple[str, ...], limit: int) -> GenerationOp
         raise APIError(400, str(e), param=source.get(name, name if name in kw else None)) from None
 
 
-def _content(c, i: int) -> str:
+def _content(m: dict, i: int) -> str:
+    """A message's text. An assistant turn that refused (OpenAI's `refusal`: content null and the refusal's
+    text beside it, or a content part of type "refusal") is that text, as the model said it; a client
+    replaying such a history got a 400 that blamed the content."""
+    c, assistant = m.get("content"), m.get("role") == "assistant"
+    if c is None and assistant and isinstance(m.get("refusal"), str):
+        return m["refusal"]
     if isinstance(c, str):
         return c
     if not isinstance(c, list):
@@ -299,11 +305,12 @@ def _content(c, i: int) -> str:
     texts = []
     for j, part in enumerate(c):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
+        key = "refusal" if kind == "refusal" and assistant else "text"
+        if kind != key:
             raise _bad("messages", f"messages[{i}].content[{j}] has type {shown(kind)}: only text parts are supported")
-        if not isinstance(part.get("text"), str):
-            raise _bad("messages", f"messages[{i}].content[{j}].text must be a string, got {shown(part.get('text'))}")
-        texts.append(part["text"])
+        if not isinstance(part.get(key), str):
+            raise _bad("messages", f"messages[{i}].content[{j}].{key} must be a string, got {shown(part.get(key))}")
+        texts.append(part[key])
     return "".join(texts)
 
 
@@ -324,7 +331,7 @@ def _messages(body: dict) -> tuple[dict, ...]:
         for key in ("tool_calls", "function_call"):  # an assistant turn that called tools: dropped, the history
             if m.get(key) not in (None, []):  # the model sees would lie; with content null, the error blamed it
                 raise _bad("messages", f"messages[{i}].{key}: this server has no tool calling")
-        out.append({"role": ROLES[role], "content": _content(m.get("content"), i)})
+        out.append({"role": ROLES[role], "content": _content(m, i)})
     return tuple(out)
 
 
