@@ -331,10 +331,10 @@ class Diagnostics:
         except (OSError, ValueError):
             pass
         try:
+            fd = self.stream.fileno()
             devnull = os.open(os.devnull, os.O_WRONLY)
-            try:
-                os.dup2(devnull, self.stream.fileno())
-            finally:
+            if devnull != fd:  # (with fd closed, open may hand back fd itself: that one stays, on devnull)
+                os.dup2(devnull, fd)
                 os.close(devnull)
         except (OSError, ValueError, AttributeError):  # no descriptor of its own (io.UnsupportedOperation is both)
             pass
@@ -385,11 +385,13 @@ def _standard_streams() -> None:
 def _drop_stdout() -> None:
     if sys.stdout is None:  # (closed from the start: nothing buffered)
         return
+    fd = sys.stdout.fileno()
     devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    finally:
-        os.close(devnull)  # (the dup stays; each in-process call on an error path leaked one descriptor)
+    if devnull != fd:  # (with fd closed, open may hand back fd itself: that one stays, on devnull)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)  # (the dup stays; each in-process call on an error path leaked one descriptor)
 
 
 if __name__ == "__main__":

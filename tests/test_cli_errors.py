@@ -237,6 +237,15 @@ def test_help_and_version_for_a_closed_standard_output_say_so_as_commands_do(arg
     assert r.returncode == 0 and r.stdout.decode().startswith("edgeinfer 0." if args == "--version" else "usage:")
 
 
+def test_dropping_a_standard_output_whose_descriptor_is_closed_leaves_it_on_devnull():
+    """`_drop_stdout` closes the /dev/null descriptor it opened (one leaked per in-process call); with
+    descriptor 1 already closed, the open hands back 1 itself, which must stay (a review)."""
+    code = ("import os; from edgeinfer.cli import _drop_stdout; os.close(1); _drop_stdout(); "
+            "import stat, sys; sys.stderr.write(str(stat.S_ISCHR(os.fstat(1).st_mode)))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert r.returncode == 0 and r.stderr.decode().endswith("True"), r.stderr
+
+
 def test_a_closed_standard_error_keeps_errors_out_of_the_output():
     """With `2>&-`, Python's print(file=sys.stderr) falls back to standard output: the error line
     landed in the data a pipeline reads (hostile CLI test)."""

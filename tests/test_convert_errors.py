@@ -160,6 +160,8 @@ def test_unsupported_architecture_lists_supported(capsys, src, tmp_path):
     # NaN in both places (Python's json writes it): refused as a value, not as copies that disagree (a hostile round)
     ({"rope_theta": float("nan"), "rope_parameters": {"rope_theta": float("nan"), "rope_type": "default"}},
      "'rope_theta' must be a finite positive number, got nan"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": float("nan")},
+      "rope_scaling": {"rope_type": "linear", "factor": float("nan")}}, "'rope_scaling.factor' must be a finite"),
 ])
 def test_unsupported_config_field(capsys, src, tmp_path, changes, needle):
     edit_config(src, **changes)

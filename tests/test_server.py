@@ -798,22 +798,33 @@ def test_the_config_file_in_the_docs_loads(monkeypatch, tmp_path):
 
 
 def test_cors_origins_are_kept_as_browsers_send_them_and_what_none_could_equal_is_refused(tmp_path):
-    """An entry is compared with a request's Origin, which a browser sends as scheme://host[:port] (lower
-    case, no default port, no slash): "http://Example.com/" matched nothing, and "*" made the preflight
-    say yes to every page and each request then 403 (a hostile round)."""
+    """An entry is compared with a request's Origin, which a browser sends as the WHATWG URL standard
+    serialises it: "http://Example.com/" matched nothing, and "*" without an API key made the preflight
+    say yes to every page and each request then 403 (a hostile round). Extensions and webview apps send
+    their own schemes, kept; with an API key "*" is kept (the key guards every request; a review)."""
     from edgeinfer.errors import InvalidArgumentError
-    from edgeinfer.server.config import load_config
+    from edgeinfer.server.config import ServeConfig, load_config
 
-    (tmp_path / "serve.toml").write_text('cors-origins = ["HTTP://Example.com/", "https://a.test:443", '
-                                         '"http://[::1]:8080", "http://b.test:8000"]\n')
+    (tmp_path / "serve.toml").write_text(
+        'cors-origins = ["HTTP://Example.com/", "https://a.test:443", "http://[2001:DB8::0001]:8080", '
+        '"http://b.test:8000", "http://127.1", "chrome-extension://abcdefghijklmnop", "tauri://localhost"]\n')
     assert load_config(str(tmp_path / "serve.toml"), {}).cors_origins == (
-        "http://example.com", "https://a.test", "http://[::1]:8080", "http://b.test:8000")
-    for entry, why in (("*", "wildcard"), ("null", "not an origin"), ("example.com", "not an origin"),
-                       ("http://a.test/app", "not an origin"), ("ftp://a.test", "not an origin"),
-                       ("http://u:p@a.test", "not an origin"), ("http://a.test:99999", "not an origin")):
+        "http://example.com", "https://a.test", "http://[2001:db8::1]:8080", "http://b.test:8000",
+        "http://127.0.0.1", "chrome-extension://abcdefghijklmnop", "tauri://localhost")
+    for entry, why in (("*", "without an API key a wildcard"), ("null", "not an origin"),
+                       ("example.com", "not an origin"), ("http://a.test/app", "not an origin"),
+                       ("file:///tmp", "not an origin"), ("http://u:p@a.test", "not an origin"),
+                       ("http://a.test:99999", "not an origin"), ("http://*.a.test", "wildcards are not supported"),
+                       ("http://bücher.example", "punycode"), ("http://[fe80::1%25eth0]", "zone id"),
+                       ("http://a<b.test", "no browser sends"), ("http://999.1.1.1", "not an IPv4 address")):
         (tmp_path / "serve.toml").write_text(f'cors-origins = ["{entry}"]\n')
         with pytest.raises(InvalidArgumentError, match=f"cors-origins entry .*{why}"):
             load_config(str(tmp_path / "serve.toml"), {})
+    # Python callers get the same: a string is not searched as one ("http://a.exa" passed for "http://a.example")
+    assert ServeConfig(cors_origins=("HTTP://A.test/",)).cors_origins == ("http://a.test",)
+    assert ServeConfig(cors_origins=["*"], api_key="a-key-of-some-length").cors_origins == ("*",)
+    with pytest.raises(InvalidArgumentError, match="cors-origins must be a list of strings"):
+        ServeConfig(cors_origins="http://a.example")
 
 
 @pytest.mark.parametrize("line, key", [('capacity = "256"', "capacity"), ("capacity = 1", "capacity"),

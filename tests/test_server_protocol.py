@@ -362,6 +362,8 @@ def test_an_assistant_turn_that_refused_is_its_refusal_s_text():
     assert r.messages[1] == {"role": "assistant", "content": "I can't help with that."}
     r = chat(messages=[said, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}, said])
     assert r.messages[1] == {"role": "assistant", "content": "No."}
+    r = chat(messages=[said, {"role": "assistant", "content": "", "refusal": "No."}, said])  # (null made "")
+    assert r.messages[1] == {"role": "assistant", "content": "No."}
     for m in ({"role": "user", "content": [{"type": "refusal", "refusal": "No."}]},  # a user's refusal part: no such thing
               {"role": "assistant", "content": None}, {"role": "assistant", "content": None, "refusal": 3}):
         assert "messages" == refused(parse_chat, body(CHAT, messages=[m])).param

@@ -14,13 +14,13 @@ import ipaddress
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from edgeinfer import small_files
 from edgeinfer.errors import InvalidArgumentError, shown  # (a 900 KB value was echoed whole)
 from edgeinfer.options import SPECULATIVE
 from edgeinfer.overflow import OVERFLOW_POLICIES
 from edgeinfer.power.policy import POLICY_NAMES
+from edgeinfer.server.origins import origin
 
 POWER_CHOICES = POLICY_NAMES + ("off",)  # power = ...: a policy, or no power management
 
@@ -133,6 +133,11 @@ class ServeConfig:
             raise InvalidArgumentError("power = off contradicts the power limits given (max-temp-c, min-battery-pct, "
                                        "power-budget-w, max-tokens-per-s): choose a policy or drop the limits")
         self.power_policy()  # an unknown policy or a bad limit is refused here, with its name
+        origins = self.cors_origins
+        if isinstance(origins, str) or not isinstance(origins, (list, tuple)) or \
+                not all(isinstance(v, str) for v in origins):  # (a string was searched as one: "http://a.exa" passed)
+            raise InvalidArgumentError(f"cors-origins must be a list of strings, got {shown(origins)}")
+        object.__setattr__(self, "cors_origins", tuple(origin(v, bool(self.api_key)) for v in origins))
         if not is_loopback(self.host) and not self.api_key:
             raise InvalidArgumentError(
                 f"refusing to listen on {self.host or 'every interface (host empty)'} without an API key: anyone on "
@@ -169,35 +174,11 @@ def _from_toml(path: str) -> dict:
         if name == "cors_origins":
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise InvalidArgumentError(f"{path}: cors-origins must be a list of strings")
-            value = tuple(_origin(path, v) for v in value)
+            value = tuple(value)  # (each entry is checked and put in a browser's form by ServeConfig)
         elif name in PATH_SETTINGS and isinstance(value, str) and value:  # a wrong type is refused later, by name
             value = str(Path(path).resolve().parent / Path(value).expanduser())
         out[name] = value
     return out
-
-
-def _origin(path: str, value: str) -> str:
-    """A cors-origins entry as a browser sends its page's Origin (scheme://host[:port]: lower case, no
-    default port, no trailing slash), which is what requests are compared with; anything that no Origin
-    can equal is refused by name. An entry that matched nothing was kept: "http://example.com/" (the
-    slash), and "*", which the preflight answered yes to and every request then 403."""
-    bad = f"{path}: cors-origins entry {shown(value)}"
-    if value.strip() == "*":
-        raise InvalidArgumentError(f"{bad}: a wildcard would let any web page drive the model; list each origin "
-                                   "(scheme://host[:port])")
-    try:
-        parts = urlsplit(value.strip())
-        port = parts.port
-    except ValueError:
-        parts, port = None, None
-    if parts is None or parts.scheme.lower() not in ("http", "https") or not parts.hostname or parts.username \
-            or parts.password is not None or parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise InvalidArgumentError(f"{bad} is not an origin: write scheme://host[:port], as a browser sends it "
-                                   "(http or https; no path)")
-    scheme, host = parts.scheme.lower(), parts.hostname.lower()
-    host = f"[{host}]" if ":" in host else host
-    default = {"http": 80, "https": 443}[scheme]
-    return f"{scheme}://{host}" + (f":{port}" if port is not None and port != default else "")
 
 
 def _read_key_file(path: str) -> str:

@@ -296,7 +296,7 @@ def _content(m: dict, i: int) -> str:
     text beside it, or a content part of type "refusal") is that text, as the model said it; a client
     replaying such a history got a 400 that blamed the content."""
     c, assistant = m.get("content"), m.get("role") == "assistant"
-    if c is None and assistant and isinstance(m.get("refusal"), str):
+    if c in (None, "") and assistant and isinstance(m.get("refusal"), str):  # ("": clients that turn null into it)
         return m["refusal"]
     if isinstance(c, str):
         return c
