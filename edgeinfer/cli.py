@@ -334,8 +334,10 @@ class Diagnostics:
             fd = self.stream.fileno()
             devnull = os.open(os.devnull, os.O_WRONLY)
             if devnull != fd:  # (with fd closed, open may hand back fd itself: that one stays, on devnull)
-                os.dup2(devnull, fd)
-                os.close(devnull)
+                try:
+                    os.dup2(devnull, fd)
+                finally:
+                    os.close(devnull)
         except (OSError, ValueError, AttributeError):  # no descriptor of its own (io.UnsupportedOperation is both)
             pass
 

@@ -73,8 +73,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # off loopback needs a key (from the flags, the file or EDGEINFER_API_KEY: source the env file first)
         # the unit never holds the key (its environment file does), so this config, which only sizes the unit, is
         # read as if on loopback: a host from the file stays in force over a flag of None ("not given")
-        config = load_config(args.config, {**flags, "host": "127.0.0.1", "api_key": None, "api_key_file": None},
-                             use_env_key=False)
+        # (nor its cors-origins: "*", which the first load allowed with the key, would be refused without it)
+        config = load_config(args.config, {**flags, "host": "127.0.0.1", "api_key": None, "api_key_file": None,
+                                           "cors_origins": ()}, use_env_key=False)
         return _print_systemd_unit(args, config)
     from edgeinfer.server.run import serve
 

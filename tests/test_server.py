@@ -437,7 +437,7 @@ def test_print_systemd_unit_carries_config_and_no_key(tmp_path, capsys, monkeypa
 
     monkeypatch.setenv("EDGEINFER_API_KEY", "secret-key-should-not-appear")
     conf = tmp_path / "edgeinfer.toml"
-    conf.write_text('slots = 4\nmax-tokens-limit = 256\n')
+    conf.write_text('slots = 4\nmax-tokens-limit = 256\ncors-origins = ["*"]\n')  # "*": allowed with the key
     assert main(["serve", "--print-systemd-unit", "--config", str(conf), "--host", "0.0.0.0", "--port", "9000"]) == 0
     printed = capsys.readouterr()
     unit = printed.out
@@ -807,16 +807,19 @@ def test_cors_origins_are_kept_as_browsers_send_them_and_what_none_could_equal_i
 
     (tmp_path / "serve.toml").write_text(
         'cors-origins = ["HTTP://Example.com/", "https://a.test:443", "http://[2001:DB8::0001]:8080", '
-        '"http://b.test:8000", "http://127.1", "chrome-extension://abcdefghijklmnop", "tauri://localhost"]\n')
+        '"http://b.test:8000", "http://127.1", "http://0x7f.0.1.", "chrome-extension://abcdefghijklmnop", '
+        '"tauri://localhost:0080"]\n')
     assert load_config(str(tmp_path / "serve.toml"), {}).cors_origins == (
         "http://example.com", "https://a.test", "http://[2001:db8::1]:8080", "http://b.test:8000",
-        "http://127.0.0.1", "chrome-extension://abcdefghijklmnop", "tauri://localhost")
+        "http://127.0.0.1", "http://127.0.0.1", "chrome-extension://abcdefghijklmnop", "tauri://localhost:80")
     for entry, why in (("*", "without an API key a wildcard"), ("null", "not an origin"),
                        ("example.com", "not an origin"), ("http://a.test/app", "not an origin"),
                        ("file:///tmp", "not an origin"), ("http://u:p@a.test", "not an origin"),
                        ("http://a.test:99999", "not an origin"), ("http://*.a.test", "wildcards are not supported"),
                        ("http://bücher.example", "punycode"), ("http://[fe80::1%25eth0]", "zone id"),
-                       ("http://a<b.test", "no browser sends"), ("http://999.1.1.1", "not an IPv4 address")):
+                       ("http://a<b.test", "no browser sends"), ("http://999.1.1.1", "not an IPv4 address"),
+                       ("ws://a.test", "no page has a ws: origin"), ("http://[v1.x]", "no browser sends"),
+                       ("http://[::1]x", "no browser sends"), ("http://09.1.1.1", "not an IPv4 address")):
         (tmp_path / "serve.toml").write_text(f'cors-origins = ["{entry}"]\n')
         with pytest.raises(InvalidArgumentError, match=f"cors-origins entry .*{why}"):
             load_config(str(tmp_path / "serve.toml"), {})

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import socket
 from urllib.parse import urlsplit
 
 from edgeinfer.errors import InvalidArgumentError, shown
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 NO_ORIGIN = ("file", "data", "blob", "about", "javascript")  # pages the browser gives the Origin "null"
+NO_PAGES = ("ws", "wss", "ftp")  # schemes no page is loaded from (browsers dropped ftp pages)
 DNS_NAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*\.?")
 OPAQUE_HOST = re.compile(r"[A-Za-z0-9._~!$&'()+,;=-]+")
+IPV6_NETLOC = re.compile(r"\[[0-9A-Fa-f:.]+(%[^\]]*)?\](:\d*)?")  # (a zone id is refused by its name)
 ENDS_IN_NUMBER = re.compile(r"(.*\.)?(\d+|0[xX][0-9a-fA-F]*)\.?")  # WHATWG: such a host is parsed as IPv4
 
 
@@ -45,15 +46,20 @@ def origin(value: str, api_key_set: bool) -> str:
         raise InvalidArgumentError(f"{bad} is not an origin (a bad host or port): write scheme://host[:port], "
                                    "as a browser sends it") from None
     scheme = parts.scheme.lower()
+    if scheme in NO_PAGES:
+        raise InvalidArgumentError(f"{bad}: no page has a {scheme}: origin; write the page's http(s) origin")
     if not scheme or scheme in NO_ORIGIN or not parts.netloc or parts.username is not None \
             or parts.password is not None or parts.path not in ("", "/") or parts.query or parts.fragment:
         raise InvalidArgumentError(f"{bad} is not an origin: write scheme://host[:port], as a browser sends it "
                                    "(no path; file pages send the Origin null, which any page can send too)")
-    if scheme not in DEFAULT_PORTS:  # an opaque host: sent as written
-        host = parts.netloc.rpartition(":")[0] if port is not None else parts.netloc
+    port_part = f":{port}" if port is not None else ""
+    if scheme not in DEFAULT_PORTS:  # an opaque host: sent as written, its port as a number
+        host = parts.netloc.partition(":")[0]
         if not OPAQUE_HOST.fullmatch(host):
             raise InvalidArgumentError(f"{bad} has a host no browser sends")
-        return f"{scheme}://{parts.netloc}"
+        return f"{scheme}://{host}{port_part}"
+    if ("[" in parts.netloc or "]" in parts.netloc) and not IPV6_NETLOC.fullmatch(parts.netloc):
+        raise InvalidArgumentError(f"{bad} has a host no browser sends")  # ([v1.x] read as v1.x, [::1]x as [::1])
     return f"{scheme}://{_http_host(parts.hostname or '', bad)}" + (
         f":{port}" if port is not None and port != DEFAULT_PORTS[scheme] else "")
 
@@ -72,10 +78,45 @@ def _http_host(host: str, bad: str) -> str:
     if "*" in host:
         raise InvalidArgumentError(f"{bad}: wildcards are not supported; list each origin")
     if ENDS_IN_NUMBER.fullmatch(host):  # 127.1, 0x7f.0.0.1: browsers send 127.0.0.1
-        try:
-            return socket.inet_ntoa(socket.inet_aton(host.rstrip(".")))
-        except OSError:
-            raise InvalidArgumentError(f"{bad} has a host that is not an IPv4 address") from None
+        address = _ipv4(host)
+        if address is None:
+            raise InvalidArgumentError(f"{bad} has a host that is not an IPv4 address")
+        return str(ipaddress.IPv4Address(address))
     if not DNS_NAME.fullmatch(host):
         raise InvalidArgumentError(f"{bad} has a host no browser sends")
     return host
+
+
+def _ipv4(host: str) -> int | None:
+    """The WHATWG URL standard's IPv4 parser: up to four parts split on ".", one empty last part
+    dropped, each decimal, octal (a leading 0) or hex (0x); all but the last below 256, the last below
+    256 ** (5 - parts). None where the standard fails (the same on every C library: inet_aton's
+    differ)."""
+    parts = host.split(".")
+    if parts[-1] == "" and len(parts) > 1:
+        parts.pop()
+    if not 0 < len(parts) <= 4:
+        return None
+    numbers = []
+    for p in parts:
+        if p[:2].lower() == "0x":
+            digits, radix = p[2:], 16
+        elif len(p) > 1 and p[0] == "0":
+            digits, radix = p[1:], 8
+        else:
+            digits, radix = p, 10
+        if digits == "":
+            numbers.append(0)  # "0x" alone is 0
+            continue
+        try:
+            numbers.append(int(digits, radix) if digits.isalnum() and digits.isascii() else None)
+        except ValueError:
+            return None
+        if numbers[-1] is None:
+            return None
+    if any(n > 255 for n in numbers[:-1]) or numbers[-1] >= 256 ** (5 - len(numbers)):
+        return None
+    address = numbers[-1]
+    for i, n in enumerate(numbers[:-1]):
+        address += n * 256 ** (3 - i)
+    return address
