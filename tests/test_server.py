@@ -808,10 +808,11 @@ def test_cors_origins_are_kept_as_browsers_send_them_and_what_none_could_equal_i
     (tmp_path / "serve.toml").write_text(
         'cors-origins = ["HTTP://Example.com/", "https://a.test:443", "http://[2001:DB8::0001]:8080", '
         '"http://b.test:8000", "http://127.1", "http://0x7f.0.1.", "chrome-extension://abcdefghijklmnop", '
-        '"tauri://localhost:0080"]\n')
+        '"tauri://localhost:0080", "http://[::ffff:1.2.3.4]", "http://037777777777"]\n')
     assert load_config(str(tmp_path / "serve.toml"), {}).cors_origins == (
         "http://example.com", "https://a.test", "http://[2001:db8::1]:8080", "http://b.test:8000",
-        "http://127.0.0.1", "http://127.0.0.1", "chrome-extension://abcdefghijklmnop", "tauri://localhost:80")
+        "http://127.0.0.1", "http://127.0.0.1", "chrome-extension://abcdefghijklmnop", "tauri://localhost:80",
+        "http://[::ffff:102:304]", "http://255.255.255.255")
     for entry, why in (("*", "without an API key a wildcard"), ("null", "not an origin"),
                        ("example.com", "not an origin"), ("http://a.test/app", "not an origin"),
                        ("file:///tmp", "not an origin"), ("http://u:p@a.test", "not an origin"),
@@ -819,7 +820,9 @@ def test_cors_origins_are_kept_as_browsers_send_them_and_what_none_could_equal_i
                        ("http://bücher.example", "punycode"), ("http://[fe80::1%25eth0]", "zone id"),
                        ("http://a<b.test", "no browser sends"), ("http://999.1.1.1", "not an IPv4 address"),
                        ("ws://a.test", "no page has a ws: origin"), ("http://[v1.x]", "no browser sends"),
-                       ("http://[::1]x", "no browser sends"), ("http://09.1.1.1", "not an IPv4 address")):
+                       ("http://[::1]x", "no browser sends"), ("http://09.1.1.1", "not an IPv4 address"),
+                       ("http://1..2", "not an IPv4 address"), ("http://.1", "not an IPv4 address"),
+                       ("http://0x0x1f.1", "not an IPv4 address"), ("http://00o7.1", "not an IPv4 address")):
         (tmp_path / "serve.toml").write_text(f'cors-origins = ["{entry}"]\n')
         with pytest.raises(InvalidArgumentError, match=f"cors-origins entry .*{why}"):
             load_config(str(tmp_path / "serve.toml"), {})

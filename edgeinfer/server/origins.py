@@ -70,9 +70,12 @@ def _http_host(host: str, bad: str) -> str:
         if "%" in host:
             raise InvalidArgumentError(f"{bad} has an IPv6 zone id, which browsers do not send")
         try:
-            return f"[{ipaddress.IPv6Address(host).compressed}]"
+            address = ipaddress.IPv6Address(host)
         except ValueError:
             raise InvalidArgumentError(f"{bad} has a host that is not an IPv6 address") from None
+        if address.ipv4_mapped is not None:  # browsers write ::ffff:102:304; Python 3.13 writes ::ffff:1.2.3.4
+            return f"[::ffff:{(int(address) >> 16) & 0xffff:x}:{int(address) & 0xffff:x}]"
+        return f"[{address.compressed}]"
     if not host.isascii():
         raise InvalidArgumentError(f"{bad}: write the host in its ASCII form (punycode, xn--...), as browsers send it")
     if "*" in host:
@@ -99,21 +102,19 @@ def _ipv4(host: str) -> int | None:
         return None
     numbers = []
     for p in parts:
+        if p == "":  # (only one empty part, the last, is dropped: "1..2" fails)
+            return None
         if p[:2].lower() == "0x":
-            digits, radix = p[2:], 16
+            digits, allowed, radix = p[2:], "0123456789abcdefABCDEF", 16
         elif len(p) > 1 and p[0] == "0":
-            digits, radix = p[1:], 8
+            digits, allowed, radix = p[1:], "01234567", 8
         else:
-            digits, radix = p, 10
-        if digits == "":
-            numbers.append(0)  # "0x" alone is 0
-            continue
-        try:
-            numbers.append(int(digits, radix) if digits.isalnum() and digits.isascii() else None)
-        except ValueError:
+            digits, allowed, radix = p, "0123456789", 10
+        if any(c not in allowed for c in digits):  # (int() would take its own prefixes: "0x0x1f", "00o7")
             return None
-        if numbers[-1] is None:
+        if len(digits.lstrip("0")) > 11:  # 2**32 or more in any radix (and int() kept to short strings)
             return None
+        numbers.append(int(digits, radix) if digits else 0)  # "0x" alone is 0
     if any(n > 255 for n in numbers[:-1]) or numbers[-1] >= 256 ** (5 - len(numbers)):
         return None
     address = numbers[-1]
