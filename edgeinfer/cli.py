@@ -331,13 +331,7 @@ class Diagnostics:
         except (OSError, ValueError):
             pass
         try:
-            fd = self.stream.fileno()
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            if devnull != fd:  # (with fd closed, open may hand back fd itself: that one stays, on devnull)
-                try:
-                    os.dup2(devnull, fd)
-                finally:
-                    os.close(devnull)
+            _to_devnull(self.stream.fileno())
         except (OSError, ValueError, AttributeError):  # no descriptor of its own (io.UnsupportedOperation is both)
             pass
 
@@ -387,13 +381,18 @@ def _standard_streams() -> None:
 def _drop_stdout() -> None:
     if sys.stdout is None:  # (closed from the start: nothing buffered)
         return
-    fd = sys.stdout.fileno()
+    _to_devnull(sys.stdout.fileno())
+
+
+def _to_devnull(fd: int) -> None:
+    """Point descriptor `fd` at /dev/null, keeping no other descriptor open (one leaked per in-process
+    call before)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     if devnull != fd:  # (with fd closed, open may hand back fd itself: that one stays, on devnull)
         try:
             os.dup2(devnull, fd)
         finally:
-            os.close(devnull)  # (the dup stays; each in-process call on an error path leaked one descriptor)
+            os.close(devnull)
 
 
 if __name__ == "__main__":
