@@ -9,8 +9,10 @@ completes the set runs the step for all (no extra thread); the others wait for i
 conversation takes the plain single-row path (`Engine.decode_one`), which costs less for one row.
 
 Single decoding (`SoloStepper`) has the same three methods, so `Generation` does not know which
-one it is driving. On fp32 models outputs are bit-identical to decoding each conversation alone;
-quantized weights (MatMulNBits, even at accuracy level 0) take another kernel for a batch of rows
+one it is driving. On fp32 models outputs are bit-identical to decoding each conversation alone,
+except a speculating request's (alone it verifies drafts in several-row calls, which round
+differently, `speculative.py`; beside others it takes plain batched steps: logprobs ~1e-6 apart and
+a near-tie may resolve the other way); quantized weights (MatMulNBits, even at accuracy level 0) take another kernel for a batch of rows
 than for one, so logprobs differ by ~1e-5 and a near-tie may resolve the other way.
 """
 

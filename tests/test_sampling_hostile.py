@@ -210,3 +210,91 @@ def test_numpy_numbers_are_taken_as_the_python_numbers_they_are(model):
                 dict(seed=np.float64(3)), dict(max_new_tokens=np.int64(0))):
         with pytest.raises(InvalidArgumentError):
             edgeinfer.GenerationOptions.from_kwargs(**bad)
+
+
+@pytest.mark.skipif(sampling._csampler is None, reason="the C sampler is not built here")
+def test_two_threads_asking_one_sampler_for_logprobs_are_refused_never_given_the_other_s():
+    """A hostile round: `logprobs` released the GIL without marking the sampler in use, so a draw on
+    another thread rewrote the buffers it read (the other's token, NaN; a larger vocabulary reallocated
+    them: a segfault), and `sample_with_logprobs` was two calls another thread's draw could come
+    between. Each result is now its own logits' or the call is refused."""
+    import threading
+    import time
+
+    vocab = 1 << 18
+    rng = np.random.default_rng(0)
+    logits = {}
+    for want in (7, 9):
+        logits[want] = rng.standard_normal(vocab).astype(np.float32)
+        logits[want][want] = 50.0  # this thread's logits: its token dominates
+    s = Sampler(SamplingParams(temperature=0), seed=0)
+    stop, counts = threading.Event(), {"refused": 0, "wrong": 0, "ok": 0}
+
+    def worker(want):
+        while not stop.is_set():
+            try:
+                r = s.sample_with_logprobs(logits[want], top_n=3)
+            except RuntimeError:
+                counts["refused"] += 1
+                continue
+            right = r.token == want and r.top[0][0] == want and np.isfinite(r.logprob) and \
+                all(np.isfinite(v) for _, v in r.top)
+            counts["ok" if right else "wrong"] += 1
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in (7, 9)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert counts["wrong"] == 0 and counts["ok"] > 0 and counts["refused"] > 0, counts
+
+
+def test_bad_arguments_are_refused_alike_by_both_back_ends_before_anything_is_drawn():
+    """A hostile round: a 0-d float64 array was a one-token vocabulary to the C back end (the twin
+    refused it), a history id past int64 raised OverflowError (the contract: ValueError), and a
+    negative or huge top_n drew a token before failing in C while the twin returned ()."""
+    for backend in ("c", "numpy"):
+        if backend == "c" and sampling._csampler is None:
+            continue
+        saved = sampling._csampler
+        if backend == "numpy":
+            sampling._csampler = None
+        try:
+            s = Sampler(SamplingParams(temperature=1.0), seed=3)
+            with pytest.raises(ValueError, match="1-D"):
+                s.sample(np.float64(2.0))
+            with pytest.raises(ValueError, match="1-D"):
+                s.sample(np.array(2.0))
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                Sampler(SamplingParams(), 1, history=[2 ** 63])
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                s.reset([5, 2 ** 64])
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                sampling.filter_probs(np.zeros(4, np.float32), SamplingParams(), history=[-2 ** 70])
+            logits = np.array([0.0, 1.0, 2.0], np.float32)
+            fresh = Sampler(SamplingParams(temperature=1.0), seed=3)
+            with pytest.raises(ValueError, match="top_n"):
+                s.sample_with_logprobs(logits, top_n=-1)  # refused before the draw: the RNG has not moved
+            assert s.sample(logits) == fresh.sample(logits)
+            r = s.sample_with_logprobs(logits, top_n=10 ** 30)
+            assert [i for i, _ in r.top] == [2, 1, 0], backend
+        finally:
+            sampling._csampler = saved
+
+
+def test_a_probability_below_e_to_the_minus_708_is_zero_on_both_back_ends():
+    """A hostile round: the C exp gives 0 at or below -708 nats, numpy's a subnormal down to -745, so
+    the twin kept (and drew, at temperature 1e6 with min_p 1e-320) a token the C chain dropped. The
+    twin's softmax now has the same floor."""
+    from edgeinfer.sampling import reference
+
+    logits = np.array([0.0, -720.0, -707.0], np.float32)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    ref = reference.filter_probs(logits, params)
+    assert ref[1] == 0.0 and ref[2] > 0.0
+    if sampling._csampler is not None:
+        got = sampling.filter_probs(logits, params)
+        assert (got > 0).tolist() == (ref > 0).tolist()
+        np.testing.assert_allclose(got, ref, rtol=1e-12)

@@ -43,19 +43,22 @@ class SampleResult:
 
 def _logits(logits) -> np.ndarray:
     x = np.asarray(logits)
+    if x.ndim != 1:  # before a conversion: ascontiguousarray makes a 0-d array 1-D (the twin refuses a scalar)
+        raise ValueError(f"logits must be a 1-D vector, got shape {x.shape}")
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         if x.ndim == 1 and x.size and not np.issubdtype(x.dtype, np.floating):
             raise ValueError(f"logits must be floating point, got {x.dtype}")
         x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 1:
-        raise ValueError(f"logits must be a 1-D vector, got shape {x.shape}")
     return x
 
 
 def _history(history) -> np.ndarray:
     if history is None or (hasattr(history, "__len__") and len(history) == 0):
         return _EMPTY
-    return np.ascontiguousarray(np.asarray(history, dtype=np.int64).reshape(-1))
+    try:
+        return np.ascontiguousarray(np.asarray(history, dtype=np.int64).reshape(-1))
+    except OverflowError:  # an id past int64: outside every vocabulary, as for accept()
+        raise ValueError(_BAD_ID) from None
 
 
 def _c_sampler(params: SamplingParams, seed: int):
@@ -110,7 +113,8 @@ class Sampler:
 
     Ids: the constructor, `accept` and `reset` raise ValueError for an id outside [0, 2**31 - 1];
     `sample` raises ValueError if an id given since the last reset is >= the vocabulary size.
-    Not thread-safe: use one Sampler per conversation. `seed=None` seeds from os.urandom.
+    One Sampler per conversation: with the C back end a call while another thread's runs raises
+    RuntimeError (the numpy twin does not check). `seed=None` seeds from os.urandom.
     """
 
     def __init__(self, params: SamplingParams | None = None, seed: int | None = None, history=()):
@@ -159,10 +163,16 @@ class Sampler:
 
     def sample_with_logprobs(self, logits, *, top_n: int = 0) -> SampleResult:
         """The token and its log-probability (plus the top_n alternatives), computed in C from the
-        same penalised, biased logits the chain used; the numpy twin's `logprobs` is the reference."""
+        same penalised, biased logits the chain used; the numpy twin's `logprobs` is the reference.
+        top_n: an int >= 0 (ValueError otherwise, before anything is drawn); more than the vocabulary
+        gives all of it. In C the draw and its logprobs are one call: another thread's use between them
+        is refused, as for `sample`."""
+        top_n = operator.index(top_n)
+        if top_n < 0:
+            raise ValueError(f"top_n must be >= 0, got {top_n}")
         if self._c is not None:
-            token = self._c.run(_logits(logits))  # not greedy(): it keeps the adjusted logits that logprobs reads
-            lp, top = self._c.logprobs(token, top_n=int(top_n))
+            x = _logits(logits)
+            token, lp, top = self._c.run(x, top_n=min(top_n, x.size))  # not greedy(): logprobs need the adjusted logits
             return SampleResult(token, lp, tuple(top))
         token = self.sample(logits)
         return logprobs(logits, self.params, self._window.view(), token, top_n)

@@ -48,13 +48,32 @@ static int check_idle(SamplerObject *self) {
     return -1;
 }
 
-/* run(logits: float32[V], *, probs_out: float64[V] | None = None, draw: bool = True) -> int */
+/* the top n (id, logprob) pairs that chain_logprobs left in st.pairs, as a list; called while the
+ * object is still marked busy (another thread's run would rewrite or reallocate pairs) */
+static PyObject *top_list(SamplerObject *self, Py_ssize_t n) {
+    PyObject *top = PyList_New(n);
+    for (Py_ssize_t i = 0; top && i < n; i++) {
+        PyObject *item = Py_BuildValue("(id)", (int)self->st.pairs[i].id, self->st.pairs[i].key);
+        if (!item) { Py_CLEAR(top); break; }
+        PyList_SET_ITEM(top, i, item);
+    }
+    return top;
+}
+
+/* run(logits: float32[V], *, probs_out: float64[V] | None = None, draw: bool = True, top_n: int = -1)
+ *   -> int, or with top_n >= 0: (token, logprob, [(id, logprob), ...]) as logprobs() gives them, in the
+ *   same call (no other thread's run can come between the draw and its logprobs) */
 static PyObject *Sampler_run(SamplerObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"logits", "probs_out", "draw", NULL};
+    static char *kwlist[] = {"logits", "probs_out", "draw", "top_n", NULL};
     PyObject *lo, *po = Py_None;
     int draw = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$Op", kwlist, &lo, &po, &draw)) return NULL;
+    Py_ssize_t top_n = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$Opn", kwlist, &lo, &po, &draw, &top_n)) return NULL;
     if (check_idle(self) < 0) return NULL;
+    if (top_n >= 0 && !draw) {
+        PyErr_SetString(PyExc_ValueError, "top_n needs a draw");
+        return NULL;
+    }
     Py_buffer lv, pv;
     if (get_vec(lo, &lv, "logits", 'f') < 0) return NULL;
     int have_probs = po != Py_None;
@@ -75,18 +94,27 @@ static PyObject *Sampler_run(SamplerObject *self, PyObject *args, PyObject *kwds
     } else if (chain_grow(&self->st, c.V) < 0) {
         PyErr_NoMemory();
     } else {
+        double lp = 0.0;
+        Py_ssize_t n = 0;
+        if (top_n > c.V) top_n = c.V;
         self->busy = 1;
         Py_BEGIN_ALLOW_THREADS
         chain_run(&self->st, &c);
+        if (!c.err && top_n >= 0) lp = chain_logprobs(&self->st, c.V, c.token, top_n, &n);
         Py_END_ALLOW_THREADS
-        self->busy = 0;
         if (c.err) {
             self->last_v = 0;
             PyErr_SetString(PyExc_ValueError, c.err);
         } else {
             self->last_v = c.V;
-            result = PyLong_FromLongLong(c.token);
+            if (top_n < 0) {
+                result = PyLong_FromLongLong(c.token);
+            } else {
+                PyObject *top = top_list(self, n);
+                result = top ? Py_BuildValue("(LdN)", (long long)c.token, lp, top) : NULL;
+            }
         }
+        self->busy = 0;
     }
     PyBuffer_Release(&lv);
     if (have_probs) PyBuffer_Release(&pv);
@@ -185,21 +213,18 @@ static PyObject *Sampler_logprobs(SamplerObject *self, PyObject *args, PyObject 
     if (top_n > V) top_n = V;
     double lp;
     Py_ssize_t n = 0;
+    self->busy = 1; /* the GIL is released: a run() meanwhile would rewrite (or reallocate) lg, tmp and pairs */
     Py_BEGIN_ALLOW_THREADS
     lp = chain_logprobs(&self->st, V, token, top_n, &n);
     Py_END_ALLOW_THREADS
-    PyObject *top = PyList_New(n);
-    if (!top) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = Py_BuildValue("(id)", (int)self->st.pairs[i].id, self->st.pairs[i].key);
-        if (!item) { Py_DECREF(top); return NULL; }
-        PyList_SET_ITEM(top, i, item);
-    }
-    return Py_BuildValue("(dN)", lp, top);
+    PyObject *top = top_list(self, n);
+    self->busy = 0;
+    return top ? Py_BuildValue("(dN)", lp, top) : NULL;
 }
 
 static PyObject *Sampler_uniform(SamplerObject *self, PyObject *noargs) {
     (void)noargs;
+    if (check_idle(self) < 0) return NULL;
     return PyFloat_FromDouble(chain_uniform(&self->st));
 }
 
@@ -283,7 +308,8 @@ static int Sampler_init(SamplerObject *self, PyObject *args, PyObject *kwds) {
 
 static PyMethodDef Sampler_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Sampler_run, METH_VARARGS | METH_KEYWORDS,
-     "run(logits, *, probs_out=None, draw=True) -> token id (argmax when temperature is 0; -1 when draw is False)"},
+     "run(logits, *, probs_out=None, draw=True, top_n=-1) -> token id (argmax when temperature is 0; -1 when draw "
+     "is False), or (token, logprob, top) with top_n >= 0"},
     {"greedy", (PyCFunction)Sampler_greedy, METH_O,
      "greedy(logits) -> token id: run()'s, for temperature 0 with no penalty and no logit bias; keeps no logits"},
     {"accept", (PyCFunction)Sampler_accept, METH_O,

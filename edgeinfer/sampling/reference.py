@@ -25,7 +25,9 @@ One token is three steps, each a function here and in sampler_chain.c (llama.cpp
 `filter_probs` = steps 1-2 and `sample` = steps 1-3. Each filter keeps at least one token. "Mass
 reaches x" means running sum >= x (float64). Bad input: NaN or +inf logits, an empty or non-1-D
 vector, all logits -inf, history or bias ids outside the vocabulary raise ValueError. -inf logits
-are allowed (banned tokens). Logits of another float dtype are converted to float32 first.
+are allowed (banned tokens). Logits of another float dtype are converted to float32 first. In
+every softmax, a logit at or below `EXP_FLOOR` nats under the largest kept one gets probability 0
+(a subnormal in float64 otherwise).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import numpy as np
 
 from edgeinfer.sampling.params import SamplingParams
 from edgeinfer.sampling.rng import Rng
+
+EXP_FLOOR = -708.0  # exp(x) for x <= this is 0 (the C chain's exp: numpy's would give subnormals down to -745)
 
 
 def check_logits(logits) -> np.ndarray:
@@ -53,7 +57,10 @@ def check_logits(logits) -> np.ndarray:
 
 
 def check_history(history, vocab: int) -> np.ndarray:
-    h = np.asarray(history if history is not None else [], dtype=np.int64).reshape(-1)
+    try:
+        h = np.asarray(history if history is not None else [], dtype=np.int64).reshape(-1)
+    except OverflowError:  # an id past int64
+        raise ValueError(f"history has token ids outside the vocabulary [0, {vocab})") from None
     if h.size and (h.min() < 0 or h.max() >= vocab):
         raise ValueError(f"history has token ids outside the vocabulary [0, {vocab})")
     return h
@@ -87,7 +94,8 @@ def adjust_logits(logits, params: SamplingParams, history=None) -> np.ndarray:
 def _softmax(lg: np.ndarray, keep: np.ndarray) -> np.ndarray:
     m = lg[keep].max()
     p = np.zeros_like(lg)
-    p[keep] = np.exp(lg[keep] - m)
+    d = lg[keep] - m
+    p[keep] = np.where(d > EXP_FLOOR, np.exp(np.maximum(d, EXP_FLOOR)), 0.0)
     return p / p[keep].sum()
 
 
