@@ -6,6 +6,10 @@ sampled token (`_unfed`, fed at the start of the next turn); `messages` ends wit
 empty `_prompt_text` means "the cache holds nothing useful": the next turn re-prefills the whole
 rendered history.
 
+A turn that starts over (`_ids_for`: also a `reply` that edits or drops earlier messages, a chat
+UI's edit and regenerate) keeps the prefix of its rendering's ids that the cache holds (`_keepable`)
+and prefills the rest.
+
 A turn's prompt is the whole conversation: `_held`, its ids so far, then its new ones. Its
 penalties count them all and its usage says so (prompt_tokens: all of them, as a stateless request
 would count them; cached_tokens: those earlier turns fed), so a turn gives the tokens that plain
@@ -26,7 +30,7 @@ A turn commits (history and bookkeeping updated) only when its generation finish
 refused (ContextOverflowError under overflow="error", a bad option), fails, or is abandoned (its
 stream closed or dropped half-way, Ctrl-C) is rolled back: `messages` is left as it was, and the
 cache is rewound to where the turn started (a turn that started over and wrote nothing yet gets
-the emptied cache back, `RingKVCache.unforget`); if the turn's tokens already evicted or moved older
+the emptied or cut cache back, `RingKVCache.unforget`); if the turn's tokens already evicted or moved older
 ones (the ring wrapped or re-based), the cache is emptied instead and the next turn re-prefills the
 history, as a fresh conversation would when there was none.
 That rebuild (also after a stop string that could not be taken back out of a wrapped ring, or a step
@@ -53,6 +57,7 @@ from edgeinfer.generation import Generation, Request
 from edgeinfer.results import Completion
 from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.overflow import fits_beside, sinks_and_tail
+from edgeinfer.prefix_cache import keepable
 
 if TYPE_CHECKING:
     from edgeinfer.model import Model
@@ -150,18 +155,22 @@ class Conversation:
             full = m.template.render(msgs, add_generation_prompt=True, defuse=m.tokenizer.defuse,
                                      variables=self.template_variables, undefuse=m.tokenizer.undefuse)
             ids, whole, over = self._ids_for(full, opts)
-            req.cut = len(whole) - len(ids)
+            keep = self._keepable(whole, opts) if over else 0
             if not ids:
                 raise EdgeInferError("nothing new to say: the messages add no text")
             with interrupts_held():  # the turn's changes begin whole: from here until `end` has run, whatever
                 turn.update(msgs=msgs, full=full, whole=whole, over=over, before=self._state(),  # stops the turn
                             mark=self.cache.mark())  # undoes it (`_roll_back`)
                 self._open = turn
-                if over:  # the cache is emptied (its rows kept until written: `unforget` takes it back)
-                    turn["forgotten"] = self.cache.forget()
+                if over:  # the cache is emptied but for the prefix it shares with the rendering (its rows kept
+                    turn["forgotten"] = self.cache.forget(keep)  # until written: `unforget` takes it back)
                     self._clear()
+                    keep = self.cache.n_valid
+                    if keep:  # an edited or regenerated turn: the shared turns are not prefilled again
+                        ids, req.prefix = whole[keep:], whole[:keep]
                 else:  # the cache holds the history: the turn's prompt begins with it
                     req.prefix = self._held
+                req.cut = len(whole) - keep - len(ids)
             return ids
 
         def end(req: Request) -> None:  # with Ctrl-C held off (`Request.steps`)
@@ -231,6 +240,16 @@ class Conversation:
         if self._rebuild and m.overflow == "shift" and len(ids) > cache.capacity:
             return sinks_and_tail(ids, cache.n_sink, cache.capacity), ids, True
         return ids, ids, True
+
+    def _keepable(self, whole: list[int], opts: GenerationOptions) -> int:
+        """How many of a turn's first ids (`whole`, the rendering it starts over with) the cache can keep:
+        their common prefix with `_held`, by the prefix cache's rules (`prefix_cache.keepable`), when the
+        cache holds `_held` exactly (nothing evicted or re-based, no rebuild pending); else 0."""
+        c = self.cache
+        if not self._prompt_text or self._rebuild or len(self._held) != c.n_valid or c.dropped or c.rebased_tokens \
+                or not c.intact:
+            return 0
+        return keepable(self._held, whole, c.capacity, self.model.overflow, opts.max_new_tokens)
 
     def _new_text(self, full: str) -> str | None:
         """The part of this turn's rendering that the cache has not seen, or None to start over.

@@ -308,18 +308,20 @@ class RingKVCache:
         self.n_valid, self.next_position = n_valid, next_position
         return True
 
-    def forget(self) -> tuple:
-        """`reset`, returning what `unforget` needs to take it back (the bookkeeping; the rows stay)."""
+    def forget(self, keep: int = 0) -> tuple:
+        """`reset`, or `keep_prefix(keep)` when keep > 0 and it can, returning what `unforget` needs to
+        take it back (the bookkeeping; the rows stay). `n_valid` says which it did."""
         kept = (self.mark(), self.positions[:self.n_valid].copy(), self.writes, self.intact)
-        self.reset()
+        if not (keep > 0 and self.keep_prefix(keep)):
+            self.reset()
         return kept
 
     def unforget(self, kept: tuple) -> bool:
         """Undo the `forget` that returned `kept`, if no row was written since (nothing was fed, or only
-        refused before its first call): the cache holds again what it held then. Returns False and
-        changes nothing otherwise."""
+        refused before its first call): the rows are as they were, and the cache holds again what it
+        held then. Returns False and changes nothing otherwise."""
         (n_valid, next_slot, next_position, dropped, rebased), positions, writes, intact = kept
-        if self.writes != writes or self.n_valid or not self.intact or not intact:
+        if self.writes != writes or not self.intact or not intact:
             return False
         self.positions[:n_valid] = positions
         self.n_valid, self.next_slot, self.next_position = n_valid, next_slot, next_position

@@ -38,12 +38,13 @@ from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.prompt_ids import prompt_ids
 from edgeinfer.prefix_cache import PrefixSnapshot, held_after, reuse
 from edgeinfer.sampling.params import is_integer
-from edgeinfer.overflow import DEFAULT_PREFILL_CHUNK, check_policy, rebase_warning, resolve_capacity, resolve_sinks
+from edgeinfer.overflow import (DEFAULT_PREFILL_CHUNK, check_policy, rebase_warning, refuse_longer_than_ring,
+                                resolve_capacity, resolve_sinks)
 from edgeinfer.power.controller import PowerController, PowerState
 from edgeinfer.power.policy import resolve_policy
 from edgeinfer.power.sensors import Sensors
 from edgeinfer.power.threads import SPIN_DURATION_US
-from edgeinfer.integrity import LOAD_ATTEMPTS, folder_identity, replaced_while_loading
+from edgeinfer.integrity import LOAD_ATTEMPTS, folder_identity, replaced_while_loading, sha256_file
 from edgeinfer.manifest import read_manifest
 from edgeinfer.session import DecoderSession, check_threads
 from edgeinfer.drafting import Draft, check_pair
@@ -127,6 +128,7 @@ class Model:
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise InvalidArgumentError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.folder = folder
+        self._folder_fingerprint: str | None = None  # `fingerprint` of a folder whose manifest lists no files
         self.threads = threads
         self.overflow = overflow
         spin = SPIN_DURATION_US if policy is not None else spin_duration_us
@@ -307,6 +309,8 @@ class Model:
         def begin(req: Request) -> list[int]:  # the longest prefix the default cache holds is kept, the rest prefilled
             if self.cache is not cache and self.lent_to is not None:  # lent after this stream was made
                 raise self._lent_error()
+            if self.overflow == "error":  # before `reuse` empties the ring for it (a restored prefix was lost)
+                refuse_longer_than_ring(ids, cache.capacity)
             held, self.held = self.held, None  # unknown while the request runs
             n = reuse(held, ids, cache, self.overflow, opts.max_new_tokens)
             req.prefix = ids[:n]
@@ -383,9 +387,16 @@ class Model:
             self.held = list(snap.token_ids)
 
     def fingerprint(self) -> str:
-        """sha256 over the model's files' sha256s (from its manifest): which weights a snapshot needs."""
+        """sha256 over the model's files' sha256s: which weights a snapshot needs. From its manifest; for
+        a folder whose manifest lists no files (an older converter's: every such folder had the same
+        fingerprint, and restored another's snapshots) over its regular files, hashed here once."""
         files = self.manifest.files
-        return hashlib.sha256("".join(f"{k}:{files[k]['sha256']};" for k in sorted(files)).encode()).hexdigest()
+        if not files:
+            if self._folder_fingerprint is None:
+                names = sorted(p.name for p in self.folder.iterdir() if p.is_file() and not p.name.startswith("."))
+                self._folder_fingerprint = _fingerprint({n: {"sha256": sha256_file(self.folder / n)} for n in names})
+            return self._folder_fingerprint
+        return _fingerprint(files)
 
     def set_draft(self, draft: "Model | str | os.PathLike | None") -> "Model | None":
         """Attach a small model of the same tokenizer for `speculative="draft"` (None: detach); returns
@@ -435,3 +446,8 @@ class Model:
         `apply_chat_template(**kwargs)` takes them ({"enable_thinking": False} for Qwen3; JSON values,
         `chat.check_variables`)."""
         return Conversation(self, template_variables)
+
+
+def _fingerprint(files: dict) -> str:
+    """sha256 over {name: {"sha256": ...}}'s names and hashes, in name order."""
+    return hashlib.sha256("".join(f"{k}:{files[k]['sha256']};" for k in sorted(files)).encode()).hexdigest()

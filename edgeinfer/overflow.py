@@ -121,6 +121,14 @@ def fit_prompt(cache, ids: list[int], overflow: str, max_new_tokens: int) -> tup
     return kept, len(ids) - len(kept)
 
 
+def refuse_longer_than_ring(ids: list[int], capacity: int) -> None:
+    """Under overflow="error", a prompt longer than the ring fits in no state of it: refused
+    (ContextOverflowError) before the ring is touched, so that what it holds stays reusable."""
+    if len(ids) > capacity:
+        raise ContextOverflowError(f"prompt of {len(ids)} tokens does not fit: the context holds at most {capacity} "
+                                   "tokens")
+
+
 def sinks_and_tail(ids: list[int], n_sink: int, budget: int) -> list[int]:
     """What `budget` slots keep of a longer sequence: its first n_sink ids (at most budget - 1: the
     sinks, BOS and the start of a system prompt) and the most recent ones after them."""

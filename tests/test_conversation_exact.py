@@ -254,3 +254,50 @@ def test_an_empty_reply_regenerated_is_the_reply_a_fresh_conversation_gives(fp32
     fresh = m.conversation().reply(history, **GREEDY, max_new_tokens=20)
     assert again.token_ids == fresh.token_ids and again.text and c.messages == history + [
         {"role": "assistant", "content": again.text}]
+
+
+def test_a_regenerated_or_edited_turn_keeps_the_turns_it_shares_and_replies_as_a_fresh_conversation(fp32):
+    """A hostile round: `reply` with the last reply dropped (regenerate) or the last question edited
+    started over and prefilled the whole history again, where its docstring says the prefix it shares
+    with the cache is not. The cache now keeps the shared prefix (by the prefix cache's rules); the
+    replies, usage and later turns are a fresh conversation's, and a kept-prefix turn cancelled before
+    it wrote anything leaves the cache as it was."""
+    m = edgeinfer.load(fp32, capacity_tokens=480)
+    c, twin = m.conversation(), m.conversation()
+    for q in ("Tell me a story about a cat.", "And then what?", "Why?"):
+        for x in (c, twin):
+            x.say(q, max_new_tokens=20, **GREEDY)
+    edits = [c.messages[:-1], c.messages[:-2] + [{"role": "user", "content": "What was its name?"}]]
+    for msgs in edits:
+        got = c.reply(msgs, max_new_tokens=20, **GREEDY)
+        fresh = m.conversation().reply(msgs, max_new_tokens=20, **GREEDY)
+        assert got.token_ids == fresh.token_ids
+        assert got.usage.prompt_tokens == fresh.usage.prompt_tokens
+        assert got.usage.prompt_tokens - 2 >= got.usage.cached_tokens > got.usage.prompt_tokens - 20
+        assert c.messages == msgs + [{"role": "assistant", "content": got.text}]
+    nxt = c.say("Where did it go?", max_new_tokens=20, **GREEDY)
+    fresh = m.conversation().reply(c.messages[:-1], max_new_tokens=20, **GREEDY)
+    assert nxt.token_ids == fresh.token_ids and nxt.usage.cached_tokens > 0
+
+
+def test_a_kept_prefix_turn_rolled_back_leaves_the_cache_as_it_was_or_rebuilds_it(fp32):
+    """The rollback of an edited turn: cancelled before its first graph call, the cache (rows and
+    bookkeeping) is as before the turn; closed half-way (rows written past the kept prefix), the next
+    turn rebuilds, and replies as a twin that never tried."""
+    m = edgeinfer.load(fp32, capacity_tokens=480)
+    a, b = m.conversation(), m.conversation()
+    for x in (a, b):
+        x.say("Tell me a story about a dog.", max_new_tokens=20, **GREEDY)
+        x.say("What did it eat?", max_new_tokens=20, **GREEDY)
+    edited = a.messages[:-2] + [{"role": "user", "content": "Was it big?"}]
+    opts = edgeinfer.GenerationOptions.from_kwargs(max_new_tokens=20, **GREEDY)
+    g = a._turn(edited, None, opts)  # `reply`'s turn as a stream (`reply` runs it to its end)
+    _cancelled(g)
+    _same_state(a, b)
+    g = a._turn(edited, None, opts)
+    for _ in range(5):
+        next(g)
+    g.close()
+    assert a.messages == b.messages
+    ra, rb = a.say("Why?", max_new_tokens=20, **GREEDY), b.say("Why?", max_new_tokens=20, **GREEDY)
+    assert ra.token_ids == rb.token_ids and ra.usage.prompt_tokens == rb.usage.prompt_tokens

@@ -265,3 +265,25 @@ def test_a_request_refused_for_its_options_leaves_the_held_prefix_alone(fp32):
     with pytest.raises(InvalidArgumentError, match="needs a draft model"):
         m.generate(ids_of(m, 40, 7), speculative="draft", **GREEDY)
     assert m.generate(prefix + ids_of(m, 9, 8)[1:], **GREEDY).usage.cached_tokens == 200
+
+
+def test_a_request_refused_before_it_samples_keeps_the_restored_prefix(fp32):
+    """A hostile round: a prompt longer than the ring under overflow="error" was refused only after
+    `reuse` had emptied the ring for it (its message then said the context held 0 tokens), and a
+    logit_bias that bans every token failed the request, which forgot sound rows: either way the next
+    request prefilled the restored prefix again."""
+    m = edgeinfer.load(fp32, capacity_tokens=64, overflow="error")
+    system = ids_of(m, 40, 11)
+    m.restore(m.snapshot(system))
+    with pytest.raises(edgeinfer.ContextOverflowError, match="prompt of 80 tokens does not fit: the context holds "
+                                                            "at most 64 tokens"):
+        m.generate(system + ids_of(m, 41, 12)[1:], **GREEDY)
+    assert m.generate(system + [7, 8], **GREEDY).usage.cached_tokens == 40
+    m = edgeinfer.load(fp32, capacity_tokens=480)
+    system = ids_of(m, 300, 13)
+    m.restore(m.snapshot(system))
+    with pytest.raises(InvalidArgumentError, match="bans every token"):
+        m.generate(system + [5, 6], logit_bias={i: float("-inf") for i in range(512)}, **GREEDY)
+    c = m.generate(system + [7, 8], **GREEDY)
+    assert c.usage.cached_tokens == 300
+    assert c.token_ids == edgeinfer.load(fp32, capacity_tokens=480).generate(system + [7, 8], **GREEDY).token_ids

@@ -302,3 +302,29 @@ def test_a_damaged_array_header_is_an_edgeinfer_error(model, tmp_path, before, a
     p.write_bytes(raw.replace(before, after, 1))
     with pytest.raises(edgeinfer.InvalidArgumentError, match="not a prefix snapshot edgeinfer can read"):
         model.restore(p)
+
+
+def test_folders_whose_manifest_lists_no_files_do_not_take_each_other_s_snapshots(converted, tmp_path):
+    """A hostile round: a folder from a converter before the `files` list (loaded, nothing to check)
+    had the fingerprint of no files at all, the same for every such folder, so `restore` took the
+    rows of another model's snapshot. Such a folder's fingerprint is now its files' hashes."""
+    import shutil
+
+    folders = []
+    for quant in ("fp32", "int8"):  # another model with the same ring geometry (float32 KV)
+        folder = tmp_path / quant
+        shutil.copytree(converted(STORIES_SRC, quant), folder)
+        manifest = json.loads((folder / "edgeinfer.json").read_text())
+        manifest.pop("files")
+        manifest.pop("manifest_sha256", None)
+        (folder / "edgeinfer.json").write_text(json.dumps(manifest))
+        folders.append(folder)
+    a, b = (edgeinfer.load(f, capacity_tokens=64, threads=1) for f in folders)
+    assert a.fingerprint() != b.fingerprint()
+    a.snapshot(PROMPT, path=tmp_path / "a.npz")
+    with pytest.raises(InvalidArgumentError, match="another model"):
+        b.restore(tmp_path / "a.npz")
+    again = edgeinfer.load(folders[0], capacity_tokens=64, threads=1)  # its own, in another Model: taken
+    assert again.fingerprint() == a.fingerprint()
+    again.restore(tmp_path / "a.npz")
+    assert again.generate(PROMPT + [5, 6], max_new_tokens=4, temperature=0).usage.cached_tokens == len(PROMPT)
