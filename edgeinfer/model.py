@@ -36,7 +36,7 @@ from edgeinfer.results import Completion
 from edgeinfer.kv_cache import RingKVCache, Snapshot
 from edgeinfer.options import GenerationOptions, resolve
 from edgeinfer.prompt_ids import prompt_ids
-from edgeinfer.prefix_cache import PrefixSnapshot, held_after, reuse
+from edgeinfer.prefix_cache import PrefixSnapshot, destination, held_after, reuse
 from edgeinfer.sampling.params import is_integer
 from edgeinfer.overflow import (DEFAULT_PREFILL_CHUNK, check_policy, rebase_warning, refuse_longer_than_ring,
                                 resolve_capacity, resolve_sinks)
@@ -341,6 +341,8 @@ class Model:
         prefilled with it first (its ids as `encode_prompt` makes them); else what the cache holds now.
         Written to `path` too when given. `restore` puts it back; a later prompt that starts with its
         ids then prefills only the rest."""
+        if path is not None:
+            destination(path)  # checked before the cache is emptied for the prefix
         with self.lock.hold():
             cache = self._open_cache()
             if prefix is not None:
@@ -363,6 +365,9 @@ class Model:
         """Put a `snapshot` (or the file it was saved to) back in the default cache. Refused
         (InvalidArgumentError) when it came from other weights or does not fit this model's ring."""
         spec, dtype = self.manifest.arch, self._open_cache().dtype
+        if not isinstance(snapshot, (PrefixSnapshot, str, os.PathLike)):
+            raise InvalidArgumentTypeError(f"path must be a str or a path, got {type(snapshot).__name__} (or a "
+                                           "PrefixSnapshot, from Model.snapshot)")
         snap = snapshot if isinstance(snapshot, PrefixSnapshot) else \
             PrefixSnapshot.load(snapshot, spec.num_layers, (spec.num_kv_heads, spec.head_dim), self.capacity_tokens)
         if snap.model != self.fingerprint():

@@ -89,6 +89,18 @@ def held_after(gen, prompt: list[int], cache: RingKVCache) -> list[int] | None:
     return (prompt + list(gen.completion.token_ids))[:cache.n_valid]
 
 
+def destination(path) -> Path:
+    """`path` checked as a snapshot's destination before anything is done for it: a str or a path
+    (InvalidArgumentTypeError), not one that names a folder by its trailing slash ("x.npz/" was
+    written as the file x.npz)."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):  # (bytes: a TypeError)
+        raise InvalidArgumentTypeError(f"path must be a str or a path, got {type(path).__name__}")
+    name = os.fspath(path)
+    if name.endswith(os.sep) or (os.altsep and name.endswith(os.altsep)):
+        raise InvalidArgumentError(f"{name!r} names a folder (its trailing slash): give the snapshot a file name")
+    return Path(path)
+
+
 @dataclass(frozen=True)
 class PrefixSnapshot:
     """A ring's first `len(token_ids)` rows and their ids; `model` names the weights they came from
@@ -107,9 +119,7 @@ class PrefixSnapshot:
         save to the same destination removes those older than STALE_PARTIAL_S. A link is written
         through to its target; a destination that exists and is not a regular file (a device, a FIFO,
         a folder) is refused, not replaced. InvalidArgumentError when it cannot be written there."""
-        if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):  # (bytes: a TypeError)
-            raise InvalidArgumentTypeError(f"path must be a str or a path, got {type(path).__name__}")
-        given = path = Path(path)
+        given = path = destination(path)
         kv = self.kv
         meta = {"format": SNAPSHOT_FORMAT, "model": self.model, "token_ids": list(self.token_ids),
                 "n_valid": kv.n_valid, "next_slot": kv.next_slot, "next_position": kv.next_position}

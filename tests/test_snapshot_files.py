@@ -328,3 +328,20 @@ def test_folders_whose_manifest_lists_no_files_do_not_take_each_other_s_snapshot
     assert again.fingerprint() == a.fingerprint()
     again.restore(tmp_path / "a.npz")
     assert again.generate(PROMPT + [5, 6], max_new_tokens=4, temperature=0).usage.cached_tokens == len(PROMPT)
+
+
+def test_a_bad_destination_is_refused_before_the_cache_is_emptied_for_the_prefix(model, tmp_path):
+    """A hostile round: `snapshot(prefix, path=...)` prefilled the prefix (the held prompt gone) before
+    it refused the path; "x.npz/" was written as the file x.npz; `restore(None)` did not say that a
+    PrefixSnapshot is taken."""
+    model.generate(PROMPT, max_new_tokens=2, temperature=0)
+    held = list(model.held)
+    for bad, error in ((7, edgeinfer.InvalidArgumentTypeError), (str(tmp_path / "x.npz") + "/", InvalidArgumentError)):
+        with pytest.raises(error):
+            model.snapshot([1, 5, 6], path=bad)
+        assert model.held == held
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(InvalidArgumentError, match="names a folder"):
+        model.snapshot().save(str(tmp_path / "x.npz") + "/")
+    with pytest.raises(edgeinfer.InvalidArgumentTypeError, match="or a PrefixSnapshot"):
+        model.restore(None)
