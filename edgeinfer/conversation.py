@@ -8,7 +8,10 @@ rendered history.
 
 A turn that starts over (`_ids_for`: also a `reply` that edits or drops earlier messages, a chat
 UI's edit and regenerate) keeps the prefix of its rendering's ids that the cache holds (`_keepable`)
-and prefills the rest.
+and prefills the rest. Those rows, earlier replies' among them, came from decode steps, whose float
+rounding differs from a fresh conversation's prefill: the reply is the same up to a near-tie, which
+may resolve the other way, as for every continued turn and `Model.generate`'s prefix cache
+(`prefix_cache`).
 
 A turn's prompt is the whole conversation: `_held`, its ids so far, then its new ones. Its
 penalties count them all and its usage says so (prompt_tokens: all of them, as a stateless request

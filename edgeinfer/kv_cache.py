@@ -34,8 +34,9 @@ once full. A larger one re-bases more often (every T - C tokens; `load` warns), 
 re-bases every token and its steps write position T, the least a full ring of T tokens plus the new
 token needs.
 
-Owned by one conversation; mutated only by `rebase_if_due`, `commit`, `rewind`, `reset`, `forget`
-(a reset) and `unforget` (its undo, while no row has been written since), and `restore`. `intact` is
+Owned by one conversation; mutated only by `rebase_if_due`, `commit`, `rewind`, `keep_prefix`,
+`reset`, `forget` (a reset or a `keep_prefix`) and `unforget` (its undo, while no row has been written
+since: `writes` counts every call that writes rows), `restore` and `commit_memory`. `intact` is
 False while (or if an exception such as Ctrl-C stopped) `rebase_if_due` or `commit` is half done:
 such a cache must be reset before use.
 """
@@ -199,6 +200,7 @@ class RingKVCache:
         np.zeros' pages are only reserved until written, so a server's resident memory grew by its
         slots' KV under the first burst of long requests, past what its start showed (an over-committed
         device then kills it mid-service instead of at start). What the ring held is forgotten."""
+        self.writes += 1
         for a in self.k + self.v:
             a.fill(0)
         self.reset()

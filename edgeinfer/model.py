@@ -44,7 +44,7 @@ from edgeinfer.power.controller import PowerController, PowerState
 from edgeinfer.power.policy import resolve_policy
 from edgeinfer.power.sensors import Sensors
 from edgeinfer.power.threads import SPIN_DURATION_US
-from edgeinfer.integrity import LOAD_ATTEMPTS, folder_identity, replaced_while_loading, sha256_file
+from edgeinfer.integrity import LOAD_ATTEMPTS, folder_identity, replaced_while_loading
 from edgeinfer.manifest import read_manifest
 from edgeinfer.session import DecoderSession, check_threads
 from edgeinfer.drafting import Draft, check_pair
@@ -128,7 +128,6 @@ class Model:
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise InvalidArgumentError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.folder = folder
-        self._folder_fingerprint: str | None = None  # `fingerprint` of a folder whose manifest lists no files
         self.threads = threads
         self.overflow = overflow
         spin = SPIN_DURATION_US if policy is not None else spin_duration_us
@@ -343,6 +342,7 @@ class Model:
         ids then prefills only the rest."""
         if path is not None:
             destination(path)  # checked before the cache is emptied for the prefix
+        fingerprint = self.fingerprint()  # (refused: before it too)
         with self.lock.hold():
             cache = self._open_cache()
             if prefix is not None:
@@ -356,7 +356,7 @@ class Model:
                 self.held = ids
             if not self.held or len(self.held) != cache.n_valid:
                 raise InvalidArgumentError("the default cache holds no prefix known exactly: give `prefix`")
-            snap = PrefixSnapshot(tuple(self.held), cache.snapshot(), self.fingerprint())
+            snap = PrefixSnapshot(tuple(self.held), cache.snapshot(), fingerprint)
         if path is not None:
             snap.save(path)
         return snap
@@ -392,16 +392,15 @@ class Model:
             self.held = list(snap.token_ids)
 
     def fingerprint(self) -> str:
-        """sha256 over the model's files' sha256s: which weights a snapshot needs. From its manifest; for
-        a folder whose manifest lists no files (an older converter's: every such folder had the same
-        fingerprint, and restored another's snapshots) over its regular files, hashed here once."""
+        """sha256 over the model's files' sha256s (from its manifest): which weights a snapshot needs.
+        InvalidArgumentError for a folder whose manifest lists no files (edited by hand: every converter
+        writes the list; loaded unchecked): it would be every such folder's, and `restore` took another
+        model's snapshot (a hostile round)."""
         files = self.manifest.files
         if not files:
-            if self._folder_fingerprint is None:
-                names = sorted(p.name for p in self.folder.iterdir() if p.is_file() and not p.name.startswith("."))
-                self._folder_fingerprint = _fingerprint({n: {"sha256": sha256_file(self.folder / n)} for n in names})
-            return self._folder_fingerprint
-        return _fingerprint(files)
+            raise InvalidArgumentError(f"{self.folder}'s manifest lists no files: a snapshot could not tell its "
+                                       "weights from another model's; convert the model again")
+        return hashlib.sha256("".join(f"{k}:{files[k]['sha256']};" for k in sorted(files)).encode()).hexdigest()
 
     def set_draft(self, draft: "Model | str | os.PathLike | None") -> "Model | None":
         """Attach a small model of the same tokenizer for `speculative="draft"` (None: detach); returns
@@ -451,8 +450,3 @@ class Model:
         `apply_chat_template(**kwargs)` takes them ({"enable_thinking": False} for Qwen3; JSON values,
         `chat.check_variables`)."""
         return Conversation(self, template_variables)
-
-
-def _fingerprint(files: dict) -> str:
-    """sha256 over {name: {"sha256": ...}}'s names and hashes, in name order."""
-    return hashlib.sha256("".join(f"{k}:{files[k]['sha256']};" for k in sorted(files)).encode()).hexdigest()

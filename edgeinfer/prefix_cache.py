@@ -21,6 +21,7 @@ every reply again, so the whole held prefix is reused.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import lzma
@@ -89,16 +90,34 @@ def held_after(gen, prompt: list[int], cache: RingKVCache) -> list[int] | None:
     return (prompt + list(gen.completion.token_ids))[:cache.n_valid]
 
 
-def destination(path) -> Path:
-    """`path` checked as a snapshot's destination before anything is done for it: a str or a path
-    (InvalidArgumentTypeError), not one that names a folder by its trailing slash ("x.npz/" was
-    written as the file x.npz)."""
+def destination(path) -> tuple[Path, Path]:
+    """`path` checked as a snapshot's destination before anything is done for it: (the path given, the
+    file to write there: a link's target). InvalidArgumentTypeError unless a str or a path;
+    InvalidArgumentError for a name that ends in a folder ("x.npz/" and "x.npz/." were written as
+    the file x.npz), a folder or another non-regular file there (it is not replaced), a folder that
+    does not exist, or a name the system refuses (a NUL)."""
     if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):  # (bytes: a TypeError)
         raise InvalidArgumentTypeError(f"path must be a str or a path, got {type(path).__name__}")
     name = os.fspath(path)
-    if name.endswith(os.sep) or (os.altsep and name.endswith(os.altsep)):
-        raise InvalidArgumentError(f"{name!r} names a folder (its trailing slash): give the snapshot a file name")
-    return Path(path)
+    if os.path.basename(name) in ("", ".", "..") or (os.altsep and name.endswith(os.altsep)):
+        raise InvalidArgumentError(f"{name!r} names a folder: give the snapshot a file name")
+    given = target = Path(path)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.lstat(name)  # (pathlib's tests take a NUL in the name for "no such file")
+        if target.is_symlink():
+            target = target.resolve()
+        if target.exists() and not target.is_file():
+            raise InvalidArgumentError(f"{name!r} is {'a folder' if target.is_dir() else 'not a regular file'}: give "
+                                       "the snapshot a file name (it is not replaced)")
+        if not os.path.isdir(target.parent):
+            raise InvalidArgumentError(f"cannot write the snapshot to {name!r}: its folder does not exist")
+    except (OSError, ValueError, RuntimeError) as e:  # ValueError: a NUL in the name; RuntimeError: a link loop
+        if isinstance(e, InvalidArgumentError):
+            raise
+        raise InvalidArgumentError(f"cannot write the snapshot to {name!r}: {getattr(e, 'strerror', None) or e}") \
+            from None
+    return given, target
 
 
 @dataclass(frozen=True)
@@ -119,18 +138,13 @@ class PrefixSnapshot:
         save to the same destination removes those older than STALE_PARTIAL_S. A link is written
         through to its target; a destination that exists and is not a regular file (a device, a FIFO,
         a folder) is refused, not replaced. InvalidArgumentError when it cannot be written there."""
-        given = path = destination(path)
+        given, path = destination(path)
         kv = self.kv
         meta = {"format": SNAPSHOT_FORMAT, "model": self.model, "token_ids": list(self.token_ids),
                 "n_valid": kv.n_valid, "next_slot": kv.next_slot, "next_position": kv.next_position}
         arrays = {f"k{i}": k for i, k in enumerate(kv.k)} | {f"v{i}": v for i, v in enumerate(kv.v)}
         tmp = None
         try:
-            if path.is_symlink():
-                path = path.resolve()
-            if path.exists() and not path.is_file():
-                raise InvalidArgumentError(f"{str(given)!r} is {'a folder' if path.is_dir() else 'not a regular file'}"
-                                           ": give the snapshot a file name (it is not replaced)")
             stem = f".edgeinfer-snapshot-{hashlib.sha256(os.fsencode(path.name)).hexdigest()[:12]}"  # this destination's
             tmp = path.parent / f"{stem}.{secrets.token_hex(8)}.partial"  # a new file of its own:
             try:  # the file replaced keeps its mode (a 0600 one became the umask's 0644: its prompt readable by all)

@@ -298,3 +298,26 @@ def test_a_probability_below_e_to_the_minus_708_is_zero_on_both_back_ends():
         got = sampling.filter_probs(logits, params)
         assert (got > 0).tolist() == (ref > 0).tolist()
         np.testing.assert_allclose(got, ref, rtol=1e-12)
+
+
+@pytest.mark.skipif(sampling._csampler is None, reason="the C sampler is not built here")
+def test_a_compiled_sampler_built_from_other_sources_is_not_used():
+    """A review: a build from before `run` took top_n (a checkout changed since it was built) failed
+    every request for logprobs with a TypeError. Its API version is checked: the numpy twin, and a
+    warning that says to rebuild."""
+    import subprocess
+    import sys
+
+    code = ("import sys, warnings\n"
+            "import edgeinfer.sampling._csampler as c\n"
+            "del c.API_VERSION\n"  # as a build from before the version was declared
+            "sys.modules.pop('edgeinfer.sampling')\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import edgeinfer.sampling as s\n"
+            "print(s.BACKEND, [str(x.message) for x in w])\n"
+            "print(s.Sampler(s.SamplingParams(temperature=0), 1).sample_with_logprobs([0.0, 1.0], top_n=1).token)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()
+    assert first.startswith("numpy ") and "rebuild it" in first and second == "1"

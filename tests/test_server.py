@@ -311,10 +311,19 @@ def test_overflow_error_is_a_400_with_counts_and_dropped_tokens_are_reported(mod
     small = edgeinfer.load(capacity_tokens=32, overflow="error")
     r = Running(ServeConfig(slots=1, queue=1), model=small)
     try:
-        with pytest.raises(openai.BadRequestError, match="does not fit") as e:
-            r.client(key=None).completions.create(model="stories260K-int8", prompt="word " * 60, max_tokens=4)
+        cl = r.client(key=None)
+
+        def cached(prompt: str) -> int:
+            usage = cl.completions.create(model="stories260K-int8", prompt=prompt, max_tokens=2).usage
+            return usage.prompt_tokens_details.cached_tokens
+
+        cached("Once upon a time there was a girl")
+        assert cached("Once upon a time there was a boy") > 0
+        with pytest.raises(openai.BadRequestError, match="does not fit: the context holds at most 32") as e:
+            cl.completions.create(model="stories260K-int8", prompt="word " * 60, max_tokens=4)
         assert "--overflow shift or truncate, or a larger --capacity" in e.value.message  # the server's flags, not
         assert "capacity_tokens" not in e.value.message  # load's arguments (a docs round)
+        assert cached("Once upon a time there was a dog") > 0  # refused before the slot was emptied for it (a review)
     finally:
         r.stop()
     shifting = edgeinfer.load(capacity_tokens=32, overflow="shift")

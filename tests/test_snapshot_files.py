@@ -304,30 +304,27 @@ def test_a_damaged_array_header_is_an_edgeinfer_error(model, tmp_path, before, a
         model.restore(p)
 
 
-def test_folders_whose_manifest_lists_no_files_do_not_take_each_other_s_snapshots(converted, tmp_path):
-    """A hostile round: a folder from a converter before the `files` list (loaded, nothing to check)
-    had the fingerprint of no files at all, the same for every such folder, so `restore` took the
-    rows of another model's snapshot. Such a folder's fingerprint is now its files' hashes."""
+def test_a_folder_whose_manifest_lists_no_files_takes_and_makes_no_snapshots(converted, tmp_path):
+    """A hostile round: a folder whose manifest lists no files (edited by hand; loaded unchecked) had the
+    fingerprint of no files at all, the same for every such folder, so `restore` took the rows of
+    another model's snapshot. Such a folder now refuses snapshots, before anything is done for one."""
     import shutil
 
-    folders = []
-    for quant in ("fp32", "int8"):  # another model with the same ring geometry (float32 KV)
-        folder = tmp_path / quant
-        shutil.copytree(converted(STORIES_SRC, quant), folder)
-        manifest = json.loads((folder / "edgeinfer.json").read_text())
-        manifest.pop("files")
-        manifest.pop("manifest_sha256", None)
-        (folder / "edgeinfer.json").write_text(json.dumps(manifest))
-        folders.append(folder)
-    a, b = (edgeinfer.load(f, capacity_tokens=64, threads=1) for f in folders)
-    assert a.fingerprint() != b.fingerprint()
+    folder = tmp_path / "int8"  # another model with the fp32 one's ring geometry (float32 KV)
+    shutil.copytree(converted(STORIES_SRC, "int8"), folder)
+    manifest = json.loads((folder / "edgeinfer.json").read_text())
+    manifest.pop("files")
+    manifest.pop("manifest_sha256", None)
+    (folder / "edgeinfer.json").write_text(json.dumps(manifest))
+    b = edgeinfer.load(folder, capacity_tokens=64, threads=1)
+    b.generate(PROMPT, max_new_tokens=2, temperature=0)
+    held = list(b.held)
+    a = edgeinfer.load(converted(STORIES_SRC, "fp32"), capacity_tokens=64, threads=1)
     a.snapshot(PROMPT, path=tmp_path / "a.npz")
-    with pytest.raises(InvalidArgumentError, match="another model"):
-        b.restore(tmp_path / "a.npz")
-    again = edgeinfer.load(folders[0], capacity_tokens=64, threads=1)  # its own, in another Model: taken
-    assert again.fingerprint() == a.fingerprint()
-    again.restore(tmp_path / "a.npz")
-    assert again.generate(PROMPT + [5, 6], max_new_tokens=4, temperature=0).usage.cached_tokens == len(PROMPT)
+    for call in (lambda: b.restore(tmp_path / "a.npz"), lambda: b.snapshot([1, 5, 6]), b.snapshot, b.fingerprint):
+        with pytest.raises(InvalidArgumentError, match="manifest lists no files"):
+            call()
+    assert b.held == held
 
 
 def test_a_bad_destination_is_refused_before_the_cache_is_emptied_for_the_prefix(model, tmp_path):
@@ -336,11 +333,16 @@ def test_a_bad_destination_is_refused_before_the_cache_is_emptied_for_the_prefix
     PrefixSnapshot is taken."""
     model.generate(PROMPT, max_new_tokens=2, temperature=0)
     held = list(model.held)
-    for bad, error in ((7, edgeinfer.InvalidArgumentTypeError), (str(tmp_path / "x.npz") + "/", InvalidArgumentError)):
-        with pytest.raises(error):
+    (tmp_path / "folder").mkdir()
+    for bad, error in ((7, edgeinfer.InvalidArgumentTypeError), (str(tmp_path / "x.npz") + "/", "names a folder"),
+                       (str(tmp_path / "x.npz") + "/.", "names a folder"), (tmp_path / "folder", "is a folder"),
+                       (tmp_path / "nope" / "s.npz", "its folder does not exist"),
+                       (str(tmp_path / "a\0b.npz"), "cannot write the snapshot")):
+        with pytest.raises(error if isinstance(error, type) else InvalidArgumentError,
+                           match=None if isinstance(error, type) else error):
             model.snapshot([1, 5, 6], path=bad)
-        assert model.held == held
-    assert list(tmp_path.iterdir()) == []
+        assert model.held == held, bad
+    assert [p.name for p in tmp_path.iterdir()] == ["folder"] and not any((tmp_path / "folder").iterdir())
     with pytest.raises(InvalidArgumentError, match="names a folder"):
         model.snapshot().save(str(tmp_path / "x.npz") + "/")
     with pytest.raises(edgeinfer.InvalidArgumentTypeError, match="or a PrefixSnapshot"):

@@ -13,6 +13,7 @@ mutated; logits of another float dtype or a non-contiguous array are converted (
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,10 +23,16 @@ from edgeinfer.sampling.params import INT32_MAX, SamplingParams
 from edgeinfer.sampling.penalties import PenaltyWindow
 from edgeinfer.sampling.rng import Rng, resolve_seed
 
+C_API_VERSION = 2  # what this code calls in `_csampler` (its API_VERSION): run(..., top_n) since 2
+
 try:
     from edgeinfer.sampling import _csampler
 except ImportError:  # no compiler at install time: the numpy twin does the work
     _csampler = None
+if _csampler is not None and getattr(_csampler, "API_VERSION", 1) != C_API_VERSION:  # built from other sources
+    warnings.warn("edgeinfer's compiled sampler was built from other sources than this code (a checkout changed "  # (a
+                  "since it was built): using the numpy sampler; rebuild it with pip install -e .", RuntimeWarning)
+    _csampler = None  # review: a stale build failed every request for logprobs)
 
 BACKEND = "c" if _csampler is not None else "numpy"
 _EMPTY = np.zeros(0, np.int64)
@@ -86,8 +93,13 @@ def filter_probs(logits, params: SamplingParams, history=None) -> np.ndarray:
 def logprobs(logits, params: SamplingParams, history, token: int, top_n: int = 0) -> SampleResult:
     """Log-probabilities of the penalised, biased distribution at temperature 1 (over all tokens);
     `top`: the top_n most likely, best first, the lower id first on ties, banned (-inf) ones left
-    out, as the C sampler gives them."""
+    out, as the C sampler gives them. ValueError for a token outside the vocabulary or a negative top_n."""
+    top_n = operator.index(top_n)
+    if top_n < 0:
+        raise ValueError(f"top_n must be >= 0, got {top_n}")
     lg = reference.adjust_logits(logits, params, history)
+    if not 0 <= operator.index(token) < lg.size:
+        raise ValueError(f"token {token} is outside the vocabulary [0, {lg.size})")
     m = lg.max()
     lse = m + np.log(np.sum(np.exp(lg - m)))
     top: tuple = ()
@@ -164,8 +176,8 @@ class Sampler:
     def sample_with_logprobs(self, logits, *, top_n: int = 0) -> SampleResult:
         """The token and its log-probability (plus the top_n alternatives), computed in C from the
         same penalised, biased logits the chain used; the numpy twin's `logprobs` is the reference.
-        top_n: an int >= 0 (ValueError otherwise, before anything is drawn); more than the vocabulary
-        gives all of it. In C the draw and its logprobs are one call: another thread's use between them
+        top_n: an int >= 0 (TypeError for a non-integer, ValueError for a negative one, before anything
+        is drawn); more than the vocabulary gives all of it. In C the draw and its logprobs are one call: another thread's use between them
         is refused, as for `sample`."""
         top_n = operator.index(top_n)
         if top_n < 0:

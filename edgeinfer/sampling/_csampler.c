@@ -15,6 +15,9 @@
 
 #include "sampler_chain.h"
 
+/* what edgeinfer/sampling/__init__.py expects (its C_API_VERSION): 2 since run() takes top_n */
+#define CSAMPLER_API_VERSION 2
+
 typedef struct {
     PyObject_HEAD
     ChainState st;
@@ -342,6 +345,10 @@ PyMODINIT_FUNC PyInit__csampler(void) {
     if (PyType_Ready(&SamplerType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "API_VERSION", CSAMPLER_API_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&SamplerType);
     if (PyModule_AddObject(m, "Sampler", (PyObject *)&SamplerType) < 0) {
         Py_DECREF(&SamplerType);

@@ -235,6 +235,11 @@ class Server:
             raise APIError(400, f"the prompt is {len(prompt)} tokens; this server takes at most "
                                 f"{self.max_prompt_tokens} (max-prompt-tokens)", param=param,
                            code="context_length_exceeded")
+        if self.model.overflow == "error" and len(prompt) > self.model.capacity_tokens:  # refused now: in its
+            raise APIError(400, f"prompt of {len(prompt)} tokens does not fit: the context holds at most "  # slot it
+                                f"{self.model.capacity_tokens} tokens (the server runs with --overflow error: send a "
+                                "shorter prompt, or its operator may use --overflow shift or truncate, or a larger "
+                                "--capacity)", param=param, code="context_length_exceeded")  # emptied the slot first
         cue = self.scheduler.cue_for(req.template_variables) if chat else None
         return req, prompt, (req.top_logprobs if req.logprobs else None) if chat else req.logprobs, cue
 
