@@ -1,13 +1,15 @@
 """Perplexity through a full ring, by call size: does a long text stay as good whatever the calls?
 
-    python scripts/ring_span_eval.py -m MODEL [--capacity C ...] [--sinks 4] [--out FILE.json]
+    python scripts/ring_span_eval.py -m MODEL [--capacity C ...] [--sinks N] [--out FILE.json]
 
 The eval text (stories260K's, tests/fixtures, by default: `--text`) is fed twice through one ring of
-each capacity, in one-token calls (as generation feeds its tokens) and in 256-token prefill calls
-(as a long prompt enters a full ring, planned by `chunked.prefill_chunks`); the second copy is
-scored (teacher forcing). A ring whose calls attend past the model's trained length scores worse
-in the larger calls. Reports each capacity's two perplexities and the highest position written.
-JSON out.
+each capacity, in one-token calls (as generation feeds its tokens) and in prefill calls of up to 256
+tokens (as a long prompt enters a full ring, planned by `chunked.prefill_chunks`; a ring smaller
+than that takes calls of its capacity, as `load` plans them: `prefill_call_tokens`); the second
+copy is scored (teacher forcing). A ring whose calls attend past the model's trained length scores
+worse in the larger calls. Reports each capacity's two perplexities and the highest position
+written. `--sinks`: default the model's own. The default capacities a model refuses (a sliding
+window's) are skipped with a line saying why. JSON out.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def main() -> None:
     ap.add_argument("--text", type=Path, default=TEXT)
     ap.add_argument("--capacity", type=int, action="append", default=None,
                     help="ring capacities (default: the model's default, its trained length, and half that)")
-    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--sinks", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     base = edgeinfer.load(a.model)
@@ -56,11 +58,19 @@ def main() -> None:
     for cap in a.capacity or [base.capacity_tokens, trained, trained // 2]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a ring of the trained length warns that it re-bases often
-            m = edgeinfer.load(a.model, capacity_tokens=cap, n_sink=a.sinks)
+            try:
+                m = edgeinfer.load(a.model, capacity_tokens=cap, n_sink=a.sinks)
+            except edgeinfer.InvalidArgumentError as e:
+                if a.capacity:  # asked for: the refusal is the answer
+                    raise SystemExit(f"ring_span_eval: capacity {cap}: {e}") from None
+                print(json.dumps({"capacity": cap, "skipped": str(e)}), flush=True)
+                continue
+        chunk = min(256, m.engine.max_chunk)  # (a smaller ring's calls are at most its capacity)
         one, top1 = score(m, ids * 2, len(ids), 1)
-        big, top256 = score(m, ids * 2, len(ids), 256)
+        big, top_big = score(m, ids * 2, len(ids), chunk)
         row = {"capacity": cap, "rebase_every_tokens": m.cache.rebase_every_tokens, "ppl_1_token_calls": round(one, 4),
-               "ppl_256_token_calls": round(big, 4), "max_position": max(top1, top256), "trained_length": trained}
+               "ppl_prefill_calls": round(big, 4), "prefill_call_tokens": chunk, "max_position": max(top1, top_big),
+               "trained_length": trained}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if a.out:

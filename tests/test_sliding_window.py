@@ -145,3 +145,24 @@ def test_bench_defaults_to_the_windowed_models_own_ring(folder):
 
     r = run_bench(BenchConfig(model=folder, prompt_tokens=8, gen_tokens=8, runs=1, threads=1))
     assert r["capacity_tokens"] == WINDOW - 1
+
+
+def test_the_ring_span_script_runs_on_small_rings_and_windowed_models(folder, tmp_path):
+    """A hostile round: scripts/ring_span_eval.py planned 256-token calls whatever the ring (a ring under
+    256 was refused them: "a call takes 1..64 tokens"), took 4 sinks a windowed model refuses, and
+    stopped at the first default capacity such a model refuses."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "ring_span_eval.py"
+    for args in (["--capacity", "64"], ["-m", str(folder)]):
+        out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        rows = [json.loads(line) for line in out.stdout.splitlines()]
+        scored = [r for r in rows if "skipped" not in r]
+        assert scored and all(np.isfinite(r["ppl_1_token_calls"]) and np.isfinite(r["ppl_prefill_calls"]) and
+                              r["prefill_call_tokens"] == min(256, r["capacity"]) for r in scored), rows
+        assert all("attends to its last 16 tokens" in r["skipped"] for r in rows if "skipped" in r)
+    assert any("skipped" in r for r in rows)  # the windowed model's defaults past its window
