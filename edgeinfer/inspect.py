@@ -195,12 +195,13 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
 def verify(folder: Path | str, out=print) -> bool:
     """Hash every file edgeinfer.json lists, ignoring verification stamps, and `out` one line per
     file as it is checked ("ok  NAME" or "MISMATCH  NAME: problem"). True when every file matches.
-    Raises ModelFormatError for a manifest without file checksums (an older converter's)."""
+    Raises ModelFormatError for a manifest without file checksums (made by hand: every converter
+    of ours writes them)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     files = manifest.files
     if not files:
-        raise ModelFormatError(f"{folder / MANIFEST_FILE} lists no file checksums (an older converter wrote it): "
+        raise ModelFormatError(f"{folder / MANIFEST_FILE} lists no file checksums (not a converter's): "
                                "nothing to verify; convert again")
     ok = True
     out(f"ok        {MANIFEST_FILE} (its {CHECKSUM_KEY})" if manifest.checksum else

@@ -216,7 +216,8 @@ def _check_checksum(d: dict, path: Path) -> None:  # after `Manifest.from_json`:
 
 
 def _files(d: dict) -> dict:
-    """The "files" section: {} when absent (a folder from an older converter: nothing to check);
+    """The "files" section: {} when absent (a folder made by hand: every converter of ours writes
+    it; nothing to check);
     present, it must list files, so that an edit to it cannot switch the integrity check off."""
     if "files" not in d:
         return {}

@@ -95,7 +95,8 @@ def destination(path) -> tuple[Path, Path]:
     file to write there: a link's target). InvalidArgumentTypeError unless a str or a path;
     InvalidArgumentError for a name that ends in a folder ("x.npz/" and "x.npz/." were written as
     the file x.npz), a folder or another non-regular file there (it is not replaced), a folder that
-    does not exist, or a name the system refuses (a NUL)."""
+    does not exist or where no file can be made (`save` writes a temporary file there: one is made
+    and removed here; a read-only mount, /proc), or a name the system refuses (a NUL)."""
     if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):  # (bytes: a TypeError)
         raise InvalidArgumentTypeError(f"path must be a str or a path, got {type(path).__name__}")
     name = os.fspath(path)
@@ -112,12 +113,25 @@ def destination(path) -> tuple[Path, Path]:
                                        "the snapshot a file name (it is not replaced)")
         if not os.path.isdir(target.parent):
             raise InvalidArgumentError(f"cannot write the snapshot to {name!r}: its folder does not exist")
+        probe = _temporary(target)  # (a killed process leaves it to `save`'s sweep)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
+        probe.unlink()
     except (OSError, ValueError, RuntimeError) as e:  # ValueError: a NUL in the name; RuntimeError: a link loop
         if isinstance(e, InvalidArgumentError):
             raise
         raise InvalidArgumentError(f"cannot write the snapshot to {name!r}: {getattr(e, 'strerror', None) or e}") \
             from None
     return given, target
+
+
+def _stem(target: Path) -> str:
+    """The start of the temporary files' names for the destination `target` (`_sweep_stale`'s pattern)."""
+    return f".edgeinfer-snapshot-{hashlib.sha256(os.fsencode(target.name)).hexdigest()[:12]}"
+
+
+def _temporary(target: Path) -> Path:
+    """A new temporary file's name beside `target`: each writer has its own."""
+    return target.parent / f"{_stem(target)}.{secrets.token_hex(8)}.partial"
 
 
 @dataclass(frozen=True)
@@ -145,8 +159,7 @@ class PrefixSnapshot:
         arrays = {f"k{i}": k for i, k in enumerate(kv.k)} | {f"v{i}": v for i, v in enumerate(kv.v)}
         tmp = None
         try:
-            stem = f".edgeinfer-snapshot-{hashlib.sha256(os.fsencode(path.name)).hexdigest()[:12]}"  # this destination's
-            tmp = path.parent / f"{stem}.{secrets.token_hex(8)}.partial"  # a new file of its own:
+            tmp = _temporary(path)  # this destination's, a new file of its own:
             try:  # the file replaced keeps its mode (a 0600 one became the umask's 0644: its prompt readable by all)
                 mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else None
             except OSError:
@@ -161,7 +174,7 @@ class PrefixSnapshot:
             tmp.replace(path)
             tmp = None
             sync_folder(path.parent)
-            _sweep_stale(path.parent, stem)
+            _sweep_stale(path.parent, _stem(path))
         except (OSError, ValueError, RuntimeError) as e:  # ValueError: a NUL or a lone surrogate in the name
             if isinstance(e, InvalidArgumentError):
                 raise

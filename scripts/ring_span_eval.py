@@ -5,11 +5,11 @@
 The eval text (stories260K's, tests/fixtures, by default: `--text`) is fed twice through one ring of
 each capacity, in one-token calls (as generation feeds its tokens) and in prefill calls of up to 256
 tokens (as a long prompt enters a full ring, planned by `chunked.prefill_chunks`; a ring smaller
-than that takes calls of its capacity, as `load` plans them: `prefill_call_tokens`); the second
+than that takes calls of its capacity, as `load` plans them: the JSON's `prefill_call_tokens`); the second
 copy is scored (teacher forcing). A ring whose calls attend past the model's trained length scores
 worse in the larger calls. Reports each capacity's two perplexities and the highest position
 written. `--sinks`: default the model's own. The default capacities a model refuses (a sliding
-window's) are skipped with a line saying why. JSON out.
+window's) are skipped with a line saying why; none scored is an error. JSON out.
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ def main() -> None:
                "trained_length": trained}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if not rows:
+        raise SystemExit("ring_span_eval: no capacity was scored (each was refused, above)")
     if a.out:
         a.out.write_text(json.dumps({"model": str(base.folder), "text": str(a.text), "rows": rows}, indent=1) + "\n")
 

@@ -321,3 +321,28 @@ def test_a_compiled_sampler_built_from_other_sources_is_not_used():
     assert out.returncode == 0, out.stderr
     first, second = out.stdout.splitlines()
     assert first.startswith("numpy ") and "rebuild it" in first and second == "1"
+
+
+def test_the_compiled_sampler_is_the_one_this_code_calls():
+    """A review: were the two API versions to drift apart, the package would fall back to numpy and every
+    test of the C sampler would skip, the suite green. A build that is there must be this code's."""
+    import importlib
+
+    try:
+        c = importlib.import_module("edgeinfer.sampling._csampler")
+    except ImportError:
+        pytest.skip("the C sampler is not built here")
+    assert getattr(c, "API_VERSION", None) == sampling.C_API_VERSION and sampling.BACKEND == "c"
+
+
+def test_a_bool_is_not_a_token_or_a_count_of_logprobs():
+    """A review: logprobs(token=True) indexed the logits with a boolean mask (a numpy error), and
+    top_n=True was taken as 1."""
+    logits = np.array([0.0, 1.0, 2.0], np.float32)
+    with pytest.raises(TypeError, match="bool"):
+        sampling.logprobs(logits, SamplingParams(), None, True)
+    with pytest.raises(TypeError, match="bool"):
+        sampling.logprobs(logits, SamplingParams(), None, 1, top_n=True)
+    with pytest.raises(TypeError, match="bool"):
+        Sampler(SamplingParams(temperature=0), 1).sample_with_logprobs(logits, top_n=True)
+    assert sampling.logprobs(logits, SamplingParams(), None, 2, top_n=1).top[0][0] == 2

@@ -324,6 +324,8 @@ def test_overflow_error_is_a_400_with_counts_and_dropped_tokens_are_reported(mod
         assert "--overflow shift or truncate, or a larger --capacity" in e.value.message  # the server's flags, not
         assert "capacity_tokens" not in e.value.message  # load's arguments (a docs round)
         assert cached("Once upon a time there was a dog") > 0  # refused before the slot was emptied for it (a review)
+        with pytest.raises(openai.BadRequestError, match="the context holds at most 32"):  # the tighter limit, not
+            cl.completions.create(model="stories260K-int8", prompt="word " * 100, max_tokens=4)  # max-prompt-tokens
     finally:
         r.stop()
     shifting = edgeinfer.load(capacity_tokens=32, overflow="shift")

@@ -5,7 +5,9 @@
     sampler.accept(token)                   # the penalties count it from the next draw on
     result = sampler.sample_with_logprobs(logits, top_n=5)
 
-`BACKEND` is "c" when the extension `_csampler` is loaded, else "numpy" (same results, slower).
+`BACKEND` is "c" when the extension `_csampler` is loaded, else "numpy" (same results, slower): no
+compiler at install time, or a build from other sources than this code (its API_VERSION is not
+`C_API_VERSION`: a RuntimeWarning says to rebuild).
 The order and meaning of every step are in `edgeinfer.sampling.reference`. Inputs are not
 mutated; logits of another float dtype or a non-contiguous array are converted (copied) first.
 """
@@ -59,6 +61,21 @@ def _logits(logits) -> np.ndarray:
     return x
 
 
+def _int(value, what: str) -> int:
+    """An int (numpy's too), not a bool: TypeError otherwise."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an int, got bool")
+    return operator.index(value)
+
+
+def _count(top_n) -> int:
+    """top_n checked: an int >= 0."""
+    top_n = _int(top_n, "top_n")
+    if top_n < 0:
+        raise ValueError(f"top_n must be >= 0, got {top_n}")
+    return top_n
+
+
 def _history(history) -> np.ndarray:
     if history is None or (hasattr(history, "__len__") and len(history) == 0):
         return _EMPTY
@@ -93,12 +110,11 @@ def filter_probs(logits, params: SamplingParams, history=None) -> np.ndarray:
 def logprobs(logits, params: SamplingParams, history, token: int, top_n: int = 0) -> SampleResult:
     """Log-probabilities of the penalised, biased distribution at temperature 1 (over all tokens);
     `top`: the top_n most likely, best first, the lower id first on ties, banned (-inf) ones left
-    out, as the C sampler gives them. ValueError for a token outside the vocabulary or a negative top_n."""
-    top_n = operator.index(top_n)
-    if top_n < 0:
-        raise ValueError(f"top_n must be >= 0, got {top_n}")
+    out, as the C sampler gives them. ValueError for a token outside the vocabulary or a negative top_n
+    (TypeError for either not an int)."""
+    top_n, token = _count(top_n), _int(token, "token")
     lg = reference.adjust_logits(logits, params, history)
-    if not 0 <= operator.index(token) < lg.size:
+    if not 0 <= token < lg.size:
         raise ValueError(f"token {token} is outside the vocabulary [0, {lg.size})")
     m = lg.max()
     lse = m + np.log(np.sum(np.exp(lg - m)))
@@ -179,9 +195,7 @@ class Sampler:
         top_n: an int >= 0 (TypeError for a non-integer, ValueError for a negative one, before anything
         is drawn); more than the vocabulary gives all of it. In C the draw and its logprobs are one call: another thread's use between them
         is refused, as for `sample`."""
-        top_n = operator.index(top_n)
-        if top_n < 0:
-            raise ValueError(f"top_n must be >= 0, got {top_n}")
+        top_n = _count(top_n)
         if self._c is not None:
             x = _logits(logits)
             token, lp, top = self._c.run(x, top_n=min(top_n, x.size))  # not greedy(): logprobs need the adjusted logits

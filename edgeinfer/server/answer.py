@@ -42,6 +42,14 @@ def error_response(e: APIError, headers: dict | None = None) -> JSONResponse:
     return JSON(e.body(), status_code=e.status, headers=headers)
 
 
+def overflow_error(exc: ContextOverflowError, param: str) -> APIError:
+    """The 400 of a prompt that does not fit under --overflow error (the library's remedy named load's
+    arguments, not the server's flags)."""
+    return APIError(400, f"{exc.counts} (the server runs with --overflow error: send a shorter prompt, or its "
+                         "operator may use --overflow shift or truncate, or a larger --capacity)", param=param,
+                    code="context_length_exceeded")
+
+
 def new_reply_id(chat: bool) -> str:
     """A response's id, as OpenAI's: chatcmpl-... or cmpl-..."""
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -85,10 +93,8 @@ class Reply:
 
     def _failure(self, exc: BaseException) -> APIError:
         """The error of a request that failed in its steps (not cancelled)."""
-        if isinstance(exc, ContextOverflowError):  # (the library's remedy named load's arguments, not the server's)
-            return APIError(400, f"{exc.counts} (the server runs with --overflow error: send a shorter prompt, or "
-                                 "its operator may use --overflow shift or truncate, or a larger --capacity)",
-                            param="messages" if self.chat else "prompt", code="context_length_exceeded")
+        if isinstance(exc, ContextOverflowError):
+            return overflow_error(exc, "messages" if self.chat else "prompt")
         if isinstance(exc, ModelFormatError):  # the model's own fault (non-finite logits): not the request's
             log.error("generation failed: %s", exc)
             return APIError(500, str(exc), type="server_error")

@@ -48,7 +48,9 @@ from edgeinfer.server.body import DRAIN_CHECK_S, BodyBudget, drop, parse_json, r
 from edgeinfer.server.config import PROMPT_RINGS, ServeConfig, is_loopback
 from edgeinfer.server.metrics import Metrics
 from edgeinfer.server.protocol import APIError
-from edgeinfer.server.answer import JSON, Reply, cancel_on_disconnect, error_response, log_request, new_reply_id
+from edgeinfer.overflow import ContextOverflowError, refuse_longer_than_ring
+from edgeinfer.server.answer import (JSON, Reply, cancel_on_disconnect, error_response, log_request, new_reply_id,
+                                     overflow_error)
 from edgeinfer.server.scheduler import Closed, Job, QueueFull, Scheduler
 
 log = logging.getLogger("edgeinfer.server")
@@ -231,17 +233,26 @@ class Server:
                 prompt = self.model.encode_prompt(req.prompt if isinstance(req.prompt, str) else list(req.prompt))
         except InvalidArgumentError as e:
             raise APIError(400, str(e), param=param) from None
-        if len(prompt) > self.max_prompt_tokens:  # OpenAI's context_length_exceeded: a 400 naming the lengths
+        # OpenAI's context_length_exceeded: a 400 naming the lengths, the tighter limit first. Under --overflow
+        # error a prompt longer than the ring is refused here: in its slot it was refused after the slot was
+        # emptied for it (a review)
+        ring = self.model.capacity_tokens if self.model.overflow == "error" else None
+        if ring is not None and ring <= self.max_prompt_tokens:
+            self._refuse_longer_than_ring(prompt, param)
+        if len(prompt) > self.max_prompt_tokens:
             raise APIError(400, f"the prompt is {len(prompt)} tokens; this server takes at most "
                                 f"{self.max_prompt_tokens} (max-prompt-tokens)", param=param,
                            code="context_length_exceeded")
-        if self.model.overflow == "error" and len(prompt) > self.model.capacity_tokens:  # refused now: in its
-            raise APIError(400, f"prompt of {len(prompt)} tokens does not fit: the context holds at most "  # slot it
-                                f"{self.model.capacity_tokens} tokens (the server runs with --overflow error: send a "
-                                "shorter prompt, or its operator may use --overflow shift or truncate, or a larger "
-                                "--capacity)", param=param, code="context_length_exceeded")  # emptied the slot first
+        if ring is not None:
+            self._refuse_longer_than_ring(prompt, param)
         cue = self.scheduler.cue_for(req.template_variables) if chat else None
         return req, prompt, (req.top_logprobs if req.logprobs else None) if chat else req.logprobs, cue
+
+    def _refuse_longer_than_ring(self, prompt: list[int], param: str) -> None:
+        try:
+            refuse_longer_than_ring(prompt, self.model.capacity_tokens)
+        except ContextOverflowError as e:
+            raise overflow_error(e, param) from None
 
     async def _prepared(self, request: Request, raw: bytearray, chat: bool) -> tuple:
         """`_prepare` in the tokenizing thread, for a request that could be admitted now (`_generate`
