@@ -43,7 +43,9 @@ from edgeinfer.interrupts import interrupts_held
 
 
 class ContextBusyError(EdgeInferError, RuntimeError):
-    """The same thread asked for a context that its own unfinished stream still holds."""
+    """A context that cannot be had: the same thread asked for one that its own unfinished stream still
+    holds, a second next() of one stream came from another thread, or a server holds the model's
+    default context (`Model.lend_default_cache`)."""
 
 
 class ContextLock:

@@ -39,7 +39,8 @@ class Completion:
 @dataclass(frozen=True)
 class Chunk:
     """One step of a stream: the text released, the token that made it, and its log-probabilities
-    when asked for (each field's meaning beside it)."""
+    when asked for (each field's meaning beside it; the daemon asks, for a request's `logprobs`:
+    `Model.stream` has no such option, and leaves them None and ())."""
 
     text: str  # may be "" while a UTF-8 character or a possible stop string is incomplete
     token_id: int | None  # None only for a final chunk that flushes held-back text
