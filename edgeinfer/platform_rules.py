@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from edgeinfer.boards import cpuinfo_board, names_jetson, names_raspberry_pi, parse_cpuinfo
 from edgeinfer.power.android import parse_build_prop
 from edgeinfer.power.linux_sysfs import read_regular
 
@@ -30,7 +31,6 @@ ARM_PARTS = {"0xd03": "Cortex-A53", "0xd05": "Cortex-A55", "0xd08": "Cortex-A72"
              "0xd47": "Cortex-A710", "0xd48": "Cortex-X2", "0xd4d": "Cortex-A715", "0xd4e": "Cortex-X3"}
 _TEGRA = re.compile(r"#\s*R(\d+)\s*\(release\),\s*REVISION:\s*([0-9.]+)")
 _PI = re.compile(r"raspberry pi (?:compute module )?(\d)")
-_ORIN = re.compile(r"\borin\b")
 _ARM_PART = re.compile(r"^CPU part\s*:\s*(\S+)", re.MULTILINE)
 
 
@@ -60,17 +60,6 @@ def quoted(text: str) -> str:
     """`text` on one line, cut to EVIDENCE_CHARS, in quotes."""
     one_line = " ".join(text.split())
     return repr(one_line if len(one_line) <= EVIDENCE_CHARS else one_line[:EVIDENCE_CHARS] + "...")
-
-
-def parse_cpuinfo(text: str) -> dict[str, str]:
-    """The first value of each "key : value" line of /proc/cpuinfo, keys lowercased."""
-    info: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        key = key.strip().lower()
-        if sep and key and key not in info:
-            info[key] = value.strip()
-    return info
 
 
 def parse_tegra_release(text: str) -> str | None:
@@ -113,8 +102,8 @@ def read_facts(root: Path, env: Mapping[str, str], platform: str, machine: str) 
         f.cpuinfo = parse_cpuinfo(cpuinfo)
         described = describe_cpu(f.cpuinfo, _ARM_PART.findall(cpuinfo))
         f.evidence.append(f"{CPUINFO}: {described}" if described else f"{CPUINFO}: no CPU model named")
-        if not f.model and "raspberry pi" in f.cpuinfo.get("model", "").lower():
-            f.model = f.cpuinfo["model"]  # Raspberry Pi kernels repeat the board's model here
+        if not f.model and cpuinfo_board(f.cpuinfo):
+            f.model = cpuinfo_board(f.cpuinfo)  # Raspberry Pi kernels repeat the board's model here
             f.evidence.append(f"{CPUINFO} Model: {quoted(f.model)}")
     try:
         hints = [name for name in ANDROID_ENV if name in env]
@@ -159,13 +148,13 @@ def choose(f: Facts) -> tuple[str, str, str | None]:
     None for a plain match and says what was approximated otherwise."""
     model = (f.model or "").lower()
     machine = f.machine.lower()
-    if "raspberry pi" in model:
+    if names_raspberry_pi(model):
         m = _PI.search(model)
         if m and m.group(1) in ("4", "5"):
             return f"raspberry-pi-{m.group(1)}", f"the model names a Raspberry Pi {m.group(1)}", None
         return GENERIC, "a Raspberry Pi without a profile", \
             f"{quoted(f.model)} has no profile (only the Pi 4 and 5 do): generic CPU profile"
-    if "jetson" in model or _ORIN.search(model) or f.tegra:
+    if names_jetson(model) or f.tegra:
         if "agx orin" in model:
             return "jetson-agx-orin", "the model names a Jetson AGX Orin", None
         if "orin nano" in model:

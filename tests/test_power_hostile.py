@@ -1009,3 +1009,95 @@ def test_past_the_critical_point_a_hot_paced_plan_gets_safer_at_once():
     before = p.max_tokens_per_s
     p = decide(replace(r, temp_c=110.0, time_s=p.since_s + 0.5), Policy("balanced"), LOAD, p)
     assert p.max_tokens_per_s is not None and p.max_tokens_per_s < before and "(held)" not in p.reason, p
+
+
+# --- the board a device is: one rule for profiles and sensors -----------------------------------
+
+PI_CPUINFO = ("processor\t: 0\nCPU implementer\t: 0x41\nCPU part\t: 0xd08\n\nHardware\t: BCM2835\n"
+              "Revision\t: c03114\nModel\t\t: Raspberry Pi 4 Model B Rev 1.4\n")
+
+
+def test_a_pi_whose_device_tree_a_container_masks_is_a_pi_to_the_sensors_too(tmp_path):
+    """A hostile round: in a container (/sys/firmware masked, so no device-tree model) a Pi was a Pi to
+    `platforms.detect` by its cpuinfo, and to the sensors nothing: its under-voltage and throttle
+    flags were never read, and the plan kept every core with background work admitted."""
+    from edgeinfer.platforms import detect
+
+    files = {"proc/cpuinfo": PI_CPUINFO, "sys/class/thermal/thermal_zone0/type": "cpu-thermal\n",
+             "sys/class/thermal/thermal_zone0/temp": "62000\n",
+             "sys/devices/platform/soc/soc:firmware/get_throttled": "50005\n"}  # under-voltage, throttled
+    s = sensors(tmp_path, files)
+    d = detect(tmp_path / "root", env={}, platform="linux", machine="aarch64")
+    r = s.read()
+    assert d.profile.name == "raspberry-pi-4" and r.device == "Raspberry Pi 4 Model B Rev 1.4"
+    assert r.pi_throttle is not None and r.pi_throttle.under_voltage and r.throttle_temp_c == 80.0
+    plan = decide(r, Policy(d.profile.power_policy), Load(max_threads=4))
+    assert plan.threads == 2 and not plan.admit_background
+
+
+@pytest.mark.parametrize("files,jetson", [
+    ({"proc/device-tree/model": "NVIDIA Orin Nano Developer Kit\0"}, True),  # an Orin without "Jetson"
+    ({"etc/nv_tegra_release": ""}, False),  # empty: no evidence, for the profile as for the sensors
+    ({"etc/nv_tegra_release": "# R36 (release), REVISION: 3.0\n"}, True),
+])
+def test_the_sensors_and_the_profile_agree_on_which_device_is_a_jetson(tmp_path, files, jetson):
+    """A hostile round: an Orin named without "Jetson" had the Jetson profile but no rails read, and an
+    empty nv_tegra_release had the generic profile while the sensors ran nvpmodel."""
+    from edgeinfer.platforms import detect
+    from edgeinfer.power.jetson import is_jetson
+
+    root = make_tree(tmp_path / "root", files)
+    d = detect(root, env={}, platform="linux", machine="aarch64")
+    assert d.profile.name.startswith("jetson") == jetson
+    model = files.get("proc/device-tree/model", "").strip("\0") or None
+    assert is_jetson(model, root) == jetson
+
+
+def test_garbage_that_changes_at_every_read_does_not_silence_the_controller_s_own_warnings(tmp_path, caplog):
+    """A hostile round: each read's garbage was quoted in its warning, so each was a new kind; after 100
+    the controller logged nothing more, not even "power control failed" as it went to one core."""
+    import logging
+    import random
+
+    z = tmp_path / "sys/class/thermal/thermal_zone0"
+    make_tree(tmp_path, {"sys/class/thermal/thermal_zone0/type": "cpu-thermal\n",
+                         "sys/class/thermal/thermal_zone0/temp": "50000\n"})
+    real, rng = Sensors(tmp_path, platform="linux"), random.Random(0)
+
+    class Flaky:
+        n = 0
+
+        def read(self):
+            self.n += 1
+            if self.n > 150:
+                raise RuntimeError("reader broke")
+            (z / "temp").write_text("".join(rng.choice("ERRxyzq") for _ in range(6)) + "\n")
+            return real.read()
+
+    c = PowerController(Policy("thermal-guard"), Flaky(), fake_cores())
+    with caplog.at_level(logging.WARNING, logger="edgeinfer.power"):
+        for _ in range(160):
+            c.tick()
+    assert c.plan.threads == 1 and any("power control failed" in r.getMessage() for r in caplog.records)
+    assert len(caplog.records) < 10
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(os, "sched_setaffinity")
+                    or len(os.sched_getaffinity(0)) < 2, reason="needs fork and 2+ cores")
+def test_a_forked_child_gets_the_cores_its_parent_s_plan_held_back(restore_affinity):
+    """A hostile round: a process forked while the plan confined the parent to one core kept that one
+    core for good (a worker pool started during a battery spell)."""
+    shared = CoreLimit.shared()
+    all_cores = sorted(os.sched_getaffinity(0))
+    assert shared.apply(1) == 1 and len(os.sched_getaffinity(0)) == 1
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.write(w, json.dumps(sorted(os.sched_getaffinity(0))).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        child = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert child == all_cores and len(os.sched_getaffinity(0)) == 1  # the parent's plan holds in the parent

@@ -44,6 +44,7 @@ TEMP_MEDIAN_OF = 5  # readings a temperature is the median of (2 s at the defaul
 UNENFORCED_AFTER = 3  # readings without a field before its limit is said to be unenforced
 MAX_SLEEP_S = 1.0 / MIN_TOKENS_PER_S
 MIN_SLEEP_S = 0.001  # the pacer sleeps only when this far ahead of its schedule (sleeps wake ~0.1-0.3 ms late)
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 FIRST_READ_S = 10.0  # `start` waits this long for the first plan (a Jetson's nvpmodel may take its 5 s timeout)
 STALE_PLAN_S = 60.0  # a plan this old while sampling runs: a sensor read is stuck (`PowerController.state`)
@@ -201,7 +202,7 @@ class PowerController:
         """Log `message` once per kind: its numbers do not make another (a sensor reading 151.000, 151.001,
         ... °C filled the 100 kinds kept with one warning each, and a later "power control failed" was
         never said: a hostile round)."""
-        kind = _NUMBER.sub("#", message)
+        kind = _QUOTED.sub("'…'", _NUMBER.sub("#", message))  # nor does what a garbage file said (a hostile round)
         if kind not in self._warned and len(self._warned) < 100:
             self._warned.add(kind)
             log.warning("edgeinfer power: %s", message)
@@ -380,7 +381,9 @@ def _reset_locks_in_child() -> None:
     """Inside fork(), in the child: the locks the parent's other threads may have held (a sampling
     thread inside `tick`, a core limit mid-`apply`) are reset in place and the fork counted. Nothing
     is allocated and the collector is held off: what runs inside fork() must not free an ONNX Runtime
-    session (that waits for the parent's threads for ever). `_own_process` does the rest later."""
+    session (that waits for the parent's threads for ever). `_own_process` does the rest later. The
+    child gets the cores its parent's plan held back (an app's worker process kept one core for good;
+    a hostile round): a controller it uses applies its plan again at its next reading."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -394,6 +397,13 @@ def _reset_locks_in_child() -> None:
                 c._stop_lock._at_fork_reinit()
                 c._stop._at_fork_reinit()  # its condition's lock: the lost thread waited on it
                 c.cores._lock._at_fork_reinit()
+        shared = CoreLimit._shared
+        if shared is not None and shared.supported and shared.applied != len(shared.cores):
+            try:
+                os.sched_setaffinity(0, shared.cores)  # (the child's one thread: the process's all)
+                shared.applied = len(shared.cores)
+            except OSError:
+                pass
     finally:
         if enabled:
             gc.enable()

@@ -17,8 +17,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgeinfer.boards import names_jetson
+
 from .commands import CommandGate
-from .linux_sysfs import FREQ_MAX_MHZ, POWER_MAX_W, Report, SysfsTree, in_range, is_file, numbered
+from .linux_sysfs import FREQ_MAX_MHZ, POWER_MAX_W, Report, SysfsTree, in_range, is_file, numbered, read_regular
 
 NVPMODEL = ("nvpmodel", "-q")
 NVPMODEL_TIMEOUT_S = 5.0
@@ -32,7 +34,14 @@ TOTAL_RAIL = "VDD_IN"
 
 
 def is_jetson(device: str | None, root: Path) -> bool:
-    return bool(device and "jetson" in device.lower()) or is_file(root / "etc/nv_tegra_release")
+    """By the model string, else by a non-empty etc/nv_tegra_release (`boards`: as the profiles decide)."""
+    if names_jetson(device):
+        return True
+    try:
+        data = read_regular(root / "etc/nv_tegra_release", 4096)
+    except (OSError, ValueError):
+        return False
+    return bool(data and data.replace(b"\0", b"").strip())
 
 
 def parse_nvpmodel(text: str) -> str | None:

@@ -42,6 +42,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edgeinfer.boards import cpuinfo_board, parse_cpuinfo
+
 TEMP_RANGE_C = (-40.0, 150.0)
 FAULT_MILLIDEGREES = (0.0, -1.0)  # what unconnected or failing sensors read (a hot device read "-1" for 2 s and its
 # plan went cool and unpaced: a hostile round); a real 0.000 °C die is no device's concern here
@@ -285,6 +287,11 @@ class LinuxSysfs(SysfsTree):
             if self.device:
                 report.source("device_model")
                 break
+        if not self.device:  # a container masks /sys/firmware, and so the device tree: a Pi kernel's cpuinfo
+            cpuinfo = self.optional_text(r / "proc/cpuinfo", report)  # names the board too (`boards`)
+            self.device = cpuinfo_board(parse_cpuinfo(cpuinfo)) if cpuinfo else None
+            if self.device:
+                report.source("device_model")
         online = r / "sys/devices/system/cpu/online"
         self.online_file = online if self.read_online and is_file(online) else None
         self.stale = False  # listed whole: a listing cut short by an error is tried again at the next read

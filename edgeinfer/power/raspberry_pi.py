@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import re
 
+from edgeinfer.boards import names_pi4_or_pi5, names_raspberry_pi
+
 from .commands import CommandGate
 from .linux_sysfs import Report, SysfsTree
 from .readings import PiThrottle
@@ -22,15 +24,6 @@ from .readings import PiThrottle
 VCGENCMD = ("vcgencmd", "get_throttled")
 VCGENCMD_TIMEOUT_S = 1.0
 PI45_SOFT_LIMIT_C = 80.0
-_PI45 = re.compile(r"^Raspberry Pi (Compute Module )?[45]")
-
-
-def is_raspberry_pi(device: str | None) -> bool:
-    return bool(device) and device.startswith("Raspberry Pi")
-
-
-def is_pi4_or_pi5(device: str | None) -> bool:
-    return bool(device) and bool(_PI45.match(device))
 
 
 def parse_throttle_mask(text: str) -> int | None:
@@ -58,11 +51,11 @@ class RaspberryPi(SysfsTree):
 
     def read(self, report: Report) -> None:
         device = report.fields.get("device")
-        if not is_raspberry_pi(device):
+        if not names_raspberry_pi(device):
             return
         if self.stale:
             self.discover()
-        if is_pi4_or_pi5(device) and report.fields.get("throttle_temp_c") is None:
+        if names_pi4_or_pi5(device) and report.fields.get("throttle_temp_c") is None:
             report.fields["throttle_temp_c"] = PI45_SOFT_LIMIT_C
         if self.throttled_file is not None:
             mask = self._mask_from_file(report)

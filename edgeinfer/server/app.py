@@ -49,8 +49,8 @@ from edgeinfer.server.config import PROMPT_RINGS, ServeConfig, is_loopback
 from edgeinfer.server.metrics import Metrics
 from edgeinfer.server.protocol import APIError
 from edgeinfer.overflow import ContextOverflowError, refuse_longer_than_ring
-from edgeinfer.server.answer import (JSON, Reply, cancel_on_disconnect, error_response, log_request, new_reply_id,
-                                     overflow_error)
+from edgeinfer.server.answer import (DROPPED_HEADER, JSON, Reply, cancel_on_disconnect, error_response, log_request,
+                                     new_reply_id, overflow_error)
 from edgeinfer.server.scheduler import Closed, Job, QueueFull, Scheduler
 
 log = logging.getLogger("edgeinfer.server")
@@ -89,7 +89,8 @@ class Server:
                   Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.metrics_route, methods=["GET"])]
         cors = [Middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"])] if config.cors_origins else []
+                           allow_headers=["*"], expose_headers=["Retry-After", DROPPED_HEADER])] \
+            if config.cors_origins else []  # (a page's script reads no other header than those CORS lists)
         self.app = Starlette(routes=routes, middleware=cors + [Middleware(_Gate, server=self)],  # first = outermost
                              exception_handlers={HTTPException: self._http_error, Exception: self._bug})
         self.app.router.redirect_slashes = False  # Starlette's 307 for "/v1/completions/" has an empty body, which
