@@ -4,14 +4,20 @@
 neither (a hostile round: a Pi in a container, its device tree masked, was a Pi to the profile by
 its cpuinfo and not to the sensors, which then never read its under-voltage flags).
 
-The model string comes from the device tree (`proc/device-tree/model`,
-`sys/firmware/devicetree/base/model`), else DMI's product name, else, on a Raspberry Pi kernel, the
-`Model` line of /proc/cpuinfo (`cpuinfo_board`). Case does not matter.
+The board's model string comes from the device tree (`MODEL_FILES`), else, on a Raspberry Pi
+kernel, the `Model` line of /proc/cpuinfo (`cpuinfo_board`); case does not matter. DMI's product
+name names a PC, never one of these boards (an "Orin" gaming laptop is not a Jetson): the sensors
+show it as the device, and go by the board alone. A Jetson without a model string shows by the text
+of etc/nv_tegra_release (`release_text`: not empty once NULs and whitespace are gone).
 """
 
 from __future__ import annotations
 
 import re
+
+MODEL_FILES = ("proc/device-tree/model", "sys/firmware/devicetree/base/model")
+TEGRA_RELEASE = "etc/nv_tegra_release"
+READ_LIMIT = 65536  # bytes read of any of these files (the first CPU's block of cpuinfo is near the start)
 
 _ORIN = re.compile(r"\borin\b")
 _PI45 = re.compile(r"raspberry pi (?:compute module )?[45]")
@@ -26,6 +32,13 @@ def parse_cpuinfo(text: str) -> dict[str, str]:
         if sep and key and key not in info:
             info[key] = value.strip()
     return info
+
+
+def release_text(data: bytes) -> str | None:
+    """A small file's text as evidence: decoded (bad bytes replaced), NULs and surrounding whitespace
+    removed; None when nothing is left."""
+    text = data.decode("utf-8", "replace").replace("\0", "").strip()
+    return text or None
 
 
 def cpuinfo_board(cpuinfo: dict[str, str]) -> str | None:

@@ -29,7 +29,8 @@ class GenerationOptions:
     and presence penalties, over its last `penalty_last_n` ids) count the prompt's ids (a
     conversation's earlier turns too) as well as the reply's, as llama.cpp does (True), or the
     reply's alone (False: OpenAI's rule for its frequency and presence penalties, which the daemon
-    applies over the whole reply). Bad values raise InvalidArgumentError, a value of the wrong type
+    applies over the whole reply). Bad values raise InvalidArgumentError (most values of a wrong type
+    too: `seed="a"`, `stop=5`); an unknown option, or a `sampling` that is not a SamplingParams,
     InvalidArgumentTypeError."""
 
     max_new_tokens: int = 128

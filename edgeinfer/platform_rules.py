@@ -12,15 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from edgeinfer.boards import cpuinfo_board, names_jetson, names_raspberry_pi, parse_cpuinfo
+from edgeinfer.boards import (MODEL_FILES, READ_LIMIT, TEGRA_RELEASE, cpuinfo_board, names_jetson, names_raspberry_pi,
+                              parse_cpuinfo, release_text)
 from edgeinfer.power.android import parse_build_prop
 from edgeinfer.power.linux_sysfs import read_regular
 
 GENERIC = "generic-cpu"
-READ_LIMIT = 65536  # bytes read of any file (the first CPU's block of cpuinfo is near the start)
 EVIDENCE_CHARS = 80  # a value quoted in the evidence is cut to this
-MODEL_FILES = ("proc/device-tree/model", "sys/firmware/devicetree/base/model")
-TEGRA_RELEASE = "etc/nv_tegra_release"
 CPUINFO = "proc/cpuinfo"
 BUILD_PROPS = ("system/build.prop", "vendor/build.prop")
 ANDROID_ENV = ("ANDROID_ROOT", "ANDROID_DATA", "TERMUX_VERSION")
@@ -49,7 +47,7 @@ def read_text(root: Path, rel: str, warnings: list[str]) -> str | None:
     except (OSError, ValueError) as e:
         warnings.append(f"{rel}: unreadable ({getattr(e, 'strerror', None) or e})")
         return None
-    text = data.decode("utf-8", "replace").replace("\0", "").strip()
+    text = release_text(data)
     if not text:
         warnings.append(f"{rel}: empty")
         return None

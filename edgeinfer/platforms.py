@@ -18,7 +18,7 @@ a fallback or an approximation. A missing, unreadable, empty or garbage file is 
 The rules, first match wins:
 1. a Raspberry Pi model string (device tree, else the `Model` line Raspberry Pi kernels add to
    cpuinfo): Pi 4 / 400 / CM4 -> raspberry-pi-4, Pi 5 / 500 / CM5 -> raspberry-pi-5, other Pis -> generic-cpu;
-2. a Jetson (model names Jetson or an Orin, or `etc/nv_tegra_release` exists): AGX Orin ->
+2. a Jetson (model names Jetson or an Orin, or `etc/nv_tegra_release` has some text): AGX Orin ->
    jetson-agx-orin, Orin Nano -> jetson-orin-nano, anything else (Orin NX, Xavier, unknown) ->
    jetson-orin-nano with a note (the smallest Jetson profile);
 3. Android (one of the environment variables, `system/build.prop`, or sys.platform "android"):

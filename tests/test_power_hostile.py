@@ -1071,7 +1071,8 @@ def test_garbage_that_changes_at_every_read_does_not_silence_the_controller_s_ow
             self.n += 1
             if self.n > 150:
                 raise RuntimeError("reader broke")
-            (z / "temp").write_text("".join(rng.choice("ERRxyzq") for _ in range(6)) + "\n")
+            (z / "temp").write_text("".join(rng.choice("ERx'\"yzq") for _ in range(24)) + "\n")  # (both quotes:
+            # a review's garbage, which the first fix's pattern still took for new kinds)
             return real.read()
 
     c = PowerController(Policy("thermal-guard"), Flaky(), fake_cores())
@@ -1080,6 +1081,10 @@ def test_garbage_that_changes_at_every_read_does_not_silence_the_controller_s_ow
             c.tick()
     assert c.plan.threads == 1 and any("power control failed" in r.getMessage() for r in caplog.records)
     assert len(caplog.records) < 10
+    for i in range(2 * 100):  # however many kinds the sensors' warnings make, the controller's own are said
+        c._warn(f"sensor: zone{chr(97 + i % 26)}{chr(97 + i // 26)}/temp: unreadable", sensor=True)  # 200 kinds
+    c._warn("the sensors have not answered for over a minute")
+    assert "the sensors have not answered" in caplog.records[-1].getMessage()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(os, "sched_setaffinity")
@@ -1101,3 +1106,19 @@ def test_a_forked_child_gets_the_cores_its_parent_s_plan_held_back(restore_affin
         child = json.loads(f.read())
     os.waitpid(pid, 0)
     assert child == all_cores and len(os.sched_getaffinity(0)) == 1  # the parent's plan holds in the parent
+
+
+@pytest.mark.parametrize("product", ["Orin Gaming Laptop 15", "Kiosk for Raspberry Pi 4 displays"])
+def test_a_pc_s_dmi_name_never_makes_it_a_board(tmp_path, product):
+    """A review: with the board rules matching anywhere in the name, a PC whose DMI product name held
+    "Orin" ran nvpmodel every minute, and one that mentioned a Raspberry Pi got the Pi's 80 °C limit.
+    DMI's name is shown as the device; the board comes from the device tree or a Pi kernel's cpuinfo."""
+    from edgeinfer.platforms import detect
+
+    s = sensors(tmp_path, {"sys/class/dmi/id/product_name": product + "\n",
+                           "sys/class/thermal/thermal_zone0/type": "x86_pkg_temp\n",
+                           "sys/class/thermal/thermal_zone0/temp": "50000\n"})
+    r = s.read()
+    assert r.device == product and r.throttle_temp_c is None and r.pi_throttle is None and r.power_mode is None
+    assert not any("nvpmodel" in w or "vcgencmd" in w for w in r.warnings)
+    assert detect(tmp_path / "root", env={}, platform="linux", machine="x86_64").profile.name == "x86-64-desktop"

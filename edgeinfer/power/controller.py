@@ -44,7 +44,8 @@ TEMP_MEDIAN_OF = 5  # readings a temperature is the median of (2 s at the defaul
 UNENFORCED_AFTER = 3  # readings without a field before its limit is said to be unenforced
 MAX_SLEEP_S = 1.0 / MIN_TOKENS_PER_S
 MIN_SLEEP_S = 0.001  # the pacer sleeps only when this far ahead of its schedule (sleeps wake ~0.1-0.3 ms late)
-_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+_TRAILING_REPR = re.compile(r"""(?<= )(['"]).*\1$""")  # what a sensor file or command said, as a reader quotes it
+MAX_WARNING_KINDS = 100  # logged once each, for the sensors' warnings and, apart, for the controller's own
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 FIRST_READ_S = 10.0  # `start` waits this long for the first plan (a Jetson's nvpmodel may take its 5 s timeout)
 STALE_PLAN_S = 60.0  # a plan this old while sampling runs: a sensor read is stuck (`PowerController.state`)
@@ -136,7 +137,7 @@ class PowerController:
         try:
             readings = replace(self.sensors.read(), time_s=now)  # one clock for plans and pacing
             for w in readings.warnings:
-                self._warn(f"sensor: {w}")
+                self._warn(f"sensor: {w}", sensor=True)
             self._say_unenforced(readings)
             plan = decide(self._smoothed(readings), self.policy, load, self.plan)
         except Exception as e:  # a reader or the policy failed: run safe, say it once
@@ -198,14 +199,19 @@ class PowerController:
         self.policy, self.plan = policy, None
         return self.tick()
 
-    def _warn(self, message: str) -> None:
-        """Log `message` once per kind: its numbers do not make another (a sensor reading 151.000, 151.001,
-        ... °C filled the 100 kinds kept with one warning each, and a later "power control failed" was
-        never said: a hostile round)."""
-        kind = _QUOTED.sub("'…'", _NUMBER.sub("#", message))  # nor does what a garbage file said (a hostile round)
-        if kind not in self._warned and len(self._warned) < 100:
-            self._warned.add(kind)
-            log.warning("edgeinfer power: %s", message)
+    def _warn(self, message: str, sensor: bool = False) -> None:
+        """Log `message` once per kind, up to MAX_WARNING_KINDS kinds of the sensors' warnings and as many
+        of the controller's own: a sensor's cannot crowd out "power control failed" (hostile rounds: a
+        reading of 151.000, 151.001, ... °C, then garbage text that changed at every read, filled the
+        kinds, and the controller's own failure was never said). Numbers make no other kind, nor does
+        the text a sensor's warning quotes at its end."""
+        kind = _NUMBER.sub("#", message)
+        if sensor:
+            kind = _TRAILING_REPR.sub("'…'", kind)
+        if kind in self._warned or sum(k.startswith("sensor: ") == sensor for k in self._warned) >= MAX_WARNING_KINDS:
+            return
+        self._warned.add(kind)
+        log.warning("edgeinfer power: %s", message)
 
     def start(self) -> "PowerController":
         """Sample now and every interval_s on a daemon thread (started again in a forked child when a

@@ -1,6 +1,7 @@
 """NVIDIA Jetson: INA3221 power rails, GPU load and frequency, and the nvpmodel power mode.
 
-Only on a Jetson (the device model string contains "Jetson", or `etc/nv_tegra_release` exists):
+Only on a Jetson (`boards`: the board's model string names a Jetson or an Orin, or
+`etc/nv_tegra_release` has some text):
 - Rails: a hwmon whose `name` is "ina3221": each channel N with `inN_label` (e.g. VDD_IN,
   VDD_CPU_GPU_CV, VDD_SOC), `inN_input` (mV) and `currN_input` (mA) is a rail of mV x mA / 1e6 W
   ("sum of shunt voltages" channels are skipped). power_w is the VDD_IN rail (the whole module's
@@ -17,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgeinfer.boards import names_jetson
+from edgeinfer.boards import READ_LIMIT, TEGRA_RELEASE, names_jetson, release_text
 
 from .commands import CommandGate
 from .linux_sysfs import FREQ_MAX_MHZ, POWER_MAX_W, Report, SysfsTree, in_range, is_file, numbered, read_regular
@@ -38,10 +39,10 @@ def is_jetson(device: str | None, root: Path) -> bool:
     if names_jetson(device):
         return True
     try:
-        data = read_regular(root / "etc/nv_tegra_release", 4096)
+        data = read_regular(root / TEGRA_RELEASE, READ_LIMIT)
     except (OSError, ValueError):
         return False
-    return bool(data and data.replace(b"\0", b"").strip())
+    return data is not None and release_text(data) is not None
 
 
 def parse_nvpmodel(text: str) -> str | None:
@@ -59,14 +60,14 @@ class _Rail:
 
 class Jetson(SysfsTree):
     """`read(report)`: sets rails, power_w (VDD_IN), gpu_load_pct, gpu_freq_mhz, power_mode. Needs
-    report.fields["device"] from `LinuxSysfs` first."""
+    report.board from `LinuxSysfs` first."""
 
     def __init__(self, root, commands: CommandGate):
         super().__init__(root)
         self.commands = commands
 
     def discover(self, report: Report) -> None:
-        self.enabled = is_jetson(report.fields.get("device"), self.root)
+        self.enabled = is_jetson(report.board, self.root)
         self.rails: list[_Rail] = []
         self.gpu_load = self.gpu_freq = None
         if not self.enabled:

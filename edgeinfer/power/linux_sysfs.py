@@ -11,8 +11,9 @@ Read (units as the kernel documents them):
 - `sys/class/power_supply/*/`: `type`, `scope`, `capacity` (%), `status`, `online`, `power_now`
   (µW), `current_now` (µA), `voltage_now` (µV). Supplies with scope "Device" (a mouse's battery)
   are skipped.
-- `sys/devices/system/cpu/online` ("0-3,6"), `proc/device-tree/model` or
-  `sys/firmware/devicetree/base/model` (NUL-terminated), else `sys/class/dmi/id/product_name`.
+- `sys/devices/system/cpu/online` ("0-3,6"); the board (`boards`: `proc/device-tree/model` or
+  `sys/firmware/devicetree/base/model`, NUL-terminated, else a Pi kernel's cpuinfo `Model` line),
+  else `sys/class/dmi/id/product_name` (a PC's name: shown as the device, never a board).
 
 Which temperatures are the CPU/SoC (`temp_c`, and the zones whose trip points count): a sensor
 whose lowercased name (zone type, or "hwmon name/label") contains one of `CPU_WORDS` and none of
@@ -42,7 +43,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgeinfer.boards import cpuinfo_board, parse_cpuinfo
+from edgeinfer.boards import MODEL_FILES, READ_LIMIT, cpuinfo_board, parse_cpuinfo
 
 TEMP_RANGE_C = (-40.0, 150.0)
 FAULT_MILLIDEGREES = (0.0, -1.0)  # what unconnected or failing sensors read (a hot device read "-1" for 2 s and its
@@ -79,6 +80,7 @@ class Report:
 
     def __init__(self):
         self.fields: dict = {}
+        self.board: str | None = None  # the board's model string (`boards`), which the Pi and Jetson readers go by
         self.sources: list[str] = []
         self.warnings: list[str] = []
 
@@ -127,6 +129,15 @@ def read_regular(path: Path, limit: int) -> bytes | None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     with open(fd, "rb") as f:
         return f.read(limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+
+
+def _quiet_text(path: Path) -> str:
+    """A file's text for optional evidence ("" when it is not a readable regular file): no warning."""
+    try:
+        data = read_regular(path, READ_LIMIT)
+    except (OSError, ValueError):
+        return ""
+    return data.decode("utf-8", "replace") if data else ""
 
 
 class SysfsTree:
@@ -280,18 +291,16 @@ class LinuxSysfs(SysfsTree):
             names = ("capacity", "status", "power_now", "current_now", "voltage_now", "online")
             files = {n: supply / n for n in names if is_file(supply / n)}
             self.supplies.append((supply.name, kind, files))
-        self.device = None
-        for model in ("proc/device-tree/model", "sys/firmware/devicetree/base/model",
-                      "sys/class/dmi/id/product_name"):
-            self.device = self.optional_text(r / model, report)
-            if self.device:
-                report.source("device_model")
+        self.board = None
+        for model in MODEL_FILES:
+            self.board = self.optional_text(r / model, report)
+            if self.board:
                 break
-        if not self.device:  # a container masks /sys/firmware, and so the device tree: a Pi kernel's cpuinfo
-            cpuinfo = self.optional_text(r / "proc/cpuinfo", report)  # names the board too (`boards`)
-            self.device = cpuinfo_board(parse_cpuinfo(cpuinfo)) if cpuinfo else None
-            if self.device:
-                report.source("device_model")
+        if not self.board:  # a container masks /sys/firmware, and so the device tree: a Pi kernel's cpuinfo
+            self.board = cpuinfo_board(parse_cpuinfo(_quiet_text(r / "proc/cpuinfo")))  # names the board too
+        self.device = self.board or self.optional_text(r / "sys/class/dmi/id/product_name", report)  # (a PC's: shown)
+        if self.device:
+            report.source("device_model")
         online = r / "sys/devices/system/cpu/online"
         self.online_file = online if self.read_online and is_file(online) else None
         self.stale = False  # listed whole: a listing cut short by an error is tried again at the next read
@@ -300,7 +309,7 @@ class LinuxSysfs(SysfsTree):
         if self.stale:
             self.discover(report)
         f = report.fields
-        f["device"] = self.device
+        f["device"], report.board = self.device, self.board
         self._read_temperatures(report)
         self._read_cpufreq(report)
         self._read_power_supply(report)

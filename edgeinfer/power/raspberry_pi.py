@@ -1,6 +1,6 @@
 """Raspberry Pi firmware throttle flags and the Pi 4/5 soft temperature limit.
 
-Only on a Raspberry Pi (the device model string starts with "Raspberry Pi"):
+Only on a Raspberry Pi (the board's model string names one, `boards.names_raspberry_pi`):
 - Throttle flags: the kernel's `sys/devices/platform/soc*/soc*:firmware/get_throttled` (a hex
   number, "50005" or "0x50005"), or, where that file is absent, `vcgencmd get_throttled` (prints
   "throttled=0x50005") run with a 1 s timeout -> `PiThrottle.from_mask`. A command that gave no
@@ -37,8 +37,8 @@ def parse_throttle_mask(text: str) -> int | None:
 
 
 class RaspberryPi(SysfsTree):
-    """`read(report)`: sets pi_throttle and (Pi 4/5) throttle_temp_c. Needs report.fields["device"]
-    from `LinuxSysfs` first."""
+    """`read(report)`: sets pi_throttle and (Pi 4/5) throttle_temp_c. Needs report.board from
+    `LinuxSysfs` first."""
 
     def __init__(self, root, commands: CommandGate):
         super().__init__(root)
@@ -50,7 +50,7 @@ class RaspberryPi(SysfsTree):
         self.stale = False  # listed whole (an error on the way: listed again at the next read)
 
     def read(self, report: Report) -> None:
-        device = report.fields.get("device")
+        device = report.board
         if not names_raspberry_pi(device):
             return
         if self.stale:
