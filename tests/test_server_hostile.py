@@ -338,7 +338,16 @@ def test_cors_preflight_is_not_refused_for_want_of_an_api_key(model):
                           headers={"Origin": "http://app.example", "Authorization": f"Bearer {KEY}"})
         exposed = {h.strip().lower() for h in real.headers.get("access-control-expose-headers", "").split(",")}
         assert {"retry-after", "x-edgeinfer-dropped-tokens"} <= exposed  # a page's script may read them (a hostile
-    finally:  # round: a 503's Retry-After was hidden from a web client)
+        submit = r.server.tokenize_pool.submit  # round: a 503's Retry-After was hidden from a web client)
+        r.server.tokenize_pool.submit = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug"))
+        try:  # a bug's 500 reaches the page too (a review: it had no CORS headers, a network error to a script)
+            bug = httpx.post(r.url + "/v1/completions", json={"model": "stories260K-int8", "prompt": "Hi"},
+                             headers={"Origin": "http://app.example", "Authorization": f"Bearer {KEY}"})
+        finally:
+            r.server.tokenize_pool.submit = submit
+        assert bug.status_code == 500 and bug.json()["error"]["type"] == "server_error"
+        assert bug.headers.get("access-control-allow-origin") == "http://app.example"
+    finally:
         r.stop()
 
 

@@ -386,10 +386,30 @@ class _Gate:
         elif not self.server.config.api_key:
             err = self.server.foreign_page(Request(scope))
         if err is None:
-            return await self.app(scope, receive, send)
+            return await self._guarded(scope, receive, send, path)
         self.server.metrics.request("other", err.status)
         self.server.log_refusal(scope.get("method", "-"), path, err.status, err.code)
         return await error_response(err)(scope, receive, send)
+
+
+    async def _guarded(self, scope, receive, send, path: str):
+        """The route, a bug in it answered here with a 500 (inside the CORS middleware, so that a page's
+        script reads it: Starlette's own handler answers outside it, with no CORS headers; a review)."""
+        started = False
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            return await self.app(scope, receive, watched)
+        except Exception:
+            if started:  # (the reply is under way: nothing to say but what the connection's end says)
+                raise
+            log.exception("internal error on %s %s", scope.get("method", "-"), path)
+            return await error_response(APIError(500, "internal server error", type="server_error"))(scope, receive,
+                                                                                                      send)
 
 
 def _origin_form(target):
