@@ -150,12 +150,15 @@ class StopFilter:
             return ""
         if not self.stops:
             return self._emit(new)
-        # a stop string that is found never begins in emitted text: a tail that could begin one is held
+        # a stop string that is found never begins in emitted text: a tail that could begin one is held.
+        # The reply ends at the stop that ends first (the longest of those ending there), as if the text
+        # came a character at a time: the earliest start made the cut depend on how the tokens split it,
+        # a later-ending stop found in the same piece winning (a hostile round)
         pending = self._held + new
-        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i + len(s), i) for s, i in ((s, pending.find(s)) for s in self.stops) if i >= 0]
         if hits:
             self._held, self.stopped = "", True
-            return self._emit(pending[:min(hits)])
+            return self._emit(pending[:min(hits)[1]])
         hold = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(pending)), hold, -1):

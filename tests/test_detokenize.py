@@ -286,3 +286,26 @@ def test_a_llama_style_tokenizer_json_decodes_broken_bytes_as_sentencepiece_does
         if "\ufffd" not in library:
             assert tok.decode(ids) == library, ids
         _check(tok, ids, [], 0)
+
+
+def test_where_two_stop_strings_cut_does_not_depend_on_how_the_tokens_split_the_text():
+    """A hostile round: the reply was cut at the earliest start among the stops found in a piece, so a
+    stop that ends later but arrived in the same token as an earlier-ending one won (" there was" by
+    tokens, " there was a" a character at a time, for the stops " l" and " a littl"). It ends at the
+    stop that ends first, whatever the split: against a character-at-a-time feed on random cases."""
+    from edgeinfer.detokenize import StopFilter
+
+    def cut(pieces, stops):
+        f = StopFilter(tuple(stops))
+        out = "".join(f.feed(p) for p in pieces)
+        return out + ("" if f.stopped else f.flush())
+
+    text, stops = " there was a little girl", [" l", " a littl"]
+    assert cut([" there", " was", " a", " little", " girl"], stops) == cut(list(text), stops) == " there was a"
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab c") for _ in range(rng.randint(1, 24)))
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6))))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        assert cut(pieces, stops) == cut(list(text), stops), (text, stops, pieces)

@@ -1122,3 +1122,24 @@ def test_a_pc_s_dmi_name_never_makes_it_a_board(tmp_path, product):
     assert r.device == product and r.throttle_temp_c is None and r.pi_throttle is None and r.power_mode is None
     assert not any("nvpmodel" in w or "vcgencmd" in w for w in r.warnings)
     assert detect(tmp_path / "root", env={}, platform="linux", machine="x86_64").profile.name == "x86-64-desktop"
+
+
+def test_a_failure_whose_text_changes_each_time_is_one_kind_of_the_controller_s_own(caplog):
+    """A review: "power control failed (ValueError: 'x7Q')" with other text at each tick filled the
+    controller's own 100 kinds, and a later "the sensors have not answered" was never said."""
+    import logging
+    import random
+
+    rng = random.Random(1)
+
+    class Broken:
+        def read(self):
+            raise ValueError(repr("".join(rng.choice("abc'\" ") for _ in range(12))))
+
+    c = PowerController(Policy("balanced"), Broken(), fake_cores())
+    with caplog.at_level(logging.WARNING, logger="edgeinfer.power"):
+        for _ in range(300):
+            c.tick()
+        c._warn("the sensors have not answered for over a minute (a read is stuck?)")
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("power control failed" in m for m in said) == 1 and "have not answered" in said[-1]

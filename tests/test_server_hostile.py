@@ -347,6 +347,8 @@ def test_cors_preflight_is_not_refused_for_want_of_an_api_key(model):
             r.server.tokenize_pool.submit = submit
         assert bug.status_code == 500 and bug.json()["error"]["type"] == "server_error"
         assert bug.headers.get("access-control-allow-origin") == "http://app.example"
+        metrics = httpx.get(r.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        assert 'edgeinfer_requests_total{endpoint="completions",status="500"} 1.0' in metrics  # (counted nowhere)
     finally:
         r.stop()
 

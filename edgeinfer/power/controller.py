@@ -46,6 +46,7 @@ MAX_SLEEP_S = 1.0 / MIN_TOKENS_PER_S
 MIN_SLEEP_S = 0.001  # the pacer sleeps only when this far ahead of its schedule (sleeps wake ~0.1-0.3 ms late)
 _TRAILING_REPR = re.compile(r"""(?<= )(['"]).*\1$""")  # what a sensor file or command said, as a reader quotes it
 MAX_WARNING_KINDS = 100  # logged once each, for the sensors' warnings and, apart, for the controller's own
+_WARN_LOCK = threading.Lock()  # a kind counted and added at once (a controller's `warned` may be shared)
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 FIRST_READ_S = 10.0  # `start` waits this long for the first plan (a Jetson's nvpmodel may take its 5 s timeout)
 STALE_PLAN_S = 60.0  # a plan this old while sampling runs: a sensor read is stuck (`PowerController.state`)
@@ -141,7 +142,8 @@ class PowerController:
             self._say_unenforced(readings)
             plan = decide(self._smoothed(readings), self.policy, load, self.plan)
         except Exception as e:  # a reader or the policy failed: run safe, say it once
-            self._warn(f"power control failed ({type(e).__name__}: {e}); running the safe plan")
+            self._warn(f"power control failed ({type(e).__name__}: {e}); running the safe plan",
+                       kind=f"power control failed ({type(e).__name__})")  # (its text may change each time)
             readings, plan = self.readings, safe_plan(load, f"power control failed: {type(e).__name__}",
                                                        self.policy, self.plan)
         self.readings, self.plan, self._planned_at = readings, plan, now
@@ -199,18 +201,22 @@ class PowerController:
         self.policy, self.plan = policy, None
         return self.tick()
 
-    def _warn(self, message: str, sensor: bool = False) -> None:
+    def _warn(self, message: str, sensor: bool = False, kind: str | None = None) -> None:
         """Log `message` once per kind, up to MAX_WARNING_KINDS kinds of the sensors' warnings and as many
         of the controller's own: a sensor's cannot crowd out "power control failed" (hostile rounds: a
         reading of 151.000, 151.001, ... °C, then garbage text that changed at every read, filled the
         kinds, and the controller's own failure was never said). Numbers make no other kind, nor does
-        the text a sensor's warning quotes at its end."""
-        kind = _NUMBER.sub("#", message)
-        if sensor:
-            kind = _TRAILING_REPR.sub("'…'", kind)
-        if kind in self._warned or sum(k.startswith("sensor: ") == sensor for k in self._warned) >= MAX_WARNING_KINDS:
-            return
-        self._warned.add(kind)
+        the text a sensor's warning quotes at its end (`kind`: the caller's, for a message whose text may
+        change). Thread-safe: the sampling thread, `start`, a pacer and /health warn."""
+        if kind is None:
+            kind = _NUMBER.sub("#", message)
+            if sensor:
+                kind = _TRAILING_REPR.sub("'…'", kind)
+        with _WARN_LOCK:
+            if kind in self._warned or sum(k.startswith("sensor: ") == sensor
+                                           for k in self._warned) >= MAX_WARNING_KINDS:
+                return
+            self._warned.add(kind)
         log.warning("edgeinfer power: %s", message)
 
     def start(self) -> "PowerController":
@@ -395,6 +401,7 @@ def _reset_locks_in_child() -> None:
     try:
         _FORKS[0] += 1
         _RESPAWN._at_fork_reinit()
+        _WARN_LOCK._at_fork_reinit()
         CoreLimit._shared_lock._at_fork_reinit()
         for ref in _CONTROLLERS.data:
             c = ref()

@@ -234,6 +234,9 @@ class Reply:
                 body = build(id=self.id, created=self.created, model=self.model_id, usage=usage, **extra)
                 yield _sse(body)
             yield "data: [DONE]\n\n"
+        except Exception:  # a bug mid-stream: counted and logged as a 500, not as a client that left (a review)
+            status = 500
+            raise
         finally:  # also when the client disconnects: the generator is closed or cancelled here
             self.job.cancel()
             if completion is not None:

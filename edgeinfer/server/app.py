@@ -408,6 +408,9 @@ class _Gate:
             if started:  # (the reply is under way: nothing to say but what the connection's end says)
                 raise
             log.exception("internal error on %s %s", scope.get("method", "-"), path)
+            endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(path, "other")
+            self.server.metrics.request(endpoint, 500)  # (a review: a bug's 500 was counted nowhere)
+            self.server.log_refusal(scope.get("method", "-"), path, 500, "server_error")
             return await error_response(APIError(500, "internal server error", type="server_error"))(scope, receive,
                                                                                                       send)
 
