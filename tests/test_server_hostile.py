@@ -347,8 +347,20 @@ def test_cors_preflight_is_not_refused_for_want_of_an_api_key(model):
             r.server.tokenize_pool.submit = submit
         assert bug.status_code == 500 and bug.json()["error"]["type"] == "server_error"
         assert bug.headers.get("access-control-allow-origin") == "http://app.example"
+        from edgeinfer.server import answer
+
+        log_line = answer.Reply._log
+        answer.Reply._log = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug in the log line"))
+        try:  # a bug after the reply's own count: one request, one count (a review: a 200 and a 500)
+            late = httpx.post(r.url + "/v1/completions", json={"model": "stories260K-int8", "prompt": "Hi",
+                                                               "max_tokens": 2},
+                              headers={"Authorization": f"Bearer {KEY}"})
+        finally:
+            answer.Reply._log = log_line
+        assert late.status_code == 500
         metrics = httpx.get(r.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-        assert 'edgeinfer_requests_total{endpoint="completions",status="500"} 1.0' in metrics  # (counted nowhere)
+        assert 'edgeinfer_requests_total{endpoint="completions",status="500"} 2.0' in metrics  # (counted nowhere)
+        assert 'edgeinfer_requests_total{endpoint="completions",status="200"} 1.0' in metrics  # the first request
     finally:
         r.stop()
 
