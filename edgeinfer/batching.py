@@ -12,8 +12,9 @@ Single decoding (`SoloStepper`) has the same three methods, so `Generation` does
 one it is driving. On fp32 models outputs are bit-identical to decoding each conversation alone,
 except a speculating request's (alone it verifies drafts in several-row calls, which round
 differently, `speculative.py`; beside others it takes plain batched steps: logprobs ~1e-6 apart and
-a near-tie may resolve the other way); quantized weights (MatMulNBits, even at accuracy level 0) take another kernel for a batch of rows
-than for one, so logprobs differ by ~1e-5 and a near-tie may resolve the other way.
+a near-tie may resolve the other way); quantized weights (MatMulNBits, even at accuracy level 0)
+take another kernel for a batch of rows than for one, so logprobs differ by ~1e-5 and a near-tie may
+resolve the other way.
 """
 
 from __future__ import annotations

@@ -232,7 +232,8 @@ class Request:
         self._begin, self._end, self._lock = begin, end, lock
         self.held: ContextLock | None = None  # the context's lock while the steps hold it
         self._token = 0  # its holding of the context's lock (`ContextLock.acquire`)
-        self.failed = False  # it ended in an error (not finished, abandoned, interrupted or refused): its rows may be bad
+        self.failed = False  # it ended in an error (not finished, abandoned, interrupted or refused): its rows
+        # may be bad
         self.unsent: Chunk | None = None  # the finished request's last chunk from just before `completion` is
         # set until `Generation` has it: where a Ctrl-C (or an error in `end`) ends the steps first, the
         # next `Generation.__next__` returns it
@@ -252,8 +253,9 @@ class Request:
             self._check_cancelled()  # cancelled before its first next(): begin must not change the context
             draft = self._check_engine()  # so are options this engine cannot run (the ring kept what it held)
             final = yield from self._run(begin(self), draft)
-        except (GenerationCancelled, InvalidArgumentError, ContextOverflowError):  # abandoned, as a dropped stream is, or refused by
-            raise  # our own checks (a bias that bans every token, a prompt that does not fit): its rows are sound
+        except (GenerationCancelled, InvalidArgumentError, ContextOverflowError):  # abandoned, as a dropped
+            raise  # stream is, or refused by our own checks (a bias that bans every token, a prompt that does
+            # not fit): its rows are sound
         except Exception:
             self.failed = True
             raise

@@ -296,9 +296,8 @@ class Model:
         Options (a GenerationOptions, and/or its flat keywords: max_new_tokens, temperature, top_k,
         top_p, min_p, typical_p, repetition_penalty, frequency_penalty, presence_penalty,
         penalty_last_n, logit_bias, stop, seed, ignore_eos, penalize_prompt, speculative) and the prompt
-        are checked now. From its
-        first next() until it ends (or is closed or dropped) the stream holds the model's default
-        context: `generate` or `stream` from another thread waits for it; from the same thread they
+        are checked now. From its first next() until it ends (or is closed or dropped) the stream holds
+        the model's default context: `generate` or `stream` from another thread waits for it; from the same thread they
         raise ContextBusyError. Once a server serves this Model, the default context is the server's
         (`lend_default_cache`): they raise ContextBusyError; `conversation()` has a ring of its own.
         """

@@ -334,7 +334,8 @@ def test_cors_preflight_is_not_refused_for_want_of_an_api_key(model):
                                      "Access-Control-Request-Headers": "authorization,content-type"})
         assert pre.status_code == 200, (pre.status_code, pre.text[:200])
         assert pre.headers.get("access-control-allow-origin") == "http://app.example"
-        real = httpx.post(r.url + "/v1/completions", json={"model": "stories260K-int8", "prompt": "Hi", "max_tokens": 2},
+        real = httpx.post(r.url + "/v1/completions",
+                          json={"model": "stories260K-int8", "prompt": "Hi", "max_tokens": 2},
                           headers={"Origin": "http://app.example", "Authorization": f"Bearer {KEY}"})
         exposed = {h.strip().lower() for h in real.headers.get("access-control-expose-headers", "").split(",")}
         assert {"retry-after", "x-edgeinfer-dropped-tokens"} <= exposed  # a page's script may read them (a hostile

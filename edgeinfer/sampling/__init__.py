@@ -193,8 +193,8 @@ class Sampler:
         """The token and its log-probability (plus the top_n alternatives), computed in C from the
         same penalised, biased logits the chain used; the numpy twin's `logprobs` is the reference.
         top_n: an int >= 0 (TypeError for a non-integer, ValueError for a negative one, before anything
-        is drawn); more than the vocabulary gives all of it. In C the draw and its logprobs are one call: another thread's use between them
-        is refused, as for `sample`."""
+        is drawn); more than the vocabulary gives all of it. In C the draw and its logprobs are one
+        call: another thread's use between them is refused, as for `sample`."""
         top_n = _count(top_n)
         if self._c is not None:
             x = _logits(logits)
