@@ -22,6 +22,7 @@ from edgeinfer import progress
 from edgeinfer.cli_args import OUTPUT_FULL, path_arg
 from edgeinfer.interrupts import interrupts_held
 from edgeinfer.errors import EdgeInferError
+from edgeinfer.terminal import printable
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     except EdgeInferError as e:
         progress.clear()
-        print(f"edgeinfer: error: {e}", file=sys.stderr)
+        print(f"edgeinfer: error: {printable(str(e))}", file=sys.stderr)  # (it may quote a model folder's strings)
         return 1
     except (KeyboardInterrupt, ImportError) as e:  # a Ctrl-C inside a compiled module's import (ONNX
         cause = _interrupt_cause(e)  # Runtime's) comes out as "ImportError: initialization failed"
@@ -357,9 +358,10 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     caller keeps Python's own form). One that cannot be written (standard error on a full disk, a
     pipe whose reader has gone) is dropped, as Python's own `showwarning` drops it: raised inside a
     load, it became the load's error ("cannot load model.onnx: No space left on device"), and a daemon
-    whose log could not be written died at start (a review)."""
+    whose log could not be written died at start (a review). Escape sequences in it (a model folder's
+    strings that it quotes) are written escaped (`terminal.printable`)."""
     try:
-        print(f"edgeinfer: warning: {message}", file=sys.stderr if file is None else file)
+        print(f"edgeinfer: warning: {printable(str(message))}", file=sys.stderr if file is None else file)
     except OSError:
         pass
 

@@ -12,6 +12,7 @@ from edgeinfer.errors import EdgeInferError, InvalidArgumentError, ModelFormatEr
 from edgeinfer.integrity import STAMP_FILE, check
 from edgeinfer.manifest import CHECKSUM_KEY, MANIFEST_FILE, Manifest, read_manifest
 from edgeinfer.overflow import DEFAULT_PREFILL_CHUNK, resolve_capacity
+from edgeinfer.terminal import printable
 
 
 def parameter_count(a: ArchSpec) -> int:
@@ -161,7 +162,7 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
         "the trained length less a sixteenth, room to re-base"
     rows = s["kv_rows_at_load"]
     kv_rows = f"{rows} rows, fixed by the graphs" if m.portable is not None else f"+{rows - cap} overflow rows"
-    return "\n".join([
+    return "\n".join(map(printable, [  # the manifest's strings are the folder's (escapes not passed to the terminal)
         f"{folder}",
         f"  architecture  {s['family']}: {s['parameters'] / 1e6:.2f} M parameters, {s['layers']} layers, "
         f"hidden {s['hidden_size']}, {s['heads']} heads / {s['kv_heads']} KV heads x {s['head_dim']}{widened}, "
@@ -189,7 +190,7 @@ def describe(folder: Path | str, as_json: bool = False) -> str:
            f"of the model's own text ({m.ngrams.file}; speculative=\"ngram\" drafts from it)"]
           if m.ngrams is not None else []),
         f"  source        {origin_line(m)}",
-    ])
+    ]))
 
 
 def verify(folder: Path | str, out=print) -> bool:
@@ -208,7 +209,7 @@ def verify(folder: Path | str, out=print) -> bool:
         f"note      {MANIFEST_FILE}: no {CHECKSUM_KEY} (an older converter, or deleted): its fields are not checked")
     for name, problem in check(folder, files, manifest.named_files):
         ok = ok and problem is None
-        out(f"ok        {name}" if problem is None else f"MISMATCH  {name}: {problem}")
+        out(printable(f"ok        {name}" if problem is None else f"MISMATCH  {name}: {problem}"))
     if ok:  # is the manifest what the graphs say? (load's own checks; a portable folder's both graphs and its
         from edgeinfer.ngram_table import NgramTable  # host embeddings, as its engine opens them; the n-gram table)
         from edgeinfer.portable_engine import PortableEngine
@@ -225,7 +226,7 @@ def verify(folder: Path | str, out=print) -> bool:
             out("ok        loads (graph inputs and outputs, tokenizer ids: as the manifest describes)")
         except EdgeInferError as e:
             ok = False
-            out(f"MISMATCH  {MANIFEST_FILE}: {e}")
+            out(printable(f"MISMATCH  {MANIFEST_FILE}: {e}"))
     return ok
 
 

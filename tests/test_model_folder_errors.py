@@ -209,3 +209,35 @@ def test_empty_text(capsys, folder, tmp_path):
 
 def test_window_too_small(capsys, folder):
     one_line_error(capsys, ["eval", "-m", str(folder), "--text", str(EVAL_TXT), "--window", "1"], "--window")
+
+
+def test_a_model_folder_s_escape_sequences_never_reach_the_terminal(tmp_path, capsys):
+    """A hostile round: `inspect` printed a manifest's strings as they were (origin.file, tensor types,
+    kept blocks, the family; an error quoting a bad entry), so a downloaded folder could retitle the
+    terminal, clear it or colour what followed. `power` and `inspect --platform` already escaped the
+    device's strings; a folder's are now escaped alike, in inspect's lines and the CLI's errors."""
+    import json
+    import shutil
+
+    from conftest import ROOT, write_manifest
+    from edgeinfer.cli import main
+
+    folder = tmp_path / "evil"
+    shutil.copytree(ROOT / "models" / "stories260K-int8", folder)
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    esc = "\x1b]0;TITLE\x07\x1b[2J\x1b[31m\n"
+    m["origin"].update(format="gguf", quant="keep", file="x.gguf" + esc, tensor_types={"F32" + esc: 3},
+                       kept_exact=["Q8_0" + esc])
+    m["architecture"]["family"] = "llama" + esc
+    write_manifest(folder, m)
+    assert main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out, out
+    assert "x.gguf\\x1b]0;TITLE\\x07\\x1b[2J\\x1b[31m\\n" in out and "llama\\x1b" in out, out
+    assert len(out.splitlines()) == len([ln for ln in out.splitlines() if ln.startswith(("  ", str(folder)))])
+
+    m["quantization"]["int8_tensors"] = ["lm_head" + esc]  # refused, its value quoted in the error
+    write_manifest(folder, m)
+    assert main(["generate", "-m", str(folder), "Once", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("edgeinfer: error: ") and "\x1b" not in err and len(err.splitlines()) == 1, err

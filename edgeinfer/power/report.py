@@ -6,6 +6,7 @@ from __future__ import annotations
 from edgeinfer.power.policy import POLICY_NAMES, Load, Policy, decide
 from edgeinfer.power.readings import Readings
 from edgeinfer.power.threads import allowed_cores
+from edgeinfer.terminal import printable
 
 
 def report(readings: Readings) -> dict:
@@ -86,10 +87,4 @@ def format_report(data: dict) -> str:
         cap = f"{p['max_tokens_per_s']:.1f} tok/s" if p["max_tokens_per_s"] else "unpaced"
         lines.append(f"  {name:<13} {p['threads']} core{'s' if p['threads'] != 1 else ''}, {cap}, background "
                      f"{'admitted' if p['admit_background'] else 'refused'}  ({p['reason'] or p['level']})")
-    return "\n".join(map(_printable, lines))
-
-
-def _printable(line: str) -> str:
-    """The device's own strings (its model name, a command's output) with control characters escaped:
-    an escape sequence in a device-tree model must not reach the terminal (a title change, a clear)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+    return "\n".join(map(printable, lines))  # the device's own strings (a device-tree model, a command's output)

@@ -1,0 +1,14 @@
+"""Text that other parties wrote, made safe to print on a terminal.
+
+A model folder's manifest (a file name, a family), a device's strings (its model name, a command's
+output) and the errors that quote them come from someone other than the user. An escape sequence in
+them must not reach the terminal: it can retitle the window, clear the screen, or colour what follows.
+"""
+
+from __future__ import annotations
+
+
+def printable(line: str) -> str:
+    """`line` with every character that does not print as itself escaped as Python writes it (ESC as
+    \\x1b, a line break as \\n): one line, as it was written, whatever a field in it held."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
