@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import sys
 
@@ -117,8 +118,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:
         if args.stream:
             g = model.stream(prompt, opts)
-            for chunk in g:
-                print(chunk.text, end="", flush=True)
+            try:
+                for chunk in g:
+                    print(chunk.text, end="", flush=True)
+            except KeyboardInterrupt:  # on a terminal, "interrupted" on a line of its own (as chat does it),
+                _end_line_on_terminal()  # not glued to the reply's last word
+                raise
             print()
             c = g.completion
         else:
@@ -135,6 +140,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for note in _context_notes(c, opts.max_new_tokens, model.capacity_tokens, args.overflow):
         print(f"edgeinfer: note: {note}", file=sys.stderr)
     return 0
+
+
+def _end_line_on_terminal() -> None:
+    """Ends the reply's line when standard output is a terminal (a pipe or a file keeps the text as
+    it was generated); a terminal that cannot be written any more is left as it is."""
+    try:
+        if sys.stdout is not None and sys.stdout.isatty():
+            print(flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 MAX_STDIN_PROMPT_BYTES = 1 << 20  # the tokenizer takes ~200 bytes of memory a byte at once (an 8 MB prompt: 1.6 GB,
@@ -240,7 +255,7 @@ def _block(line: str, read_line) -> str:
             too_long = True
             continue
         except UnicodeDecodeError as e:  # that line alone: the block goes on (dropping the message left its
-            print(f"edgeinfer: error: the input is not valid UTF-8 ({e.reason}); line skipped", file=sys.stderr)
+            print(f"edgeinfer: error: {_not_decoded(e)}; line skipped", file=sys.stderr)
             continue  # other lines to arrive as turns of their own, and its closing \"\"\" to open a block)
         if text.rstrip() == BLOCK:
             break
@@ -251,6 +266,16 @@ def _block(line: str, read_line) -> str:
     if too_long:
         raise _TooLong()
     return "\n".join(lines)
+
+
+def _not_decoded(e: UnicodeDecodeError) -> str:
+    """What was wrong with a line of input that could not be decoded. Piped lines are read as UTF-8; a
+    terminal's by its encoding, which PYTHONIOENCODING or the locale may make ASCII or Latin-1: then
+    valid UTF-8 text ("café") is refused, and the message names the encoding, not the text, as the cause."""
+    if codecs.lookup(e.encoding).name == "utf-8":
+        return f"the input is not valid UTF-8 ({e.reason})"
+    return (f"the input cannot be read as {e.encoding} ({e.reason}): the terminal's encoding, from "
+            f"PYTHONIOENCODING or the locale; set it to UTF-8, or pipe the messages in")
 
 
 def _read_line(prompt: str | None) -> str:
@@ -339,7 +364,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             raw = e.object if isinstance(e.object, bytes) else b""
             opens = raw.startswith(BLOCK.encode()) and not raw[len(BLOCK):].rstrip().endswith(BLOCK.encode())
             skipped = "the message it begins (to its closing \"\"\") skipped" if opens else "line skipped"
-            print(f"edgeinfer: error: the input is not valid UTF-8 ({e.reason}); {skipped}", file=sys.stderr)
+            print(f"edgeinfer: error: {_not_decoded(e)}; {skipped}", file=sys.stderr)
             refused += 1
             if opens:  # its lines were turns of their own, and its closing \"\"\" opened a block (a review)
                 _skip_block(more, interactive)

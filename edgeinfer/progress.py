@@ -1,5 +1,5 @@
 """A one-line count on stderr while a long command runs (`edgeinfer eval`, `edgeinfer bench`), shown
-only when stderr is a terminal, so that logs and pipes get nothing but the result.
+only when stderr is a terminal (not TERM=dumb), so that logs and pipes get nothing but the result.
 
 `Progress(label)` (or `on_terminal(label)`: None where nothing would be drawn) is called with
 (done, total, unit) as work completes; it redraws at most every `REDRAW_S` seconds and on the last
@@ -10,6 +10,7 @@ ran on after "run 1/2 ..." on the same line.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -21,7 +22,8 @@ class Progress:
     def __init__(self, label: str, stream=None):
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        # (a dumb terminal, Emacs' shell, shows the line's cursor codes as text: nothing drawn there)
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) and os.environ.get("TERM") != "dumb"
         self._last = float("-inf")
 
     def __call__(self, done: int, total: int, unit: str) -> None:

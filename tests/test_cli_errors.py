@@ -753,6 +753,30 @@ def test_a_ctrl_c_as_the_finished_command_exits_changes_nothing():
     assert out.returncode == 0 and out.stdout.strip() and "Traceback" not in out.stderr, out.stderr
 
 
+def test_a_ctrl_c_as_the_interpreter_tears_its_modules_down_changes_nothing():
+    """A hostile round: Python's finalization puts SIGINT's default handler back before it tears the
+    modules down (~0.1 s after a `generate`), and a Ctrl-C then killed the process by the signal
+    after a complete output (12 of 30 timed tries). The Ctrl-C here comes from an object freed in
+    that teardown."""
+    code = """if True:
+        import os, signal, sys
+
+        class KillAtTeardown:
+            def __init__(self):
+                self.kill, self.pid, self.sig = os.kill, os.getpid(), signal.SIGINT
+
+            def __del__(self):
+                self.kill(self.pid, self.sig)
+
+        keep = KillAtTeardown()  # freed as the __main__ module is torn down
+        from edgeinfer.__main__ import run
+        sys.exit(run())
+    """
+    out = subprocess.run([sys.executable, "-c", code, "generate", "Once", "--max-tokens", "3", "--seed", "1"],
+                         capture_output=True, text=True, timeout=60, preexec_fn=_sigint_default)
+    assert out.returncode == 0 and out.stdout.strip() and "Traceback" not in out.stderr, (out.returncode, out.stderr)
+
+
 def test_a_ctrl_c_while_the_exit_waits_for_a_worker_thread_ends_it_at_once():
     """A review: with SIGINT ignored after main, `serve`'s exit, which waits for its worker threads to
     finish their step, could not be cut short by Ctrl-C. It now ends the process at once, with main's
@@ -790,3 +814,65 @@ def test_running_out_of_memory_is_one_error_line(capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("edgeinfer: error: not enough memory: Unable to allocate 4.00 TiB"), err
     assert err[0].endswith("(a smaller --capacity or a smaller model needs less)"), err
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_a_streamed_reply_cut_by_ctrl_c_ends_its_line_on_a_terminal_only(monkeypatch, capsys, tty):
+    """A hostile round: Ctrl-C in `generate --stream` left "...little bo^Cedgeinfer: interrupted" on one
+    line (chat ends the line first). A pipe or a file keeps the text as it was generated."""
+    from edgeinfer import generation
+
+    real, calls = generation.Generation.__next__, []
+
+    def cut(self):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(generation.Generation, "__next__", cut)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: tty)
+    assert main(["generate", "Once upon a time", "--stream", "--max-tokens", "20", "--seed", "1"]) == 130
+    out, err = capsys.readouterr()
+    assert out.strip() and out.endswith("\n") == tty, out
+    assert err == "edgeinfer: interrupted\n", err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pseudo-terminal, as Linux has")
+def test_a_terminal_that_goes_away_mid_reply_is_one_line_not_a_traceback():
+    """A hostile round: with SIGHUP ignored (nohup, `trap '' HUP`, a supervisor) and stderr to a log, a
+    closed terminal made the next write fail with EIO, which the CLI raised: a traceback in the log."""
+    import pty
+    import select
+    import signal
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "generate", "Once upon a time", "--stream",
+                             "--max-tokens", "100000", "--ignore-eos", "--seed", "1"],
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    os.close(slave)
+    try:
+        seen, deadline = b"", time.monotonic() + 60
+        while len(seen) < 200:  # the reply is streaming
+            assert time.monotonic() < deadline and proc.poll() is None, seen
+            if select.select([master], [], [], 1)[0]:
+                seen += os.read(master, 4096)
+    finally:
+        os.close(master)  # the terminal goes away
+    err = proc.communicate(timeout=60)[1].decode()
+    assert proc.returncode == 1 and err.splitlines() == ["edgeinfer: error: cannot write the output: Input/output error"], err
+
+
+def test_a_line_the_terminal_s_encoding_cannot_read_blames_the_encoding_not_the_text():
+    """A hostile round: under PYTHONIOENCODING=ascii, "café" typed at chat's prompt was refused as "not
+    valid UTF-8" (it is), while the same bytes piped in were taken."""
+    from edgeinfer.cli_generate import _not_decoded
+
+    with pytest.raises(UnicodeDecodeError) as typed:
+        "café".encode().decode("ascii")
+    assert _not_decoded(typed.value).startswith("the input cannot be read as ascii (ordinal not in range(128)): "
+                                                "the terminal's encoding, from PYTHONIOENCODING or the locale")
+    with pytest.raises(UnicodeDecodeError) as piped:
+        b"caf\xe9!".decode("utf-8")
+    assert _not_decoded(piped.value) == "the input is not valid UTF-8 (invalid continuation byte)"

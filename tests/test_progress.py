@@ -18,6 +18,7 @@ class Tty(io.StringIO):
 
 
 def test_drawn_on_a_terminal_only_throttled_and_cleared(monkeypatch):
+    monkeypatch.setenv("TERM", "xterm")
     clock = iter([0.0, 0.05, 0.1, 0.5])
     monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
     out = Tty()
@@ -34,6 +35,16 @@ def test_drawn_on_a_terminal_only_throttled_and_cleared(monkeypatch):
     pipe = io.StringIO()
     progress.Progress("edgeinfer eval", pipe)(1, 1, "windows")
     assert pipe.getvalue() == ""
+
+
+def test_nothing_drawn_on_a_dumb_terminal(monkeypatch):
+    """A hostile round: Emacs' shell (TERM=dumb) showed the line's cursor codes as text, ten `^[[K` in
+    one `eval`."""
+    monkeypatch.setenv("TERM", "dumb")
+    out = Tty()
+    progress.Progress("edgeinfer eval", out)(1, 1, "windows")
+    progress.clear()
+    assert out.getvalue() == "" and progress.on_terminal("edgeinfer eval") is None
 
 
 def test_eval_counts_every_window_and_token():
