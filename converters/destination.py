@@ -223,8 +223,8 @@ def _orphans(dst: Path, quiet_s: float = 0) -> list[Path]:
         except OSError:
             continue
         for p in candidates:
-            pid = p.name[len(prefix):].split("-", 1)[0]
-            if not (pid.isdigit() and int(pid) != os.getpid() and p.is_dir() and not p.is_symlink() and _gone(int(pid))):
+            pid = _leftover_pid(p.name, prefix)
+            if not (pid is not None and pid != os.getpid() and p.is_dir() and not p.is_symlink() and _gone(pid)):
                 continue
             try:
                 if time.time() - _newest_change(p) >= quiet_s:
@@ -232,6 +232,28 @@ def _orphans(dst: Path, quiet_s: float = 0) -> list[Path]:
             except OSError:
                 continue
     return found
+
+
+def _leftover_pid(name: str, prefix: str) -> int | None:
+    """The pid in the name of a hidden folder a conversion made beside DST (`prefix`: ".DST.partial-"
+    or ".DST.old-", then PID-XXXXXXXX: a pid this system can have, no leading zero, and 8 lower-case
+    hex digits), or None for any other name. A user's own folder that merely begins alike (a dated
+    backup, ".model.old-20231105") is never taken for a leftover: the sweep deleted such folders, and
+    a whole model among them was renamed into DST (a hostile round)."""
+    pid, sep, token = name[len(prefix):].partition("-")
+    if not (name.startswith(prefix) and sep and pid.isdigit() and pid[0] != "0" and len(token) == 8
+            and all(c in "0123456789abcdef" for c in token)):
+        return None
+    return int(pid) if int(pid) <= _pid_max() else None
+
+
+def _pid_max() -> int:
+    """The largest pid this system gives (Linux: /proc/sys/kernel/pid_max; elsewhere Linux's ceiling,
+    2**22, which macOS's 99,999 is under)."""
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return 1 << 22
 
 
 def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:
@@ -279,8 +301,10 @@ def _rename_into_place(tmp: Path, dst: Path, force: bool) -> Path | None:
         return None
     if _exchange(tmp, dst):  # one step: there is no moment without a model at dst
         return tmp
-    old = dst.parent / f"{_hidden(dst)}.old-{os.getpid()}"  # two steps: a process killed between them leaves
-    os.replace(dst, old)  # the old model here, which the next conversion into dst puts back (`_restore_stranded`)
+    # two steps: a process killed between them leaves the old model at `old`, which the next conversion
+    # into dst puts back (`_restore_stranded`)
+    old = dst.parent / f"{_hidden(dst)}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    os.replace(dst, old)
     try:
         os.replace(tmp, dst)
     except BaseException:
@@ -315,14 +339,14 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _restore_stranded(dst: Path, log) -> None:
-    """Put back a model that a conversion killed between its two renames left as `.DST.old-PID` (only
-    where `_exchange` is not available), when DST is missing and that process is gone."""
+    """Put back a model that a conversion killed between its two renames left as `.DST.old-PID-RANDOM`
+    (only where `_exchange` is not available), when DST is missing and that process is gone."""
     if os.path.lexists(dst):
         return
     prefix = f"{_hidden(dst)}.old-"
     for p in sorted(dst.parent.glob(glob.escape(prefix) + "*")) if dst.parent.is_dir() else ():
-        pid = p.name[len(prefix):]
-        if not pid.isdigit() or int(pid) == os.getpid() or not _gone(int(pid)) or not _whole_model(p):
+        pid = _leftover_pid(p.name, prefix)
+        if pid is None or pid == os.getpid() or not _gone(pid) or not _whole_model(p):
             continue  # (a model whose removal after a finished swap was cut short is half gone: not put back)
         try:
             os.rename(p, dst)

@@ -390,10 +390,10 @@ def test_the_folder_takes_the_umask_and_orphans_of_killed_conversions_go(capsys,
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
     hour_ago = time.time() - 3700
-    for name in (f".out.partial-{dead}-abc", f".out.partial-{dead}-new", f".out.partial-{os.getppid()}-abc"):
+    for name in (f".out.partial-{dead}-0000abcd", f".out.partial-{dead}-0000beef", f".out.partial-{os.getppid()}-0000abcd"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.onnx.data").write_bytes(b"x")
-        if not name.endswith("new"):  # new: its process gone here, but written to a minute ago (another host's?)
+        if not name.endswith("beef"):  # its process gone here, but written to a minute ago (another host's?)
             for q in (tmp_path / name / "model.onnx.data", tmp_path / name):
                 os.utime(q, (hour_ago, hour_ago))
     old = os.umask(0o022)
@@ -403,7 +403,7 @@ def test_the_folder_takes_the_umask_and_orphans_of_killed_conversions_go(capsys,
         os.umask(old)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
     assert sorted(p.name for p in tmp_path.iterdir() if ".partial-" in p.name) == sorted(
-        [f".out.partial-{dead}-new", f".out.partial-{os.getppid()}-abc"])
+        [f".out.partial-{dead}-0000beef", f".out.partial-{os.getppid()}-0000abcd"])
 
 
 def test_bad_option_values(capsys, src, tmp_path):

@@ -50,6 +50,15 @@ def assert_user_error(rc: int, err: str, *needles: str) -> None:
         assert n in lines[0], (n, lines[0])
 
 
+def _dead_pid() -> int:
+    """The pid of a process that has ended (a leftover's conversion, killed)."""
+    import subprocess
+    import sys
+
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
 def assert_no_leftovers(parent: Path) -> None:
     assert not [p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
 
@@ -430,9 +439,8 @@ def test_a_model_stranded_between_two_renames_is_put_back(capsys, work, tmp_path
     `.DST.old-PID` and no DST. The next conversion into DST puts the old model back first (so it
     is refused without --force, the model intact), and a later --force replaces it as usual."""
     destination = importlib.import_module("edgeinfer.converters.destination")
-    dead_pid = 4_194_305  # above Linux's largest pid_max: never a live process
     dst = tmp_path / "model"
-    stranded = tmp_path / f".model.old-{dead_pid}"
+    stranded = tmp_path / f".model.old-{_dead_pid()}-0a1b2c3d"
     assert run_convert(capsys, work / "src", stranded)[0] == 0  # a whole model, as the first rename left it
     before = snapshot(stranded)
     rc = main(["convert", str(work / "src"), "-o", str(dst)])
@@ -449,8 +457,7 @@ def test_a_model_stranded_between_two_renames_is_put_back(capsys, work, tmp_path
 def test_a_half_removed_old_model_is_not_put_back(capsys, work, tmp_path):
     """A review: where renames are not atomic swaps, a `.DST.old-PID` whose removal (after a finished
     swap) was cut short is missing files; if DST was later deleted, it was put back half gone."""
-    dead_pid = 4_194_305
-    stranded = tmp_path / f".model.old-{dead_pid}"
+    stranded = tmp_path / f".model.old-{_dead_pid()}-0a1b2c3d"
     assert run_convert(capsys, work / "src", stranded)[0] == 0
     (stranded / "model.onnx.data").unlink()
     assert run_convert(capsys, work / "src", tmp_path / "model")[0] == 0  # converts; nothing put back
@@ -464,7 +471,7 @@ def test_long_destination_names_that_begin_alike_keep_their_leftovers_apart(tmp_
     a, b = tmp_path / ("m" * 100 + "A"), tmp_path / ("m" * 100 + "B")
     assert destination._hidden(a) != destination._hidden(b)
     assert destination._hidden(tmp_path / "short") == ".short"
-    stranded = tmp_path / f"{destination._hidden(a)}.old-4194305"
+    stranded = tmp_path / f"{destination._hidden(a)}.old-{_dead_pid()}-0a1b2c3d"
     stranded.mkdir()
     destination._restore_stranded(b, print)
     assert stranded.exists() and not b.exists()
@@ -502,3 +509,33 @@ def test_files_written_into_the_destination_while_converting_are_not_deleted(cap
     assert_user_error(rc, err, "system.npz", "written while converting")
     assert (dst / "system.npz").read_bytes() == b"snapshot"
     assert_no_leftovers(tmp_path)
+
+
+def test_a_user_s_folders_that_merely_look_like_leftovers_are_never_touched(capsys, work, tmp_path):
+    """A hostile round: the sweep of killed conversions' leftovers took any `.DST.old-DIGITS` or
+    `.DST.partial-DIGITS-...` beside DST whose "pid" was not running and that was an hour old, so a
+    dated backup (`.model.old-20231105`) was deleted; and one holding a whole model was renamed into a
+    missing DST, which `--force` then replaced. Only the names a conversion makes count: a pid this
+    system can have, then 8 hex digits."""
+    dead = _dead_pid()
+    backup = tmp_path / ".model.old-20231105"
+    assert run_convert(capsys, work / "src", backup)[0] == 0  # a whole model, the user's backup of it
+    theirs = [tmp_path / ".model.partial-20240101-mine", tmp_path / f".model.old-{dead}",
+              tmp_path / f".model.partial-{dead}-0a1b2c3", tmp_path / f".model.old-0{dead}-0a1b2c3d",
+              tmp_path / f".model.partial-{dead}-0A1B2C3D"]
+    for folder in theirs:
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine")
+    hour_ago = time.time() - 7200
+    for folder in [backup, *theirs]:
+        for q in [*folder.iterdir(), folder]:
+            os.utime(q, (hour_ago, hour_ago))
+    before = {p.name: snapshot(p) for p in [backup, *theirs]}
+    ours = tmp_path / f".model.partial-{dead}-0a1b2c3d"  # a killed conversion's: swept
+    ours.mkdir()
+    (ours / "model.onnx.data").write_bytes(b"x")
+    for q in (ours / "model.onnx.data", ours):
+        os.utime(q, (hour_ago, hour_ago))
+    assert run_convert(capsys, work / "src", tmp_path / "model")[0] == 0  # DST was missing: nothing put back
+    assert run_convert(capsys, work / "src", tmp_path / "model", "--force")[0] == 0
+    assert {p.name: snapshot(p) for p in [backup, *theirs]} == before and not ours.exists()
