@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from edgeinfer.arch import SUPPORTED_ROPE_TYPES, ArchSpec, RopeSpec, positive_in_float32, rope_angles_finite
+from edgeinfer.arch import (SUPPORTED_ROPE_TYPES, ArchSpec, RopeSpec, check_sizes, positive_in_float32,
+                            rope_angles_finite)
 from edgeinfer.converters.source_files import read_json
 from edgeinfer.errors import ConvertError
+from edgeinfer.fields import FieldError
 
 
 def read_config(folder: Path) -> dict:
@@ -69,10 +71,20 @@ def _positive(v, key: str) -> float:
     return float(v)
 
 
+CONFIG_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",  # ArchSpec's: config.json's
+                "num_kv_heads": "num_key_value_heads"}
+
+
 def check_rope_range(spec: ArchSpec) -> None:
     """ConvertError unless RoPE's angles stay finite in float32 up to the last trained position: a tiny
     theta or scaling factor (1e-37) passes `_positive`, but inv_freq, or position times inv_freq, is
-    infinite there, and from that position on every logit was NaN."""
+    infinite there, and from that position on every logit was NaN. The sizes first (`check_sizes`):
+    the table is head_dim / 2 long, and a huge one took the machine's memory before its refusal."""
+    try:
+        check_sizes(spec, "config.json")
+    except FieldError as e:
+        name, problem = e.field.removeprefix("config.json."), str(e)[len(e.field) + 2:]
+        raise ConvertError(f"config.json: field {CONFIG_NAMES.get(name, name)!r} {problem}") from None
     if not rope_angles_finite(spec):
         raise ConvertError(f"config.json: RoPE's angles (theta {spec.rope.theta:g}, type {spec.rope.type}) are "
                            f"not finite in float32 by position {spec.max_position_embeddings - 1}: the rope "

@@ -91,9 +91,7 @@ class ArchSpec:
     def from_json(cls, d: dict, where: str = "architecture") -> "ArchSpec":
         """Checked (FieldError naming a bad field): types, positive sizes, a known rope type."""
         spec = cls(**json_fields(cls, d, where))
-        for name, most in SIZE_LIMITS.items():
-            if not 1 <= getattr(spec, name) <= most:
-                raise FieldError(f"{where}.{name}", f"must be in 1..{most:,}, got {getattr(spec, name):,}")
+        check_sizes(spec, where)
         if spec.max_position_embeddings < 2:  # the least ring is 2 tokens (1 passed, then every load was refused
             # with advice to use "a capacity of at most 1")
             raise FieldError(f"{where}.max_position_embeddings", "must be at least 2, got 1")
@@ -124,6 +122,18 @@ class ArchSpec:
             raise FieldError(f"{where}.rope.high_freq_factor", f"{r.high_freq_factor} must exceed low_freq_factor "
                              f"{r.low_freq_factor}")
         return spec
+
+
+def check_sizes(spec: ArchSpec, where: str) -> None:
+    """FieldError unless every size is within SIZE_LIMITS (and llama3 RoPE's original context within
+    max_position_embeddings' limit): checked before anything is made from them (RoPE's table is
+    head_dim / 2 long: a head_dim of 2**29 took 3 GB and 30 s before its refusal, 2**63 a traceback)."""
+    for name, most in SIZE_LIMITS.items():
+        if not 1 <= getattr(spec, name) <= most:
+            raise FieldError(f"{where}.{name}", f"must be in 1..{most:,}, got {getattr(spec, name):,}")
+    most, old = SIZE_LIMITS["max_position_embeddings"], spec.rope.original_max_position_embeddings
+    if not 0 < old <= most:
+        raise FieldError(f"{where}.rope.original_max_position_embeddings", f"must be in 1..{most:,}, got {str(old)[:40]}")
 
 
 def positive_in_float32(v: float) -> bool:

@@ -127,8 +127,14 @@ def test_unsupported_architecture_lists_supported(capsys, src, tmp_path):
     ({"architectures": "LlamaForCausalLM"}, "architectures must be a list of names"),
     ({"max_position_embeddings": 2}, "must be at least 16"),
     # past the bounds load checks: refused before writing a folder that `load` calls corrupted (review)
-    ({"max_position_embeddings": 2 ** 28}, "config.json: architecture.max_position_embeddings: must be in 1.."),
-    ({"num_hidden_layers": 5000}, "config.json: architecture.num_layers: must be in 1..4,096"),
+    ({"max_position_embeddings": 2 ** 28}, "config.json: field 'max_position_embeddings' must be in 1.."),
+    ({"num_hidden_layers": 5000}, "config.json: field 'num_hidden_layers' must be in 1..4,096"),
+    # before RoPE's table is made from them (a hostile round: 2**29 took 3 GB and 30 s, 2**63 a traceback)
+    ({"head_dim": 2 ** 29}, "config.json: field 'head_dim' must be in 1..4,096, got 536,870,912"),
+    ({"head_dim": 2 ** 63}, "config.json: field 'head_dim' must be in 1..4,096"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 10 ** 400}},
+     "field 'rope.original_max_position_embeddings' must be in 1..134,217,728, got 1000000000"),
     ({"rope_parameters": "x"}, "'rope_parameters' must be an object"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": "abc"}, "sliding_window"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 3}, "integer >= 16"),
