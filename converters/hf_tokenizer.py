@@ -75,6 +75,15 @@ def tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
     if not all(map(token_id, eos)) or not (bos is None or token_id(bos)):
         raise ConvertError(f"{gen_path if gen else src / 'config.json'}: bos_token_id {bos!r} and eos_token_id "
                            f"{eos!r} must be token ids in [0, {spec.vocab_size})")
+    if bos is None or not eos:  # neither config names them: the tokenizer's own, as transformers' tokenizer takes
+        # them (a config without them converted with no BOS before prompts and nothing to stop at; a hostile round)
+        for key in (("bos_token",) if bos is None else ()) + (("eos_token",) if not eos else ()):
+            name, found = _named_token(src, cfg, key)
+            if found is None or not token_id(found):
+                continue
+            log(f"note: neither config.json nor generation_config.json gives {key}_id: took {name!r} (id {found}), "
+                f"{cfg_path.name}'s {key}")
+            bos, eos = (found, eos) if key == "bos_token" else (bos, [found])
     add_bos = cfg.get("add_bos_token")
     if add_bos is None:  # a SentencePiece family (tokenizer.model there: Llama 2, Mistral, Gemma) adds it, as it
         # was trained and as llama.cpp runs it (transformers 5.24 adds none there); otherwise as tokenizer.json's
@@ -91,6 +100,33 @@ def tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
             "as transformers' chat templates do not end them")
     return TokenizerInfo(kind=kind, add_bos=add_bos, bos_token_id=bos, eos_token_ids=tuple(eos),
                          chat_template=template)
+
+
+def _named_token(src: Path, cfg: dict, key: str) -> tuple[str | None, int | None]:
+    """tokenizer_config.json's `key` ("bos_token", "eos_token": text, or an object with its "content")
+    and its id in the tokenizer (tokenizer.json's added tokens, then its vocabulary; else
+    tokenizer.model's pieces); (name, None) where it names no token there."""
+    name = cfg.get(key)
+    name = name.get("content") if isinstance(name, dict) else name
+    if not isinstance(name, str) or not name:
+        return None, None
+    if (src / "tokenizer.json").exists():
+        tj = json_object(src / "tokenizer.json")
+        for t in tj.get("added_tokens") if isinstance(tj.get("added_tokens"), list) else []:
+            if isinstance(t, dict) and t.get("content") == name and type(t.get("id")) is int:
+                return name, t["id"]
+        model = tj.get("model") if isinstance(tj.get("model"), dict) else {}
+        vocab = model.get("vocab")
+        found = vocab.get(name) if isinstance(vocab, dict) else None
+        return name, found if type(found) is int else None
+    try:
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
+        found = sp.piece_to_id(name)
+        return name, found if sp.id_to_piece(found) == name else None
+    except (OSError, RuntimeError):  # a damaged file: refused, in its own words, by `check_tokenizer`
+        return name, None
 
 
 def _post_processor_adds(path: Path, bos: int | None) -> bool:

@@ -602,3 +602,26 @@ def test_a_converted_folder_given_as_the_source_is_named_so(tmp_path):
     with pytest.raises(ConvertError, match="is an edgeinfer model folder \\(converted already\\), not a source"):
         convert(out, tmp_path / "again", quant="int8")
     assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize("tokenizer_file", ["tokenizer.model", "tokenizer.json"])
+def test_a_config_without_bos_and_eos_ids_takes_the_tokenizer_s(capsys, tmp_path, tokenizer_file):
+    """A hostile round: a config.json without bos_token_id and eos_token_id (and no
+    generation_config.json) converted with no BOS before prompts and no EOS to stop at, though
+    tokenizer_config.json names `<s>` and `</s>` and transformers' tokenizer adds `<s>`. They are
+    taken from the tokenizer now, with a note (SentencePiece's pieces, or tokenizer.json's)."""
+    from conftest import STORIES_SRC
+
+    src = tmp_path / "src"
+    shutil.copytree(STORIES_SRC, src)
+    (src / "generation_config.json").unlink(missing_ok=True)
+    (src / ("tokenizer.json" if tokenizer_file == "tokenizer.model" else "tokenizer.model")).unlink()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("bos_token_id"), cfg.pop("eos_token_id")
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert main(["convert", str(src), "-o", str(tmp_path / "out"), "--quant", "fp32"]) == 0
+    err = capsys.readouterr().err
+    assert "took '<s>' (id 1), tokenizer_config.json's bos_token" in err and "took '</s>' (id 2)" in err, err
+    tok = json.loads((tmp_path / "out" / "edgeinfer.json").read_text())["tokenizer"]
+    assert (tok["add_bos"], tok["bos_token_id"], tok["eos_token_ids"]) == (True, 1, [2])
+    assert edgeinfer.load(tmp_path / "out").tokenizer.encode("Once")[0] == 1
