@@ -194,7 +194,11 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
     """
     # one normalised destination for the checks and the writing: "missing/../x" or "link/.." must not
     # be checked as one folder and replaced as another
-    src, dst = Path(src), Path(os.path.abspath(dst))
+    try:
+        src, dst = Path(src), Path(os.path.abspath(dst))
+    except FileNotFoundError:  # a relative path, from a working folder that was removed since
+        raise ConvertError(f"the current folder no longer exists: give the destination {os.fspath(dst)!r} as an "
+                           "absolute path") from None
     if target not in TARGETS:
         raise ConvertError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
     if attention not in ATTENTION_CHOICES:

@@ -60,7 +60,11 @@ def _check_destination(src: Path, dst: Path, force: bool, log=lambda msg: None) 
     real = dst.resolve()
     if real == src.resolve():
         raise ConvertError("destination must differ from the source folder")
-    for what, p in (("the source folder", src), ("the current folder", Path.cwd())):
+    try:
+        cwd = [("the current folder", Path.cwd())]
+    except FileNotFoundError:  # removed since: nothing of it is left to delete
+        cwd = []
+    for what, p in [("the source folder", src), *cwd]:
         if any(real == q or real in q.parents for q in (p.resolve(), Path(os.path.abspath(p)))):
             raise ConvertError(f"destination {dst} is or contains {what}: --force would delete it")
     if not (dst / MANIFEST_FILE).is_file() and any(dst.iterdir()):

@@ -625,3 +625,18 @@ def test_a_config_without_bos_and_eos_ids_takes_the_tokenizer_s(capsys, tmp_path
     tok = json.loads((tmp_path / "out" / "edgeinfer.json").read_text())["tokenizer"]
     assert (tok["add_bos"], tok["bos_token_id"], tok["eos_token_ids"]) == (True, 1, [2])
     assert edgeinfer.load(tmp_path / "out").tokenizer.encode("Once")[0] == 1
+
+
+def test_a_working_folder_removed_since_is_a_one_line_error_or_no_matter(capsys, monkeypatch, src, tmp_path):
+    """A hostile round: from a working folder that was removed (a build folder deleted under an open
+    terminal), a relative -o gave a traceback, and --force onto a model named by its absolute path was
+    refused with a bare "No such file or directory"."""
+    model = tmp_path / "model"
+    assert run_convert(capsys, src, model)[0] == 0
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    rc, err = run_convert(capsys, src, Path("rel"))
+    assert_user_error(rc, err, "the current folder no longer exists: give the destination 'rel' as an absolute path")
+    assert run_convert(capsys, src, model, "--force")[0] == 0
