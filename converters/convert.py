@@ -207,8 +207,13 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
         raise ConvertError(f"unknown --via {via!r} (choose from {', '.join(VIAS)})")
     if quant is not None and quant not in ("keep", *QUANTS):
         raise ConvertError(f"unknown quantization {quant!r} (choose from keep, {', '.join(QUANTS)})")
-    if accuracy_level is not None and (isinstance(accuracy_level, bool) or accuracy_level not in range(5)):
-        raise ConvertError(f"accuracy_level must be an integer 0..4, got {accuracy_level!r}")
+    # (4.0 passed `in range(5)` and wrote a manifest load refused; numpy's ints failed at the manifest's write,
+    # a block size of 32.0 deep in building the graph: after the work, a hostile round)
+    if accuracy_level is not None and (not is_integer(accuracy_level) or accuracy_level not in range(5)):
+        raise ConvertError(f"accuracy_level must be an integer 0..4, got {accuracy_level!r:.40}")
+    if block_size is not None and not is_integer(block_size):
+        raise ConvertError(f"block_size must be an integer, got {block_size!r:.40}")
+    accuracy_level, block_size = (None if v is None else int(v) for v in (accuracy_level, block_size))
     if not is_integer(ngram_tokens) or not 0 <= ngram_tokens <= MAX_NGRAM_TOKENS:
         raise ConvertError(f"ngram_tokens must be an integer 0..{MAX_NGRAM_TOKENS:,}, got {ngram_tokens!r:.40}")
     ngram_tokens = int(ngram_tokens)

@@ -640,3 +640,23 @@ def test_a_working_folder_removed_since_is_a_one_line_error_or_no_matter(capsys,
     rc, err = run_convert(capsys, src, Path("rel"))
     assert_user_error(rc, err, "the current folder no longer exists: give the destination 'rel' as an absolute path")
     assert run_convert(capsys, src, model, "--force")[0] == 0
+
+
+@pytest.mark.parametrize("kwargs,needle", [({"accuracy_level": 4.0}, "accuracy_level must be an integer 0..4, got 4.0"),
+                                           ({"block_size": 32.0}, "block_size must be an integer, got 32.0"),
+                                           ({"quant": "int8", "accuracy_level": 0.0}, "got 0.0")])
+def test_a_float_for_an_integer_option_is_refused_before_any_work(src, tmp_path, kwargs, needle):
+    """A hostile round of the Python API: accuracy_level=4.0 passed `in range(5)` and wrote a manifest
+    that load refused; block_size=32.0 failed deep in building the graph. numpy's integers are integers."""
+    from edgeinfer.converters import convert
+    from edgeinfer.errors import ConvertError
+
+    with pytest.raises(ConvertError, match=needle):
+        convert(src, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+    import numpy as np
+
+    convert(src, tmp_path / "np", quant="int8", block_size=np.int64(32), accuracy_level=np.int32(4))
+    manifest = json.loads((tmp_path / "np" / "edgeinfer.json").read_text())
+    assert (manifest["quantization"]["block_size"], manifest["quantization"]["accuracy_level"]) == (32, 4)
+    edgeinfer.load(tmp_path / "np").close()
