@@ -31,8 +31,11 @@ def is_gguf(path: Path) -> bool:
         return False
     if path.suffix.lower() == ".gguf":
         return True
-    with open(path, "rb") as f:
-        return f.read(4) == GGUF_MAGIC
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError as e:  # unreadable (permissions, a failing disk: EIO): said as the source's, not the output's
+        raise ConvertError(f"cannot read the source {path}: {e.strerror or e}") from None
 
 
 # config.json fields as the GGUF keys they come from (for messages): {arch} is general.architecture

@@ -280,10 +280,14 @@ def main(argv: list[str] | None = None) -> int:
         _drop_stdout()
         return 141
     except OSError as e:
-        # > /dev/full, a full disk; EBADF: standard output opened for reading only (`1</dev/null`)
-        if e.errno not in OUTPUT_FULL:
+        # > /dev/full, a full disk; EBADF: standard output opened for reading only (`1</dev/null`); EIO: a
+        # terminal that went away (closed with SIGHUP ignored: nohup, `trap '' HUP`, a supervisor)
+        gone = e.errno == errno.EIO and next((name for name, stream in (("output", sys.stdout), ("input", sys.stdin))
+                                              if _terminal_gone(stream)), None)
+        if e.errno not in OUTPUT_FULL and not gone:
             raise  # anything else is not expected here: a traceback says where
-        print(f"edgeinfer: error: cannot write the output: {e.strerror}", file=sys.stderr)
+        what = "read the input" if gone == "input" else "write the output"
+        print(f"edgeinfer: error: cannot {what}: {'its terminal has gone' if gone else e.strerror}", file=sys.stderr)
         _drop_stdout()  # what is still buffered would fail again at exit, with a traceback
         return 1
     finally:
@@ -296,6 +300,23 @@ def main(argv: list[str] | None = None) -> int:
         if no_stdout:
             sys.stdout.close()
             sys.stdout = None
+
+
+def _terminal_gone(stream) -> bool:
+    """Whether `stream` is a terminal that has hung up: a pseudo-terminal whose other end closed (an
+    ssh session or a terminal window gone). Its writes, reads and ioctls then fail with EIO, where a
+    failing disk's do too: only the ioctl tells them apart (a file answers ENOTTY)."""
+    try:
+        import termios
+    except ImportError:  # Windows
+        return False
+    try:
+        termios.tcgetattr(stream.fileno())
+    except termios.error as e:
+        return bool(e.args) and e.args[0] == errno.EIO
+    except (OSError, ValueError, AttributeError):  # closed, None, or no descriptor
+        return False
+    return False
 
 
 class Diagnostics:

@@ -6,9 +6,8 @@ import argparse
 import errno
 from pathlib import Path
 
-# standard output cannot take the output: a full disk or /dev/full, a quota, opened for reading only, or a
-# terminal that has gone (closed with SIGHUP ignored: nohup, `trap '' HUP`, a supervisor; EIO)
-OUTPUT_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EBADF, errno.EIO)
+# standard output cannot take the output: a full disk or /dev/full, a quota, or opened for reading only
+OUTPUT_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EBADF)
 
 
 def path_arg(text: str) -> Path:

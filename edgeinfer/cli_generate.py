@@ -11,6 +11,7 @@ import sys
 from edgeinfer.cli_args import path_arg
 from edgeinfer.errors import EdgeInferError
 from edgeinfer.overflow import OVERFLOW_POLICIES, ContextOverflowError
+from edgeinfer.terminal import printable
 
 
 def add_generate_parser(sub) -> None:
@@ -270,8 +271,8 @@ def _block(line: str, read_line) -> str:
 
 def _not_decoded(e: UnicodeDecodeError) -> str:
     """What was wrong with a line of input that could not be decoded. Piped lines are read as UTF-8; a
-    terminal's by its encoding, which PYTHONIOENCODING or the locale may make ASCII or Latin-1: then
-    valid UTF-8 text ("café") is refused, and the message names the encoding, not the text, as the cause."""
+    terminal's by its encoding, which PYTHONIOENCODING or the locale may make ASCII: then valid UTF-8
+    text ("café") is refused, and the message names the encoding, not the text, as the cause."""
     if codecs.lookup(e.encoding).name == "utf-8":
         return f"the input is not valid UTF-8 ({e.reason})"
     return (f"the input cannot be read as {e.encoding} ({e.reason}): the terminal's encoding, from "
@@ -415,7 +416,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             if isinstance(e, ContextOverflowError):  # the library's words name its own arguments
                 held = "; /reset clears the context" if conv.cache.n_valid else ""
                 hint = f" (here: --overflow, --capacity{held})"
-            print(f"edgeinfer: error: {e}{hint}", file=sys.stderr)
+            print(f"edgeinfer: error: {printable(str(e))}{hint}", file=sys.stderr)  # (a template's own words)
             refused += 1
             continue
         print()

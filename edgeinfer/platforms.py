@@ -45,6 +45,7 @@ from edgeinfer.errors import EdgeInferError, InvalidArgumentError
 from edgeinfer.fields import FieldError, json_fields
 from edgeinfer.platform_rules import GENERIC, choose, read_facts
 from edgeinfer.power.policy import POLICY_NAMES
+from edgeinfer.terminal import ESCAPED
 
 # ONNX Runtime execution providers by the short names profiles use
 ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
@@ -143,7 +144,7 @@ def _check_values(p: Profile, bad) -> None:
 def one_line(text: str) -> bool:
     """Whether `text` prints as one line: no control, format, private-use or unassigned character and no
     line or paragraph separator (a no-break or thin space is fine: str.isprintable refused those)."""
-    return not any(unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp") for c in text)
+    return not any(unicodedata.category(c) in ESCAPED for c in text)
 
 
 def load_profile(path: Path | str) -> Profile:

@@ -7,8 +7,15 @@ them must not reach the terminal: it can retitle the window, clear the screen, o
 
 from __future__ import annotations
 
+import unicodedata
+
+# what is escaped: control and format characters (ESC, a bidirectional override), surrogates, private-use
+# and unassigned ones, line and paragraph separators. Spaces are not: a no-break, thin or ideographic space in
+# a path prints as the user typed it (str.isprintable refuses those)
+ESCAPED = frozenset(("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"))
+
 
 def printable(line: str) -> str:
-    """`line` with every character that does not print as itself escaped as Python writes it (ESC as
-    \\x1b, a line break as \\n): one line, as it was written, whatever a field in it held."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+    """`line` with every character that does not print as itself (`ESCAPED`) escaped as Python writes
+    it (ESC as \\x1b, a line break as \\n): one line, as it was written, whatever a field in it held."""
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) in ESCAPED else c for c in line)

@@ -777,6 +777,27 @@ def test_a_ctrl_c_as_the_interpreter_tears_its_modules_down_changes_nothing():
     assert out.returncode == 0 and out.stdout.strip() and "Traceback" not in out.stderr, (out.returncode, out.stderr)
 
 
+def test_a_ctrl_c_in_an_exit_hook_registered_after_the_cli_was_imported_ends_the_process_at_once():
+    """A review: the teardown's fix ignored SIGINT from the first exit hook on, so a Ctrl-C while ONNX
+    Runtime's exit hook waited for a graph call in flight (up to 10 s), or a program's own hook, did
+    nothing. Only the teardown after the exit hooks ignores it now."""
+    code = """if True:
+        import atexit, sys, time
+        from edgeinfer.__main__ import run
+        atexit.register(lambda: (print("hook", flush=True), time.sleep(30)))
+        sys.exit(run())
+    """
+    p = subprocess.Popen([sys.executable, "-c", code, "generate", "Once", "--max-tokens", "3", "--seed", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
+    assert p.stdout.readline()  # the completion
+    assert p.stdout.readline() == "hook\n"
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=20)
+    assert p.returncode == 0 and time.monotonic() - t0 < 5, (p.returncode, err)
+
+
 def test_a_ctrl_c_while_the_exit_waits_for_a_worker_thread_ends_it_at_once():
     """A review: with SIGINT ignored after main, `serve`'s exit, which waits for its worker threads to
     finish their step, could not be cut short by Ctrl-C. It now ends the process at once, with main's
@@ -861,7 +882,7 @@ def test_a_terminal_that_goes_away_mid_reply_is_one_line_not_a_traceback():
     finally:
         os.close(master)  # the terminal goes away
     err = proc.communicate(timeout=60)[1].decode()
-    assert proc.returncode == 1 and err.splitlines() == ["edgeinfer: error: cannot write the output: Input/output error"], err
+    assert proc.returncode == 1 and err.splitlines() == ["edgeinfer: error: cannot write the output: its terminal has gone"], err
 
 
 def test_a_line_the_terminal_s_encoding_cannot_read_blames_the_encoding_not_the_text():

@@ -241,3 +241,37 @@ def test_a_model_folder_s_escape_sequences_never_reach_the_terminal(tmp_path, ca
     assert main(["generate", "-m", str(folder), "Once", "--max-tokens", "2"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("edgeinfer: error: ") and "\x1b" not in err and len(err.splitlines()) == 1, err
+
+
+def test_chat_s_own_error_line_escapes_what_a_template_says(tmp_path, capsys, monkeypatch):
+    """A review: chat printed a template's refusal (`raise_exception(...)`, the model folder's words) in
+    its own error line, unescaped: a downloaded model could retitle and clear the terminal at every turn."""
+    import io
+    import json
+    import shutil
+    import sys
+
+    from conftest import ROOT, write_manifest
+    from edgeinfer.cli import main
+
+    folder = tmp_path / "evil"
+    shutil.copytree(ROOT / "models" / "stories260K-int8", folder)
+    m = json.loads((folder / "edgeinfer.json").read_text())
+    m["tokenizer"]["chat_template"] = "{{ raise_exception('\\x1b]0;TITLE\\x07\\x1b[2J') }}"
+    write_manifest(folder, m)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\n")))
+    assert main(["chat", "-m", str(folder), "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err and "\\x1b]0;TITLE\\x07\\x1b[2J" in err, err
+
+
+def test_printable_escapes_what_moves_the_terminal_and_keeps_what_prints():
+    """Hand-made cases: control and format characters (ESC, a bidirectional override, a line separator)
+    escaped; letters and the spaces a path may hold (no-break, narrow no-break, ideographic) kept (a
+    review: str.isprintable escaped those, and a user's own path no longer read as typed)."""
+    from edgeinfer.terminal import printable
+
+    assert printable("a\x1b[2Jb\x07") == "a\\x1b[2Jb\\x07"
+    assert printable("a\nb\tc\u2028d") == "a\\nb\\tc\\u2028d"
+    assert printable("\u202eevil") == "\\u202eevil"
+    assert printable("モデル\u3000v2 x\u202fAM my\xa0model café") == "モデル\u3000v2 x\u202fAM my\xa0model café"
