@@ -23,7 +23,8 @@ from edgeinfer.arch import ArchSpec
 from edgeinfer.converters import gguf_import
 from edgeinfer.converters.calibration import plan
 from edgeinfer.converters.decoder import ATTENTION_CHOICES, TensorSource, build_decoder, check_embedding_blocks
-from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
+from edgeinfer.converters.destination import (_check_destination, _os_error, _replace_atomically, absolute, discard,
+                                              temp_folder)
 from edgeinfer.converters.families import spec_from_config
 from edgeinfer.converters.gguf_header import read_header
 from edgeinfer.converters.hf_config import read_config
@@ -192,13 +193,7 @@ def convert(src: Path | str, dst: Path | str, *, quant: str | None = None, block
     samples this many tokens of its own text for its n-gram table, a source of speculative drafts
     (`converters/ngrams.py`; cpu target only; 0: no table).
     """
-    # one normalised destination for the checks and the writing: "missing/../x" or "link/.." must not
-    # be checked as one folder and replaced as another
-    try:
-        src, dst = Path(src), Path(os.path.abspath(dst))
-    except FileNotFoundError:  # a relative path, from a working folder that was removed since
-        raise ConvertError(f"the current folder no longer exists: give the destination {os.fspath(dst)!r} as an "
-                           "absolute path") from None
+    src, dst = Path(src), absolute(dst)
     if target not in TARGETS:
         raise ConvertError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
     if attention not in ATTENTION_CHOICES:

@@ -27,6 +27,17 @@ from edgeinfer.integrity import STAMP_FILE
 from edgeinfer.manifest import MANIFEST_FILE
 
 
+def absolute(dst: Path | str) -> Path:
+    """The destination as one normalised absolute path, for its checks and its writing alike ("missing/../x"
+    or "link/.." must not be checked as one folder and replaced as another). ConvertError for a relative
+    one from a working folder removed since (it was a traceback; a hostile round)."""
+    try:
+        return Path(os.path.abspath(dst))
+    except FileNotFoundError:
+        raise ConvertError(f"the current folder no longer exists: give the destination {os.fspath(dst)!r} as an "
+                           "absolute path") from None
+
+
 def _check_destination(src: Path, dst: Path, force: bool, log=lambda msg: None) -> None:
     """Refuse, before any work, a destination that `convert` must not create or replace.
 
@@ -58,6 +69,12 @@ def _check_destination(src: Path, dst: Path, force: bool, log=lambda msg: None) 
     if not force:
         raise ConvertError(f"destination exists: {dst} (use --force to replace it)")
     real = dst.resolve()
+    try:
+        src.resolve()
+    except FileNotFoundError:  # a relative source from a working folder removed since: it may still open (through
+        # "..") but has no absolute name to compare, and DST could hold it (a review)
+        raise ConvertError(f"the current folder no longer exists: give the source {os.fspath(src)!r} as an absolute "
+                           "path to replace a model with --force") from None
     if real == src.resolve():
         raise ConvertError("destination must differ from the source folder")
     try:
@@ -240,24 +257,19 @@ def _orphans(dst: Path, quiet_s: float = 0) -> list[Path]:
 
 def _leftover_pid(name: str, prefix: str) -> int | None:
     """The pid in the name of a hidden folder a conversion made beside DST (`prefix`: ".DST.partial-"
-    or ".DST.old-", then PID-XXXXXXXX: a pid this system can have, no leading zero, and 8 lower-case
-    hex digits), or None for any other name. A user's own folder that merely begins alike (a dated
-    backup, ".model.old-20231105") is never taken for a leftover: the sweep deleted such folders, and
-    a whole model among them was renamed into DST (a hostile round)."""
+    or ".DST.old-", then PID-XXXXXXXX: ASCII digits that a pid can be on any host (`PID_CEILING`), no
+    leading zero, and 8 lower-case hex digits), or None for any other name. A user's own folder that
+    merely begins alike (a dated backup, ".model.old-20231105") is not taken for a leftover: the sweep
+    deleted such folders, and a whole model among them was renamed into DST (a hostile round)."""
     pid, sep, token = name[len(prefix):].partition("-")
-    if not (name.startswith(prefix) and sep and pid.isdigit() and pid[0] != "0" and len(token) == 8
-            and all(c in "0123456789abcdef" for c in token)):
-        return None
-    return int(pid) if int(pid) <= _pid_max() else None
+    if not (name.startswith(prefix) and sep and pid.isascii() and pid.isdigit() and pid[0] != "0"
+            and len(token) == 8 and all(c in "0123456789abcdef" for c in token)):
+        return None  # (isdigit alone took "²", then int() raised, and Arabic-Indic digits as a pid; a review)
+    return int(pid) if int(pid) <= PID_CEILING else None
 
 
-def _pid_max() -> int:
-    """The largest pid this system gives (Linux: /proc/sys/kernel/pid_max; elsewhere Linux's ceiling,
-    2**22, which macOS's 99,999 is under)."""
-    try:
-        return int(Path("/proc/sys/kernel/pid_max").read_text())
-    except (OSError, ValueError):
-        return 1 << 22
+PID_CEILING = 1 << 22  # the largest pid_max Linux allows (macOS's pids stay under 100,000): a pid of any host
+# that may share the folder, where this machine's own pid_max (32,768 here) would miss another host's leftovers
 
 
 def _replace_atomically(tmp: Path, dst: Path, force: bool = True) -> None:

@@ -72,7 +72,8 @@ def _positive(v, key: str) -> float:
 
 
 CONFIG_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",  # ArchSpec's: config.json's
-                "num_kv_heads": "num_key_value_heads"}
+                "num_kv_heads": "num_key_value_heads",
+                "rope.original_max_position_embeddings": "rope_scaling.original_max_position_embeddings"}
 
 
 def check_rope_range(spec: ArchSpec) -> None:

@@ -65,9 +65,10 @@ def tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
     # "first") are there, not in tokenizer.model
     kind = "hf_tokenizers" if (src / "tokenizer.json").exists() or not (src / "tokenizer.model").exists() \
         else "sentencepiece"
-    eos = gen.get("eos_token_id", list(spec.eos_token_ids))
+    # (generation_config's null: not given there, config.json's then; a review)
+    eos = gen.get("eos_token_id") if gen.get("eos_token_id") is not None else list(spec.eos_token_ids)
     eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-    bos = gen.get("bos_token_id", spec.bos_token_id)
+    bos = gen.get("bos_token_id") if gen.get("bos_token_id") is not None else spec.bos_token_id
 
     def token_id(v) -> bool:
         return type(v) is int and 0 <= v < spec.vocab_size

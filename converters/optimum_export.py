@@ -15,7 +15,7 @@ Gemma, ...) -> an edgeinfer model folder, through Hugging Face Optimum's ONNX ex
    (GatherBlockQuantized); fp32 keeps the float graph.
 4. The tokenizer files are copied (and loaded once, as the native builder checks them) and
    `edgeinfer.json` written (the `optimum` KV mode, origin "optimum"; the source's hashes of the
-   weight files transformers read, `_weights_read`), all in `.DST.partial-PID-N`, renamed into
+   weight files transformers read, `_weights_read`), all in `.DST.partial-PID-XXXXXXXX`, renamed into
    place at the end (`convert._convert`'s rule).
 
 Torch, transformers and Optimum are imported only here, only when called (`pip install
@@ -40,7 +40,8 @@ from edgeinfer.arch import ArchSpec
 from edgeinfer.converters.convert import MAX_DEFAULT_CAPACITY, _check_source, check_spec
 from edgeinfer.converters.hf_tokenizer import TOKENIZER_FILES, check_tokenizer_info, tokenizer_info
 from edgeinfer.converters.safetensors_io import _weight_map, onnx_export_hint
-from edgeinfer.converters.destination import _check_destination, _os_error, _replace_atomically, discard, temp_folder
+from edgeinfer.converters.destination import (_check_destination, _os_error, _replace_atomically, absolute, discard,
+                                              temp_folder)
 from edgeinfer.converters.source_files import regular_file
 from edgeinfer.converters.hf_config import _eos_ids, _int, check_rope_range, flag, parse_rope, read_config
 from edgeinfer.converters.onnx_writer import DATA_FILE
@@ -135,7 +136,7 @@ def convert_via_optimum(src: Path | str, dst: Path | str, *, quant: str = "int4"
     symmetric, accuracy level 4) | fp32. Every refusal comes before any work (no torch import for a bad
     path or quant); every failure raises ConvertError and leaves no partial output and an existing
     `dst` untouched (replaced only with `force`, as `convert` does)."""
-    src, dst = Path(src), Path(os.path.abspath(dst))
+    src, dst = Path(src), absolute(dst)
     if quant not in QUANTS:
         raise ConvertError(f"--via optimum: unknown quantization {quant!r} (choose from {', '.join(QUANTS)})")
     scheme = QuantScheme(weights=quant, block_size=block_size, symmetric=True,

@@ -133,7 +133,8 @@ def check_sizes(spec: ArchSpec, where: str) -> None:
             raise FieldError(f"{where}.{name}", f"must be in 1..{most:,}, got {getattr(spec, name):,}")
     most, old = SIZE_LIMITS["max_position_embeddings"], spec.rope.original_max_position_embeddings
     if not 0 < old <= most:
-        raise FieldError(f"{where}.rope.original_max_position_embeddings", f"must be in 1..{most:,}, got {str(old)[:40]}")
+        shown = str(old) if len(str(old)) <= 40 else f"a number of {len(str(old))} digits"
+        raise FieldError(f"{where}.rope.original_max_position_embeddings", f"must be in 1..{most:,}, got {shown}")
 
 
 def positive_in_float32(v: float) -> bool:

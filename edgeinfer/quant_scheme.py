@@ -6,6 +6,7 @@ Here, in the runtime package, so that reading a manifest (`load`, `inspect`) nee
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, fields
 
 from edgeinfer.fields import FieldError, json_fields
@@ -38,6 +39,10 @@ class QuantScheme:
         return self.weights
 
     def __post_init__(self) -> None:
+        for name in ("block_size", "accuracy_level"):  # numpy's integers as ints (they failed at the manifest's
+            v = getattr(self, name)  # write, after the work; a review)
+            if isinstance(v, numbers.Integral) and not isinstance(v, bool) and type(v) is not int:
+                object.__setattr__(self, name, int(v))
         bad = _problem(self.__dict__)
         if bad:
             raise ConvertError(bad[1])
@@ -65,8 +70,8 @@ def _problem(v: dict) -> tuple[str, str] | None:
     for name in ("weights", "embedding", "lm_head"):
         if v[name] not in QUANTS:
             return name, f"unknown quantization {v[name]!r} (choose from {', '.join(QUANTS)})"
-    if v["block_size"] not in BLOCK_SIZES:
-        return "block_size", f"block size {v['block_size']} not supported (choose from {BLOCK_SIZES})"
+    if type(v["block_size"]) is not int or v["block_size"] not in BLOCK_SIZES:  # (32.0 was taken, to fail in onnx)
+        return "block_size", f"block size {v['block_size']!r:.40} not supported (choose from {BLOCK_SIZES})"
     unknown = set(v["int8_tensors"]) - set(PROJECTIONS)
     if unknown:
         return "int8_tensors", (f"unknown projection(s) {', '.join(sorted(unknown))} "
@@ -82,6 +87,6 @@ def _problem(v: dict) -> tuple[str, str] | None:
         asym = v["recipe"] in ("asym", "gptq")
         return "symmetric", (f"recipe {v['recipe']} stores {'asymmetric' if asym else 'symmetric'} "
                              f"blocks: symmetric must be {not asym}")
-    if isinstance(v["accuracy_level"], bool) or v["accuracy_level"] not in (0, 1, 2, 3, 4):
-        return "accuracy_level", f"accuracy_level must be 0..4, got {v['accuracy_level']}"
+    if type(v["accuracy_level"]) is not int or v["accuracy_level"] not in (0, 1, 2, 3, 4):  # (4.0 was taken)
+        return "accuracy_level", f"accuracy_level must be an integer 0..4, got {v['accuracy_level']!r:.40}"
     return None

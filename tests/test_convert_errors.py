@@ -134,7 +134,7 @@ def test_unsupported_architecture_lists_supported(capsys, src, tmp_path):
     ({"head_dim": 2 ** 63}, "config.json: field 'head_dim' must be in 1..4,096"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 10 ** 400}},
-     "field 'rope.original_max_position_embeddings' must be in 1..134,217,728, got 1000000000"),
+     "field 'rope_scaling.original_max_position_embeddings' must be in 1..134,217,728, got a number of 401 digits"),
     ({"rope_parameters": "x"}, "'rope_parameters' must be an object"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": "abc"}, "sliding_window"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 3}, "integer >= 16"),
@@ -396,7 +396,8 @@ def test_the_folder_takes_the_umask_and_orphans_of_killed_conversions_go(capsys,
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
     hour_ago = time.time() - 3700
-    for name in (f".out.partial-{dead}-0000abcd", f".out.partial-{dead}-0000beef", f".out.partial-{os.getppid()}-0000abcd"):
+    for name in (f".out.partial-{dead}-0000abcd", f".out.partial-{dead}-0000beef",
+                 f".out.partial-{os.getppid()}-0000abcd"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.onnx.data").write_bytes(b"x")
         if not name.endswith("beef"):  # its process gone here, but written to a minute ago (another host's?)
@@ -660,3 +661,34 @@ def test_a_float_for_an_integer_option_is_refused_before_any_work(src, tmp_path,
     manifest = json.loads((tmp_path / "np" / "edgeinfer.json").read_text())
     assert (manifest["quantization"]["block_size"], manifest["quantization"]["accuracy_level"]) == (32, 4)
     edgeinfer.load(tmp_path / "np").close()
+
+
+@pytest.mark.parametrize("field,value,needle", [("block_size", 32.0, "block size 32.0 not supported"),
+                                                ("accuracy_level", 4.0, "accuracy_level must be an integer 0..4")])
+def test_a_scheme_s_float_sizes_are_refused_and_numpy_s_integers_taken(src, tmp_path, field, value, needle):
+    """A review: the same values through `scheme=` (the public `default_scheme`) still converted into a
+    folder load refused (4.0), failed in onnx (32.0) or at the manifest's write (numpy's ints)."""
+    import dataclasses
+
+    import numpy as np
+
+    from edgeinfer.converters import convert, default_scheme
+    from edgeinfer.errors import ConvertError
+
+    with pytest.raises(ConvertError, match=needle):
+        dataclasses.replace(default_scheme("int8", 32), **{field: value})
+    scheme = default_scheme("int8", np.int64(32), accuracy_level=np.int32(4))
+    assert type(scheme.block_size) is int and type(scheme.accuracy_level) is int
+    convert(src, tmp_path / "out", scheme=scheme)
+    edgeinfer.load(tmp_path / "out").close()
+
+
+def test_a_null_in_generation_config_leaves_config_json_s_ids(capsys, src, tmp_path):
+    """A review: generation_config.json's `"bos_token_id": null` beside config.json's 1 took the
+    tokenizer's token instead, saying neither file gave one."""
+    (src / "generation_config.json").write_text(json.dumps({"bos_token_id": None, "eos_token_id": None}))
+    edit_config(src, bos_token_id=1, eos_token_id=2)
+    rc, err = run_convert(capsys, src, tmp_path / "out")
+    assert rc == 0 and "took" not in err, err
+    tok = json.loads((tmp_path / "out" / "edgeinfer.json").read_text())["tokenizer"]
+    assert (tok["bos_token_id"], tok["eos_token_ids"]) == (1, [2])

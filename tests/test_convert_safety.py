@@ -539,3 +539,34 @@ def test_a_user_s_folders_that_merely_look_like_leftovers_are_never_touched(caps
     assert run_convert(capsys, work / "src", tmp_path / "model")[0] == 0  # DST was missing: nothing put back
     assert run_convert(capsys, work / "src", tmp_path / "model", "--force")[0] == 0
     assert {p.name: snapshot(p) for p in [backup, *theirs]} == before and not ours.exists()
+
+
+def test_leftover_names_take_ascii_pids_of_any_host_only(tmp_path):
+    """A review: `isdigit` took "²" (then int() raised: every conversion into DST a traceback) and
+    Arabic-Indic digits as a pid; and this machine's own pid_max (32,768 here) missed another host's
+    leftovers in a shared folder, whose stranded model was then never put back."""
+    destination = importlib.import_module("edgeinfer.converters.destination")
+    prefix = ".model.old-"
+    assert destination._leftover_pid(prefix + "40000-0a1b2c3d", prefix) == 40000  # another host's (pid_max 2**22)
+    assert destination._leftover_pid(prefix + f"{1 << 22}-0a1b2c3d", prefix) == 1 << 22
+    for theirs in ("²-deadbeef", "١٢٣٤-deadbeef", f"{(1 << 22) + 1}-0a1b2c3d", "20231105", "2023-11-05", "7-0A1B2C3D",
+                   "07-0a1b2c3d", "7-0a1b2c3", "7-0a1b2c3d0", "-0a1b2c3d"):
+        assert destination._leftover_pid(prefix + theirs, prefix) is None, theirs
+    (tmp_path / ".model.old-²-deadbeef").mkdir()
+    destination._restore_stranded(tmp_path / "model", print)  # (raised ValueError)
+    assert destination._orphans(tmp_path / "model") == []
+
+
+def test_force_from_a_removed_working_folder_with_a_relative_source(capsys, work, tmp_path, monkeypatch):
+    """A review: with the working folder removed, `convert ../src -o /abs/out --force` was refused with a
+    bare "No such file or directory": the source's absolute name cannot be made, to check that DST does
+    not hold it. It is refused in words now; the source named absolutely converts."""
+    model = tmp_path / "model"
+    assert run_convert(capsys, work / "src", model)[0] == 0
+    gone = work / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    rc, err = run_convert(capsys, Path("../src"), model, "--force")
+    assert_user_error(rc, err, "the current folder no longer exists: give the source '../src' as an absolute path")
+    assert run_convert(capsys, work / "src", model, "--force")[0] == 0
