@@ -142,6 +142,7 @@ class Conversation:
         m, turn = self.model, {}
         if m.closed:
             raise ModelClosedError()
+        opts.sampling.check_vocabulary(m.engine.spec.vocab_size)  # now, as the docstrings say
 
         def begin(req: Request) -> list[int]:  # under the lock, at the first next()
             with interrupts_held():  # the repairs whole or not at all (a Ctrl-C waits for their end)

@@ -302,6 +302,7 @@ class Model:
         (`lend_default_cache`): they raise ContextBusyError; `conversation()` has a ring of its own.
         """
         opts, ids, cache = resolve(options, overrides), self.encode_prompt(prompt), self._open_cache()
+        opts.sampling.check_vocabulary(self.engine.spec.vocab_size)  # (it waited for the first next(); a hostile round)
 
         begun = []
 

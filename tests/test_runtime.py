@@ -296,3 +296,15 @@ def test_a_template_that_fails_on_the_messages_is_one_user_error(template):
 
     with pytest.raises(InvalidArgumentError, match="chat template failed on these messages"):
         ChatTemplate(template).render([{"role": "user", "content": "hi"}])
+
+
+def test_a_logit_bias_id_past_the_vocabulary_is_refused_when_the_stream_is_made(bundled):
+    """A hostile round: `stream(..., logit_bias={1000: 1.0})` on a 512-token model returned a stream and
+    refused only at its first next(), where the docstrings say options are checked at the call."""
+    from edgeinfer import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=r"logit_bias token id 1000 is outside the vocabulary \[0, 512\)"):
+        bundled.stream("Once", logit_bias={1000: 1.0})
+    with pytest.raises(InvalidArgumentError, match="logit_bias token id 1000"):
+        bundled.conversation().stream_say("Hi", logit_bias={1000: 1.0})
+    assert bundled.generate("Once", max_new_tokens=3, seed=0).usage.completion_tokens == 3
