@@ -777,48 +777,46 @@ def test_a_ctrl_c_as_the_interpreter_tears_its_modules_down_changes_nothing():
     assert out.returncode == 0 and out.stdout.strip() and "Traceback" not in out.stderr, (out.returncode, out.stderr)
 
 
+def _ctrl_c_while_exiting(code: str, marker: str) -> tuple[int, float, str]:
+    """Runs `code` (a program around `run`, a `generate`), waits for the line `marker` it prints as its
+    exit waits, sends SIGINT; (exit status, seconds from the signal to the end, stderr)."""
+    p = subprocess.Popen([sys.executable, "-c", code, "generate", "Once", "--max-tokens", "3", "--seed", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
+    assert p.stdout.readline()  # the completion
+    assert p.stdout.readline() == marker + "\n"
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    err = p.communicate(timeout=20)[1]
+    return p.returncode, time.monotonic() - t0, err
+
+
 def test_a_ctrl_c_in_an_exit_hook_registered_after_the_cli_was_imported_ends_the_process_at_once():
     """A review: the teardown's fix ignored SIGINT from the first exit hook on, so a Ctrl-C while ONNX
     Runtime's exit hook waited for a graph call in flight (up to 10 s), or a program's own hook, did
     nothing. Only the teardown after the exit hooks ignores it now."""
-    code = """if True:
+    rc, seconds, err = _ctrl_c_while_exiting("""if True:
         import atexit, sys, time
         from edgeinfer.__main__ import run
         atexit.register(lambda: (print("hook", flush=True), time.sleep(30)))
         sys.exit(run())
-    """
-    p = subprocess.Popen([sys.executable, "-c", code, "generate", "Once", "--max-tokens", "3", "--seed", "1"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
-    assert p.stdout.readline()  # the completion
-    assert p.stdout.readline() == "hook\n"
-    time.sleep(0.3)
-    t0 = time.monotonic()
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=20)
-    assert p.returncode == 0 and time.monotonic() - t0 < 5, (p.returncode, err)
+    """, "hook")
+    assert rc == 0 and seconds < 5, (rc, err)
 
 
 def test_a_ctrl_c_while_the_exit_waits_for_a_worker_thread_ends_it_at_once():
     """A review: with SIGINT ignored after main, `serve`'s exit, which waits for its worker threads to
     finish their step, could not be cut short by Ctrl-C. It now ends the process at once, with main's
     exit status."""
-    code = """if True:
+    rc, seconds, err = _ctrl_c_while_exiting("""if True:
         import sys, threading, time
         from edgeinfer.__main__ import run
         rc = run()
         threading.Thread(target=time.sleep, args=(30,)).start()  # a worker the exit waits for
         print("waiting", flush=True)
         sys.exit(rc)
-    """
-    p = subprocess.Popen([sys.executable, "-c", code, "generate", "Once", "--max-tokens", "3", "--seed", "1"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
-    assert p.stdout.readline()  # the completion
-    assert p.stdout.readline() == "waiting\n"
-    time.sleep(0.3)
-    t0 = time.monotonic()
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=20)
-    assert time.monotonic() - t0 < 5 and p.returncode == 0 and "Traceback" not in err, (p.returncode, err)
+    """, "waiting")
+    assert seconds < 5 and rc == 0 and "Traceback" not in err, (rc, err)
 
 
 def test_running_out_of_memory_is_one_error_line(capsys, monkeypatch):
