@@ -83,7 +83,7 @@ def tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
             if found is None or not token_id(found):
                 continue
             log(f"note: neither config.json nor generation_config.json gives {key}_id: took {name!r} (id {found}), "
-                f"{cfg_path.name}'s {key}")
+                f"the tokenizer's {key}")
             bos, eos = (found, eos) if key == "bos_token" else (bos, [found])
     add_bos = cfg.get("add_bos_token")
     if add_bos is None:  # a SentencePiece family (tokenizer.model there: Llama 2, Mistral, Gemma) adds it, as it
@@ -104,10 +104,13 @@ def tokenizer_info(src: Path, spec, log=lambda msg: None) -> TokenizerInfo:
 
 
 def _named_token(src: Path, cfg: dict, key: str) -> tuple[str | None, int | None]:
-    """tokenizer_config.json's `key` ("bos_token", "eos_token": text, or an object with its "content")
+    """tokenizer_config.json's `key` ("bos_token", "eos_token": text, or an object with its "content"),
+    else special_tokens_map.json's (older checkpoints keep them only there, and transformers reads it),
     and its id in the tokenizer (tokenizer.json's added tokens, then its vocabulary; else
     tokenizer.model's pieces); (name, None) where it names no token there."""
     name = cfg.get(key)
+    if name is None and (src / "special_tokens_map.json").exists():
+        name = json_object(src / "special_tokens_map.json").get(key)
     name = name.get("content") if isinstance(name, dict) else name
     if not isinstance(name, str) or not name:
         return None, None

@@ -605,8 +605,9 @@ def test_a_converted_folder_given_as_the_source_is_named_so(tmp_path):
     assert not (tmp_path / "again").exists()
 
 
-@pytest.mark.parametrize("tokenizer_file", ["tokenizer.model", "tokenizer.json"])
-def test_a_config_without_bos_and_eos_ids_takes_the_tokenizer_s(capsys, tmp_path, tokenizer_file):
+@pytest.mark.parametrize("tokenizer_file,in_map", [("tokenizer.model", False), ("tokenizer.json", False),
+                                                   ("tokenizer.json", True)])
+def test_a_config_without_bos_and_eos_ids_takes_the_tokenizer_s(capsys, tmp_path, tokenizer_file, in_map):
     """A hostile round: a config.json without bos_token_id and eos_token_id (and no
     generation_config.json) converted with no BOS before prompts and no EOS to stop at, though
     tokenizer_config.json names `<s>` and `</s>` and transformers' tokenizer adds `<s>`. They are
@@ -620,9 +621,14 @@ def test_a_config_without_bos_and_eos_ids_takes_the_tokenizer_s(capsys, tmp_path
     cfg = json.loads((src / "config.json").read_text())
     cfg.pop("bos_token_id"), cfg.pop("eos_token_id")
     (src / "config.json").write_text(json.dumps(cfg))
+    if in_map:  # an older checkpoint: the names only in special_tokens_map.json (as transformers reads them)
+        tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+        (src / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in tok_cfg.items()
+                                                               if k not in ("bos_token", "eos_token")}))
+        (src / "special_tokens_map.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
     assert main(["convert", str(src), "-o", str(tmp_path / "out"), "--quant", "fp32"]) == 0
     err = capsys.readouterr().err
-    assert "took '<s>' (id 1), tokenizer_config.json's bos_token" in err and "took '</s>' (id 2)" in err, err
+    assert "took '<s>' (id 1), the tokenizer's bos_token" in err and "took '</s>' (id 2)" in err, err
     tok = json.loads((tmp_path / "out" / "edgeinfer.json").read_text())["tokenizer"]
     assert (tok["add_bos"], tok["bos_token_id"], tok["eos_token_ids"]) == (True, 1, [2])
     assert edgeinfer.load(tmp_path / "out").tokenizer.encode("Once")[0] == 1

@@ -359,6 +359,7 @@ def test_a_model_without_bos_or_eos_is_refused_before_any_work(tmp_path):
         (src / name).write_text(json.dumps({**cfg, "bos_token_id": None, "eos_token_id": None}))
     cfg = json.loads((src / "tokenizer_config.json").read_text())  # (else its <s> and </s> are taken)
     (src / "tokenizer_config.json").write_text(json.dumps({**cfg, "bos_token": None, "eos_token": None}))
+    (src / "special_tokens_map.json").unlink()  # (and so are this file's)
     with pytest.raises(ConvertError, match="no BOS or EOS id"):
         convert(src, tmp_path / "x", quant="fp32", ngram_tokens=40)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
