@@ -70,12 +70,12 @@ def _check_destination(src: Path, dst: Path, force: bool, log=lambda msg: None) 
         raise ConvertError(f"destination exists: {dst} (use --force to replace it)")
     real = dst.resolve()
     try:
-        src.resolve()
+        src_real = src.resolve()
     except FileNotFoundError:  # a relative source from a working folder removed since: it may still open (through
         # "..") but has no absolute name to compare, and DST could hold it (a review)
         raise ConvertError(f"the current folder no longer exists: give the source {os.fspath(src)!r} as an absolute "
                            "path to replace a model with --force") from None
-    if real == src.resolve():
+    if real == src_real:
         raise ConvertError("destination must differ from the source folder")
     try:
         cwd = [("the current folder", Path.cwd())]

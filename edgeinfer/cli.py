@@ -282,12 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         # > /dev/full, a full disk; EBADF: standard output opened for reading only (`1</dev/null`); EIO: a
         # terminal that went away (closed with SIGHUP ignored: nohup, `trap '' HUP`, a supervisor)
-        gone = e.errno == errno.EIO and next((name for name, stream in (("output", sys.stdout), ("input", sys.stdin))
-                                              if _terminal_gone(stream)), None)
-        if e.errno not in OUTPUT_FULL and not gone:
+        if e.errno == errno.EIO and _terminal_gone(sys.stdout):
+            problem = "write the output: its terminal has gone"
+        elif e.errno == errno.EIO and _terminal_gone(sys.stdin):
+            problem = "read the input: its terminal has gone"
+        elif e.errno in OUTPUT_FULL:
+            problem = f"write the output: {e.strerror}"
+        else:
             raise  # anything else is not expected here: a traceback says where
-        what = "read the input" if gone == "input" else "write the output"
-        print(f"edgeinfer: error: cannot {what}: {'its terminal has gone' if gone else e.strerror}", file=sys.stderr)
+        print(f"edgeinfer: error: cannot {problem}", file=sys.stderr)
         _drop_stdout()  # what is still buffered would fail again at exit, with a traceback
         return 1
     finally:
