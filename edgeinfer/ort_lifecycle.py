@@ -11,7 +11,10 @@
    quit while a thread generated). At exit (`atexit`) the exiting thread is recorded, then the lock
    around session creation (`new_session`) and each engine's lock (held around every graph call)
    are taken and released, waiting up to EXIT_WAIT_S in all for a call in flight. From then on the
-   exiting thread (later atexit handlers, a __del__ at finalization) still loads and generates; any
+   exiting thread (later atexit handlers, a __del__ run by the final garbage collection) still loads
+   and generates (not a __del__ run as the modules are torn down, after that collection: imports
+   fail then, `sys.meta_path` being gone, and generating raises ImportError, even on a model that
+   generated before: a hostile round); any
    other thread is ended at its next call, under the lock and before ONNX Runtime (`check_thread`,
    which each graph call and session creation asks), by a SystemExit: its `finally` blocks run (a
    model's context it held is released), `except Exception` does not catch it, and threading

@@ -6,7 +6,8 @@ Every error is OpenAI-shaped ({"error": {"message", "type", "param", "code"}}) w
 400 bad request, 401 bad or missing key, 403 a web page's request without a key (a foreign Origin or Host),
 404 unknown route or model, 405, 408 body too slow, 413 body too large, 415 a compressed body,
 429 queue full (with Retry-After), 499 (logged and counted only) the client left, 503 shutting down or a background request (header
-x-edgeinfer-priority) the power plan refuses (with Retry-After), 500 a bug (logged, the server goes on).
+x-edgeinfer-priority) the power plan refuses (with Retry-After) or a process forked while the server was answering
+requests (`Server.forked`), 500 a bug (logged, the server goes on).
 
 Request path: a request that could not be admitted now is answered 429 before its body is read;
 the rest have their body read (at most max_body_bytes, `body.py`), its bytes counted as they arrive
@@ -31,6 +32,7 @@ import hmac
 import logging
 import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -73,9 +75,9 @@ class Server:
         self.created = int(time.time())
         self.scheduler = Scheduler(model, config.slots, config.queue)
         self.metrics = Metrics(self.scheduler, model.power)
-        self.pool = ThreadPoolExecutor(max_workers=config.slots + config.queue, thread_name_prefix="edgeinfer-job")
-        self.tokenize_pool = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="edgeinfer-tokenize")
+        self.pool, self.tokenize_pool = self._new_pools()
         self.draining = False
+        self.forked_busy = False  # `forked`: this process forked while other threads answered requests
         self.bodies = BodyBudget(config.body_budget_bytes)  # the bytes of bodies read, parsed or tokenized,
         # not yet admitted (`_generate`): a burst holds that many, not a body per client
         self.places = config.slots + config.queue
@@ -96,6 +98,23 @@ class Server:
         self.app.router.redirect_slashes = False  # Starlette's 307 for "/v1/completions/" has an empty body, which
         # clients that do not follow a POST's redirect show as a bare error: our 404 names the route instead
         self._paths = {r.path for r in routes if "{" not in r.path}
+        _SERVERS.add(self)
+
+    def _new_pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        return (ThreadPoolExecutor(max_workers=self.config.slots + self.config.queue, thread_name_prefix="edgeinfer-job"),
+                ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="edgeinfer-tokenize"))
+
+    def forked(self) -> None:
+        """In a child that fork() made (an app that builds the server and forks its workers, as a
+        prefork web server does): the pools' threads stayed in the parent, and an executor that has
+        run a job keeps that idle thread's place, so the child's first request waited for ever for a
+        thread that is not there (a hostile round); the child gets pools of its own. A server that
+        was answering requests in other threads at the fork (a slot taken, a request queued or being
+        read) holds slots and locks for threads the child lacks: every request but /health is then
+        refused with 503 `forked_busy` (build the server again in the child, or fork while it is idle)."""
+        self.pool, self.tokenize_pool = self._new_pools()
+        s = self.scheduler
+        self.forked_busy = bool(s.busy or s.waiting or s.jobs or self.preparing)
 
     # ---- plumbing -------------------------------------------------------------------------------
 
@@ -190,7 +209,8 @@ class Server:
 
     async def health(self, request: Request) -> Response:
         s, power = self.scheduler, self.model.power_state()
-        return JSON({"status": "draining" if self.draining else "closed" if self.model.closed else "ok",
+        return JSON({"status": "draining" if self.draining else "closed" if self.model.closed
+                     else "forked_busy" if self.forked_busy else "ok",
                      "model": self.model_id,
                      "provider": self.model.session.provider,  # the one ONNX Runtime really runs on
                      "slots_busy": s.busy, "slots_total": len(s.slots), "queue_depth": max(0, s.waiting),
@@ -362,7 +382,7 @@ def _loopback_url(url: str) -> bool:
 
 
 class _Gate:
-    """ASGI middleware in front of every route: 503 while draining, 401 without the key (except /health),
+    """ASGI middleware in front of every route: 503 while draining or forked busy, 401 without the key (except /health),
     403 for a web page's request to a server without a key (`Server.foreign_page`)."""
 
     def __init__(self, app, server: Server):
@@ -380,6 +400,10 @@ class _Gate:
         if self.server.draining and path != "/health":
             err = APIError(503, "the server is shutting down; retry on another instance or later",
                            type="server_error", code="shutting_down")
+        elif self.server.forked_busy and path != "/health":
+            err = APIError(503, "this process was forked while the server answered requests in threads it does not "
+                                "have: build the server again in this process, or fork while it is idle",
+                           type="server_error", code="forked_busy")
         elif path != "/health" and not self.server.authorized(Request(scope)):
             err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
@@ -413,6 +437,18 @@ class _Gate:
             self.server.log_refusal(scope.get("method", "-"), path, 500, "server_error")
             return await error_response(APIError(500, "internal server error", type="server_error"))(scope, receive,
                                                                                                       send)
+
+
+_SERVERS: "weakref.WeakSet[Server]" = weakref.WeakSet()  # the process's servers, for `Server.forked`
+
+
+def _after_fork_in_child() -> None:
+    for server in list(_SERVERS):
+        server.forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _origin_form(target):
