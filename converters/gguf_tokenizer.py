@@ -59,12 +59,12 @@ def tokenizer_json(meta: dict, name: str) -> str:
         raise ConvertError(f"{name} metadata: tokenizer.ggml.token_type of token {bad} is {types[bad]}, not a token "
                            "type (0 undefined, 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)")
     vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens):  # a normal token twice: a text would encode to one id, the other decode to ""
-        first: dict[str, int] = {}
-        for i, (t, ty) in enumerate(zip(tokens, types)):
-            if ty == 1 and t in first:
+    if len(vocab) != len(tokens):  # a text twice: it would encode to one id, and the other id have no token (it
+        first: dict[str, int] = {}  # decoded to "", a reply's logprobs naming it were a 500, and the vocabulary's
+        for i, (t, ty) in enumerate(zip(tokens, types)):  # last token lost its text; a control's: a hostile round)
+            if t in first and (t or ty == 1):  # (empty control or unused tokens: never encoded, decoded as "")
                 raise ConvertError(f"{name} metadata: the token {t!r:.60} is both id {first[t]} and id {i}")
-            first.setdefault(t, i) if ty == 1 else None
+            first.setdefault(t, i)
     if kind == "llama":
         scores = _numbers(meta, "tokenizer.ggml.scores", len(tokens), name)
         if scores is None:
@@ -148,17 +148,19 @@ def _flag(meta: dict, key: str, default: bool, name: str) -> bool:
 
 
 def _merges(merges, vocab: dict, name: str) -> list[tuple[str, str]]:
-    """`tokenizer.ggml.merges` ("a b" each) as pairs, every part and every result in the vocabulary."""
+    """`tokenizer.ggml.merges` ("a b" each) as pairs, every part and every result in the vocabulary; a
+    pair listed again keeps its first rank, as llama.cpp ranks it (the tokenizers library took the
+    last, so one repeated merge changed how a real vocabulary split text: a hostile round)."""
     if not isinstance(merges, list):
         raise ConvertError(f"{name} metadata: a gpt2 (BPE) vocabulary needs its merges (tokenizer.ggml.merges)")
-    pairs = []
+    pairs: dict[tuple[str, str], None] = {}
     for m in merges:
         parts = m.split(" ") if isinstance(m, str) else []
         if len(parts) != 2 or not all(p in vocab for p in parts) or parts[0] + parts[1] not in vocab:
             raise ConvertError(f"{name} metadata: merge {m!r} is not two tokens of the vocabulary that join into "
                                "a third")
-        pairs.append((parts[0], parts[1]))
-    return pairs
+        pairs.setdefault((parts[0], parts[1]))
+    return list(pairs)
 
 
 MAX_SPM_PIECE_CHARS = 256  # SentencePiece trains pieces of at most 16 characters by default (the flag caps it)
@@ -191,8 +193,19 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int], name: 
     return [(tokens[a], tokens[b]) for *_, a, b in found]
 
 
+# Tokens that end a generation by their text, whatever the metadata's ids say, as llama.cpp's vocabulary
+# loader has them (llama-vocab.cpp, as vendored by llama-cpp-python 0.3.36): a file whose EOS is
+# <|endoftext|> while its chat template ends each turn with <|im_end|> (an older Llama 3 Instruct's
+# <|end_of_text|> and <|eot_id|>) stops at the turn's end there, and its replies ran on here.
+END_OF_GENERATION_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+                           "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+                           "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+                           "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[")
+
+
 def tokenizer_info(meta: dict, name: str = "") -> TokenizerInfo:
-    """BOS/EOS, add_bos and the chat template from the GGUF metadata."""
+    """BOS/EOS, add_bos and the chat template from the GGUF metadata. The ids that end a generation:
+    EOS, then the EOT and EOM ids, then every token whose text is in END_OF_GENERATION_TEXTS."""
     name = name or "the GGUF"
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:  # (else "bos_token_id must be a token id below 0")
@@ -213,6 +226,7 @@ def tokenizer_info(meta: dict, name: str = "") -> TokenizerInfo:
         if not isinstance(template, str):
             raise ConvertError(f"{name} metadata: tokenizer.chat_template must be text, got {type(template).__name__}")
         _check_template(template, name)
+    eos += [i for i, t in enumerate(tokens) if t in END_OF_GENERATION_TEXTS]
     return TokenizerInfo(kind="hf_tokenizers", add_bos=add_bos and bos is not None, bos_token_id=bos,
                          eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
                          chat_template=template or None)

@@ -288,6 +288,37 @@ def test_a_normal_token_twice_in_the_vocabulary_is_refused(tmp_path):
         convert(src, tmp_path / "out")
 
 
+@pytest.mark.parametrize("types", [[1, 1, 1, 1, 3, 3], [1, 1, 1, 1, 4, 3], [1, 1, 1, 1, 6, 6]],
+                         ids=["control", "user_defined_and_control", "byte"])
+def test_any_text_two_ids_share_is_refused(types):
+    """Two control tokens of one text converted: the earlier id had no token (its logprobs a 500 in
+    the daemon) and the vocabulary's last token decoded to nothing (a hostile round)."""
+    meta = _bpe_meta(tokens=["a", "b", "ab", "c", "<x>", "<x>"], token_type=types)
+    with pytest.raises(ConvertError, match="the token '<x>' is both id 4 and id 5"):
+        tokenizer_json(meta, "x.gguf")
+
+
+def test_a_merge_listed_twice_keeps_its_first_rank_as_llama_cpp_does():
+    """The tokenizers library ranks a repeated merge by its last place: "abc" split as a|bc, where
+    llama.cpp (its first place) gives ab|c; one repeated merge changed SmolLM2's ids (a hostile round)."""
+    from tokenizers import Tokenizer
+
+    for merges, want in ((["a b", "b c"], ["ab", "c"]), (["a b", "b c", "a b"], ["ab", "c"]),
+                         (["b c", "a b"], ["a", "bc"]), (["b c", "a b", "b c"], ["a", "bc"])):
+        meta = _bpe_meta(tokens=["a", "b", "c", "ab", "bc"], token_type=[1] * 5, merges=merges)
+        assert Tokenizer.from_str(tokenizer_json(meta, "x.gguf")).encode("abc").tokens == want, merges
+
+
+def test_tokens_that_end_a_turn_by_their_text_end_a_generation_as_in_llama_cpp():
+    """A file whose EOS is <|endoftext|> and whose chat template ends turns with <|im_end|> (no EOT id):
+    llama.cpp stops at both, by their text; here the replies ran on to max_tokens (a hostile round)."""
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab", "c", "<|eot_id|>", "<|end|x"]
+    meta = _bpe_meta(tokens=tokens, token_type=[3, 3, 3, 1, 1, 1, 1, 1, 3], eos_token_id=0, bos_token_id=1)
+    assert tokenizer_info(meta).eos_token_ids == (0, 2, 7)  # EOS first (the template's eos_token), then the rest
+    meta["tokenizer.ggml.eot_token_id"] = 7
+    assert tokenizer_info(meta).eos_token_ids == (0, 7, 2)
+
+
 def test_a_metadata_key_given_twice_is_refused(tmp_path):
     """The second value silently won; llama.cpp's reader refuses such a file ("duplicate key")."""
     def kv(key: str, value: int) -> bytes:
