@@ -276,9 +276,13 @@ class GGUFCheckpoint:
         if attn_factor not in (None, 1, 1.0):  # llama.cpp scales RoPE's cos and sin by it (so q and k)
             raise ConvertError(f"{self.path.name} metadata: {arch}.rope.scaling.attn_factor {attn_factor!r:.40} "
                                "(RoPE scaled by a factor) is not supported")
-        if key("attention.causal", True) is not True:  # llama.cpp then attends both ways
-            raise ConvertError(f"{self.path.name} metadata: {arch}.attention.causal is {key('attention.causal')!r:.40}"
-                               ": non-causal attention (an embedding model) is not supported")
+        causal = key("attention.causal", True)
+        if not isinstance(causal, bool):  # (llama.cpp refuses another type too; 1 was called non-causal here)
+            raise ConvertError(f"{self.path.name} metadata: {arch}.attention.causal must be a boolean, got "
+                               f"{type(causal).__name__} {causal!r:.40}")
+        if causal is not True:  # llama.cpp then attends both ways
+            raise ConvertError(f"{self.path.name} metadata: {arch}.attention.causal is false: non-causal attention "
+                               "(an embedding model) is not supported")
         if key("attention.sliding_window"):
             cfg["use_sliding_window"] = True
         n_tokens = len(tokens) if isinstance(tokens, list) else 0

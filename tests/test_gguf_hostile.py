@@ -405,8 +405,9 @@ def test_a_rope_factor_is_read_as_llama_cpp_reads_it(tmp_path, fields):
 @pytest.mark.parametrize("fields,needle", [
     ({"llama.rope.scaling.attn_factor": (0.5, V.FLOAT32)}, "attn_factor"),  # llama.cpp scales q and k by it
     ({"llama.attention.causal": (False, V.BOOL)}, "non-causal"),  # llama.cpp attends both ways
+    ({"llama.attention.causal": (1, V.UINT32)}, "causal must be a boolean, got int 1"),  # (was called non-causal)
     ({"tokenizer.ggml.add_eos_token": (True, V.BOOL)}, "add_eos_token"),  # llama.cpp appends EOS to every prompt
-], ids=["attn_factor", "non_causal", "add_eos"])
+], ids=["attn_factor", "non_causal", "causal_int", "add_eos"])
 def test_metadata_that_changes_the_math_we_do_not_build_is_refused_by_name(tmp_path, fields, needle):
     with pytest.raises(ConvertError, match=needle):
         convert(_mutate(F32, tmp_path / "bad.gguf", fields), tmp_path / "out", quant="fp32")
