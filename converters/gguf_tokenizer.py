@@ -58,13 +58,14 @@ def tokenizer_json(meta: dict, name: str) -> str:
     if bad is not None:  # llama.cpp's LLAMA_TOKEN_TYPE_* (0 undefined ... 6 byte); -1 for all made no merges at all
         raise ConvertError(f"{name} metadata: tokenizer.ggml.token_type of token {bad} is {types[bad]}, not a token "
                            "type (0 undefined, 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)")
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp's name for an empty token
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):  # a text twice: it would encode to one id, and the other id have no token (it
         first: dict[str, int] = {}  # decoded to "", a reply's logprobs naming it were a 500, and the vocabulary's
-        for i, (t, ty) in enumerate(zip(tokens, types)):  # last token lost its text; a control's: a hostile round)
-            if t in first and (t or ty == 1):  # (empty control or unused tokens: never encoded, decoded as "")
+        for i, t in enumerate(tokens):  # last token lost its text: a hostile round; llama.cpp refuses it too)
+            if t in first:
                 raise ConvertError(f"{name} metadata: the token {t!r:.60} is both id {first[t]} and id {i}")
-            first.setdefault(t, i)
+            first[t] = i
     if kind == "llama":
         scores = _numbers(meta, "tokenizer.ggml.scores", len(tokens), name)
         if scores is None:
@@ -107,9 +108,9 @@ def tokenizer_json(meta: dict, name: str) -> str:
             raise
         raise ConvertError(f"{name}: the GGUF's vocabulary does not make a tokenizer ({e})") from None
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == CONTROL and t])
+                            for t, ty in zip(tokens, types) if ty == CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, ty in zip(tokens, types) if ty == USER_DEFINED and t])
+                    for t, ty in zip(tokens, types) if ty == USER_DEFINED])
     return tok.to_str()
 
 
@@ -201,11 +202,17 @@ END_OF_GENERATION_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", 
                            "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
                            "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
                            "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[")
+# Code-completion (fill-in-the-middle) separators llama.cpp also stops at: the id its key names, else
+# the token of one of these texts (Qwen2.5-Coder's <|file_sep|> between a repository's files)
+FIM_STOPS = {"tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+             "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+             "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",)}
 
 
 def tokenizer_info(meta: dict, name: str = "") -> TokenizerInfo:
-    """BOS/EOS, add_bos and the chat template from the GGUF metadata. The ids that end a generation:
-    EOS, then the EOT and EOM ids, then every token whose text is in END_OF_GENERATION_TEXTS."""
+    """BOS/EOS, add_bos and the chat template from the GGUF metadata. The ids that end a generation,
+    as llama.cpp's vocabulary loader finds them: EOS, then the EOT and EOM ids, the FIM_STOPS, and
+    every token whose text is in END_OF_GENERATION_TEXTS."""
     name = name or "the GGUF"
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:  # (else "bos_token_id must be a token id below 0")
@@ -226,6 +233,9 @@ def tokenizer_info(meta: dict, name: str = "") -> TokenizerInfo:
         if not isinstance(template, str):
             raise ConvertError(f"{name} metadata: tokenizer.chat_template must be text, got {type(template).__name__}")
         _check_template(template, name)
+    for key, texts in FIM_STOPS.items():
+        fim = _token_id(meta, key, n, name)
+        eos.append(fim if fim is not None else next((i for i, t in enumerate(tokens) if t in texts), None))
     eos += [i for i, t in enumerate(tokens) if t in END_OF_GENERATION_TEXTS]
     return TokenizerInfo(kind="hf_tokenizers", add_bos=add_bos and bos is not None, bos_token_id=bos,
                          eos_token_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),

@@ -24,8 +24,8 @@ A turn's new text is encoded as the whole rendering encodes it (`Tokenizer.encod
 conversation continued turn by turn feeds the ids that a fresh one renders from its messages, except
 where the template writes a reply with whitespace other than the model generated around it (the
 fallback template puts a space after "Assistant:" before a reply that began without one, "'s"), where
-the reply holds a special token that its text leaves out (SmolLM2's `<|endoftext|>`, not one of its
-EOS ids, mid-reply), and where the reply's text encodes back to other ids (a word the model spelled
+the reply holds a special token that its text leaves out and that ends no generation (SmolLM2's
+`<|im_start|>` mid-reply; a GGUF's conversion also stops at its `<|endoftext|>`), and where the reply's text encodes back to other ids (a word the model spelled
 in pieces): the cache keeps what was generated, as llama.cpp's server keeps a slot's tokens, and
 the turns after it may differ from a fresh conversation's.
 

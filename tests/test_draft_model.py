@@ -184,6 +184,15 @@ def test_set_draft_refusals(fp32, converted, tmp_path, monkeypatch):
     write_manifest(other, manifest)
     with pytest.raises(InvalidArgumentError, match="does not have this model's tokenizer"):
         m.set_draft(other)
+    # The same EOS first and more ids that end a generation: the same tokenizer (a GGUF's conversion of SmolLM2
+    # against its Hugging Face folder's, refused once the GGUF's stop set took <|endoftext|> too: a review)
+    more = tmp_path / "more-stops"
+    shutil.copytree(fp32, more, ignore=shutil.ignore_patterns(".edgeinfer-verified*"))
+    manifest["tokenizer"]["eos_token_ids"] = [2, 0]
+    write_manifest(more, manifest)
+    m.set_draft(more)
+    assert m.generate("Once", max_new_tokens=5, speculative="draft").usage.completion_tokens == 5
+    m.set_draft(None)
     from edgeinfer.cli import main  # a service unit for that pair is refused as its start would be (a docs round)
 
     assert main(["serve", "-m", str(fp32), "--port", "8080", "--speculative", "draft", "--draft-model", str(other),

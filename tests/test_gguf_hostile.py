@@ -298,6 +298,19 @@ def test_any_text_two_ids_share_is_refused(types):
         tokenizer_json(meta, "x.gguf")
 
 
+@pytest.mark.parametrize("types", [[1, 1, 1, 1, 3, 3, 1], [1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 5, 1]],
+                         ids=["control", "normal", "normal_and_unused"])
+def test_empty_tokens_are_named_as_llama_cpp_names_them_and_every_id_keeps_its_token(types):
+    """Two empty tokens: the earlier id had no token and the vocabulary's last lost its text (empty control
+    tokens), or the file was refused (empty normal ones), where llama.cpp names each [EMPTY_<id>] (a review)."""
+    from tokenizers import Tokenizer
+
+    tokens = ["a", "b", "ab", "c", "", "", "d"]
+    tok = Tokenizer.from_str(tokenizer_json(_bpe_meta(tokens=tokens, token_type=types), "x.gguf"))
+    assert [tok.id_to_token(i) for i in range(7)] == ["a", "b", "ab", "c", "[EMPTY_4]", "[EMPTY_5]", "d"]
+    assert tok.encode("abd").ids == [2, 6] and tok.decode([6]) == "d"
+
+
 def test_a_merge_listed_twice_keeps_its_first_rank_as_llama_cpp_does():
     """The tokenizers library ranks a repeated merge by its last place: "abc" split as a|bc, where
     llama.cpp (its first place) gives ab|c; one repeated merge changed SmolLM2's ids (a hostile round)."""
@@ -312,11 +325,13 @@ def test_a_merge_listed_twice_keeps_its_first_rank_as_llama_cpp_does():
 def test_tokens_that_end_a_turn_by_their_text_end_a_generation_as_in_llama_cpp():
     """A file whose EOS is <|endoftext|> and whose chat template ends turns with <|im_end|> (no EOT id):
     llama.cpp stops at both, by their text; here the replies ran on to max_tokens (a hostile round)."""
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab", "c", "<|eot_id|>", "<|end|x"]
-    meta = _bpe_meta(tokens=tokens, token_type=[3, 3, 3, 1, 1, 1, 1, 1, 3], eos_token_id=0, bos_token_id=1)
-    assert tokenizer_info(meta).eos_token_ids == (0, 2, 7)  # EOS first (the template's eos_token), then the rest
-    meta["tokenizer.ggml.eot_token_id"] = 7
-    assert tokenizer_info(meta).eos_token_ids == (0, 7, 2)
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab", "c", "<|eot_id|>", "<|end|x",
+              "<|file_sep|>", "<|fim_pad|>"]
+    meta = _bpe_meta(tokens=tokens, token_type=[3, 3, 3, 1, 1, 1, 1, 1, 3, 3, 3], eos_token_id=0, bos_token_id=1)
+    assert tokenizer_info(meta).eos_token_ids == (0, 10, 9, 2, 7)  # EOS first (the template's eos_token), the
+    meta["tokenizer.ggml.eot_token_id"] = 7  # fill-in-the-middle pad, repository and file separators, the texts
+    meta["tokenizer.ggml.fim_pad_token_id"] = 3  # a FIM key's id rather than its texts, as llama.cpp takes it
+    assert tokenizer_info(meta).eos_token_ids == (0, 7, 3, 9, 2)
 
 
 def test_a_metadata_key_given_twice_is_refused(tmp_path):
