@@ -40,6 +40,9 @@ class SoloStepper:
     def leave(self, cache: RingKVCache) -> None:
         pass
 
+    def after_fork_idle(self) -> None:
+        """In a forked child of a server that was idle: nothing to renew (no lock)."""
+
     def alone(self, cache: RingKVCache) -> bool:
         """Whether `cache` decodes on its own now (speculation may then run its own calls)."""
         return True
@@ -60,6 +63,11 @@ class DecodeBatcher:
     def join(self, cache: RingKVCache) -> None:
         with self._cond:
             self._joined.add(self._row[id(cache)])
+
+    def after_fork_idle(self) -> None:
+        """In a forked child of a server that was idle (no row decoding): a lock of its own, since
+        another thread of the parent may have held it at the fork, leaving a row (a review)."""
+        self._cond = threading.Condition()
 
     def leave(self, cache: RingKVCache) -> None:
         with self._cond:

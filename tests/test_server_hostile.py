@@ -168,7 +168,7 @@ def test_an_absolute_target_without_raw_path_keeps_its_path():
     async def app(scope, receive, send):
         seen.update(path=scope["path"], raw=scope["raw_path"])
 
-    server = type("S", (), {"draining": False, "authorized": lambda self, r: True,
+    server = type("S", (), {"draining": False, "forked_busy": False, "authorized": lambda self, r: True,
                             "config": type("C", (), {"api_key": KEY})()})()
     for scope in ({"path": "http://h/v1/chat/completions"},
                   {"path": "http://h/v1/chat/completions", "raw_path": b"http://h/v1/chat/completions"}):

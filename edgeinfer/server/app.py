@@ -108,13 +108,19 @@ class Server:
         """In a child that fork() made (an app that builds the server and forks its workers, as a
         prefork web server does): the pools' threads stayed in the parent, and an executor that has
         run a job keeps that idle thread's place, so the child's first request waited for ever for a
-        thread that is not there (a hostile round); the child gets pools of its own. A server that
-        was answering requests in other threads at the fork (a slot taken, a request queued or being
-        read) holds slots and locks for threads the child lacks: every request but /health is then
-        refused with 503 `forked_busy` (build the server again in the child, or fork while it is idle)."""
+        thread that is not there (a hostile round); the child gets pools of its own, and metrics of
+        its own (their locks: another thread may have held one at the fork; the counts start again,
+        as any new process's). A server that was answering requests in other threads at the fork (a
+        slot taken, a request queued, being tokenized, or its body being read) holds slots, locks and
+        body bytes for threads the child lacks: every request but /health is then refused with 503
+        `forked_busy` (build the server again in the child, or fork while it is idle); an idle one
+        renews the scheduler's locks (`Scheduler.after_fork_idle`)."""
         self.pool, self.tokenize_pool = self._new_pools()
+        self.metrics = Metrics(self.scheduler, self.model.power)
         s = self.scheduler
-        self.forked_busy = bool(s.busy or s.waiting or s.jobs or self.preparing)
+        self.forked_busy = bool(s.busy or s.waiting or s.jobs or self.preparing or self.bodies.held_bytes)
+        if not self.forked_busy:
+            s.after_fork_idle()
 
     # ---- plumbing -------------------------------------------------------------------------------
 

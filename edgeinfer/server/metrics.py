@@ -15,8 +15,8 @@ class Metrics:
         """power: the Model's PowerController (None: off): its readings and plan become gauges."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter("edgeinfer_requests", "completion requests answered (endpoint chat or completions), "
-                                "and requests the key, a draining server or a web page's origin turned away "
-                                "(endpoint other), by status", ["endpoint", "status"], registry=r)
+                                "and requests the key, a draining server, a web page's origin or a fork turned "
+                                "away (endpoint other), by status", ["endpoint", "status"], registry=r)
         self.ttft = Histogram("edgeinfer_time_to_first_token_seconds", "from request received to first token",
                               buckets=LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("edgeinfer_time_per_output_token_seconds", "decode time per generated token",

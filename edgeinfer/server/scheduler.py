@@ -157,6 +157,14 @@ class Scheduler:
         self.cancel_reason = "the request was cancelled"  # what a cancelled job's error says
         self.closed = False  # shutting down: admit refuses (set with in_flight read under one lock: `close`)
 
+    def after_fork_idle(self) -> None:
+        """In a forked child of a server with nothing in flight (`Server.forked`): locks of its own,
+        since another thread of the parent may have held one for a moment at the fork (a count read
+        as a request arrived, a finished job's last bookkeeping), and the child then hung at its
+        first request (a review)."""
+        self._cond = threading.Condition()
+        self.stepper.after_fork_idle()
+
     @property
     def busy(self) -> int:
         return len(self.slots) - len(self._free)
