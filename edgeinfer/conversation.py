@@ -25,9 +25,10 @@ conversation continued turn by turn feeds the ids that a fresh one renders from 
 where the template writes a reply with whitespace other than the model generated around it (the
 fallback template puts a space after "Assistant:" before a reply that began without one, "'s"), where
 the reply holds a special token that its text leaves out and that ends no generation (SmolLM2's
-`<|im_start|>` mid-reply; a GGUF's conversion also stops at its `<|endoftext|>`), and where the reply's text encodes back to other ids (a word the model spelled
-in pieces): the cache keeps what was generated, as llama.cpp's server keeps a slot's tokens, and
-the turns after it may differ from a fresh conversation's.
+`<|im_start|>` mid-reply; a GGUF's conversion also stops at its `<|endoftext|>`), and where the
+reply's text encodes back to other ids (a word the model spelled in pieces): the cache keeps what
+was generated, as llama.cpp's server keeps a slot's tokens, and the turns after it may differ from
+a fresh conversation's.
 
 A turn commits (history and bookkeeping updated) only when its generation finishes. A turn that is
 refused (ContextOverflowError under overflow="error", a bad option), fails, or is abandoned (its

@@ -388,8 +388,9 @@ def _loopback_url(url: str) -> bool:
 
 
 class _Gate:
-    """ASGI middleware in front of every route: 503 while draining or forked busy, 401 without the key (except /health),
-    403 for a web page's request to a server without a key (`Server.foreign_page`)."""
+    """ASGI middleware in front of every route: 503 while draining or forked busy (`Server.forked`),
+    401 without the key (except /health), 403 for a web page's request to a server without a key
+    (`Server.foreign_page`)."""
 
     def __init__(self, app, server: Server):
         self.app, self.server = app, server
