@@ -14,11 +14,10 @@
    exiting thread (later atexit handlers, a __del__ run by the final garbage collection) still loads
    and generates (not a __del__ run as the modules are torn down, after that collection: imports
    fail then, `sys.meta_path` being gone, and generating raises ImportError, even on a model that
-   generated before: a hostile round); any
-   other thread is ended at its next call, under the lock and before ONNX Runtime (`check_thread`,
-   which each graph call and session creation asks), by a SystemExit: its `finally` blocks run (a
-   model's context it held is released), `except Exception` does not catch it, and threading
-   reports nothing. Such threads were parked for good on the lock exit kept, which hung the process
+   generated before: a hostile round); any other thread is ended at its next call, under the lock
+   and before ONNX Runtime (`check_thread`, which each graph call and session creation asks), by a
+   SystemExit: its `finally` blocks run (a model's context it held is released), `except Exception`
+   does not catch it, and threading reports nothing. Such threads were parked for good on the lock exit kept, which hung the process
    for ever when an atexit handler that runs after ours (one registered before the first load)
    joined that thread or generated on a context it held (a hostile round).
    This makes such an abort rare, not impossible: a review saw 1-2 in 25 exits with four

@@ -278,9 +278,8 @@ class Tokenizer:
         Face folder's compare equal). The other ids that end a generation may differ: a GGUF's adds
         the tokens llama.cpp stops at by their text (SmolLM2's <|endoftext|>), its Hugging Face
         folder's does not, and a draft model's stop set is never used (a review)."""
-        first = lambda ids: tuple(ids)[:1]  # noqa: E731
-        if (self._n_vocab, self.bos_id, first(self.eos_ids), self.add_bos) != \
-                (other._n_vocab, other.bos_id, first(other.eos_ids), other.add_bos):
+        if (self._n_vocab, self.bos_id, tuple(self.eos_ids[:1]), self.add_bos) != \
+                (other._n_vocab, other.bos_id, tuple(other.eos_ids[:1]), other.add_bos):
             return False
         return all(self._token_string(i) == other._token_string(i) for i in range(self._n_vocab))
 
